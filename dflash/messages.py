@@ -1,0 +1,150 @@
+"""The typed items that travel on the DFlash training graph's channels.
+
+prefetch --Batch--> target[i] --TargetOutput--> postprocess --DrafterInput--> drafter
+--StepMetrics--> monitor
+
+Tensors stay tensors (no serialisation in-process); msgspec Structs are used for their cheap,
+typed, slotted records. Shapes use B = rows in the batch, T = tokens per row, H = target hidden
+size, k = number of captured target layers, A = anchors per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+
+class Batch(msgspec.Struct, kw_only=True):
+    """One training batch produced by ``prefetch``.
+
+    Attributes:
+        seq: position of this batch in this run's stream (0, 1, 2, ...); the ordered fan-in after
+            the target replicas restores this order.
+        batch_id: global index of the batch in the sampler's order (stable across resume).
+        epoch: data epoch the batch belongs to.
+        input_ids: ``[B, T]`` int64 token ids (pad id on padding).
+        loss_mask: ``[B, T]`` bool, True on tokens the drafter is trained to predict (assistant
+            tokens).
+        position_ids: ``[B, T]`` int64, restarting at 0 at each packed document.
+        doc_ids: ``[B, T]`` int32 document index within the row; -1 on padding. Attention and
+            anchors never cross a document boundary.
+        num_tokens: real (non-padding) tokens in the batch.
+        num_padding: padding tokens in the batch (computed but useless).
+        sampler_state: the sampler's state *after* this batch (restoring it resumes exactly at the
+            next batch).
+    """
+
+    seq: int
+    batch_id: int
+    epoch: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor
+    num_tokens: int
+    num_padding: int
+    sampler_state: dict[str, Any] = {}
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """Copy of this batch with every tensor moved to ``device``."""
+        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return msgspec.structs.replace(
+            self,
+            input_ids=mv(self.input_ids),
+            loss_mask=mv(self.loss_mask),
+            position_ids=mv(self.position_ids),
+            doc_ids=mv(self.doc_ids),
+        )
+
+    def pin_memory(self) -> "Batch":
+        """Copy of this batch with every tensor in page-locked host memory (for async H2D)."""
+        return msgspec.structs.replace(
+            self,
+            input_ids=self.input_ids.pin_memory(),
+            loss_mask=self.loss_mask.pin_memory(),
+            position_ids=self.position_ids.pin_memory(),
+            doc_ids=self.doc_ids.pin_memory(),
+        )
+
+
+class TargetOutput(msgspec.Struct, kw_only=True):
+    """What one target replica produced for one batch.
+
+    Attributes:
+        batch: the input batch (on the target's device).
+        layer_hidden: ``[B, T, k*H]`` outputs of the captured target layers, concatenated per token
+            (target dtype: bf16 on GPU, fp32 on CPU).
+        final_hidden: ``[B, T, H]`` final post-norm hidden state, or None when the loss needs no
+            target logits (hard labels from the data, ``kl_weight == 0``).
+        replica: index of the target replica that produced it.
+        target_s: seconds the target forward took (host-side, for monitoring).
+    """
+
+    batch: Batch
+    layer_hidden: torch.Tensor
+    final_hidden: torch.Tensor | None
+    replica: int
+    target_s: float = 0.0
+
+
+class DrafterInput(msgspec.Struct, kw_only=True):
+    """A batch made ready for the drafter by ``postprocess`` (on the drafter's device).
+
+    Attributes:
+        batch: the input batch.
+        features: ``[B, T, k*H]`` target features (optionally with feature noise added).
+        final_hidden: ``[B, T, H]`` or None (see :class:`TargetOutput`).
+        anchors: ``[B, A]`` int64 anchor positions, -1 in unused slots.
+        replica: the target replica that produced the features.
+        target_s: seconds the target forward took.
+    """
+
+    batch: Batch
+    features: torch.Tensor
+    final_hidden: torch.Tensor | None
+    anchors: torch.Tensor
+    replica: int
+    target_s: float = 0.0
+
+
+class StepMetrics(msgspec.Struct, kw_only=True):
+    """What the drafter reports to the monitor after each optimizer step (or skipped step).
+
+    Attributes:
+        step: drafter optimizer step this record belongs to (1-based; the step counter after it).
+        batch_id: global id of the batch trained on.
+        loss, ce, kl: total loss and its parts (nan for a skipped step).
+        acc_per_pos: accuracy per block position 1..block_size-1 (fraction, length block_size-1).
+        tau_sim: simulated accepted length ``sum_j prod_{i<=j} acc_i`` (+1 for the bonus token is
+            *not* included; see dflash.metrics).
+        lr: learning rate used for the step.
+        grad_norm: global L2 gradient norm before clipping.
+        skipped: True when the step was skipped (non-finite loss or gradient).
+        skip_reason: why it was skipped.
+        num_tokens: real tokens in the batch (target side).
+        num_padding: padding tokens in the batch.
+        num_blocks: training blocks (anchors) used.
+        step_s: seconds the drafter step took.
+        target_s: seconds the target forward took for this batch.
+        time: unix time when the step finished.
+    """
+
+    step: int
+    batch_id: int
+    loss: float
+    ce: float
+    kl: float
+    acc_per_pos: list[float]
+    tau_sim: float
+    lr: float
+    grad_norm: float
+    skipped: bool = False
+    skip_reason: str | None = None
+    num_tokens: int = 0
+    num_padding: int = 0
+    num_blocks: int = 0
+    step_s: float = 0.0
+    target_s: float = 0.0
+    time: float = 0.0
