@@ -1,0 +1,397 @@
+"""Backpressure analysis of a csp run: read ``RUN_DIR/csp/stats.jsonl``, summarise, find the bottleneck.
+
+The stats log (format in ``docs/architecture.md``) holds a header with the graph, then periodic
+snapshots of cumulative counters (:class:`csp.stats.ChannelStatistics`,
+:class:`csp.stats.ProcessStatistics`), then a final record. Every number here is a difference of
+two records (the *baseline*, by default the run start where all counters are 0, and the latest
+record) divided by the elapsed seconds between them, so a finished run and a live one (``--follow``)
+are analysed the same way, and ``window_s`` restricts the analysis to the last seconds of a run.
+
+Normalisation (all fractions are in [0, 1]):
+
+* channel ``send_blocked_frac`` = (send-blocked seconds) / (elapsed seconds x number of send ends),
+  ``receive_wait_frac`` likewise with the receive ends. The number of ends is the sum of the
+  replicas of the processes that write (read) the channel in the graph header, so 0.5 means "an
+  average sender replica spent half of the wall time blocked on this channel".
+* process fractions are seconds / alive seconds (``busy_s + wait_input_s + blocked_output_s``), so
+  busy + waiting + blocked = 1 for every replica that has run at all, and a replica that finished
+  early is not diluted by the time after it finished. Aggregates per process name sum the seconds
+  of its replicas before dividing.
+* ``fill_avg`` is the mean of the sampled ``current_fill`` values in the window (samples are
+  evenly spaced, one per ``stats_interval_s``).
+
+The bottleneck rule (:func:`find_bottleneck`): in a pipeline of bounded channels at steady state
+the slowest stage is busy nearly all the time, the stages upstream of it are blocked on output
+(its input channels are full) and the stages downstream wait for input (its output channels are
+empty). Each process name ``P`` gets the score ``mean(busy, up, down)`` where ``busy`` is the
+largest busy fraction among its replicas, ``up`` the largest ``send_blocked_frac`` of its input
+channels (omitted for a source) and ``down`` the largest ``receive_wait_frac`` of its output
+channels (omitted for a sink). The highest score wins. So a slow source (everyone downstream
+waits) and a slow sink (everyone upstream blocked) are judged on the evidence they have. Within
+the winner, a replica whose busy fraction exceeds its siblings' median by 0.25, or whose output
+rate is below half of theirs, is named as the slow replica (``target[2]``). If the best stage is
+busy less than half the time, no stage is clearly the bottleneck and the verdict says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from csp.stats import ChannelStatistics, ProcessStatistics
+
+BUSY_FLOOR = 0.5  # below this busy fraction no stage is called the bottleneck
+REPLICA_BUSY_MARGIN = 0.25  # a replica this much busier than its siblings' median is "the slow one"
+REPLICA_RATE_RATIO = 0.5  # ... or one whose items_out rate is below this fraction of theirs
+
+
+class StatsFormatError(ValueError):
+    """A stats.jsonl line is not in the documented format; the message names the file and line."""
+
+
+class ChannelInfo(msgspec.Struct, frozen=True):
+    name: str
+    capacity: int
+    ordered: bool = False
+
+
+class ProcessInfo(msgspec.Struct, frozen=True):
+    name: str
+    replicas: int = 1
+    inputs: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+
+
+class GraphInfo(msgspec.Struct, frozen=True):
+    channels: list[ChannelInfo] = []
+    processes: list[ProcessInfo] = []
+
+    def writers(self, channel: str) -> list[ProcessInfo]:
+        """Processes with an output port on ``channel``."""
+        return [p for p in self.processes if channel in p.outputs.values()]
+
+    def readers(self, channel: str) -> list[ProcessInfo]:
+        """Processes with an input port on ``channel``."""
+        return [p for p in self.processes if channel in p.inputs.values()]
+
+
+class _Header(msgspec.Struct):
+    t0: float
+    graph: GraphInfo
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """One snapshot (or the final record): cumulative counters at ``t`` seconds after the start."""
+
+    t: float
+    channels: dict[str, ChannelStatistics]
+    processes: dict[str, ProcessStatistics]
+    status: str | None = None
+    exit_code: int | None = None
+
+
+class StatsLog:
+    """The records of one stats.jsonl, built incrementally (``feed``) so ``--follow`` can tail it.
+
+    Attributes:
+        t0: unix time of the run start (0.0 until the header is read).
+        graph: the graph from the header.
+        samples: snapshots in file order, the final record last.
+        final: the final record, or None while the run is live (or if it crashed).
+        truncated_tail: True when the file ended in half a line (the writer died mid-write).
+    """
+
+    def __init__(self, source: str = "stats.jsonl") -> None:
+        self.source = source
+        self.t0 = 0.0
+        self.graph = GraphInfo()
+        self.samples: list[Sample] = []
+        self.final: Sample | None = None
+        self.truncated_tail = False
+        self._pending = ""
+        self._line = 0
+
+    def feed(self, text: str) -> int:
+        """Parse the complete lines of ``text`` (a trailing partial line is kept for the next call).
+
+        Returns: the number of records added. Raises: StatsFormatError on a malformed line.
+        """
+        text = self._pending + text
+        lines = text.split("\n")
+        self._pending = lines.pop()  # "" when text ended with a newline
+        added = 0
+        for line in lines:
+            self._line += 1
+            if line.strip():
+                added += self._add(line)
+        return added
+
+    def _add(self, line: str) -> int:
+        where = f"{self.source}:{self._line}"
+        try:
+            raw: Any = msgspec.json.decode(line)
+            kind = raw.get("kind") if isinstance(raw, dict) else None
+            if kind == "header":
+                header = msgspec.convert(raw, _Header)
+                self.t0, self.graph = header.t0, header.graph
+                return 1
+            if kind in ("snapshot", "final"):
+                sample = msgspec.convert(raw, Sample)
+                self.samples.append(sample)
+                if kind == "final":
+                    self.final = sample
+                return 1
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise StatsFormatError(f"{where}: {e} (see docs/architecture.md, stats.jsonl)") from e
+        return 0  # unknown kinds are skipped: newer writers may add records
+
+
+def read_stats(path: str | Path) -> StatsLog:
+    """Read a whole stats log; ``path`` is the file or a run directory (``RUN_DIR/csp/stats.jsonl``).
+
+    Raises: FileNotFoundError naming the expected path; StatsFormatError on a malformed line.
+    """
+    path = stats_path(path)
+    log = StatsLog(str(path))
+    log.feed(path.read_text())
+    if log._pending.strip():  # no newline at the end: a complete record, or a crashed writer's half
+        try:
+            log.feed("\n")
+        except StatsFormatError:
+            log.truncated_tail = True
+    return log
+
+
+def stats_path(path: str | Path) -> Path:
+    """``path`` itself if it is a file, else ``path/csp/stats.jsonl`` (FileNotFoundError if absent)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    candidate = path / "csp" / "stats.jsonl"
+    if not candidate.exists():
+        raise FileNotFoundError(f"no stats log at {candidate}: is {path} a csp run directory?")
+    return candidate
+
+
+class ChannelSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One channel over the analysed window. Fractions in [0, 1]; rates per second of wall time."""
+
+    name: str
+    capacity: int
+    writers: list[str]
+    readers: list[str]
+    fill_now: int
+    fill_avg: float
+    fill_peak: int
+    send_blocked_frac: float
+    receive_wait_frac: float
+    items_per_s: float
+    bytes_per_s: float
+
+
+class ReplicaSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """One process replica over the window; the three fractions sum to 1 (0 if never alive)."""
+
+    qualname: str
+    name: str
+    replica: int
+    state: str
+    alive_s: float
+    busy_frac: float
+    wait_input_frac: float
+    blocked_output_frac: float
+    items_in_per_s: float
+    items_out_per_s: float
+
+
+class ProcessSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """A process name: its replicas' seconds summed, then divided by their summed alive seconds."""
+
+    name: str
+    replicas: list[ReplicaSummary]
+    busy_frac: float
+    wait_input_frac: float
+    blocked_output_frac: float
+    items_in_per_s: float
+    items_out_per_s: float
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """``text`` starts with ``bottleneck:``; ``stage`` is None when no stage is clearly the cause."""
+
+    text: str
+    stage: str | None = None
+    replica: str | None = None
+    score: float = 0.0
+
+
+class Summary(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``python -m csp.inspect`` shows; encodes to JSON with ``msgspec.json.encode``."""
+
+    t_start: float
+    t_end: float
+    elapsed_s: float
+    samples: int
+    status: str | None
+    exit_code: int | None
+    channels: list[ChannelSummary]
+    processes: list[ProcessSummary]
+    verdict: Verdict
+
+
+def _frac(num: float, den: float) -> float:
+    return min(max(num / den, 0.0), 1.0) if den > 0 else 0.0
+
+
+def _ends(procs: list[ProcessInfo]) -> int:
+    return sum(p.replicas for p in procs)
+
+
+def summarize(log: StatsLog, window_s: float | None = None) -> Summary:
+    """Summarise ``log`` from its start (or the last ``window_s`` seconds) to its latest record."""
+    if not log.samples:
+        return Summary(t_start=0.0, t_end=0.0, elapsed_s=0.0, samples=0, status=None,
+                       exit_code=None, channels=[], processes=[],
+                       verdict=Verdict(text="bottleneck: unknown (no stats snapshot yet)"))
+    end = log.samples[-1]
+    base: Sample | None = None
+    if window_s is not None:
+        older = [s for s in log.samples if s.t <= end.t - window_s]
+        base = older[-1] if older else None
+    t_start = base.t if base else 0.0
+    window = [s for s in log.samples if s.t > t_start]
+    dt = end.t - t_start
+    graph = log.graph
+
+    channels = []
+    names = [c.name for c in graph.channels] + sorted(set(end.channels) - {c.name for c in graph.channels})
+    capacities = {c.name: c.capacity for c in graph.channels}
+    for name in names:
+        now = end.channels.get(name)
+        if now is None:
+            continue
+        b = base.channels.get(name) if base else None
+        writers, readers = graph.writers(name), graph.readers(name)
+        n_send = _ends(writers) or max(s.channels[name].open_send_ends for s in window if name in s.channels) or 1
+        n_recv = _ends(readers) or max(s.channels[name].open_receive_ends for s in window if name in s.channels) or 1
+        fills = [s.channels[name].current_fill for s in window if name in s.channels]
+        channels.append(ChannelSummary(
+            name=name, capacity=capacities.get(name, now.capacity),
+            writers=[p.name for p in writers], readers=[p.name for p in readers],
+            fill_now=now.current_fill,
+            fill_avg=sum(fills) / len(fills),
+            fill_peak=now.peak_fill if base is None else max(fills),
+            send_blocked_frac=_frac(now.send_blocked_s - (b.send_blocked_s if b else 0.0), dt * n_send),
+            receive_wait_frac=_frac(now.receive_wait_s - (b.receive_wait_s if b else 0.0), dt * n_recv),
+            items_per_s=(now.items_moved - (b.items_moved if b else 0)) / dt if dt > 0 else 0.0,
+            bytes_per_s=(now.bytes_moved - (b.bytes_moved if b else 0)) / dt if dt > 0 else 0.0,
+        ))
+
+    order = [p.name for p in graph.processes]
+    by_name: dict[str, list[ReplicaSummary]] = {}
+    for qualname, now in sorted(end.processes.items(), key=lambda kv: (kv[1].name, kv[1].replica)):
+        b = base.processes.get(qualname) if base else None
+        busy = now.busy_s - (b.busy_s if b else 0.0)
+        wait = now.wait_input_s - (b.wait_input_s if b else 0.0)
+        blocked = now.blocked_output_s - (b.blocked_output_s if b else 0.0)
+        alive = busy + wait + blocked
+        by_name.setdefault(now.name, []).append(ReplicaSummary(
+            qualname=qualname, name=now.name, replica=now.replica, state=now.state, alive_s=alive,
+            busy_frac=_frac(busy, alive), wait_input_frac=_frac(wait, alive),
+            blocked_output_frac=_frac(blocked, alive),
+            items_in_per_s=(now.items_in - (b.items_in if b else 0)) / dt if dt > 0 else 0.0,
+            items_out_per_s=(now.items_out - (b.items_out if b else 0)) / dt if dt > 0 else 0.0,
+        ))
+    processes = []
+    for name in sorted(by_name, key=lambda n: (order.index(n) if n in order else len(order), n)):
+        reps = by_name[name]
+        alive = sum(r.alive_s for r in reps)
+        processes.append(ProcessSummary(
+            name=name, replicas=reps,
+            busy_frac=_frac(sum(r.busy_frac * r.alive_s for r in reps), alive),
+            wait_input_frac=_frac(sum(r.wait_input_frac * r.alive_s for r in reps), alive),
+            blocked_output_frac=_frac(sum(r.blocked_output_frac * r.alive_s for r in reps), alive),
+            items_in_per_s=sum(r.items_in_per_s for r in reps),
+            items_out_per_s=sum(r.items_out_per_s for r in reps),
+        ))
+    summary = Summary(t_start=t_start, t_end=end.t, elapsed_s=dt, samples=len(window),
+                      status=end.status, exit_code=end.exit_code, channels=channels,
+                      processes=processes, verdict=Verdict(text=""))
+    return msgspec.structs.replace(summary, verdict=find_bottleneck(summary, graph))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _slow_replica(proc: ProcessSummary) -> tuple[ReplicaSummary, str] | None:
+    """The replica of ``proc`` that stands out as slower than its siblings, with the reason."""
+    if len(proc.replicas) < 2:
+        return None
+    for rep in sorted(proc.replicas, key=lambda r: -r.busy_frac):
+        others = [r for r in proc.replicas if r is not rep]
+        busy_med = statistics.median(r.busy_frac for r in others)
+        if rep.busy_frac - busy_med >= REPLICA_BUSY_MARGIN:
+            blocked_med = statistics.median(r.blocked_output_frac for r in others)
+            why = f"busy {_pct(rep.busy_frac)} vs {_pct(busy_med)} median of {len(others)} siblings"
+            if blocked_med >= REPLICA_BUSY_MARGIN:
+                why += f", which are blocked {_pct(blocked_med)} on output"
+            return rep, why
+    for rep in sorted(proc.replicas, key=lambda r: r.items_out_per_s):
+        others = [r for r in proc.replicas if r is not rep]
+        rate_med = statistics.median(r.items_out_per_s for r in others)
+        if rate_med > 0 and rep.items_out_per_s < REPLICA_RATE_RATIO * rate_med:
+            return rep, (f"{rep.items_out_per_s:.3g} items/s out vs {rate_med:.3g} median of "
+                         f"{len(others)} siblings")
+    return None
+
+
+def find_bottleneck(summary: Summary, graph: GraphInfo) -> Verdict:
+    """Apply the bottleneck rule of the module docstring to ``summary``; never raises."""
+    procs = {p.name: p for p in summary.processes}
+    chans = {c.name: c for c in summary.channels}
+    if not procs:
+        return Verdict(text="bottleneck: unknown (no process statistics yet)")
+    infos = {p.name: p for p in graph.processes}
+    scored = []
+    for name, proc in procs.items():
+        info = infos.get(name)
+        ins = [chans[c] for c in (info.inputs.values() if info else ()) if c in chans]
+        outs = [chans[c] for c in (info.outputs.values() if info else ()) if c in chans]
+        busy = max(r.busy_frac for r in proc.replicas)
+        up = max(ins, key=lambda c: c.send_blocked_frac, default=None)
+        down = max(outs, key=lambda c: c.receive_wait_frac, default=None)
+        evidence = [busy] + ([up.send_blocked_frac] if up else []) + ([down.receive_wait_frac] if down else [])
+        scored.append((sum(evidence) / len(evidence), busy, name, up, down))
+    scored.sort(key=lambda s: (-s[0], s[2]))
+    score, busy, name, up, down = scored[0]
+    if busy < BUSY_FLOOR:
+        busiest = max(scored, key=lambda s: s[1])
+        return Verdict(text=f"bottleneck: none clear (busiest stage {busiest[2]} is busy only "
+                            f"{_pct(busiest[1])}; time goes to waiting)", score=score)
+    parts = []
+    stage, replica = name, None
+    slow = _slow_replica(procs[name])
+    if slow:
+        replica = slow[0].qualname
+        parts.append(f"slow replica of {name}: {slow[1]}")
+    else:
+        parts.append(f"busy {_pct(procs[name].busy_frac)}")
+    if down:
+        parts.append(f"{'+'.join(down.readers) or '?'} waits {_pct(down.receive_wait_frac)} on '{down.name}'")
+    if up:
+        parts.append(f"{'+'.join(up.writers) or '?'} blocked {_pct(up.send_blocked_frac)} on '{up.name}'")
+    if len(scored) > 1 and scored[1][0] >= score - 0.05 and scored[1][1] >= BUSY_FLOOR:
+        parts.append(f"{scored[1][2]} close behind")
+    return Verdict(text=f"bottleneck: {replica or stage} ({'; '.join(parts)})",
+                   stage=stage, replica=replica, score=score)
+
+
+__all__ = [
+    "ChannelInfo", "ChannelSummary", "GraphInfo", "ProcessInfo", "ProcessSummary", "ReplicaSummary",
+    "Sample", "StatsFormatError", "StatsLog", "Summary", "Verdict", "find_bottleneck", "read_stats",
+    "stats_path", "summarize",
+]

@@ -1,0 +1,201 @@
+"""``python -m csp.inspect RUN_DIR``: where is the backpressure, and which stage is the bottleneck?
+
+Reads ``RUN_DIR/csp/stats.jsonl`` (or a stats file given directly) and prints, per channel, its fill
+(now, average, peak against capacity), how much of the time its senders were blocked and its
+receivers waited, and its items/s and bytes/s; per process replica and per process name, the
+fraction of alive time spent busy, waiting for input and blocked on output; and a one-line verdict
+starting with ``bottleneck:``. How each number is normalised, and the bottleneck rule, are in
+:mod:`csp.backpressure`.
+
+Usage::
+
+    python -m csp.inspect RUN_DIR                 # a finished (or crashed) run: the whole log
+    python -m csp.inspect RUN_DIR --window 30     # only the last 30 s of the log
+    python -m csp.inspect RUN_DIR --follow        # a live run: refresh until the final record
+    python -m csp.inspect RUN_DIR --json          # one JSON object (JSON lines with --follow)
+
+On a terminal the report is a rich table (a rich Live view with ``--follow``); when stdout is not a
+terminal it is plain text, and ``--follow`` prints one verdict line per refresh, then the report.
+Exit status: 0, or 2 when the stats log is missing or malformed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+import msgspec
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from csp.backpressure import StatsFormatError, StatsLog, Summary, read_stats, stats_path, summarize
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.3g} {unit}/s"
+        n /= 1000
+    return f"{n:.3g} TB/s"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _header_line(summary: Summary, source: str) -> str:
+    status = "live (no final record)" if summary.status is None else summary.status
+    if summary.exit_code is not None:
+        status += f" (exit {summary.exit_code})"
+    return (f"{source}: {status}; window {summary.t_start:.1f}-{summary.t_end:.1f} s "
+            f"({summary.samples} samples)")
+
+
+def _channel_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
+    head = ["channel", "capacity", "fill now", "fill avg", "fill peak", "send blocked",
+            "recv waiting", "items/s", "bytes/s"]
+    rows = [[c.name, str(c.capacity), str(c.fill_now), f"{c.fill_avg:.1f}", str(c.fill_peak),
+             _pct(c.send_blocked_frac), _pct(c.receive_wait_frac), f"{c.items_per_s:.3g}",
+             _bytes(c.bytes_per_s)] for c in summary.channels]
+    return head, rows
+
+
+def _process_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
+    head = ["process", "state", "busy", "waiting input", "blocked output", "in/s", "out/s"]
+    rows = []
+    for p in summary.processes:
+        states = sorted({r.state for r in p.replicas})
+        label = p.name if len(p.replicas) == 1 else f"{p.name} (all {len(p.replicas)})"
+        rows.append([label, ",".join(states), _pct(p.busy_frac), _pct(p.wait_input_frac),
+                     _pct(p.blocked_output_frac), f"{p.items_in_per_s:.3g}",
+                     f"{p.items_out_per_s:.3g}"])
+        if len(p.replicas) > 1:
+            rows += [[f"  {r.qualname}", r.state, _pct(r.busy_frac), _pct(r.wait_input_frac),
+                      _pct(r.blocked_output_frac), f"{r.items_in_per_s:.3g}",
+                      f"{r.items_out_per_s:.3g}"] for r in p.replicas]
+    return head, rows
+
+
+def _plain_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells: "  ".join(  # noqa: E731  (first column left-aligned, numbers right)
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "\n".join([fmt(head)] + [fmt(r) for r in rows])
+
+
+def render_plain(summary: Summary, source: str = "run") -> str:
+    """The report as plain text (what a non-terminal gets)."""
+    parts = [_header_line(summary, source), summary.verdict.text]
+    if summary.channels:
+        parts += ["", _plain_table(*_channel_rows(summary))]
+    if summary.processes:
+        parts += ["", _plain_table(*_process_rows(summary))]
+    return "\n".join(parts) + "\n"
+
+
+def render_rich(summary: Summary, source: str = "run") -> Group:
+    """The report as rich renderables (tables with the verdict on top)."""
+    items: list = [Text(_header_line(summary, source), style="dim"),
+                   Text(summary.verdict.text, style="bold yellow" if summary.verdict.stage else "bold")]
+    for (head, rows), title in ((_channel_rows(summary), "channels"),
+                                (_process_rows(summary), "processes")):
+        if not rows:
+            continue
+        table = Table(title=title, title_justify="left")
+        for i, h in enumerate(head):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row, style="dim" if row[0].startswith("  ") else None)
+        items.append(table)
+    return Group(*items)
+
+
+def report(run: str | Path, *, window_s: float | None = None) -> Summary:
+    """The summary of a run directory or stats file (see :func:`csp.backpressure.summarize`)."""
+    return summarize(read_stats(run), window_s)
+
+
+def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = None,
+           console: Console | None = None, as_json: bool = False,
+           sleep: Callable[[float], None] = time.sleep, out: TextIO | None = None) -> Summary:
+    """Tail a live run's stats log and show the report every ``interval`` seconds.
+
+    Waits for the file to appear, stops after the final record (or on KeyboardInterrupt) and
+    returns the last summary. ``sleep`` is injectable for tests.
+    """
+    out = out or sys.stdout
+    console = console or Console(file=out)
+    path = Path(run)
+    while True:
+        try:
+            path = stats_path(run)
+            break
+        except FileNotFoundError:
+            sleep(interval)
+    log = StatsLog(str(path))
+    summary = summarize(log, window_s)
+    live = Live(console=console, auto_refresh=False) if console.is_terminal and not as_json else None
+    try:
+        if live:
+            live.start()
+        with open(path) as f:
+            while True:
+                added = log.feed(f.read())
+                if added:
+                    summary = summarize(log, window_s)
+                    if as_json:
+                        out.write(msgspec.json.encode(summary).decode() + "\n")
+                        out.flush()
+                    elif live:
+                        live.update(render_rich(summary, str(run)), refresh=True)
+                    else:
+                        out.write(f"[t={summary.t_end:.1f}s] {summary.verdict.text}\n")
+                        out.flush()
+                if log.final is not None:
+                    break
+                sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live:
+            live.stop()
+    if not as_json and not live:
+        out.write(render_plain(summary, str(run)))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m csp.inspect", description=__doc__.split("\n")[0])
+    parser.add_argument("run", help="run directory (with csp/stats.jsonl) or a stats.jsonl file")
+    parser.add_argument("--follow", "-f", action="store_true", help="tail a live run")
+    parser.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds")
+    parser.add_argument("--window", type=float, default=None,
+                        help="analyse only the last WINDOW seconds of the log (default: all)")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    args = parser.parse_args(argv)
+    console = Console()
+    try:
+        if args.follow:
+            follow(args.run, interval=args.interval, window_s=args.window, console=console,
+                   as_json=args.json)
+            return 0
+        summary = report(args.run, window_s=args.window)
+    except (FileNotFoundError, StatsFormatError) as e:
+        print(f"csp.inspect: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
+    elif console.is_terminal:
+        console.print(render_rich(summary, args.run))
+    else:
+        sys.stdout.write(render_plain(summary, args.run))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
