@@ -1,0 +1,264 @@
+"""``python -m dflash.logs RUN_DIR``: what happened in a training run, from its files alone.
+
+Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/checkpoints/`` (formats in ``docs/architecture.md``)
+and reports:
+
+* **Loss spikes.** Train record ``i`` is a spike when, with ``m`` the median and ``MAD`` the median
+  absolute deviation of the finite losses of the previous ``window`` train records (at least
+  ``min_history`` of them), ``loss_i > m + k * max(1.4826 * MAD, rel_floor * |m|)``. The factor
+  1.4826 makes the MAD estimate a standard deviation for normal noise (Hampel's identifier; see
+  Rousseeuw & Croux 1993); the floor keeps a perfectly flat loss from flagging noise. A non-finite
+  loss in a train record is always reported. Defaults: window 20, k 5, floor 1 %.
+* **Skipped steps**: every ``skip`` record (step, batch id, reason), and a warning when the last
+  train record's ``skipped_total`` disagrees with the number of skip records.
+* **Gaps in logging**: consecutive train records further apart in time than ``gap_factor`` (3) x
+  the median interval. The cause is a checkpoint whose write ``[time - save_s, time]`` overlaps the
+  gap, a ``resume`` or ``start`` record inside it, else ``stall``.
+* **Checkpoints** with their health: every ``checkpoints/*`` directory; ``meta.json`` gives step,
+  loss and ``healthy``; a directory without ``meta.json`` (including a leftover ``.tmp-*``) is
+  incomplete. The newest complete healthy one is what ``resume = "auto"`` would pick.
+
+Plain text by default; ``--json`` prints one JSON object for scripts. Exit status 2 when
+``RUN_DIR/metrics.jsonl`` is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+MAD_TO_STD = 1.4826
+
+
+class Spike(msgspec.Struct, frozen=True):
+    step: int
+    loss: float
+    median: float
+    threshold: float
+
+
+class Skip(msgspec.Struct, frozen=True):
+    step: int
+    batch_id: int | None
+    reason: str
+
+
+class Gap(msgspec.Struct, frozen=True):
+    after_step: int
+    before_step: int
+    seconds: float
+    typical_s: float
+    cause: str
+
+
+class CheckpointInfo(msgspec.Struct, frozen=True):
+    name: str
+    complete: bool
+    step: int | None = None
+    loss: float | None = None
+    healthy: bool | None = None
+    save_s: float | None = None
+    auto_resume: bool = False
+
+
+class LogReport(msgspec.Struct, frozen=True, kw_only=True):
+    run_dir: str
+    counts: dict[str, int]
+    bad_lines: int
+    last_step: int | None
+    end_status: str | None
+    skipped_total: int | None
+    spikes: list[Spike]
+    skips: list[Skip]
+    gaps: list[Gap]
+    checkpoints: list[CheckpointInfo]
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a metrics.jsonl and the count of lines that are not JSON objects (a crashed
+    writer's half line). Raises FileNotFoundError."""
+    records, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            bad += 1
+            continue
+        if isinstance(rec, dict) and "kind" in rec:
+            records.append(rec)
+        else:
+            bad += 1
+    return records, bad
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0,
+                rel_floor: float = 0.01, min_history: int = 5) -> list[Spike]:
+    """Loss spikes among ``train`` records (in file order) by the rule in the module docstring."""
+    spikes, history = [], []
+    for rec in train:
+        loss = rec.get("loss")
+        if not _finite(loss):
+            spikes.append(Spike(step=rec.get("step", -1), loss=float("nan") if loss is None else loss,
+                                median=float("nan"), threshold=float("nan")))
+            continue
+        recent = history[-window:]
+        if len(recent) >= min_history:
+            med = statistics.median(recent)
+            mad = statistics.median(abs(x - med) for x in recent)
+            threshold = med + k * max(MAD_TO_STD * mad, rel_floor * abs(med))
+            if loss > threshold:
+                spikes.append(Spike(step=rec["step"], loss=loss, median=med, threshold=threshold))
+        history.append(loss)
+    return spikes
+
+
+def find_gaps(records: list[dict[str, Any]], *, gap_factor: float = 3.0) -> list[Gap]:
+    """Intervals between consecutive train records longer than ``gap_factor`` x the median one."""
+    train = [r for r in records if r.get("kind") == "train" and _finite(r.get("time"))]
+    deltas = [b["time"] - a["time"] for a, b in zip(train, train[1:])]
+    if not deltas:
+        return []
+    typical = statistics.median(deltas)
+    gaps = []
+    for (a, b), dt in zip(zip(train, train[1:]), deltas):
+        if dt <= gap_factor * typical:
+            continue
+        t0, t1 = a["time"], b["time"]
+        causes = []
+        for r in records:
+            t = r.get("time")
+            if not _finite(t):
+                continue
+            if r["kind"] == "checkpoint" and t - (r.get("save_s") or 0.0) < t1 and t > t0:
+                causes.append(f"checkpoint at step {r.get('step')} (save {r.get('save_s', 0.0):.1f} s)")
+            elif r["kind"] == "resume" and t0 < t <= t1:
+                causes.append(f"resume from {r.get('path')} at step {r.get('step')}")
+            elif r["kind"] == "start" and t0 < t <= t1:
+                causes.append("restart")
+        gaps.append(Gap(after_step=a.get("step", -1), before_step=b.get("step", -1), seconds=dt,
+                        typical_s=typical, cause="; ".join(causes) or "stall"))
+    return gaps
+
+
+def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """Every directory under ``run_dir/checkpoints``, sorted by name, with its health."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        meta_path = d / "meta.json"
+        meta: dict[str, Any] = {}
+        if meta_path.is_file():
+            try:
+                meta = msgspec.json.decode(meta_path.read_bytes())
+            except msgspec.DecodeError:
+                meta = {}
+        if not meta or d.name.startswith(".tmp"):
+            out.append(CheckpointInfo(name=d.name, complete=False))
+            continue
+        out.append(CheckpointInfo(name=d.name, complete=True, step=meta.get("step"),
+                                  loss=meta.get("loss"), healthy=meta.get("healthy"),
+                                  save_s=meta.get("save_s")))
+    healthy = [c for c in out if c.complete and c.healthy and c.step is not None]
+    if healthy:
+        best = max(healthy, key=lambda c: c.step)
+        out = [msgspec.structs.replace(c, auto_resume=True) if c is best else c for c in out]
+    return out
+
+
+def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
+            gap_factor: float = 3.0) -> LogReport:
+    """Everything ``python -m dflash.logs`` reports. Raises FileNotFoundError naming metrics.jsonl."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics log at {path}: is {run_dir} a dflash run directory?")
+    records, bad = read_metrics(path)
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["kind"]] = counts.get(r["kind"], 0) + 1
+    train = [r for r in records if r["kind"] == "train"]
+    ends = [r for r in records if r["kind"] == "end"]
+    return LogReport(
+        run_dir=str(run_dir), counts=counts, bad_lines=bad,
+        last_step=train[-1].get("step") if train else None,
+        end_status=ends[-1].get("status") if ends else None,
+        skipped_total=train[-1].get("skipped_total") if train else None,
+        spikes=find_spikes(train, window=window, k=k),
+        skips=[Skip(step=r.get("step", -1), batch_id=r.get("batch_id"), reason=str(r.get("reason")))
+               for r in records if r["kind"] == "skip"],
+        gaps=find_gaps(records, gap_factor=gap_factor),
+        checkpoints=scan_checkpoints(run_dir),
+    )
+
+
+def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: float = 3.0) -> str:
+    """The report as plain text."""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(rep.counts.items()))
+    lines = [f"{rep.run_dir}: {kinds or 'no records'}; last train step {rep.last_step}; "
+             f"end: {rep.end_status or 'none (still running or crashed)'}"]
+    if rep.bad_lines:
+        lines.append(f"warning: {rep.bad_lines} metrics.jsonl line(s) are not JSON records (skipped)")
+    lines.append(f"\nloss spikes ({len(rep.spikes)}; loss > median + {k:g} x 1.4826 MAD of the "
+                 f"previous {window} train records):")
+    for s in rep.spikes:
+        if math.isfinite(s.loss):
+            lines.append(f"  step {s.step}: loss {s.loss:.4g} (median {s.median:.4g}, "
+                         f"threshold {s.threshold:.4g})")
+        else:
+            lines.append(f"  step {s.step}: loss {s.loss} (non-finite in a train record)")
+    lines.append(f"\nskipped steps ({len(rep.skips)}; skipped_total at last train record: "
+                 f"{rep.skipped_total}):")
+    lines += [f"  step {s.step} batch {s.batch_id}: {s.reason}" for s in rep.skips]
+    if rep.skipped_total is not None and rep.skipped_total != len(rep.skips):
+        lines.append(f"  warning: skipped_total {rep.skipped_total} != {len(rep.skips)} skip records")
+    lines.append(f"\nlogging gaps ({len(rep.gaps)}; interval > {gap_factor:g} x the median):")
+    lines += [f"  steps {g.after_step} -> {g.before_step}: {g.seconds:.1f} s (typical "
+              f"{g.typical_s:.1f} s), cause: {g.cause}" for g in rep.gaps]
+    lines.append(f"\ncheckpoints ({len(rep.checkpoints)}):")
+    for c in rep.checkpoints:
+        if not c.complete:
+            lines.append(f"  {c.name}: incomplete (no meta.json)")
+            continue
+        health = "healthy" if c.healthy else "UNHEALTHY"
+        loss = f"{c.loss:.4g}" if _finite(c.loss) else str(c.loss)
+        lines.append(f"  {c.name}: step {c.step}, loss {loss}, {health}, complete"
+                     + (" <- resume=auto picks this" if c.auto_resume else ""))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash.logs", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", help="a dflash run directory (with metrics.jsonl)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--window", type=int, default=20, help="spike rule: train records of history")
+    parser.add_argument("-k", type=float, default=5.0, help="spike rule: robust deviations above median")
+    parser.add_argument("--gap-factor", type=float, default=3.0, help="gap rule: x median interval")
+    args = parser.parse_args(argv)
+    try:
+        rep = analyse(args.run_dir, window=args.window, k=args.k, gap_factor=args.gap_factor)
+    except FileNotFoundError as e:
+        print(f"dflash.logs: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(rep).decode() + "\n")
+    else:
+        sys.stdout.write(render(rep, window=args.window, k=args.k, gap_factor=args.gap_factor))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
