@@ -1,0 +1,446 @@
+"""Graphs of processes and channels: the TOML schema, loading with overrides, and validation.
+
+A graph file (see ``docs/architecture.md``)::
+
+    plugins = ["examples.textpipe"]     # modules to import first: they register their kinds
+
+    [[channel]]
+    name = "lines"
+    capacity = 8
+
+    [[process]]
+    name = "tokenize"
+    kind = "textpipe.tokenize"
+    replicas = 2
+    inputs = { lines = "lines" }
+    outputs = { tokens = "tokens" }
+    [process.options]
+    lowercase = true
+
+:func:`load_spec` reads it into a :class:`GraphSpec` (or an application's subclass of it);
+:meth:`Graph.from_spec` resolves kinds and decodes options; :meth:`Graph.validate` checks the
+wiring before anything starts. Every problem is a :class:`csp.GraphError` naming the file, the
+msgspec path (``$.process[2].options``) or the node.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Iterable, Sequence
+
+import msgspec
+from msgspec import Meta
+
+from csp.errors import GraphError
+from csp.process import Process, is_async
+from csp.registry import Registry, registry as default_registry
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+Name = Annotated[str, Meta(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")]
+
+
+class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[channel]]``: a bounded, typed channel.
+
+    Attributes:
+        name: unique channel name; ports refer to it.
+        capacity: buffer size in items; 0 is a rendezvous. Required: there is no unbounded channel.
+        ordered: deliver items in ``seq`` order (ordered fan-in after replicas).
+    """
+
+    name: Name
+    capacity: Annotated[int, Meta(ge=0)]
+    ordered: bool = False
+
+
+class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[process]]``: a process kind, its replicas, devices and port wiring.
+
+    Attributes:
+        name: unique process name (replicas are ``name[0]``, ``name[1]``, ...).
+        kind: registry kind of the Process class.
+        replicas: number of instances.
+        device: one device for every replica ("cpu" or "cuda:N"); omitted = no device (CPU).
+        devices: one device per replica; exclusive with ``device``.
+        inputs: port name -> channel name.
+        outputs: port name -> channel name.
+        options: decoded by the kind's ``Options`` Struct (unknown keys rejected).
+    """
+
+    name: Name
+    kind: Annotated[str, Meta(min_length=1)]
+    replicas: Annotated[int, Meta(ge=1)] = 1
+    device: str | None = None
+    devices: list[str] | None = None
+    inputs: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+    options: dict[str, Any] = {}
+
+
+class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[trace]``: observability knobs.
+
+    Attributes:
+        stats_interval_s: period of ``RUN_DIR/csp/stats.jsonl`` snapshots and trace counters, in s.
+        perfetto: write ``RUN_DIR/csp/trace.json`` (process spans, channel fill counters).
+        flows: add flow arrows following sampled items across the graph.
+        flow_every: with ``flows``, follow every N-th item sent by each source replica.
+        max_events: cap on buffered trace events; later events are dropped and counted.
+    """
+
+    stats_interval_s: Annotated[float, Meta(gt=0)] = 1.0
+    perfetto: bool = True
+    flows: bool = False
+    flow_every: Annotated[int, Meta(ge=1)] = 100
+    max_events: Annotated[int, Meta(ge=0)] = 1_000_000
+
+
+class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A whole graph file. Applications subclass it to add their own tables.
+
+    Attributes:
+        plugins: modules imported before kinds are resolved (their ``@csp.register`` runs).
+        channel: the ``[[channel]]`` tables.
+        process: the ``[[process]]`` tables.
+        trace: the ``[trace]`` table.
+    """
+
+    plugins: list[str] = []
+    channel: list[ChannelSpec] = []
+    process: list[ProcessSpec] = []
+    trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
+
+
+S = typing.TypeVar("S", bound=GraphSpec)
+
+
+def load_spec(
+    path: str | Path, spec_type: type[S] = GraphSpec, overrides: Sequence[str] = ()  # type: ignore[assignment]
+) -> S:
+    """Read a graph TOML file, apply ``--set`` overrides, decode it into ``spec_type``.
+
+    Overrides are ``dotted.key=value``; arrays of tables are addressed by their ``name``
+    (``process.target.replicas=1``, ``channel.batches.capacity=2``); the value is parsed as a
+    TOML value (``true``, ``3``, ``[1, 2]``, ``"x"``), else taken as a plain string.
+
+    Raises:
+        GraphError: the file is missing or unreadable, is not valid TOML, an override is
+            malformed or addresses nothing, or decoding fails (message: ``FILE: <msgspec error>
+            - at `$.channel[0]```).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GraphError(f"{path}: graph file not found (cwd {Path.cwd()})") from None
+    except OSError as exc:
+        raise GraphError(f"{path}: cannot read graph file: {exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise GraphError(f"{path}: invalid TOML: {exc}") from None
+    for item in overrides:
+        apply_override(data, item)
+    try:
+        return msgspec.convert(data, spec_type)
+    except msgspec.ValidationError as exc:
+        raise GraphError(f"{path}: {exc}") from None
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` override to raw TOML ``data`` in place.
+
+    Raises:
+        GraphError: no ``=``, an empty key part, a name not found in an array of tables, or a
+            path through a value that is not a table.
+    """
+    key, eq, raw = item.partition("=")
+    parts = [p.strip() for p in key.strip().split(".")]
+    if not eq or not all(parts):
+        raise GraphError(f"override {item!r}: expected dotted.key=value, e.g. channel.batches.capacity=2")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    node: Any = data
+    walked: list[str] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            matches = [t for t in node if isinstance(t, dict) and t.get("name") == part]
+            if not matches:
+                names = [t.get("name") for t in node if isinstance(t, dict)]
+                raise GraphError(
+                    f"override {item!r}: no [[{'.'.join(walked)}]] named {part!r} (known: {names})"
+                )
+            if last:
+                raise GraphError(f"override {item!r}: give a field of {'.'.join(walked)}.{part}")
+            node = matches[0]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+                return
+            node = node.setdefault(part, {})
+        else:
+            raise GraphError(f"override {item!r}: {'.'.join(walked)} is a value, not a table")
+        walked.append(part)
+
+
+class ProcessNode(msgspec.Struct, kw_only=True):
+    """A resolved process: class, decoded options, replicas, devices, wiring."""
+
+    name: str
+    cls: type
+    options: Any
+    replicas: int = 1
+    devices: list[str | None] = []
+    inputs: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+    index: int = 0  # position in the file, for error paths
+
+    @property
+    def kind(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+
+class ChannelNode(msgspec.Struct, kw_only=True):
+    """A channel of the graph (name, capacity, ordered)."""
+
+    name: str
+    capacity: int
+    ordered: bool = False
+
+
+class Graph:
+    """Processes and channels, validated before the runtime starts them.
+
+    Build from a spec (:meth:`from_spec`) or in Python::
+
+        g = csp.Graph()
+        g.channel("lines", capacity=4)
+        g.process("read", ReadLines, outputs={"line": "lines"})
+        g.process("sink", Sink, inputs={"line": "lines"}, options={"top": 5})
+        g.validate()
+    """
+
+    def __init__(self, trace: TraceSpec | None = None) -> None:
+        self.channels: dict[str, ChannelNode] = {}
+        self.processes: dict[str, ProcessNode] = {}
+        self.trace = trace if trace is not None else TraceSpec()
+
+    @classmethod
+    def from_spec(
+        cls, spec: GraphSpec, registry: Registry | None = None, *, allow_imports: bool = False
+    ) -> "Graph":
+        """Import ``spec.plugins``, resolve kinds, decode options, then :meth:`validate`.
+
+        Raises:
+            GraphError: a plugin fails to import, a kind is unknown, options do not decode
+                (path ``$.process[i].options...``), or validation fails.
+        """
+        reg = registry if registry is not None else default_registry
+        for module in spec.plugins:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise GraphError(f"plugins: cannot import {module!r}: {exc}") from exc
+        graph = cls(trace=spec.trace)
+        for c in spec.channel:
+            graph.channel(c.name, capacity=c.capacity, ordered=c.ordered)
+        for i, p in enumerate(spec.process):
+            try:
+                pcls = reg.resolve(p.kind, allow_imports=allow_imports)
+            except GraphError as exc:
+                raise GraphError(f"process {p.name!r} ($.process[{i}].kind): {exc}") from None
+            graph.process(p.name, pcls, inputs=p.inputs, outputs=p.outputs, replicas=p.replicas,
+                          device=p.device, devices=p.devices, options=p.options, _index=i)
+        graph.validate()
+        return graph
+
+    def channel(self, name: str, *, capacity: int, ordered: bool = False) -> "Graph":
+        """Add a channel. Raises GraphError on a duplicate name or a negative capacity."""
+        if name in self.channels:
+            raise GraphError(f"channel {name!r} is declared twice; channel names must be unique")
+        if capacity < 0:
+            raise GraphError(f"channel {name!r}: capacity must be >= 0 (0 = rendezvous), got {capacity}")
+        self.channels[name] = ChannelNode(name=name, capacity=capacity, ordered=ordered)
+        return self
+
+    def process(
+        self,
+        name: str,
+        cls: type,
+        *,
+        inputs: dict[str, str] | None = None,
+        outputs: dict[str, str] | None = None,
+        replicas: int = 1,
+        device: str | None = None,
+        devices: Iterable[str] | None = None,
+        options: Any = None,
+        _index: int | None = None,
+    ) -> "Graph":
+        """Add a process of class ``cls`` (a :class:`csp.Process` subclass).
+
+        ``options`` is an instance of ``cls.Options``, a dict decoded into it, or None (defaults).
+
+        Raises:
+            GraphError: duplicate name, bad replicas, both ``device`` and ``devices`` given,
+                ``len(devices) != replicas``, or options that do not decode.
+        """
+        index = len(self.processes) if _index is None else _index
+        where = f"process {name!r}"
+        if name in self.processes:
+            raise GraphError(f"{where} is declared twice; process names must be unique")
+        if not (isinstance(cls, type) and issubclass(cls, Process)):
+            raise GraphError(f"{where}: {cls!r} is not a csp.Process subclass")
+        if replicas < 1:
+            raise GraphError(f"{where}: replicas must be >= 1, got {replicas}")
+        if device is not None and devices is not None:
+            raise GraphError(f"{where}: give either device (all replicas) or devices (one per replica), not both")
+        if devices is not None:
+            devs: list[str | None] = list(devices)
+            if len(devs) != replicas:
+                raise GraphError(
+                    f"{where}: {len(devs)} devices for {replicas} replicas; give one device per "
+                    "replica or set replicas to match"
+                )
+        else:
+            devs = [device] * replicas
+        options_t = cls.Options
+        if options is None:
+            options = {}
+        if isinstance(options, dict):
+            try:
+                options = msgspec.convert(options, options_t)
+            except msgspec.ValidationError as exc:
+                raise GraphError(f"{where}: options: {_rebase(str(exc), f'$.process[{index}].options')}") from None
+        elif not isinstance(options, options_t):
+            raise GraphError(f"{where}: options must be a {options_t.__qualname__} or a dict, got {type(options).__name__}")
+        self.processes[name] = ProcessNode(
+            name=name, cls=cls, options=options, replicas=replicas, devices=devs,
+            inputs=dict(inputs or {}), outputs=dict(outputs or {}), index=index,
+        )
+        return self
+
+    def validate(self) -> None:
+        """Check the wiring and devices. Raises GraphError naming the first bad node."""
+        senders: dict[str, list[tuple[ProcessNode, str]]] = {c: [] for c in self.channels}
+        receivers: dict[str, list[tuple[ProcessNode, str]]] = {c: [] for c in self.channels}
+        for p in self.processes.values():
+            where = f"process {p.name!r}"
+            for declared, wired, direction, table in (
+                (p.cls.inputs, p.inputs, "input", receivers),
+                (p.cls.outputs, p.outputs, "output", senders),
+            ):
+                for port in declared:
+                    if port not in wired:
+                        raise GraphError(
+                            f"{where}: {direction} port {port!r} is not connected; add it to "
+                            f"{direction}s = {{ {port} = \"<channel>\" }}"
+                        )
+                for port, chan in wired.items():
+                    if port not in declared:
+                        raise GraphError(
+                            f"{where}: {p.cls.__name__} has no {direction} port {port!r} "
+                            f"(its {direction}s: {sorted(declared)})"
+                        )
+                    if chan not in self.channels:
+                        raise GraphError(
+                            f"{where}: {direction} port {port!r} is connected to unknown channel "
+                            f"{chan!r} (channels: {sorted(self.channels)})"
+                        )
+                    table[chan].append((p, port))
+            for dev in p.devices:
+                _check_device(where, dev)
+            if is_async(p.cls) and any(d and d.startswith("cuda") for d in p.devices):
+                raise GraphError(
+                    f"{where}: an async process cannot be bound to a CUDA device (the current "
+                    "stream is per thread); make its run() blocking"
+                )
+        for name in self.channels:
+            if not senders[name]:
+                raise GraphError(f"channel {name!r} has no sender: connect a process output to it or remove it")
+            if not receivers[name]:
+                raise GraphError(f"channel {name!r} has no receiver: connect a process input to it or remove it")
+            for sp, sport in senders[name]:
+                out_t = sp.cls.outputs[sport]
+                for rp, rport in receivers[name]:
+                    in_t = rp.cls.inputs[rport]
+                    if not compatible(out_t, in_t):
+                        raise GraphError(
+                            f"channel {name!r}: process {sp.name!r} sends {_tname(out_t)} "
+                            f"(port {sport!r}) but process {rp.name!r} receives {_tname(in_t)} "
+                            f"(port {rport!r})"
+                        )
+
+    def item_type(self, channel: str) -> Any:
+        """The type a channel carries: its senders' common output type, else ``object``."""
+        types_ = {p.cls.outputs[port] for p in self.processes.values()
+                  for port, c in p.outputs.items() if c == channel}
+        return types_.pop() if len(types_) == 1 else object
+
+
+def compatible(out_t: Any, in_t: Any) -> bool:
+    """True if items of type ``out_t`` may be received on a port typed ``in_t``.
+
+    Rules: ``object``/``Any`` on either side matches; a union input accepts an output matching
+    any member, a union output must match for every member; generics compare their origins
+    (``list[int]`` -> ``list``); classes use ``issubclass``.
+    """
+    if out_t in (object, Any) or in_t in (object, Any):
+        return True
+    if _is_union(in_t):
+        return any(compatible(out_t, a) for a in typing.get_args(in_t))
+    if _is_union(out_t):
+        return all(compatible(a, in_t) for a in typing.get_args(out_t))
+    out_o, in_o = typing.get_origin(out_t) or out_t, typing.get_origin(in_t) or in_t
+    if isinstance(out_o, type) and isinstance(in_o, type):
+        return issubclass(out_o, in_o)
+    return out_t == in_t
+
+
+def _is_union(t: Any) -> bool:
+    return typing.get_origin(t) is typing.Union or isinstance(t, types.UnionType)
+
+
+def _tname(t: Any) -> str:
+    return t.__qualname__ if isinstance(t, type) else repr(t)
+
+
+def _rebase(message: str, prefix: str) -> str:
+    """Re-root a msgspec error path: ``... - at `$.foo``` -> ``... - at `PREFIX.foo```."""
+    if " - at `$" in message:
+        return message.replace(" - at `$", f" - at `{prefix}", 1)
+    return f"{message} - at `{prefix}`"
+
+
+def _check_device(where: str, dev: str | None) -> None:
+    if dev is None or dev == "cpu":
+        return
+    kind, _, index = dev.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise GraphError(f"{where}: device {dev!r} is not 'cpu' or 'cuda:N'")
+    try:
+        import torch
+    except ImportError:
+        raise GraphError(f"{where}: device {dev!r} needs torch, which is not installed") from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(index) >= count:
+        raise GraphError(
+            f"{where}: device {dev!r} does not exist (this machine has {count} CUDA device(s)); "
+            "use an index below that or 'cpu'"
+        )
+
+
+__all__ = [
+    "ChannelNode", "ChannelSpec", "Graph", "GraphSpec", "ProcessNode", "ProcessSpec", "TraceSpec",
+    "apply_override", "compatible", "load_spec",
+]

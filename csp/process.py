@@ -1,0 +1,145 @@
+"""The Process base class and the Context each process replica runs with.
+
+A process is a class with typed ports and a ``run`` method::
+
+    @csp.register("examples.upper")
+    class Upper(csp.Process):
+        class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+            factor: int = 1                     # decoded from [process.options]
+
+        inputs = {"text": str}                  # port name -> item type
+        outputs = {"out": str}
+
+        def run(self, inputs, outputs):         # blocking -> its own thread
+            for text in inputs["text"]:
+                outputs["out"].send(text.upper() * self.options.factor)
+
+``async def run`` makes it an anyio task instead (``setup``/``teardown`` may then be ``async``
+too). ``inputs``/``outputs`` map port names to :class:`csp.Receiver` / :class:`csp.Sender` ends;
+the runtime closes them all when ``run`` returns or raises. An ``EndOfStream`` escaping ``run``
+counts as a normal return (the input ran dry). Do not override ``__init__``: put initialisation
+that needs the device or the run directory in ``setup()``, which runs in the process's own
+thread with its device and stream current.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from pathlib import Path
+from typing import Any, ClassVar, ContextManager
+
+import msgspec
+
+NULL_SPAN: ContextManager[None] = contextlib.nullcontext()
+"""The shared no-op span returned by :meth:`Context.span` when tracing is off."""
+
+
+class Context:
+    """What one process replica knows about where and how it runs.
+
+    Attributes:
+        name: the process name in the graph (``"target"``).
+        replica: this replica's index, 0-based.
+        replicas: number of replicas of this process.
+        device: the bound ``torch.device``, or None when the graph gives no device.
+        stream: the replica's own CUDA stream (current while setup/run/teardown run), or None
+            off CUDA.
+        run_dir: the run directory handed to the Runtime, or None.
+        app: any object the caller handed to the Runtime (dflash passes its decoded config).
+    """
+
+    __slots__ = ("name", "replica", "replicas", "device", "stream", "run_dir", "app",
+                 "_stop", "_tracer", "_track")
+
+    def __init__(
+        self,
+        name: str,
+        replica: int = 0,
+        replicas: int = 1,
+        *,
+        device: Any = None,
+        run_dir: Path | None = None,
+        app: Any = None,
+        stop_event: threading.Event | None = None,
+        tracer: Any = None,
+        track: int = 0,
+    ) -> None:
+        self.name = name
+        self.replica = replica
+        self.replicas = replicas
+        self.device = device
+        self.stream: Any = None
+        self.run_dir = run_dir
+        self.app = app
+        self._stop = stop_event if stop_event is not None else threading.Event()
+        self._tracer = tracer
+        self._track = track
+
+    @property
+    def qualname(self) -> str:
+        """``name[replica]``, e.g. ``"target[1]"``: how errors, stats and traces name it."""
+        return f"{self.name}[{self.replica}]"
+
+    def stopping(self) -> bool:
+        """True once a graceful stop was requested. Sources poll it and return when it is set."""
+        return self._stop.is_set()
+
+    def span(self, name: str) -> ContextManager[None]:
+        """A trace span on this replica's track (``with ctx.span("forward"): ...``).
+
+        Returns a shared no-op context manager when tracing is off; never blocks.
+        """
+        if self._tracer is None:
+            return NULL_SPAN
+        return self._tracer.span(self._track, name)
+
+    def __repr__(self) -> str:
+        return f"Context({self.qualname}, device={self.device})"
+
+
+class Process:
+    """Base class of every process kind.
+
+    Class attributes:
+        inputs: port name -> item type received on that port (``object``/``Any`` accepts all).
+        outputs: port name -> item type sent on that port.
+        Options: a msgspec Struct decoded from the graph's ``[process.options]`` table (unknown
+            keys rejected). The default accepts no keys.
+
+    Instance attributes (set by the runtime): ``options`` (decoded ``Options``), ``ctx``
+    (:class:`Context`).
+    """
+
+    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+        """No options."""
+
+    inputs: ClassVar[dict[str, Any]] = {}
+    outputs: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, options: Any = None, ctx: Context | None = None) -> None:
+        self.options = options if options is not None else type(self).Options()
+        self.ctx = ctx if ctx is not None else Context(type(self).__name__)
+
+    def setup(self) -> None:
+        """Optional; runs before ``run`` in the process's own thread/task, device current."""
+
+    def run(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+        """Consume ``inputs`` (port -> Receiver), produce on ``outputs`` (port -> Sender).
+
+        Blocking here means the runtime gives the process its own thread; define
+        ``async def run`` for an anyio task.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define run(inputs, outputs)")
+
+    def teardown(self) -> None:
+        """Optional; always called once ``run`` (or a failed ``setup``) has finished."""
+
+
+def is_async(cls: type[Process]) -> bool:
+    """True if ``cls.run`` is a coroutine function (the process runs as an anyio task)."""
+    return inspect.iscoroutinefunction(cls.run)
+
+
+__all__ = ["Context", "NULL_SPAN", "Process", "is_async"]

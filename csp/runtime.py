@@ -1,0 +1,469 @@
+"""The runtime: runs a validated :class:`csp.Graph` with structured concurrency.
+
+Every process replica runs either in its own named thread (blocking ``run``) or as an anyio task
+on one asyncio event loop owned by :meth:`Runtime.run` (``async def run``). Channels connect them;
+the runtime hands each replica its own cloned ends and closes them when its ``run`` returns or
+raises, so end-of-stream propagates downstream by itself.
+
+Stopping:
+
+* **completed** - every source returned and everything drained.
+* **graceful stop** - :meth:`Runtime.request_stop` or the first SIGINT (when ``run()`` is called
+  from the main thread): sources see ``ctx.stopping()`` and return, in-flight items drain through
+  the graph, every process ends normally.
+* **failure** - the first exception escaping a process (``setup``, ``run`` or ``teardown``)
+  aborts every channel (each blocked send/receive wakes with ``ChannelAborted``), requests stop,
+  cancels the async tasks, joins the threads (bounded by ``join_timeout_s``) and ``run()`` raises
+  :class:`csp.ProcessFailed` naming ``process[replica]``, chained to the original exception.
+  ``ChannelAborted`` raised in other processes because of it is not reported.
+* **abort** - :meth:`Runtime.abort` or a second SIGINT: the same teardown, without an error.
+
+Exit codes (``RunResult.exit_code``; ``python -m csp.run`` exits with it):
+
+====  ==========================================================================
+0     completed
+130   stopped (graceful drain after SIGINT or ``request_stop``) or aborted
+1     a process failed (``run()`` raises ProcessFailed; the CLI exits 1)
+2     bad graph or config (GraphError before anything starts; set by the CLI)
+====  ==========================================================================
+
+No thread is left behind: after the loop ends every process thread is joined; one still alive
+after ``join_timeout_s`` is logged with its stack and ``run()`` raises :class:`csp.CspError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+import threading
+import traceback
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Iterator
+
+import anyio
+import msgspec
+
+from csp.channel import channel
+from csp.errors import ChannelAborted, CspError, EndOfStream, ProcessFailed
+from csp.graph import Graph, ProcessNode, TraceSpec
+from csp.process import Context, is_async
+from csp.stats import ChannelStatistics, ProcessStatistics
+from csp.statslog import StatsLog
+from csp.trace import FlowTap, Tracer
+
+log = logging.getLogger("csp.runtime")
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class RunResult(msgspec.Struct, frozen=True, kw_only=True):
+    """How a run ended: ``status`` ("completed" | "stopped" | "failed" | "aborted"),
+    ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``)."""
+
+    status: str
+    exit_code: int
+    duration_s: float
+
+
+class _Worker:
+    """One process replica: its instance, its ends, its timing and state."""
+
+    def __init__(self, node: ProcessNode, replica: int, track: int, ctx: Context) -> None:
+        self.node, self.replica, self.track, self.ctx = node, replica, track, ctx
+        self.qualname = ctx.qualname
+        self.instance: Any = None
+        self.raw_inputs: dict[str, Any] = {}
+        self.raw_outputs: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}
+        self.outputs: dict[str, Any] = {}
+        self.is_async = is_async(node.cls)
+        self.thread: threading.Thread | None = None
+        self.state = "setup"  # setup | running | done | failed
+        self.t_start: float | None = None
+        self.t_end: float | None = None
+
+    def statistics(self) -> ProcessStatistics:
+        """Summed from the per-end counters of the ends it owns (reads only)."""
+        ins, outs = list(self.raw_inputs.values()), list(self.raw_outputs.values())
+        wait_in = sum(e.blocked_s for e in ins)
+        blocked_out = sum(e.blocked_s for e in outs)
+        alive = 0.0 if self.t_start is None else (self.t_end or perf_counter()) - self.t_start
+        state = self.state
+        if state == "running":
+            state = ("waiting_input" if any(e.waiting for e in ins)
+                     else "blocked_output" if any(e.waiting for e in outs) else "busy")
+        return ProcessStatistics(
+            qualname=self.qualname, name=self.node.name, replica=self.replica, state=state,  # type: ignore[arg-type]
+            busy_s=max(0.0, alive - wait_in - blocked_out), wait_input_s=wait_in,
+            blocked_output_s=blocked_out, items_in=sum(e.items for e in ins),
+            items_out=sum(e.items for e in outs),
+        )
+
+    def close_ends(self) -> None:
+        for end in (*self.raw_inputs.values(), *self.raw_outputs.values()):
+            end.close()
+
+
+class Runtime:
+    """Runs a :class:`csp.Graph` once.
+
+    Args:
+        graph: the graph (validated again by :meth:`run`).
+        run_dir: where ``csp/stats.jsonl`` and ``csp/trace.json`` go; None writes nothing.
+        app: any object handed to every process as ``ctx.app``.
+        trace: None follows ``graph.trace``; a bool switches ``trace.json`` on/off; a TraceSpec
+            replaces ``graph.trace``.
+        join_timeout_s: after a failure or abort, how long to wait for process threads to stop.
+    """
+
+    def __init__(self, graph: Graph, *, run_dir: Path | str | None = None, app: Any = None,
+                 trace: bool | TraceSpec | None = None, join_timeout_s: float = 10.0) -> None:
+        self.graph = graph
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.app = app
+        spec = graph.trace if not isinstance(trace, TraceSpec) else trace
+        if isinstance(trace, bool):
+            spec = msgspec.structs.replace(spec, perfetto=trace)
+        self.trace_spec = spec
+        self.join_timeout_s = join_timeout_s
+        self.tracer: Tracer | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._started = False
+        self._aborted = False
+        self._shutting_down = False
+        self._failure: tuple[_Worker, BaseException] | None = None
+        self._sigints = 0
+        self._workers: list[_Worker] = []
+        self._channels: dict[str, tuple[Any, Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tg: Any = None
+        self._threads_left = 0
+        self._threads_done: anyio.Event | None = None
+
+    # -- public control -----------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Graceful stop (thread-safe, idempotent): sources see ``ctx.stopping()``; items drain."""
+        self._stop.set()
+
+    def abort(self) -> None:
+        """Immediate stop (thread-safe): abort every channel and cancel every task."""
+        with self._lock:
+            self._aborted = True
+        self._shutdown("run aborted")
+
+    def statistics(self) -> dict[str, dict[str, Any]]:
+        """Live ``{"channels": {name: ChannelStatistics}, "processes": {qualname: ProcessStatistics}}``."""
+        return {"channels": self._channel_stats(), "processes": self._process_stats()}
+
+    # -- run ----------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        """Run the graph to its end (blocking). Call from a thread without a running event loop.
+
+        Returns:
+            RunResult (status "completed", "stopped" or "aborted").
+
+        Raises:
+            GraphError: the graph is invalid (nothing started).
+            ProcessFailed: a process raised; ``__cause__`` is its exception.
+            CspError: a process thread did not stop within ``join_timeout_s``.
+            RuntimeError: ``run()`` was called twice.
+        """
+        if self._started:
+            raise RuntimeError("a Runtime runs once; build a new Runtime for another run")
+        self._started = True
+        self.graph.validate()
+        t0 = perf_counter()
+        spec = self.trace_spec
+        if self.run_dir is not None and spec.perfetto:
+            self.tracer = Tracer(max_events=spec.max_events, flow_every=spec.flow_every)
+        self._build()
+        statslog = self._start_observers()
+        old_handler = self._install_sigint()
+        status, exit_code, stuck = "failed", EXIT_FAILED, []
+        try:
+            if not self._aborted:
+                anyio.run(self._supervise, backend="asyncio")
+        finally:
+            self._loop = None
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            stuck = self._join_threads()
+            for w in self._workers:
+                w.close_ends()
+            if self._failure is not None:
+                status, exit_code = "failed", EXIT_FAILED
+            elif self._aborted or stuck:
+                status, exit_code = "aborted", EXIT_INTERRUPTED
+            elif self._stop.is_set():
+                status, exit_code = "stopped", EXIT_INTERRUPTED
+            else:
+                status, exit_code = "completed", EXIT_OK
+            if statslog is not None:
+                statslog.close(status, exit_code)
+            if self.tracer is not None and self.run_dir is not None:
+                self.tracer.write(self.run_dir / "csp" / "trace.json")
+        stuck_note = f"; threads still running: {', '.join(stuck)}" if stuck else ""
+        if self._failure is not None:
+            w, exc = self._failure
+            raise ProcessFailed(f"process {w.qualname} failed: {type(exc).__name__}: {exc}{stuck_note}",
+                                process=w.node.name, replica=w.replica) from exc
+        if stuck:
+            raise CspError(f"process threads did not stop within {self.join_timeout_s} s after the "
+                           f"run was aborted: {', '.join(stuck)} (stacks logged by csp.runtime)")
+        return RunResult(status=status, exit_code=exit_code, duration_s=perf_counter() - t0)
+
+    def _build(self) -> None:
+        g = self.graph
+        for name, c in g.channels.items():
+            self._channels[name] = channel(g.item_type(name), c.capacity, name, c.ordered)
+        flows = self.trace_spec.flows and self.tracer is not None
+        pending: dict[str, dict[int, int]] = {name: {} for name in g.channels}
+        for node in g.processes.values():
+            for r in range(node.replicas):
+                dev = node.devices[r] if node.devices else None
+                ctx = Context(node.name, r, node.replicas, device=_torch_device(dev),
+                              run_dir=self.run_dir, app=self.app, stop_event=self._stop,
+                              tracer=self.tracer, track=len(self._workers) + 1)
+                w = _Worker(node, r, ctx._track, ctx)
+                w.raw_inputs = {p: self._channels[c][1].clone() for p, c in node.inputs.items()}
+                w.raw_outputs = {p: self._channels[c][0].clone() for p, c in node.outputs.items()}
+                w.inputs, w.outputs = dict(w.raw_inputs), dict(w.raw_outputs)
+                if flows:
+                    state: dict[str, Any] = {}
+                    src, sink = not node.inputs, not node.outputs
+                    w.inputs = {p: self._tap(e, w, state, pending[node.inputs[p]], src, sink)
+                                for p, e in w.raw_inputs.items()}
+                    w.outputs = {p: self._tap(e, w, state, pending[node.outputs[p]], src, sink)
+                                 for p, e in w.raw_outputs.items()}
+                self._workers.append(w)
+        for send, recv in self._channels.values():  # only the replicas' clones stay open
+            send.close()
+            recv.close()
+        for w in self._workers:
+            try:
+                w.instance = w.node.cls(options=w.node.options, ctx=w.ctx)
+            except Exception as exc:
+                for v in self._workers:
+                    v.close_ends()
+                raise ProcessFailed(f"process {w.qualname}: constructing {w.node.cls.__name__} "
+                                    f"failed: {exc!r}", process=w.node.name, replica=w.replica) from exc
+
+    def _tap(self, end: Any, w: _Worker, state: dict, pending: dict, src: bool, sink: bool) -> Any:
+        return FlowTap(end, self.tracer, w.track, state, pending, src, sink)  # type: ignore[arg-type]
+
+    def _start_observers(self) -> StatsLog | None:
+        spec = self.trace_spec
+        if self.run_dir is None:
+            return None
+        if self.tracer is not None:
+            for w in self._workers:
+                self.tracer.name_track(w.track, w.qualname)
+        statslog = StatsLog(self.run_dir / "csp" / "stats.jsonl", self.graph, self._channel_stats,
+                            self._process_stats, spec.stats_interval_s, self.tracer)
+        statslog.start()
+        return statslog
+
+    def _channel_stats(self) -> dict[str, ChannelStatistics]:
+        return {name: ends[1].statistics() for name, ends in self._channels.items()}
+
+    def _process_stats(self) -> dict[str, ProcessStatistics]:
+        return {w.qualname: w.statistics() for w in self._workers}
+
+    # -- supervision --------------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._threads_done = anyio.Event()
+        threaded = [w for w in self._workers if not w.is_async]
+        self._threads_left = len(threaded)
+        if self._aborted and not self._shutting_down:  # second SIGINT before the loop ran
+            self._shutdown("run aborted")
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            if self._shutting_down:  # aborted or failed before the loop existed
+                tg.cancel_scope.cancel()
+            for w in self._workers:
+                if w.is_async:
+                    tg.start_soon(self._run_async, w, name=w.qualname)
+            for w in threaded:
+                w.thread = threading.Thread(target=self._run_thread, args=(w,), name=w.qualname,
+                                            daemon=True)
+                w.thread.start()
+            if threaded:
+                await self._threads_done.wait()
+
+    def _run_thread(self, w: _Worker) -> None:
+        w.t_start = perf_counter()
+        try:
+            with _device_scope(w.ctx):
+                span = self.tracer.span if self.tracer is not None else _no_span
+                try:
+                    with span(w.track, "setup"):
+                        w.instance.setup()
+                    w.state = "running"
+                    with span(w.track, "run"):
+                        w.instance.run(w.inputs, w.outputs)
+                except BaseException as exc:
+                    self._on_error(w, exc)
+                finally:
+                    try:
+                        with span(w.track, "teardown"):
+                            w.instance.teardown()
+                    except BaseException as exc:
+                        self._on_error(w, exc)
+        except BaseException as exc:  # entering the device scope failed
+            self._on_error(w, exc)
+        finally:
+            self._finish(w)
+            with self._lock:
+                self._threads_left -= 1
+                last = self._threads_left == 0
+            if last:
+                self._call_in_loop(self._threads_done.set)  # type: ignore[union-attr]
+
+    async def _run_async(self, w: _Worker) -> None:
+        w.t_start = perf_counter()
+        span = self.tracer.span if self.tracer is not None else _no_span
+        try:
+            try:
+                with span(w.track, "setup"):
+                    await _maybe_await(w.instance.setup())
+                w.state = "running"
+                with span(w.track, "run"):
+                    await w.instance.run(w.inputs, w.outputs)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:
+                self._on_error(w, exc)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        with span(w.track, "teardown"):
+                            await _maybe_await(w.instance.teardown())
+                    except Exception as exc:
+                        self._on_error(w, exc)
+        finally:
+            self._finish(w)
+
+    def _finish(self, w: _Worker) -> None:
+        w.close_ends()
+        w.t_end = perf_counter()
+        if w.state != "failed":
+            w.state = "done"
+
+    def _on_error(self, w: _Worker, exc: BaseException) -> None:
+        """Classify an exception escaping a process: normal end, consequence, or the failure."""
+        if isinstance(exc, EndOfStream):
+            return  # an input ran dry: a normal return
+        if isinstance(exc, ChannelAborted) and self._shutting_down:
+            return  # woken by the abort that another failure (or abort()) caused
+        w.state = "failed"
+        with self._lock:
+            first = self._failure is None and not self._aborted
+            if first:
+                self._failure = (w, exc)
+        if not first:
+            log.warning("process %s also raised during shutdown: %r", w.qualname, exc)
+            return
+        log.error("process %s failed: %r; stopping the graph", w.qualname, exc)
+        self._shutdown(f"process {w.qualname} failed: {exc!r}")
+
+    def _shutdown(self, reason: str) -> None:
+        self._shutting_down = True
+        self._stop.set()
+        for send, _ in self._channels.values():
+            send.abort(reason)
+        self._call_in_loop(self._cancel_tasks)
+
+    def _cancel_tasks(self) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    def _call_in_loop(self, fn: Any) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop already closed: nothing left to wake
+            pass
+
+    def _join_threads(self) -> list[str]:
+        deadline = perf_counter() + self.join_timeout_s
+        for w in self._workers:
+            if w.thread is not None:
+                w.thread.join(timeout=max(0.0, deadline - perf_counter()))
+        stuck = [w for w in self._workers if w.thread is not None and w.thread.is_alive()]
+        frames = sys._current_frames()
+        for w in stuck:
+            frame = frames.get(w.thread.ident)  # type: ignore[union-attr, arg-type]
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            log.error("process thread %s did not stop within %.1f s; it is left running "
+                      "(daemon). Its stack:\n%s", w.qualname, self.join_timeout_s, stack)
+        return [w.qualname for w in stuck]
+
+    # -- signals ------------------------------------------------------------------------------
+    def _install_sigint(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # Runs in the main thread between bytecodes, possibly inside channel code holding a lock:
+        # only defer work to the event loop (or set a flag), never touch channels here.
+        self._sigints += 1
+        if self._sigints == 1:
+            log.warning("SIGINT: graceful stop requested (sources stop, items drain); "
+                        "press Ctrl-C again to abort")
+            self.request_stop()
+        else:
+            log.warning("second SIGINT: aborting the run")
+            loop = self._loop
+            if loop is not None:
+                loop.call_soon_threadsafe(self.abort)
+            else:  # the loop is not running yet or any more: flag it, run() checks the flag
+                self._aborted = True
+                self._stop.set()
+
+
+@contextmanager
+def _no_span(track: int, name: str) -> Iterator[None]:
+    yield
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _torch_device(dev: str | None) -> Any:
+    if dev is None:
+        return None
+    import torch
+
+    return torch.device(dev)
+
+
+def _device_scope(ctx: Context) -> Any:
+    """Make ``ctx.device`` current with a fresh non-default stream (CUDA only; else no-op)."""
+    dev = ctx.device
+    if dev is None or dev.type != "cuda":
+        return nullcontext()
+    return _cuda_scope(ctx)
+
+
+@contextmanager
+def _cuda_scope(ctx: Context) -> Iterator[None]:
+    import torch
+
+    torch.cuda.set_device(ctx.device)
+    ctx.stream = torch.cuda.Stream(device=ctx.device)
+    with torch.cuda.stream(ctx.stream):
+        yield
+
+
+__all__ = ["EXIT_BAD_GRAPH", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "RunResult", "Runtime"]
