@@ -35,3 +35,25 @@ __all__ = [
     "channel",
     "item_nbytes",
 ]
+
+# --- processes, graphs, runtime (issue 2: process.py, registry.py, graph.py, runtime.py) ---
+from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, TraceSpec, load_spec  # noqa: E402
+from csp.process import Context, Process  # noqa: E402
+from csp.registry import Registry, register, registry  # noqa: E402
+from csp.runtime import RunResult, Runtime  # noqa: E402
+
+__all__ += [
+    "ChannelSpec",
+    "Context",
+    "Graph",
+    "GraphSpec",
+    "Process",
+    "ProcessSpec",
+    "Registry",
+    "RunResult",
+    "Runtime",
+    "TraceSpec",
+    "load_spec",
+    "register",
+    "registry",
+]
