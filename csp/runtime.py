@@ -370,7 +370,7 @@ class Runtime:
         if not first:
             log.warning("process %s also raised during shutdown: %r", w.qualname, exc)
             return
-        log.error("process %s failed: %r; stopping the graph", w.qualname, exc)
+        log.error("process %s failed: %r; stopping the graph", w.qualname, exc, exc_info=exc)
         self._shutdown(f"process {w.qualname} failed: {exc!r}")
 
     def _shutdown(self, reason: str) -> None:
