@@ -34,6 +34,8 @@ class Batch(msgspec.Struct, kw_only=True):
         num_padding: padding tokens in the batch (computed but useless).
         sampler_state: the sampler's state *after* this batch (restoring it resumes exactly at the
             next batch).
+        anchors: ``[B, A]`` int64 anchor positions drawn by ``prefetch`` (-1 = empty slot), or None
+            before they are drawn.
     """
 
     seq: int
@@ -46,27 +48,21 @@ class Batch(msgspec.Struct, kw_only=True):
     num_tokens: int
     num_padding: int
     sampler_state: dict[str, Any] = {}
+    anchors: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The batch's tensors by field name (anchors included once drawn)."""
+        names = ("input_ids", "loss_mask", "position_ids", "doc_ids", "anchors")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         """Copy of this batch with every tensor moved to ``device``."""
-        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return msgspec.structs.replace(
-            self,
-            input_ids=mv(self.input_ids),
-            loss_mask=mv(self.loss_mask),
-            position_ids=mv(self.position_ids),
-            doc_ids=mv(self.doc_ids),
-        )
+        moved = {n: t.to(device, non_blocking=non_blocking) for n, t in self.tensors().items()}
+        return msgspec.structs.replace(self, **moved)
 
     def pin_memory(self) -> "Batch":
         """Copy of this batch with every tensor in page-locked host memory (for async H2D)."""
-        return msgspec.structs.replace(
-            self,
-            input_ids=self.input_ids.pin_memory(),
-            loss_mask=self.loss_mask.pin_memory(),
-            position_ids=self.position_ids.pin_memory(),
-            doc_ids=self.doc_ids.pin_memory(),
-        )
+        return msgspec.structs.replace(self, **{n: t.pin_memory() for n, t in self.tensors().items()})
 
 
 class TargetOutput(msgspec.Struct, kw_only=True):
@@ -80,6 +76,8 @@ class TargetOutput(msgspec.Struct, kw_only=True):
             target logits (hard labels from the data, ``kl_weight == 0``).
         replica: index of the target replica that produced it.
         target_s: seconds the target forward took (host-side, for monitoring).
+        postprocessed: True when the feature post-processing (noise) was already applied on the
+            target side (``[train].postprocess_side = "target"``).
     """
 
     batch: Batch
@@ -87,6 +85,7 @@ class TargetOutput(msgspec.Struct, kw_only=True):
     final_hidden: torch.Tensor | None
     replica: int
     target_s: float = 0.0
+    postprocessed: bool = False
 
 
 class DrafterInput(msgspec.Struct, kw_only=True):

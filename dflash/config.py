@@ -1,0 +1,141 @@
+"""The DFlash graph file: csp's ``[[channel]]``/``[[process]]``/``[trace]`` plus dflash's own tables.
+
+Every table is a msgspec Struct with unknown keys forbidden, so a typo is reported with its path
+(``Object contains unknown field 'lr_peak' - at $.train``) before anything starts. Each component
+owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]`` is
+:class:`dflash.target.TargetConfig`, ``[drafter]`` :class:`dflash.drafter.DrafterConfig`, ``[loss]``
+:class:`dflash.loss.LossConfig`; this module adds ``[run]``, ``[train]``, ``[checkpoint]`` and
+``[monitor]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+import csp
+from dflash.data import DataConfig
+from dflash.drafter import DrafterConfig
+from dflash.loss import LossConfig
+from dflash.target import TargetConfig
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+
+
+class _Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_Table):
+    """``[run]``: what this run is called, where it writes, how long it trains."""
+
+    name: str
+    out_dir: str
+    """Run directory (relative paths are relative to the current directory)."""
+    steps: PositiveInt
+    """Drafter steps (batches) to train in total, counting steps done before a resume."""
+    seed: int = 0
+    """Seeds the data order, anchors, feature noise and drafter init."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True); exact resume is bitwise on CPU in this mode."""
+    resume: str = "auto"
+    """"auto" (newest healthy checkpoint of out_dir, if any), "none", or a checkpoint path."""
+
+
+class TrainSection(_Table):
+    """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
+
+    lr: Annotated[float, Meta(gt=0.0)] = 6e-4
+    """Peak learning rate (per step), reached after warmup_steps."""
+    warmup_steps: Annotated[int, Meta(ge=0)] = 20
+    """Linear warmup length, in steps."""
+    min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
+    """Cosine decay floor, as a fraction of lr."""
+    weight_decay: NonNegFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: NonNegFloat = 1.0
+    """Global L2 gradient-norm clip; 0 disables clipping."""
+    feature_noise: NonNegFloat = 0.0
+    """Std of Gaussian noise added to the target features (relative to their RMS); 0 = off."""
+    postprocess_side: Literal["target", "drafter"] = "drafter"
+    """Where postprocess computes: on the features' source device before the move ("target") or on
+    the drafter's device after it ("drafter"). Both give the same DrafterInput (tested)."""
+    max_nonfinite_streak: PositiveInt = 8
+    """Consecutive skipped (non-finite) steps after which the run stops."""
+    check_channels: bool = False
+    """Debug: check every tensor crossing a channel for non-finite values and name the first producer."""
+    host_staging: bool = False
+    """Move features target -> drafter through host memory instead of device to device."""
+
+
+class CheckpointSection(_Table):
+    """``[checkpoint]``: how often and how many."""
+
+    every: Annotated[int, Meta(ge=0)] = 100
+    """Save every N steps (0 = only at the end)."""
+    keep_last: PositiveInt = 3
+    """Keep the newest K complete healthy checkpoints."""
+
+
+class MonitorSection(_Table):
+    """``[monitor]``: metrics windows and sinks."""
+
+    window: PositiveInt = 10
+    """Steps per logged point; every point records its window size."""
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "dflash"
+    display: Literal["auto", "live", "plain", "off"] = "auto"
+    """"auto": a rich live view on a terminal, plain lines otherwise."""
+    spike_factor: Annotated[float, Meta(gt=1.0)] = 3.0
+    """A window whose loss exceeds spike_factor x the running median is flagged as a spike."""
+
+
+class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):
+    """A whole DFlash graph file (``python -m dflash.run GRAPH.toml``)."""
+
+    run: RunSection
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    target: TargetConfig = msgspec.field(default_factory=TargetConfig)
+    drafter: DrafterConfig = msgspec.field(default_factory=DrafterConfig)
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    train: TrainSection = msgspec.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashFile:
+    """Read, override (``--set section.key=value``) and validate a DFlash graph file.
+
+    Raises:
+        csp.GraphError: missing file, bad TOML, unknown key, wrong type (message has the path).
+    """
+    return csp.load_spec(path, spec_type=DFlashFile, overrides=overrides or [])
+
+
+def _drop_none(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+def to_toml(cfg: DFlashFile) -> bytes:
+    """The resolved config as TOML (written to RUN_DIR/config.toml; ``None`` fields are left out,
+    which is how TOML spells "use the default")."""
+    return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg)))
+
+
+def config_hash(cfg: DFlashFile) -> str:
+    """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
+    ``[monitor]`` excluded), stored in checkpoints."""
+    raw = msgspec.to_builtins(cfg)
+    raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
+    raw.pop("monitor", None)
+    raw.pop("trace", None)
+    return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]

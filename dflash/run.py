@@ -1,0 +1,175 @@
+"""``python -m dflash.run GRAPH.toml [--set section.key=value ...] [--resume auto|PATH|none]``
+
+Reads and validates the graph file, prepares the tokenizer and the tokenized data (cached), picks the
+checkpoint to resume from, builds the csp graph and runs it, and closes everything on every path.
+
+Exit codes:
+    0    training finished (``[run].steps`` reached)
+    1    a stage failed (the error names it: ``target[1]``, ``drafter[0]`` ...), or a checkpoint or
+         data problem was found at run time
+    2    bad graph file, config or data (nothing started)
+    130  stopped by Ctrl-C: the graph drained and a final checkpoint was written
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+from rich.console import Console
+from rich.logging import RichHandler
+
+import csp
+from dflash.app import RunApp
+from dflash.checkpoint import CheckpointError, load_train_state, read_meta, resolve_resume
+from dflash.config import DFlashFile, config_hash, load_config, to_toml
+from dflash.metrics_log import MetricsLog
+
+log = logging.getLogger("dflash.run")
+console = Console(stderr=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dflash.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("graph", help="graph file (TOML), e.g. examples/dflash-tiny.toml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set run.steps=50 --set process.target.replicas=1")
+    p.add_argument("--resume", default=None, help="auto (newest healthy checkpoint) | PATH | none; "
+                   "overrides [run].resume")
+    return p.parse_args(argv)
+
+
+def setup_logging(run_dir: Path) -> None:
+    """Log to the terminal (rich) and to RUN_DIR/run.log (plain)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_dflash", False):
+            root.removeHandler(h)
+    term = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+    term.setLevel(logging.INFO)
+    file = logging.FileHandler(run_dir / "run.log")
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for h in (term, file):
+        h._dflash = True  # type: ignore[attr-defined]
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+
+
+def prepare(cfg: DFlashFile, resume: str) -> RunApp:
+    """Everything that must exist before the graph starts: tokenizer, data, resume state.
+
+    Raises:
+        dflash.data.DataError: unusable data (message names the file and the reasons).
+        CheckpointError: the requested checkpoint cannot be used.
+    """
+    from dflash.data import build_sampler, load_tokenizer, prepare_dataset, tokenizer_info
+    from dflash.drafter import resolve_drafter_config
+
+    run_dir = Path(cfg.run.out_dir)
+    tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
+    info = tokenizer_info(tok)
+    if cfg.target.path is None and cfg.target.vocab_size is None:
+        cfg.target.vocab_size = info.vocab_size
+    if cfg.drafter.mask_token_id is None:
+        if info.mask_token_id is None:
+            raise csp.GraphError("[drafter].mask_token_id is not set and the tokenizer has no mask token: "
+                                 "set drafter.mask_token_id to an unused token id")
+        cfg.drafter.mask_token_id = info.mask_token_id
+    cfg.data.block_size = cfg.drafter.block_size
+
+    dataset = prepare_dataset(cfg.data, tok)
+    sampler = build_sampler(dataset, cfg.data)
+
+    ckpt = resolve_resume(run_dir, resume)
+    train_state, start_step = None, 0
+    if ckpt is not None:
+        train_state = load_train_state(ckpt)
+        start_step = int(train_state["step"])
+        sampler.load_state_dict(train_state["sampler"])
+        meta = read_meta(ckpt) or {}
+        if meta.get("config_hash") != config_hash(cfg):
+            log.warning("the config differs from the one checkpoint %s was trained with "
+                        "(hash %s, now %s)", ckpt, meta.get("config_hash"), config_hash(cfg))
+        console.rule(f"[bold yellow]RESUMING from step {start_step}: {ckpt}")
+        log.warning("RESUMING from step %d: %s", start_step, ckpt)
+    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        log.warning("%s already holds checkpoints; starting from step 0 (resume=%s)", run_dir, resume)
+
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    app = RunApp(
+        cfg=cfg,
+        run_dir=run_dir,
+        sampler=sampler,
+        start_step=start_step,
+        resume_path=ckpt,
+        train_state=train_state,
+        metrics=metrics,
+        config_hash=config_hash(cfg),
+        drafter_cfg=resolve_drafter_config(cfg.drafter, cfg.target),
+    )
+    metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step,
+                   "data": getattr(dataset, "report", None) and msgspec.to_builtins(dataset.report)})
+    if ckpt is not None:
+        metrics.write({"kind": "resume", "step": start_step, "path": str(ckpt)})
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.graph, args.overrides)
+    except csp.GraphError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    run_dir = Path(cfg.run.out_dir)
+    setup_logging(run_dir)
+    (run_dir / "config.toml").write_bytes(to_toml(cfg))
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.run.seed)
+
+    import dflash.stages  # noqa: F401  (registers the dflash.* process kinds)
+    from dflash.data import DataError
+
+    try:
+        app = prepare(cfg, args.resume or cfg.run.resume)
+        graph = csp.Graph.from_spec(cfg)
+    except (csp.GraphError, DataError, CheckpointError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        return 2
+    if app.steps_to_run == 0:
+        log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
+        return 0
+
+    runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
+    app.channel_stats = runtime.channel_statistics
+    log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.start_step + 1,
+             cfg.run.steps, run_dir)
+    t0 = time.time()
+    status, code = "failed", 1
+    try:
+        result = runtime.run()
+        status, code = result.status, result.exit_code
+    except csp.ProcessFailed as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        cause = exc.__cause__
+        if cause is not None and not isinstance(cause, (KeyboardInterrupt,)):
+            log.error("stage %s failed: %r", exc.qualname if hasattr(exc, "qualname") else exc.process, cause)
+    finally:
+        app.metrics.write({"kind": "end", "status": status, "exit_code": code, "seconds": time.time() - t0})
+        app.metrics.close()
+    if code == 130:
+        log.warning("stopped by Ctrl-C after draining; the final checkpoint is in %s", run_dir / "checkpoints")
+    elif code == 0:
+        log.info("done in %.1fs; metrics: %s", time.time() - t0, run_dir / "metrics.jsonl")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Non-finite sentinel at channel boundaries (``[train].check_channels``, a debug switch).
+
+Failure mode 2 of DESIGN.md: a NaN nobody can localise. With the switch on, every stage checks the
+floating-point tensors of each item it sends; the first non-finite value stops the run with an error
+naming the producing process (e.g. ``target[1]``), the channel, the batch id and the tensor.
+
+On CUDA there is no host synchronisation per tensor: one fused ``isfinite().all()`` flag per tensor
+is stacked on the device, copied to pinned host memory asynchronously, and checked once its event
+has completed — a later ``check`` (or :meth:`FiniteSentinel.flush`) raises. Detection is therefore
+delayed by at most a few items on GPU, and immediate on CPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import msgspec
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite values where none may be; the message names where they first appeared."""
+
+
+def floating_tensors(item: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``(dotted name, tensor)`` for every floating-point tensor in a Struct/dict/list item."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(item, torch.Tensor):
+        if item.is_floating_point():
+            out.append((prefix or "tensor", item))
+    elif isinstance(item, msgspec.Struct):
+        for f in item.__struct_fields__:
+            out += floating_tensors(getattr(item, f), f"{prefix}.{f}" if prefix else f)
+    elif isinstance(item, dict):
+        for k, v in item.items():
+            out += floating_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(item, (list, tuple)):
+        for i, v in enumerate(item):
+            out += floating_tensors(v, f"{prefix}[{i}]")
+    return out
+
+
+class FiniteSentinel:
+    """Checks items a process sends; a no-op when disabled.
+
+    Args:
+        producer: the process's qualified name (``target[0]``), used in the error.
+        enabled: the ``[train].check_channels`` switch.
+    """
+
+    def __init__(self, producer: str, enabled: bool) -> None:
+        self.producer = producer
+        self.enabled = enabled
+        self._pending: deque[tuple[Any, torch.Tensor, list[str], int, str]] = deque()
+        self.checked = 0
+
+    def check(self, item: Any, *, batch_id: int, channel: str) -> None:
+        """Check ``item`` (about to be sent on ``channel``).
+
+        Raises:
+            NonFiniteError: this item (CPU) or an earlier one (CUDA, checked asynchronously) holds a
+                NaN or Inf.
+        """
+        if not self.enabled:
+            return
+        self._poll(block=False)
+        named = floating_tensors(item)
+        if not named:
+            return
+        names = [n for n, _ in named]
+        if not named[0][1].is_cuda:
+            flags = torch.stack([torch.isfinite(t).all() for _, t in named])
+            self._verify(flags, names, batch_id, channel)
+            return
+        flags = torch.stack([torch.isfinite(t).all() for _, t in named])
+        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host, names, batch_id, channel))
+
+    def flush(self) -> None:
+        """Wait for every pending asynchronous check (call once at the end of the stage)."""
+        self._poll(block=True)
+
+    def _poll(self, block: bool) -> None:
+        while self._pending:
+            event, host, names, batch_id, channel = self._pending[0]
+            if block:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._pending.popleft()
+            self._verify(host, names, batch_id, channel)
+
+    def _verify(self, flags: torch.Tensor, names: list[str], batch_id: int, channel: str) -> None:
+        self.checked += 1
+        ok = flags.tolist()
+        if all(ok):
+            return
+        bad = [n for n, good in zip(names, ok) if not good]
+        raise NonFiniteError(
+            f"non-finite values first produced by {self.producer} on channel '{channel}' "
+            f"(batch {batch_id}, tensor {', '.join(bad)}); upstream items were finite"
+        )

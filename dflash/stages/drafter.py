@@ -1,0 +1,211 @@
+"""``dflash.drafter``: the training step — forward, backward, AdamW, schedule, clipping, checkpoints.
+
+One step, top to bottom (:meth:`DrafterStage.train_step`):
+
+1. ``compute_loss`` on the drafter input (bf16 autocast on CUDA, fp32 on CPU);
+2. backward, global gradient norm (clipped to ``[train].grad_clip``);
+3. one host read of ``[loss, grad_norm, ce, kl, acc...]`` — the step's only synchronisation;
+4. non-finite loss or gradient: the update is skipped, counted and reported with the batch id;
+   ``[train].max_nonfinite_streak`` consecutive skips stop the run, naming the last healthy checkpoint;
+5. otherwise AdamW step, scheduler step;
+6. every ``[checkpoint].every`` steps a background checkpoint (:mod:`dflash.checkpoint`).
+
+When the input ends (the data is exhausted, or a graceful stop drained the graph) a final checkpoint
+is written and waited for.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+from safetensors.torch import load_file
+
+import csp
+from dflash.app import RunApp
+from dflash.checkpoint import Checkpointer
+from dflash.messages import DrafterInput, StepMetrics
+from dflash.metrics import simulated_accepted_length
+from dflash.model_io import config_files
+from dflash.objective import compute_loss
+from dflash.sentinel import NonFiniteError
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Multiplier of the peak lr at step s (0-based): linear warmup over ``warmup`` steps, then
+    cosine decay to ``min_ratio`` at ``total`` (the usual warmup + cosine schedule)."""
+
+    def f(s: int) -> float:
+        if warmup > 0 and s < warmup:
+            return (s + 1) / warmup
+        progress = min(max(s - warmup, 0) / max(total - warmup, 1), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+@csp.register("dflash.drafter")
+class DrafterStage(csp.Process):
+    """Trains the DFlash drafter. Input ``features``: :class:`DrafterInput`; output ``metrics``:
+    one :class:`StepMetrics` per step (skipped steps included)."""
+
+    inputs = {"features": DrafterInput}
+    outputs = {"metrics": StepMetrics}
+
+    def setup(self) -> None:
+        from dflash.drafter import DFlashDrafter
+        from dflash.target import load_shared_head
+
+        app: RunApp = self.ctx.app
+        self.app, cfg = app, app.cfg
+        self.device = self.ctx.device or torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.head = load_shared_head(cfg.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
+        torch.manual_seed(cfg.run.seed)
+        self.drafter = DFlashDrafter(app.drafter_cfg).to(self.device)  # fp32 master weights
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        t = cfg.train
+        self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(t.warmup_steps, cfg.run.steps, t.min_lr_ratio)
+        )
+        self.step = app.start_step
+        self.streak = 0
+        self.skipped_total = 0
+        if app.resume_path is not None:
+            self._restore()
+        self.ckpt = Checkpointer(
+            app.run_dir / "checkpoints",
+            keep_last=cfg.checkpoint.keep_last,
+            config_hash=app.config_hash,
+            on_event=app.metrics.write,
+        )
+        self.ckpt.last_healthy = app.resume_path
+        self.last_sampler_state: dict = {}
+        self.last_loss = float("nan")
+        self.last_batch_id = -1
+
+    def _restore(self) -> None:
+        path, state = self.app.resume_path, self.app.train_state
+        self.drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.skipped_total = state.get("skipped_total", 0)
+
+    def run(self, inputs, outputs) -> None:
+        metrics = outputs["metrics"]
+        every = self.app.cfg.checkpoint.every
+        for inp in inputs["features"]:
+            m = self.train_step(inp)
+            metrics.send(m)
+            if every and self.step % every == 0 and self.step < self.app.cfg.run.steps:
+                self.save()
+        if self.last_batch_id >= 0:  # trained at least one step in this process: final checkpoint
+            self.save()
+        self.ckpt.wait()
+
+    def teardown(self) -> None:
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None:
+            ckpt.close()  # finishes an in-flight save; never leaves a half-written checkpoint
+
+    def train_step(self, inp: DrafterInput) -> StepMetrics:
+        """One optimizer step (or a counted skip) on one batch; see the module docstring."""
+        cfg = self.app.cfg
+        self.step += 1
+        t0 = time.perf_counter()
+        b = inp.batch
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else nullcontext()
+        with self.ctx.span("drafter.step"):
+            with autocast:
+                out = compute_loss(
+                    self.drafter,
+                    self.head,
+                    features=inp.features,
+                    input_ids=b.input_ids,
+                    loss_mask=b.loss_mask,
+                    doc_ids=b.doc_ids,
+                    position_ids=b.position_ids,
+                    anchors=inp.anchors,
+                    final_hidden=inp.final_hidden,
+                    cfg=cfg.loss,
+                )
+            out.loss.backward()
+            clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            # The step's one host synchronisation: everything the monitor and the skip rule need.
+            vals = torch.cat(
+                [torch.stack([out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]),
+                 out.acc_per_pos.float()]
+            ).tolist()
+            loss, gnorm, ce, kl, acc = vals[0], vals[1], vals[2], vals[3], vals[4:]
+            lr = self.sched.get_last_lr()[0]
+            reason = None
+            if not math.isfinite(loss):
+                reason = "non-finite loss"
+            elif not math.isfinite(gnorm):
+                reason = "non-finite gradient"
+            if reason is None:
+                self.ckpt.before_update()
+                self.opt.step()
+                self.streak = 0
+            else:
+                self.streak += 1
+                self.skipped_total += 1
+            self.opt.zero_grad(set_to_none=True)
+            self.sched.step()  # the schedule follows steps (batches), skipped or not
+        self.last_batch_id = b.batch_id
+        self.last_sampler_state = b.sampler_state
+        if reason is None:
+            self.last_loss = loss
+        elif self.streak >= cfg.train.max_nonfinite_streak:
+            last = self.ckpt.last_healthy
+            raise NonFiniteError(
+                f"{self.streak} consecutive non-finite steps (last: step {self.step}, batch {b.batch_id}, "
+                f"{reason}); stopping. Last healthy checkpoint: {last if last else 'none'} "
+                f"(resume with --resume {last})" if last else
+                f"{self.streak} consecutive non-finite steps (last: step {self.step}, batch {b.batch_id}, "
+                f"{reason}); stopping. No healthy checkpoint was written yet."
+            )
+        return StepMetrics(
+            step=self.step,
+            batch_id=b.batch_id,
+            loss=loss if reason is None else float("nan"),
+            ce=ce if reason is None else float("nan"),
+            kl=kl if reason is None else float("nan"),
+            acc_per_pos=acc,
+            tau_sim=simulated_accepted_length(acc),
+            lr=lr,
+            grad_norm=gnorm,
+            skipped=reason is not None,
+            skip_reason=reason,
+            num_tokens=b.num_tokens,
+            num_padding=b.num_padding,
+            num_blocks=int(out.num_blocks),
+            step_s=time.perf_counter() - t0,
+            target_s=inp.target_s,
+            time=time.time(),
+        )
+
+    def save(self) -> None:
+        """Background checkpoint of the state after ``self.step`` (returns before the disk write)."""
+        with self.ctx.span("checkpoint.snapshot"):
+            train_state = {
+                "step": self.step,
+                "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(),
+                "sampler": self.last_sampler_state,
+                "rng": {"torch": torch.get_rng_state()},
+                "skipped_total": self.skipped_total,
+            }
+            self.ckpt.save(
+                step=self.step,
+                batch_id=self.last_batch_id,
+                loss=self.last_loss,
+                weights=dict(self.drafter.state_dict()),
+                train_state=train_state,
+                configs=config_files(self.app.drafter_cfg, self.app.cfg.target),
+            )

@@ -1,0 +1,79 @@
+"""``dflash.monitor``: step-indexed metrics to metrics.jsonl, wandb and the live display."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import msgspec
+
+import csp
+from dflash.app import RunApp
+from dflash.messages import StepMetrics
+from dflash.metrics_log import WandbSink, WindowAggregator
+
+log = logging.getLogger("dflash.monitor")
+
+
+@csp.register("dflash.monitor")
+class MonitorStage(csp.Process):
+    """Sink stage. Input ``metrics``: :class:`StepMetrics`, one per drafter step.
+
+    Writes a ``train`` record per fixed window of ``[monitor].window`` steps and a ``skip`` record
+    per skipped step to ``RUN_DIR/metrics.jsonl``, logs the same windows to wandb (offline unless
+    configured), and refreshes the live display (rich on a terminal, plain lines otherwise) with
+    throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss exceeds
+    ``[monitor].spike_factor`` x the median of the previous windows is flagged in the log.
+    """
+
+    inputs = {"metrics": StepMetrics}
+    outputs: dict = {}
+
+    def setup(self) -> None:
+        from dflash.display import make_display
+
+        app: RunApp = self.ctx.app
+        self.app, cfg = app, app.cfg
+        self.windows = WindowAggregator(cfg.monitor.window, start_time=time.time())
+        self.wandb = WandbSink(
+            cfg.monitor.wandb, cfg.monitor.wandb_project, cfg.run.name, app.run_dir, msgspec.to_builtins(cfg)
+        )
+        self.display = make_display(
+            mode=cfg.monitor.display, total_steps=cfg.run.steps, start_step=app.start_step, run_name=cfg.run.name
+        )
+        self.losses: list[float] = []
+
+    def run(self, inputs, outputs) -> None:
+        for m in inputs["metrics"]:
+            if m.skipped:
+                self.app.metrics.write(
+                    {"kind": "skip", "step": m.step, "batch_id": m.batch_id, "reason": m.skip_reason, "time": m.time}
+                )
+                log.warning("step %d skipped (%s, batch %d)", m.step, m.skip_reason, m.batch_id)
+            record = self.windows.add(m)
+            if record is not None:
+                self._emit(record)
+        record = self.windows.flush()
+        if record is not None:
+            self._emit(record)
+
+    def _emit(self, record: dict) -> None:
+        loss = record["loss"]
+        if len(self.losses) >= 5 and loss == loss and loss > self.app.cfg.monitor.spike_factor * statistics.median(
+            self.losses[-20:]
+        ):
+            record["spike"] = True
+            log.warning("loss spike at step %d: %.4f (median of recent windows %.4f)",
+                        record["step"], loss, statistics.median(self.losses[-20:]))
+        if loss == loss:
+            self.losses.append(loss)
+        self.app.metrics.write(record)
+        self.wandb.log(record)
+        self.display.update(record, self.app.channel_stats())
+
+    def teardown(self) -> None:
+        if hasattr(self, "display"):
+            self.display.close()
+        if hasattr(self, "wandb"):
+            self.wandb.close()

@@ -1,0 +1,62 @@
+"""``dflash.prefetch``: batches from the data sampler, anchors sampled, pinned when a GPU trains."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+import csp
+from dflash.anchors import sample_anchors
+from dflash.app import RunApp
+from dflash.messages import Batch
+from dflash.sentinel import FiniteSentinel
+
+
+def anchor_generator(seed: int, batch_id: int) -> torch.Generator:
+    """CPU generator for one batch's anchors: a pure function of (run seed, batch id), so a resumed
+    run draws exactly the anchors the uninterrupted run drew."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + batch_id) % (2**63))
+
+
+@csp.register("dflash.prefetch")
+class PrefetchStage(csp.Process):
+    """Source stage: pulls ``steps_to_run`` batches from the sampler and sends them on ``batches``.
+
+    Anchors (``Batch.anchors``, ``[B, A]`` int64, -1 = empty slot) are drawn here on the CPU, off the
+    GPU's critical path. With ``pin = true`` (default when any process runs on CUDA) every batch is
+    copied to page-locked memory so the target's host-to-device copy is asynchronous.
+    Stops early, after the current batch, when a graceful stop is requested.
+    """
+
+    inputs: dict = {}
+    outputs = {"batches": Batch}
+
+    def setup(self) -> None:
+        self.app: RunApp = self.ctx.app
+        self.pin = torch.cuda.is_available() and any(
+            (p.device or "").startswith("cuda") or any(d.startswith("cuda") for d in (p.devices or []))
+            for p in self.app.cfg.process
+        )
+        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.app.cfg.train.check_channels)
+
+    def run(self, inputs, outputs) -> None:
+        cfg = self.app.cfg
+        out = outputs["batches"]
+        sampler = self.app.sampler
+        for seq in range(self.app.steps_to_run):
+            if self.ctx.stopping():
+                break
+            with self.ctx.span("batch"):
+                batch: Batch = next(sampler)
+                anchors = sample_anchors(
+                    batch.loss_mask,
+                    batch.doc_ids,
+                    cfg.drafter.num_anchors,
+                    cfg.drafter.block_size,
+                    generator=anchor_generator(cfg.run.seed, batch.batch_id),
+                )
+                batch = msgspec.structs.replace(batch, seq=seq, anchors=anchors)
+                if self.pin:
+                    batch = batch.pin_memory()
+            self.sentinel.check(batch, batch_id=batch.batch_id, channel="batches")
+            out.send(batch)

@@ -1,0 +1,64 @@
+"""``dflash.target``: one frozen target replica per device; hidden states of the captured layers."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import csp
+from dflash.app import RunApp
+from dflash.loss import needs_final_hidden
+from dflash.messages import Batch, TargetOutput
+from dflash.sentinel import FiniteSentinel
+from dflash.stages.postprocess import apply_feature_noise
+from dflash.target import load_target
+
+
+@csp.register("dflash.target")
+class TargetStage(csp.Process):
+    """Runs the frozen target over each batch and sends its hidden states.
+
+    Input ``batches``: :class:`Batch` (host memory, pinned on GPU runs). Output ``hidden``:
+    :class:`TargetOutput` with ``layer_hidden [B, T, k*H]`` and, only when the loss needs target
+    logits, ``final_hidden [B, T, H]``, both on this replica's device in the target dtype.
+    The output channel is normally ``ordered``: the item is sent with ``seq = batch.seq`` so the
+    fan-in restores the batch order whatever replica finishes first.
+    """
+
+    inputs = {"batches": Batch}
+    outputs = {"hidden": TargetOutput}
+
+    def setup(self) -> None:
+        app: RunApp = self.ctx.app
+        self.device = self.ctx.device or torch.device("cpu")
+        self.need_final = needs_final_hidden(app.cfg.loss)
+        self.target = load_target(app.cfg.target, self.device, num_draft_layers=app.cfg.drafter.num_layers)
+        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=app.cfg.train.check_channels)
+        self.postprocess_here = app.cfg.train.postprocess_side == "target"
+        self.noise, self.seed = app.cfg.train.feature_noise, app.cfg.run.seed
+
+    def run(self, inputs, outputs) -> None:
+        out = outputs["hidden"]
+        for batch in inputs["batches"]:
+            t0 = time.perf_counter()
+            with self.ctx.span("target.forward"), torch.no_grad():
+                b = batch.to(self.device, non_blocking=True)
+                layer_hidden, final_hidden = self.target.forward(
+                    b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final
+                )
+                if self.postprocess_here:  # [train].postprocess_side = "target"
+                    layer_hidden = apply_feature_noise(
+                        layer_hidden, std=self.noise, seed=self.seed, batch_id=batch.batch_id
+                    )
+            item = TargetOutput(
+                batch=b,
+                layer_hidden=layer_hidden,
+                final_hidden=final_hidden,
+                replica=self.ctx.replica,
+                target_s=time.perf_counter() - t0,
+                postprocessed=self.postprocess_here,
+            )
+            self.sentinel.check(item, batch_id=batch.batch_id, channel="hidden")
+            out.send(item, seq=batch.seq)
+        self.sentinel.flush()

@@ -1,0 +1,106 @@
+"""dflash.checkpoint: atomic background saves, retention, health, resume selection."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dflash.checkpoint import (
+    CheckpointError,
+    Checkpointer,
+    is_healthy,
+    list_checkpoints,
+    load_train_state,
+    read_meta,
+    resolve_resume,
+    step_dir,
+)
+
+
+def _save(ck: Checkpointer, step: int, w: float = 1.0, loss: float = 1.0) -> None:
+    ck.save(
+        step=step,
+        batch_id=step - 1,
+        loss=loss,
+        weights={"fc.weight": torch.full((2, 2), w)},
+        train_state={"step": step, "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}},
+        configs={"drafter_config.json": {"block_size": 4}},
+    )
+
+
+def test_save_writes_complete_checkpoint(tmp_path):
+    events = []
+    ck = Checkpointer(tmp_path / "checkpoints", keep_last=3, config_hash="abc", on_event=events.append)
+    _save(ck, 10, loss=2.5)
+    ck.close()
+    d = step_dir(tmp_path / "checkpoints", 10)
+    assert is_healthy(d)
+    meta = read_meta(d)
+    assert meta["step"] == 10 and meta["loss"] == 2.5 and meta["config_hash"] == "abc" and meta["healthy"]
+    assert json.loads((d / "drafter_config.json").read_text()) == {"block_size": 4}
+    assert load_train_state(d)["step"] == 10
+    assert events and events[0]["kind"] == "checkpoint" and events[0]["healthy"] is True
+
+
+def test_snapshot_is_taken_at_save_time(tmp_path):
+    """The weights written are those of the save() call, even if training changes them right after."""
+    ck = Checkpointer(tmp_path, keep_last=3, config_hash="h")
+    w = torch.zeros(3)
+    ck.save(step=1, batch_id=0, loss=0.0, weights={"w": w}, train_state={}, configs={})
+    w.add_(5.0)  # the next optimizer step mutates the parameter in place
+    ck.close()
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(step_dir(tmp_path, 1) / "model.safetensors"))["w"], torch.zeros(3))
+
+
+def test_retention_keeps_last_k(tmp_path):
+    ck = Checkpointer(tmp_path, keep_last=2, config_hash="h")
+    for s in (1, 2, 3, 4):
+        _save(ck, s)
+    ck.close()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+
+
+def test_nonfinite_weights_are_never_written(tmp_path):
+    events = []
+    ck = Checkpointer(tmp_path, keep_last=3, config_hash="h", on_event=events.append)
+    _save(ck, 5, w=math.nan)
+    ck.close()
+    assert list_checkpoints(tmp_path) == []
+    assert events[0]["healthy"] is False and "non-finite" in events[0]["reason"]
+
+
+def test_stale_tmp_dirs_are_removed_and_ignored(tmp_path):
+    (tmp_path / ".tmp-step_00000009").mkdir(parents=True)
+    (tmp_path / ".tmp-step_00000009" / "model.safetensors").write_bytes(b"partial")
+    Checkpointer(tmp_path, keep_last=1, config_hash="h").close()
+    assert not (tmp_path / ".tmp-step_00000009").exists()
+
+
+def test_resume_auto_picks_newest_healthy(tmp_path):
+    root = tmp_path / "checkpoints"
+    ck = Checkpointer(root, keep_last=5, config_hash="h")
+    _save(ck, 1)
+    _save(ck, 2)
+    ck.close()
+    # A newer directory without meta.json (a save interrupted by a crash) must be skipped ...
+    (root / "step_00000003").mkdir()
+    # ... and so must one marked unhealthy.
+    bad = root / "step_00000004"
+    bad.mkdir()
+    (bad / "meta.json").write_text(json.dumps({"step": 4, "healthy": False}))
+    assert resolve_resume(tmp_path, "auto") == root / "step_00000002"
+    assert resolve_resume(tmp_path, "none") is None
+    assert resolve_resume(tmp_path / "elsewhere", "auto") is None
+
+
+def test_resume_explicit_path_must_be_healthy(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        resolve_resume(tmp_path, str(tmp_path / "nope"))
+    (tmp_path / "half").mkdir()
+    with pytest.raises(CheckpointError, match="not a complete healthy checkpoint"):
+        resolve_resume(tmp_path, str(tmp_path / "half"))

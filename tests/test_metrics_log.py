@@ -1,0 +1,61 @@
+"""dflash.metrics_log: fixed step windows (DESIGN failure mode 5) and the JSONL writer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from dflash.messages import StepMetrics
+from dflash.metrics_log import MetricsLog, WindowAggregator
+
+
+def _m(step: int, loss: float = 1.0, skipped: bool = False, t: float = 0.0) -> StepMetrics:
+    return StepMetrics(step=step, batch_id=step, loss=math.nan if skipped else loss, ce=loss, kl=0.0,
+                       acc_per_pos=[0.5, 0.25], tau_sim=0.625, lr=1e-3, grad_norm=1.0, skipped=skipped,
+                       num_tokens=100, num_padding=25, step_s=0.5, target_s=0.25, time=t)
+
+
+def test_windows_are_fixed_in_steps_and_record_their_size():
+    agg = WindowAggregator(window=4, start_time=0.0)
+    out = [agg.add(_m(s, loss=float(s), t=float(s))) for s in range(1, 9)]
+    records = [r for r in out if r is not None]
+    assert [r["step"] for r in records] == [4, 8]
+    assert [r["window"] for r in records] == [4, 4]
+    assert records[0]["loss"] == (1 + 2 + 3 + 4) / 4
+    assert records[1]["loss"] == (5 + 6 + 7 + 8) / 4
+    assert records[0]["tok_s"] == 400 / 4.0  # 4 steps x 100 tokens over 4 wall seconds
+    assert records[0]["padding_waste"] == 100 / 500
+
+
+def test_windows_align_to_step_numbers_after_resume():
+    """A run resumed at step 6 logs a 2-step window at step 8, then full windows: same x-axis as the
+    uninterrupted run, no phantom resets."""
+    agg = WindowAggregator(window=4, start_time=0.0)
+    records = [r for r in (agg.add(_m(s, t=float(s))) for s in range(7, 13)) if r]
+    assert [(r["step"], r["window"]) for r in records] == [(8, 2), (12, 4)]
+
+
+def test_skipped_steps_are_counted_not_averaged():
+    agg = WindowAggregator(window=3, start_time=0.0)
+    agg.add(_m(1, loss=2.0, t=1))
+    agg.add(_m(2, skipped=True, t=2))
+    r = agg.add(_m(3, loss=4.0, t=3))
+    assert r["loss"] == 3.0 and r["skipped_total"] == 1 and r["window"] == 3
+
+
+def test_partial_last_window_is_flushed():
+    agg = WindowAggregator(window=10, start_time=0.0)
+    for s in (1, 2, 3):
+        agg.add(_m(s, t=float(s)))
+    r = agg.flush()
+    assert r["step"] == 3 and r["window"] == 3
+    assert agg.flush() is None
+
+
+def test_metrics_log_appends_lines(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"kind": "start"})
+    log.write({"kind": "train", "step": 1})
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["kind"] for x in lines] == ["start", "train"] and all("time" in x for x in lines)

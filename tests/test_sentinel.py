@@ -1,0 +1,36 @@
+"""dflash.sentinel: the channel-boundary NaN check names the first producer (DESIGN failure mode 2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash.messages import TargetOutput
+from dflash.sentinel import FiniteSentinel, NonFiniteError, floating_tensors
+from tests.helpers import make_batch
+
+
+def test_finds_nested_floating_tensors_only():
+    b = make_batch()
+    out = TargetOutput(batch=b, layer_hidden=torch.zeros(1, 4, 6), final_hidden=None, replica=0)
+    names = [n for n, _ in floating_tensors(out)]
+    assert names == ["layer_hidden"]  # ids/masks are integer/bool, final_hidden is None
+
+
+def test_names_producer_channel_batch_and_tensor():
+    s = FiniteSentinel("target[1]", enabled=True)
+    h = torch.zeros(1, 4, 6)
+    s.check(TargetOutput(batch=make_batch(), layer_hidden=h, final_hidden=None, replica=1), batch_id=3,
+            channel="hidden")
+    h[0, 2, 1] = math.nan
+    with pytest.raises(NonFiniteError, match=r"target\[1\] on channel 'hidden' \(batch 7, tensor layer_hidden\)"):
+        s.check(TargetOutput(batch=make_batch(), layer_hidden=h, final_hidden=None, replica=1), batch_id=7,
+                channel="hidden")
+
+
+def test_disabled_costs_nothing_and_checks_nothing():
+    s = FiniteSentinel("x", enabled=False)
+    s.check({"a": torch.tensor([math.inf])}, batch_id=0, channel="c")
+    assert s.checked == 0
