@@ -1,0 +1,42 @@
+"""Drafter quality metrics: per-position accuracy and accepted length.
+
+Convention used everywhere in dflash (training logs, ``StepMetrics.tau_sim``, ``dflash.eval``):
+the **accepted length** of one draft-and-verify step is the number of *drafted* tokens the target
+accepted (0 .. bs-1). The bonus token the target adds at every step is **not** counted; tokens
+emitted per step = accepted length + 1.
+
+* ``acc_j`` = fraction of trained slots ``j`` whose drafter argmax equals the label
+  (``j = 1 .. bs-1``).
+* Simulated accepted length from marginals: ``tau = sum_{j=1}^{bs-1} prod_{i<=j} acc_i``. Exact if
+  errors at different slots were independent.
+* Streak (per block, teacher-forced): ``s_b = sum_j prod_{i<=j} correct_{b,i}``, the number of
+  leading correct slots. Under greedy verification the measured accepted length at an anchor equals
+  its streak against the target's argmax, so the mean streak over the anchors a decode visits is the
+  measured figure exactly; over all anchors it is the simulated one without the independence
+  assumption.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["accuracy_per_position", "streak_lengths", "tau_from_accuracy"]
+
+
+def accuracy_per_position(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[bs-1]`` fp32 accuracy per slot from ``correct, valid [M, bs-1]`` bool (nan where no slot
+    is valid)."""
+    n = valid.sum(0).float()
+    return (correct & valid).sum(0).float() / n
+
+
+def tau_from_accuracy(acc: torch.Tensor | list[float]) -> float:
+    """``sum_j prod_{i<=j} acc_i`` (nan entries count as 0: an untested slot accepts nothing)."""
+    a = torch.as_tensor(acc, dtype=torch.float64).nan_to_num(0.0)
+    return float(torch.cumprod(a, 0).sum())
+
+
+def streak_lengths(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[M]`` leading-correct count per block; an invalid slot ends the streak."""
+    ok = (correct & valid).long()
+    return torch.cumprod(ok, dim=1).sum(1)

@@ -1,0 +1,138 @@
+"""features -> loss: the one function the drafter stage calls per batch.
+
+Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
+
+1. Blocks: ``[input_ids[a], mask, ..., mask]`` at each anchor ``a`` -> shared embedding
+   ``[B, A, bs, H]``; layout from :func:`dflash.attention.training_layout`.
+2. Drafter forward -> hidden ``[B, A, bs, H]``; slot ``j >= 1`` predicts token ``a + j``.
+3. A slot is trained iff its anchor is valid, ``a + j < T``, ``doc_ids[a + j] == doc_ids[a]`` and
+   ``loss_mask[a + j]``. Only those ``N`` slots go through the LM head (never ``B*T*V``).
+4. Labels: ``input_ids[a + j]`` ("data") or the target argmax for token ``a + j``, read from
+   ``final_hidden[a + j - 1]`` (the target's prediction *of* token ``a + j`` is made at the
+   position before it). KL uses the target logits at the same ``a + j - 1``.
+5. Loss, CE/KL means, per-position accuracy (against the target argmax when target logits are
+   computed, which is what greedy verification accepts; else against the data token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.attention import training_layout
+from dflash.drafter import DFlashDrafter
+from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
+from dflash.metrics import accuracy_per_position, streak_lengths
+from dflash.target import SharedHead
+
+__all__ = ["LossOutput", "block_targets", "compute_loss"]
+
+
+@dataclass
+class LossOutput:
+    """Result of :func:`compute_loss`.
+
+    Attributes:
+        loss: scalar fp32 with grad (weighted mean, formula in :mod:`dflash.loss`).
+        ce, kl: unweighted means over trained slots (detached scalars; kl 0 when not computed).
+        acc_per_pos: ``[bs-1]`` fp32 accuracy per slot (nan where no slot was trained).
+        streak_mean: mean leading-correct count over valid blocks (see :mod:`dflash.metrics`).
+        num_blocks: valid anchors.
+        num_predictions: trained slots ``N``.
+    """
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kl: torch.Tensor
+    acc_per_pos: torch.Tensor
+    streak_mean: torch.Tensor
+    num_blocks: int
+    num_predictions: int
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                  anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos [B, A, bs-1] int64, trained [B, A, bs-1] bool)``: position ``a + j`` of the token
+    slot ``j`` predicts (clamped into the row) and whether that slot is trained."""
+    T = input_ids.shape[1]
+    j = torch.arange(1, block_size, device=anchors.device)
+    raw = anchors[:, :, None] + j                                            # [B, A, bs-1]
+    pos = raw.clamp(0, T - 1)
+    B, A, S = pos.shape
+    flat = pos.reshape(B, A * S)
+    doc = doc_ids.long()
+    same_doc = doc.gather(1, flat).view(B, A, S) == doc.gather(1, anchors.clamp(min=0))[:, :, None]
+    trained = ((anchors >= 0)[:, :, None] & (raw < T) & same_doc
+               & loss_mask.bool().gather(1, flat).view(B, A, S))
+    return pos, trained
+
+
+def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Tensor,
+                 input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                 position_ids: torch.Tensor, anchors: torch.Tensor,
+                 final_hidden: torch.Tensor | None, cfg: LossConfig) -> LossOutput:
+    """One batch's loss and metrics (see the module docstring for the steps).
+
+    Args:
+        features: ``[B, T, k*H]`` target features. input_ids/position_ids: ``[B, T]`` int64.
+        loss_mask: ``[B, T]`` bool. doc_ids: ``[B, T]`` (-1 padding). anchors: ``[B, A]`` (-1 empty).
+        final_hidden: ``[B, T, H]`` target final hidden states, or None.
+
+    Raises:
+        ValueError: the config needs target logits and ``final_hidden`` is None, or the drafter
+            has no ``mask_token_id``.
+    """
+    dc = drafter.cfg
+    bs = dc.block_size
+    if dc.mask_token_id is None:
+        raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
+    if needs_final_hidden(cfg) and final_hidden is None:
+        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight} needs the target's "
+                         "final hidden state; run the target with need_final=True")
+    B, A = anchors.shape
+    safe = anchors.clamp(min=0)
+
+    # 1-2. blocks -> drafter hidden [B, A, bs, H]
+    block_ids = torch.full((B, A, bs), dc.mask_token_id, dtype=torch.long, device=input_ids.device)
+    block_ids[:, :, 0] = input_ids.gather(1, safe)
+    layout = training_layout(position_ids, doc_ids, anchors, bs)
+    hidden = drafter(features, head.embed(block_ids), layout)
+
+    # 3. trained slots only -> logits [N, V]
+    pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
+    draft_logits = head.logits(hidden[:, :, 1:][trained]).float()
+    flat_pos = pos[trained]                                                      # [N]
+    row = torch.arange(B, device=pos.device)[:, None, None].expand_as(pos)[trained]
+
+    # 4. labels; target logits at a + j - 1 predict token a + j
+    target_logits = None
+    if final_hidden is not None and (needs_final_hidden(cfg)):
+        target_logits = head.logits(final_hidden[row, flat_pos - 1]).float()
+    data_labels = input_ids[row, flat_pos]
+    labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
+
+    # 5. loss
+    per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+    grid = lambda v, fill=0.0: torch.full(trained.shape, fill, dtype=v.dtype,  # noqa: E731
+                                          device=v.device).masked_scatter(trained, v)
+    label_prob = grid(torch.exp(-ce.detach()))
+    w = position_weights(cfg, label_prob.view(B * A, bs - 1)).view(B, A, bs - 1)[trained]
+    denom = w.sum()
+    loss = (w * per_slot).sum() / denom.clamp(min=1e-12)
+
+    with torch.no_grad():
+        accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
+        correct = grid(draft_logits.argmax(-1) == accept_label, False).view(B * A, bs - 1)
+        valid = trained.view(B * A, bs - 1)
+        block_ok = (anchors >= 0).view(-1)
+        n = max(int(trained.sum()), 1)
+        return LossOutput(
+            loss=loss,
+            ce=ce.detach().sum() / n,
+            kl=kl.detach().sum() / n,
+            acc_per_pos=accuracy_per_position(correct, valid),
+            streak_mean=streak_lengths(correct, valid)[block_ok].float().mean(),
+            num_blocks=int(block_ok.sum()),
+            num_predictions=int(trained.sum()),
+        )
