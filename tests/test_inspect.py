@@ -1,0 +1,253 @@
+"""csp.inspect / csp.backpressure: exact parsing of recorded stats logs, the bottleneck rule, and
+synthetic graphs run with the real runtime whose bottleneck is known by construction."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import csp
+from csp.backpressure import StatsFormatError, StatsLog, read_stats, summarize
+from csp.inspect import follow, main, render_plain, report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "runs"
+
+
+# --------------------------------------------------------------------------------------------
+# Recorded stats file, numbers computed by hand (see tests/fixtures/runs/pipeline/csp/stats.jsonl:
+# source -> batches(cap 4) -> work x2 -> out(cap 2) -> sink; snapshots at t=1 s and final t=2 s).
+
+
+def test_recorded_stats_whole_run_exact():
+    s = report(FIXTURES / "pipeline")
+    assert (s.t_start, s.t_end, s.elapsed_s, s.samples) == (0.0, 2.0, 2.0, 2)
+    assert (s.status, s.exit_code) == ("completed", 0)
+    batches, out = s.channels
+    assert batches.name == "batches" and batches.writers == ["source"] and batches.readers == ["work"]
+    # fill now = final current_fill; avg = mean(4, 2); peak = final peak_fill
+    assert (batches.capacity, batches.fill_now, batches.fill_avg, batches.fill_peak) == (4, 2, 3.0, 4)
+    assert batches.send_blocked_frac == pytest.approx(1.5 / (2.0 * 1))  # 1 sender replica
+    assert batches.receive_wait_frac == pytest.approx(0.2 / (2.0 * 2))  # 2 receiver replicas
+    assert (batches.items_per_s, batches.bytes_per_s) == (10.0, 1000.0)
+    assert (out.fill_now, out.fill_avg, out.fill_peak) == (1, 0.5, 2)
+    assert out.send_blocked_frac == 0.0
+    assert out.receive_wait_frac == pytest.approx(1.6 / 2.0)
+    assert out.items_per_s == pytest.approx(9.5)
+
+    source, work, sink = s.processes
+    assert [p.name for p in s.processes] == ["source", "work", "sink"]
+    assert (source.busy_frac, source.wait_input_frac, source.blocked_output_frac) == (0.25, 0.0, 0.75)
+    w0, w1 = work.replicas
+    assert w0.qualname == "work[0]" and w0.busy_frac == pytest.approx(0.95)
+    assert (w1.busy_frac, w1.wait_input_frac, w1.blocked_output_frac) == pytest.approx((0.85, 0.1, 0.05))
+    # aggregate = summed seconds / summed alive seconds: (1.9+1.7)/4, (0.1+0.2)/4, 0.1/4
+    assert (work.busy_frac, work.wait_input_frac, work.blocked_output_frac) == pytest.approx((0.9, 0.075, 0.025))
+    assert (work.items_in_per_s, work.items_out_per_s) == (10.0, 10.0)
+    assert sink.items_in_per_s == pytest.approx(9.5) and sink.wait_input_frac == pytest.approx(0.8)
+    assert s.verdict.text == "bottleneck: work (busy 90%; sink waits 80% on 'out'; source blocked 75% on 'batches')"
+    assert (s.verdict.stage, s.verdict.replica) == ("work", None)
+
+
+def test_recorded_stats_window_uses_last_seconds_only():
+    s = report(FIXTURES / "pipeline", window_s=1.0)
+    assert (s.t_start, s.elapsed_s, s.samples) == (1.0, 1.0, 1)
+    batches = s.channels[0]
+    assert (batches.fill_avg, batches.fill_peak) == (2.0, 2)  # only the final sample is in the window
+    assert batches.send_blocked_frac == pytest.approx(1.0)
+    assert batches.receive_wait_frac == pytest.approx(0.05)
+    source = s.processes[0]
+    assert (source.busy_frac, source.blocked_output_frac) == (0.0, 1.0)
+
+
+def test_plain_and_json_cli(capsys):
+    assert main([str(FIXTURES / "pipeline")]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[1].startswith("bottleneck: work")
+    assert any(line.split()[:6] == ["batches", "4", "2", "3.0", "4", "75%"] for line in lines)
+    assert any(line.split()[:5] == ["work[1]", "done", "85%", "10%", "5%"] for line in lines)
+    assert "\x1b[" not in text  # not a terminal: no escape codes
+    assert main([str(FIXTURES / "pipeline"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"]["stage"] == "work"
+    assert data["channels"][1]["receive_wait_frac"] == pytest.approx(0.8)
+
+
+def test_missing_run_dir_exits_2(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no stats log at" in capsys.readouterr().err
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    src = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().splitlines()
+    bad = tmp_path / "stats.jsonl"
+    bad.write_text(src[0] + "\n" + '{"kind": "snapshot", "t": "soon"}\n')
+    with pytest.raises(StatsFormatError, match=r"stats.jsonl:2: .*\$\.t"):
+        read_stats(bad)
+
+
+def test_crashed_run_half_line_and_no_final(tmp_path):
+    """A writer killed mid-line leaves a half record: the rest is still analysed, status is live."""
+    src = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().splitlines()
+    path = tmp_path / "csp" / "stats.jsonl"
+    path.parent.mkdir()
+    path.write_text(src[0] + "\n" + src[1] + "\n" + src[2][:40])
+    log = read_stats(tmp_path)
+    assert log.truncated_tail and log.final is None and len(log.samples) == 1
+    s = summarize(log)
+    assert s.status is None and s.t_end == 1.0
+    assert "live (no final record)" in render_plain(s)
+
+
+def test_incremental_feed_keeps_partial_lines():
+    text = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text()
+    log = StatsLog()
+    cut = text.index("\n", text.index("\n") + 1) + 25  # inside the 3rd line
+    assert log.feed(text[:cut]) == 2
+    assert log.final is None
+    assert log.feed(text[cut:]) == 1
+    assert log.final is not None and log.final.status == "completed"
+
+
+def test_no_snapshot_yet():
+    log = StatsLog()
+    log.feed((FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().splitlines()[0] + "\n")
+    assert summarize(log).verdict.text == "bottleneck: unknown (no stats snapshot yet)"
+
+
+def test_follow_tails_until_final(tmp_path):
+    """--follow on a non-terminal prints a verdict line per new record and stops at the final one;
+    the injected sleep appends the next line, standing in for the live writer."""
+    lines = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().splitlines(keepends=True)
+    path = tmp_path / "csp" / "stats.jsonl"
+    pending = list(lines)
+    sleeps = []
+
+    def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+        if pending:
+            path.parent.mkdir(exist_ok=True)
+            with path.open("a") as f:
+                f.write(pending.pop(0))
+
+    out = io.StringIO()
+    summary = follow(tmp_path, interval=0.5, out=out, sleep=fake_sleep)
+    assert summary.status == "completed" and not pending
+    text = out.getvalue()
+    assert "[t=1.0s] bottleneck:" in text and "[t=2.0s] bottleneck: work" in text
+    assert set(sleeps) == {0.5}
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic graphs on the real runtime. "Work" is time.sleep(delay) per item: it stands for a
+# stage's compute without loading the 2 shared CPU cores (ordering never relies on it).
+
+N_ITEMS = 60
+
+
+class _Opts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    delay_s: float = 0.0
+    slow_replica: int = -1  # only this replica is slow (-1: all replicas use delay_s)
+    ordered: bool = False
+
+
+def _work(opts: _Opts, replica: int) -> None:
+    if opts.delay_s and opts.slow_replica in (-1, replica):
+        time.sleep(opts.delay_s)
+
+
+class Source(csp.Process):
+    Options = _Opts
+    outputs = {"out": int}
+
+    def run(self, inputs, outputs):
+        for i in range(N_ITEMS):
+            _work(self.options, self.ctx.replica)
+            outputs["out"].send(i)
+
+
+class Middle(csp.Process):
+    Options = _Opts
+    inputs = {"inp": int}
+    outputs = {"out": int}
+
+    def run(self, inputs, outputs):
+        for i in inputs["inp"]:
+            _work(self.options, self.ctx.replica)
+            outputs["out"].send(i, seq=i if self.options.ordered else None)
+
+
+class Sink(csp.Process):
+    Options = _Opts
+    inputs = {"inp": int}
+
+    def run(self, inputs, outputs):
+        for _ in inputs["inp"]:
+            _work(self.options, self.ctx.replica)
+
+
+def _run_pipeline(tmp_path: Path, *, source: float = 0.0, middle: float = 0.0, sink: float = 0.0,
+                  replicas: int = 1, slow_replica: int = -1, ordered: bool = False):
+    graph = csp.Graph(trace=csp.TraceSpec(stats_interval_s=0.05, perfetto=False))
+    graph.channel("a", capacity=4).channel("b", capacity=4, ordered=ordered)
+    graph.process("source", Source, outputs={"out": "a"}, options={"delay_s": source})
+    graph.process("middle", Middle, inputs={"inp": "a"}, outputs={"out": "b"}, replicas=replicas,
+                  options={"delay_s": middle, "slow_replica": slow_replica, "ordered": ordered})
+    graph.process("sink", Sink, inputs={"inp": "b"}, options={"delay_s": sink})
+    result = csp.Runtime(graph, run_dir=tmp_path).run()
+    assert result.status == "completed"
+    return report(tmp_path)
+
+
+def test_slow_source_is_the_bottleneck(tmp_path):
+    s = _run_pipeline(tmp_path, source=0.01)
+    assert s.verdict.stage == "source", s.verdict.text
+    assert s.verdict.text.startswith("bottleneck: source (busy")
+    assert "middle waits" in s.verdict.text  # everyone downstream waits
+
+
+def test_slow_middle_is_the_bottleneck(tmp_path):
+    s = _run_pipeline(tmp_path, middle=0.01)
+    assert s.verdict.stage == "middle", s.verdict.text
+    assert "sink waits" in s.verdict.text and "source blocked" in s.verdict.text
+
+
+def test_slow_sink_is_the_bottleneck(tmp_path):
+    s = _run_pipeline(tmp_path, sink=0.01)
+    assert s.verdict.stage == "sink", s.verdict.text
+    assert "middle blocked" in s.verdict.text  # everyone upstream is blocked
+    assert s.channels[0].send_blocked_frac > 0.5 and s.channels[1].fill_peak == 4
+
+
+def test_one_slow_replica_is_named(tmp_path):
+    """Ordered fan-in after 3 replicas: the slow one holds the order, its siblings block on
+    output; the verdict names middle[1], not just the stage."""
+    s = _run_pipeline(tmp_path, middle=0.02, replicas=3, slow_replica=1, ordered=True)
+    assert (s.verdict.stage, s.verdict.replica) == ("middle", "middle[1]"), s.verdict.text
+    assert s.verdict.text.startswith("bottleneck: middle[1] (slow replica of middle")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uses a POSIX subprocess")
+def test_module_entry_point_runs(tmp_path):
+    shutil.copytree(FIXTURES / "pipeline", tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "csp.inspect", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1].startswith("bottleneck: work")
+
+
+def test_threads_not_leaked_by_follow(tmp_path):
+    """follow() on a finished log returns at once and leaves no thread behind."""
+    shutil.copytree(FIXTURES / "pipeline", tmp_path / "run")
+    before = threading.active_count()
+    follow(tmp_path / "run", out=io.StringIO(), sleep=lambda s: pytest.fail("should not sleep"))
+    assert threading.active_count() == before
