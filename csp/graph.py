@@ -397,10 +397,10 @@ def compatible(out_t: Any, in_t: Any) -> bool:
     """
     if out_t in (object, Any) or in_t in (object, Any):
         return True
-    if _is_union(in_t):
-        return any(compatible(out_t, a) for a in typing.get_args(in_t))
     if _is_union(out_t):
         return all(compatible(a, in_t) for a in typing.get_args(out_t))
+    if _is_union(in_t):
+        return any(compatible(out_t, a) for a in typing.get_args(in_t))
     out_o, in_o = typing.get_origin(out_t) or out_t, typing.get_origin(in_t) or in_t
     if isinstance(out_o, type) and isinstance(in_o, type):
         return issubclass(out_o, in_o)

@@ -139,6 +139,7 @@ class Runtime:
         self._shutting_down = False
         self._failure: tuple[_Worker, BaseException] | None = None
         self._sigints = 0
+        self._sigint_installed = False
         self._workers: list[_Worker] = []
         self._channels: dict[str, tuple[Any, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -281,12 +282,24 @@ class Runtime:
         self._threads_done = anyio.Event()
         threaded = [w for w in self._workers if not w.is_async]
         self._threads_left = len(threaded)
+        if self._sigint_installed:
+            # While the loop runs, let asyncio take SIGINT: it wakes the selector (wakeup fd) and
+            # runs the handler as a loop callback, outside any channel code.
+            self._loop.add_signal_handler(signal.SIGINT, self._on_sigint, signal.SIGINT, None)
+        try:
+            await self._run_workers(threaded)
+        finally:
+            if self._sigint_installed:
+                self._loop.remove_signal_handler(signal.SIGINT)
+                signal.signal(signal.SIGINT, self._on_sigint)
+
+    async def _run_workers(self, threaded: list[_Worker]) -> None:
         if self._aborted and not self._shutting_down:  # second SIGINT before the loop ran
             self._shutdown("run aborted")
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            if self._shutting_down:  # aborted or failed before the loop existed
-                tg.cancel_scope.cancel()
+            if self._shutting_down:  # aborted before the loop existed: start nothing
+                return
             for w in self._workers:
                 if w.is_async:
                     tg.start_soon(self._run_async, w, name=w.qualname)
@@ -411,11 +424,12 @@ class Runtime:
     def _install_sigint(self) -> Any:
         if threading.current_thread() is not threading.main_thread():
             return None
+        self._sigint_installed = True
         return signal.signal(signal.SIGINT, self._on_sigint)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        # Runs in the main thread between bytecodes, possibly inside channel code holding a lock:
-        # only defer work to the event loop (or set a flag), never touch channels here.
+        # Outside the loop this runs in the main thread between bytecodes, possibly inside channel
+        # code holding a lock: only set flags or defer to the loop, never touch channels here.
         self._sigints += 1
         if self._sigints == 1:
             log.warning("SIGINT: graceful stop requested (sources stop, items drain); "

@@ -1,0 +1,332 @@
+"""Graph files, overrides, the kind registry and validation: every user error is a GraphError that
+names the file, the msgspec path or the graph node to fix."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import msgspec
+import pytest
+
+import csp
+from csp.graph import apply_override, compatible
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Base:
+    pass
+
+
+class Derived(Base):
+    pass
+
+
+class Emit(csp.Process):
+    outputs = {"out": Derived}
+
+    def run(self, inputs, outputs):  # pragma: no cover - never run here
+        pass
+
+
+class Take(csp.Process):
+    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+        top: int = 3
+
+    inputs = {"inp": Base}
+
+    def run(self, inputs, outputs):  # pragma: no cover
+        pass
+
+
+class TakeStr(csp.Process):
+    inputs = {"inp": str}
+
+    def run(self, inputs, outputs):  # pragma: no cover
+        pass
+
+
+class AsyncTake(csp.Process):
+    inputs = {"inp": object}
+
+    async def run(self, inputs, outputs):  # pragma: no cover
+        pass
+
+
+@pytest.fixture
+def reg() -> csp.Registry:
+    r = csp.Registry(entry_point_group=None)
+    r.register("t.emit", Emit)
+    r.register("t.take", Take)
+    r.register("t.take_str", TakeStr)
+    return r
+
+
+GOOD = """
+[[channel]]
+name = "items"
+capacity = 4
+
+[[process]]
+name = "emit"
+kind = "t.emit"
+outputs = { out = "items" }
+
+[[process]]
+name = "take"
+kind = "t.take"
+replicas = 2
+inputs = { inp = "items" }
+[process.options]
+top = 5
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "graph.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# -- TOML loading -----------------------------------------------------------------------------
+
+def test_good_file_loads_and_builds(tmp_path, reg):
+    spec = csp.load_spec(write(tmp_path, GOOD))
+    graph = csp.Graph.from_spec(spec, reg)
+    assert graph.channels["items"].capacity == 4
+    take = graph.processes["take"]
+    assert take.replicas == 2 and take.options.top == 5 and take.devices == [None, None]
+
+
+def test_unknown_key_names_file_and_path(tmp_path):
+    path = write(tmp_path, GOOD.replace("capacity = 4", "capactiy = 4"))
+    with pytest.raises(csp.GraphError, match=r"graph\.toml: Object contains unknown field `capactiy` - at `\$\.channel\[0\]`"):
+        csp.load_spec(path)
+
+
+def test_wrong_type_and_limit(tmp_path):
+    with pytest.raises(csp.GraphError, match=r"Expected `int`, got `str` - at `\$\.process\[1\]\.replicas`"):
+        csp.load_spec(write(tmp_path, GOOD.replace("replicas = 2", 'replicas = "two"')))
+    with pytest.raises(csp.GraphError, match=r">= 1 - at `\$\.process\[1\]\.replicas`"):
+        csp.load_spec(write(tmp_path, GOOD.replace("replicas = 2", "replicas = 0")))
+
+
+def test_missing_capacity_is_an_error(tmp_path):
+    with pytest.raises(csp.GraphError, match=r"missing required field `capacity` - at `\$\.channel\[0\]`"):
+        csp.load_spec(write(tmp_path, GOOD.replace("capacity = 4", "")))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(csp.GraphError, match=r"nope\.toml: graph file not found"):
+        csp.load_spec(tmp_path / "nope.toml")
+
+
+def test_bad_syntax(tmp_path):
+    with pytest.raises(csp.GraphError, match=r"graph\.toml: invalid TOML: .*line 3"):
+        csp.load_spec(write(tmp_path, "[[channel]]\nname = 'x'\ncapacity = = 3\n"))
+
+
+def test_unknown_option_key_path(tmp_path, reg):
+    spec = csp.load_spec(write(tmp_path, GOOD.replace("top = 5", "tpo = 5")))
+    with pytest.raises(csp.GraphError, match=r"process 'take': options: Object contains unknown field `tpo` - at `\$\.process\[1\]\.options`"):
+        csp.Graph.from_spec(spec, reg)
+
+
+def test_wrong_option_type_path(tmp_path, reg):
+    spec = csp.load_spec(write(tmp_path, GOOD.replace("top = 5", 'top = "5"')))
+    with pytest.raises(csp.GraphError, match=r"- at `\$\.process\[1\]\.options\.top`"):
+        csp.Graph.from_spec(spec, reg)
+
+
+class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    seed: int = 0
+
+
+class AppFile(csp.GraphSpec):
+    run: RunSection
+
+
+def test_application_subclass_adds_tables(tmp_path):
+    spec = csp.load_spec(write(tmp_path, '[run]\nname = "x"\n' + GOOD), AppFile, ["run.seed=7"])
+    assert spec.run.name == "x" and spec.run.seed == 7 and len(spec.process) == 2
+    with pytest.raises(csp.GraphError, match=r"unknown field `sede` - at `\$\.run`"):
+        csp.load_spec(write(tmp_path, '[run]\nname = "x"\nsede = 1\n' + GOOD), AppFile)
+
+
+# -- overrides --------------------------------------------------------------------------------
+
+def test_overrides_address_tables_by_name(tmp_path):
+    spec = csp.load_spec(write(tmp_path, GOOD), overrides=[
+        "process.take.replicas=1", "channel.items.capacity=0", "trace.flows=true",
+        "process.take.options.top=9", "process.emit.device=cpu", "channel.items.ordered = true",
+    ])
+    assert spec.process[1].replicas == 1 and spec.process[1].options == {"top": 9}
+    assert spec.channel[0].capacity == 0 and spec.channel[0].ordered is True
+    assert spec.trace.flows is True
+    assert spec.process[0].device == "cpu"  # not TOML: taken as a string
+
+
+@pytest.mark.parametrize("override, message", [
+    ("process.take.replicas", "expected dotted.key=value"),
+    ("process..replicas=1", "expected dotted.key=value"),
+    ("process.tkae.replicas=1", r"no \[\[process\]\] named 'tkae' \(known: \['emit', 'take'\]\)"),
+    ("process.take=1", "give a field of process.take"),
+    ("channel.items.capacity.x=1", "is a value, not a table"),
+])
+def test_bad_overrides(tmp_path, override, message):
+    with pytest.raises(csp.GraphError, match=message):
+        csp.load_spec(write(tmp_path, GOOD), overrides=[override])
+
+
+def test_override_with_unknown_field_is_caught_by_decoding(tmp_path):
+    with pytest.raises(csp.GraphError, match=r"unknown field `capactiy` - at `\$\.channel\[0\]`"):
+        csp.load_spec(write(tmp_path, GOOD), overrides=["channel.items.capactiy=2"])
+
+
+def test_apply_override_creates_missing_tables():
+    data: dict[str, Any] = {}
+    apply_override(data, "trace.stats_interval_s=0.5")
+    assert data == {"trace": {"stats_interval_s": 0.5}}
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+def test_unknown_kind_lists_known_and_close_matches(tmp_path, reg):
+    spec = csp.load_spec(write(tmp_path, GOOD.replace('kind = "t.take"', 'kind = "t.tkae"')))
+    with pytest.raises(csp.GraphError) as info:
+        csp.Graph.from_spec(spec, reg)
+    msg = str(info.value)
+    assert "process 'take' ($.process[1].kind)" in msg and "unknown process kind 't.tkae'" in msg
+    assert "Did you mean 't.take'" in msg and "t.emit, t.take, t.take_str" in msg
+
+
+def test_import_strings_need_opt_in(reg):
+    kind = f"{__name__}:Take"
+    with pytest.raises(csp.GraphError, match="import strings are off by default"):
+        reg.resolve(kind)
+    assert reg.resolve(kind, allow_imports=True) is Take
+    with pytest.raises(csp.GraphError, match="not a csp.Process subclass"):
+        reg.resolve(f"{__name__}:Base", allow_imports=True)
+    with pytest.raises(csp.GraphError, match="cannot import kind"):
+        reg.resolve("no_such_module_xyz:Thing", allow_imports=True)
+
+
+def test_register_rejects_conflicts_and_non_processes(reg):
+    reg.register("t.take", Take)  # same class again: fine
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("t.take", TakeStr)
+    with pytest.raises(TypeError, match="not a csp.Process subclass"):
+        reg.register("t.base", Base)
+    with pytest.raises(ValueError, match="invalid kind"):
+        reg.register("a:b", Take)
+
+
+def test_decorator_registers_in_default_registry():
+    @csp.register("tests.graph.decorated")
+    class Decorated(csp.Process):
+        def run(self, inputs, outputs):  # pragma: no cover
+            pass
+
+    assert csp.registry.resolve("tests.graph.decorated") is Decorated
+
+
+def test_plugins_import_and_failure(tmp_path):
+    spec = csp.load_spec(write(tmp_path, 'plugins = ["no_such_plugin_xyz"]\n' + GOOD))
+    with pytest.raises(csp.GraphError, match="plugins: cannot import 'no_such_plugin_xyz'"):
+        csp.Graph.from_spec(spec)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+def test_builder_graph_validates():
+    g = csp.Graph().channel("items", capacity=2)
+    g.process("emit", Emit, outputs={"out": "items"}).process("take", Take, inputs={"inp": "items"},
+                                                                options={"top": 1})
+    g.validate()
+    assert g.item_type("items") is Derived
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+        .process("take", Take, inputs={}),
+     r"process 'take': input port 'inp' is not connected"),
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+        .process("take", Take, inputs={"inp": "items", "extra": "items"}),
+     r"process 'take': Take has no input port 'extra'"),
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+        .process("take", Take, inputs={"inp": "itmes"}),
+     r"process 'take': input port 'inp' is connected to unknown channel 'itmes'"),
+    (lambda g: g.channel("items", capacity=1).channel("spare", capacity=1)
+        .process("emit", Emit, outputs={"out": "items"}).process("take", Take, inputs={"inp": "items"}),
+     r"channel 'spare' has no sender"),
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"}),
+     r"channel 'items' has no receiver"),
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+        .process("take", TakeStr, inputs={"inp": "items"}),
+     r"channel 'items': process 'emit' sends Derived \(port 'out'\) but process 'take' receives str"),
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+        .process("take", Take, inputs={"inp": "items"}, device="cuda:99"),
+     r"process 'take': device 'cuda:99' does not exist"),
+    (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+        .process("take", Take, inputs={"inp": "items"}, device="gpu0"),
+     r"process 'take': device 'gpu0' is not 'cpu' or 'cuda:N'"),
+])
+def test_validation_errors(make, message):
+    g = csp.Graph()
+    make(g)
+    with pytest.raises(csp.GraphError, match=message):
+        g.validate()
+
+
+def test_builder_errors_name_the_node():
+    g = csp.Graph().channel("items", capacity=1)
+    with pytest.raises(csp.GraphError, match="channel 'items' is declared twice"):
+        g.channel("items", capacity=1)
+    g.process("take", Take, inputs={"inp": "items"})
+    with pytest.raises(csp.GraphError, match="process 'take' is declared twice"):
+        g.process("take", Take, inputs={"inp": "items"})
+    with pytest.raises(csp.GraphError, match=r"process 't2': 3 devices for 2 replicas"):
+        g.process("t2", Take, replicas=2, devices=["cpu", "cpu", "cpu"])
+    with pytest.raises(csp.GraphError, match="process 't3': give either device"):
+        g.process("t3", Take, device="cpu", devices=["cpu"])
+    with pytest.raises(csp.GraphError, match=r"process 't4': options: .* - at `\$\.process\[1\]\.options`"):
+        g.process("t4", Take, options={"nope": 1})
+    with pytest.raises(csp.GraphError, match="process 't5': .* is not a csp.Process subclass"):
+        g.process("t5", Base)
+
+
+def test_devices_list_in_toml_checked_against_replicas(tmp_path, reg):
+    text = GOOD.replace("replicas = 2", 'replicas = 2\ndevices = ["cpu"]')
+    spec = csp.load_spec(write(tmp_path, text))
+    with pytest.raises(csp.GraphError, match=r"process 'take': 1 devices for 2 replicas"):
+        csp.Graph.from_spec(spec, reg)
+
+
+@pytest.mark.gpu
+def test_async_process_cannot_take_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (cuda:0 must exist to reach the async check)")
+    g = csp.Graph().channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+    g.process("take", AsyncTake, inputs={"inp": "items"}, device="cuda:0")
+    with pytest.raises(csp.GraphError, match="async process cannot be bound to a CUDA device"):
+        g.validate()
+
+
+def test_cpu_devices_always_exist():
+    g = csp.Graph().channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
+    g.process("take", Take, inputs={"inp": "items"}, replicas=2, devices=["cpu", "cpu"])
+    g.validate()
+
+
+def test_type_compatibility_rules():
+    assert compatible(Derived, Base) and not compatible(Base, Derived)
+    assert compatible(int, object) and compatible(object, int) and compatible(int, Any)
+    assert compatible(int, Optional[int]) and compatible(int, Union[str, int])
+    assert compatible(int | None, int | str | None) and not compatible(int | bytes, int | str)
+    assert compatible(list[int], list) and compatible(list[int], list[str])  # origins only
+    assert not compatible(dict[str, int], list)
