@@ -191,8 +191,11 @@ class TrainingDisplay:
     def close(self) -> None:
         """Stop the Live view (idempotent); the last frame stays on screen."""
         if self._live is not None:
+            refresher = getattr(self._live, "_refresh_thread", None)  # rich sets it, never joins it
             self._live.stop()
             self._live = None
+            if refresher is not None:
+                refresher.join(timeout=2.0)
 
     def __enter__(self) -> "TrainingDisplay":
         return self
