@@ -32,6 +32,9 @@ from rich.table import Table
 from rich.text import Text
 
 
+MODES = ("auto", "live", "plain", "off")
+
+
 def _get(obj: Any, key: str, default: Any = None) -> Any:
     return obj.get(key, default) if isinstance(obj, Mapping) else getattr(obj, key, default)
 
@@ -61,13 +64,15 @@ def format_line(record: Mapping[str, Any], channels: Iterable[Any] = (), *,
     """One plain log line for a train record (see the module docstring for an example).
 
     ``channels`` holds ChannelStatistics (or dicts with ``name``, ``current_fill``, ``capacity``).
+    A record flagged ``"spike": true`` by the monitor gets a ``SPIKE`` mark after the loss.
     """
     step = record.get("step", 0)
     progress = f"step {step}"
     if total_steps:
         progress += f"/{total_steps} {100 * step / total_steps:.1f}%"
     parts = [progress,
-             f"loss {_num(record.get('loss'), '.4g')} tau {_num(record.get('tau_sim'), '.3g')}",
+             f"loss {_num(record.get('loss'), '.4g')}{' SPIKE' if record.get('spike') else ''} "
+             f"tau {_num(record.get('tau_sim'), '.3g')}",
              f"target {_si(record.get('target_tok_s'))} tok/s drafter "
              f"{_si(record.get('drafter_tok_s'))} tok/s",
              f"lr {_num(record.get('lr'), '.1e')}"]
@@ -87,29 +92,39 @@ class TrainingDisplay:
 
     Args:
         total_steps: steps the run will make (for the progress bar and ETA); None if unknown.
-        file: where to write (default stdout). A rich Live view is used iff it is a terminal,
-            unless ``live`` forces the choice.
-        live: True/False to force the Live view on/off; None = decide from ``file``.
+        mode: "auto" (a rich Live view iff ``file`` is a terminal, else plain lines), "live",
+            "plain", or "off" (nothing printed; ``log_file`` still gets the lines).
+        file: where to write (default stdout).
         refresh_per_second: repaint rate of the Live view (Hz).
         log_file: an open text file that also receives every plain line (e.g. run.log), or None.
         rate_window: updates over which the step rate (for the ETA) is measured.
         clock: seconds; used for the rate when a record carries no ``time`` (injectable for tests).
+        title: shown in the live view (the run name).
+        start_step: the step the run resumed from (0 for a fresh run), shown in the live view.
+
+    Raises: ValueError on an unknown ``mode``.
 
     Use as a context manager, or call :meth:`close` on every path (it stops the refresh thread).
     """
 
-    def __init__(self, total_steps: int | None = None, *, file: TextIO | None = None,
-                 live: bool | None = None, refresh_per_second: float = 4.0,
+    def __init__(self, total_steps: int | None = None, *, mode: str = "auto",
+                 file: TextIO | None = None, refresh_per_second: float = 4.0,
                  log_file: TextIO | None = None, rate_window: int = 20,
-                 clock: Callable[[], float] = time.monotonic, title: str = "dflash") -> None:
+                 clock: Callable[[], float] = time.monotonic, title: str = "dflash",
+                 start_step: int = 0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"display mode {mode!r}: use one of {', '.join(MODES)} "
+                             "([monitor].display in the graph file)")
         self.total_steps = total_steps
         self.title = title
+        self.start_step = start_step
+        self.mode = mode
         self.console = Console(file=file)
         self.log_file = log_file
         self._clock = clock
         self._points: deque[tuple[float, int]] = deque(maxlen=max(rate_window, 2))
         self._live: Live | None = None
-        if live if live is not None else self.console.is_terminal:
+        if mode == "live" or (mode == "auto" and self.console.is_terminal):
             self._live = Live(Text(f"{title}: waiting for the first window"), console=self.console,
                               refresh_per_second=refresh_per_second, transient=False)
             self._live.start()
@@ -132,7 +147,7 @@ class TrainingDisplay:
     def update(self, record: Mapping[str, Any], channels: Iterable[Any] = ()) -> str:
         """Show one logged window. Returns the plain line (also written when not live). Never blocks
         on the terminal: in live mode it only replaces what rich's refresh thread paints next."""
-        channels = list(channels)
+        channels = list(channels.values() if isinstance(channels, Mapping) else channels)
         t = record.get("time")
         step = record.get("step", 0)
         self._points.append((t if isinstance(t, (int, float)) and math.isfinite(t) else self._clock(), step))
@@ -144,7 +159,7 @@ class TrainingDisplay:
             self.log_file.flush()
         if self._live is not None:
             self._live.update(self._renderable(record, channels, eta), refresh=False)
-        else:
+        elif self.mode != "off":
             self.console.file.write(line + "\n")
             self.console.file.flush()
         return line
@@ -156,7 +171,7 @@ class TrainingDisplay:
             self.log_file.flush()
         if self._live is not None:
             self._live.console.print(text, markup=False, highlight=False)
-        else:
+        elif self.mode != "off":
             self.console.file.write(text + "\n")
             self.console.file.flush()
 
@@ -170,6 +185,8 @@ class TrainingDisplay:
             f"lr {_num(record.get('lr'), '.1e')}",
             f"skipped {record.get('skipped_total', 0)}",
         )
+        if self.start_step:
+            stats.add_row("resumed", f"from step {self.start_step}", "", "", "")
         stats.add_row("throughput", f"target {_si(record.get('target_tok_s'))} tok/s",
                       f"drafter {_si(record.get('drafter_tok_s'))} tok/s", "", "")
         progress = Table.grid(padding=(0, 2))
@@ -204,4 +221,12 @@ class TrainingDisplay:
         self.close()
 
 
-__all__ = ["TrainingDisplay", "format_line"]
+def make_display(mode: str = "auto", total_steps: int | None = None, start_step: int = 0,
+                 run_name: str = "dflash", file: TextIO | None = None,
+                 log_file: TextIO | None = None) -> TrainingDisplay:
+    """The display the monitor stage uses (``[monitor].display`` = auto | live | plain | off)."""
+    return TrainingDisplay(total_steps, mode=mode, file=file, log_file=log_file, title=run_name,
+                           start_step=start_step)
+
+
+__all__ = ["MODES", "TrainingDisplay", "format_line", "make_display"]

@@ -6,7 +6,9 @@ import io
 import threading
 
 from csp.stats import ChannelStatistics
-from dflash.display import TrainingDisplay, format_line
+import pytest
+
+from dflash.display import TrainingDisplay, format_line, make_display
 
 
 def _chan(name: str, fill: int, cap: int) -> ChannelStatistics:
@@ -57,6 +59,21 @@ def test_eta_follows_recent_rate_and_clock_fallback():
     assert d.eta_s() == 70.0
 
 
+def test_make_display_modes_and_mapping_of_channel_stats():
+    """The monitor passes ``app.channel_stats()``: a dict name -> ChannelStatistics."""
+    out, log = io.StringIO(), io.StringIO()
+    d = make_display("plain", total_steps=100, file=out)
+    d.update(_rec(10, 1.0, spike=True), {"batches": _chan("batches", 2, 4)})
+    assert out.getvalue().endswith("| batches 2/4\n") and "loss 2.346 SPIKE tau" in out.getvalue()
+    out = io.StringIO()
+    with make_display("off", total_steps=100, file=out, log_file=log) as d:
+        d.update(_rec(10, 1.0))
+        d.note("x")
+    assert out.getvalue() == "" and log.getvalue().startswith("step 10/100")
+    with pytest.raises(ValueError, match="display mode 'fancy'"):
+        make_display("fancy")
+
+
 def test_non_finite_and_missing_values_do_not_crash():
     line = format_line({"step": 5, "loss": float("nan"), "target_tok_s": None})
     assert line.startswith("step 5 | loss nan tau None | target - tok/s")
@@ -67,7 +84,7 @@ def test_live_view_renders_and_update_is_cheap():
     repaints), and close() stops the refresh thread."""
     out = io.StringIO()
     before = threading.active_count()
-    d = TrainingDisplay(1000, file=out, live=True, refresh_per_second=4)
+    d = TrainingDisplay(1000, file=out, mode="live", refresh_per_second=4, start_step=5)
     assert d.is_live
     for step in range(10, 210, 10):
         d.update(_rec(step, float(step)), [_chan("batches", 3, 8)])
@@ -76,5 +93,5 @@ def test_live_view_renders_and_update_is_cheap():
     d.close()  # idempotent
     text = out.getvalue()
     assert "step 200/1000" in text and "batches" in text and "3/8" in text
-    assert "checkpoint step 200 saved" in text
+    assert "checkpoint step 200 saved" in text and "from step 5" in text
     assert threading.active_count() == before
