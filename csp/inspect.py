@@ -120,6 +120,19 @@ def report(run: str | Path, *, window_s: float | None = None) -> Summary:
     return summarize(read_stats(run), window_s)
 
 
+def _wait_for_stats(run: str | Path, interval: float, sleep: Callable[[float], None]) -> Path:
+    """The stats file of ``run``, waiting (and saying so once, on stderr) until it exists."""
+    told = False
+    while True:
+        try:
+            return stats_path(run)
+        except FileNotFoundError as e:
+            if not told:
+                print(f"csp.inspect: waiting: {e}", file=sys.stderr)
+                told = True
+            sleep(interval)
+
+
 def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = None,
            console: Console | None = None, as_json: bool = False,
            sleep: Callable[[float], None] = time.sleep, out: TextIO | None = None) -> Summary:
@@ -130,23 +143,16 @@ def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = N
     """
     out = out or sys.stdout
     console = console or Console(file=out)
-    path = Path(run)
-    while True:
-        try:
-            path = stats_path(run)
-            break
-        except FileNotFoundError:
-            sleep(interval)
-    log = StatsLog(str(path))
-    summary = summarize(log, window_s)
+    summary = summarize(StatsLog(), window_s)
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not as_json else None
     try:
+        path = _wait_for_stats(run, interval, sleep)
+        log = StatsLog(str(path))
         if live:
             live.start()
         with open(path) as f:
             while True:
-                added = log.feed(f.read())
-                if added:
+                if log.feed(f.read()):
                     summary = summarize(log, window_s)
                     if as_json:
                         out.write(msgspec.json.encode(summary).decode() + "\n")

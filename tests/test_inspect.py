@@ -236,6 +236,22 @@ def test_one_slow_replica_is_named(tmp_path):
     assert s.verdict.text.startswith("bottleneck: middle[1] (slow replica of middle")
 
 
+def test_follow_a_live_run(tmp_path):
+    """--follow on a graph that is running right now: verdict lines while it runs, and it returns
+    by itself once the runtime writes the final record (polling every 20 ms)."""
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(
+        s=_run_pipeline(tmp_path, middle=0.01)), daemon=True)
+    runner.start()
+    out = io.StringIO()
+    summary = follow(tmp_path, interval=0.02, out=out)
+    runner.join(timeout=30)
+    assert summary.status == "completed" and summary.verdict.stage == "middle"
+    verdict_lines = [line for line in out.getvalue().splitlines() if line.startswith("[t=")]
+    assert len(verdict_lines) >= 2  # at least one snapshot before the final record
+    assert result["s"].verdict.stage == "middle"
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="uses a POSIX subprocess")
 def test_module_entry_point_runs(tmp_path):
     shutil.copytree(FIXTURES / "pipeline", tmp_path / "run")
