@@ -54,11 +54,14 @@ class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: unique channel name; ports refer to it.
         capacity: buffer size in items; 0 is a rendezvous. Required: there is no unbounded channel.
         ordered: deliver items in ``seq`` order (ordered fan-in after replicas).
+        rank_local: under torch.distributed (``csp.dist``), every rank gets its own copy of this
+            channel: items never leave the rank they were sent on. Ignored in a single process.
     """
 
     name: Name
     capacity: Annotated[int, Meta(ge=0)]
     ordered: bool = False
+    rank_local: bool = False
 
 
 class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -73,6 +76,8 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         inputs: port name -> channel name.
         outputs: port name -> channel name.
         options: decoded by the kind's ``Options`` Struct (unknown keys rejected).
+        ranks: under torch.distributed (``csp.dist``), the rank of each replica (one per replica);
+            omitted = the default placement (docs/distributed.md). Ignored in a single process.
     """
 
     name: Name
@@ -83,6 +88,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     inputs: dict[str, str] = {}
     outputs: dict[str, str] = {}
     options: dict[str, Any] = {}
+    ranks: list[Annotated[int, Meta(ge=0)]] | None = None
 
 
 class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -205,6 +211,7 @@ class ProcessNode(msgspec.Struct, kw_only=True):
     inputs: dict[str, str] = {}
     outputs: dict[str, str] = {}
     index: int = 0  # position in the file, for error paths
+    ranks: list[int] | None = None  # csp.dist placement, one rank per replica
 
     @property
     def kind(self) -> str:
@@ -217,6 +224,7 @@ class ChannelNode(msgspec.Struct, kw_only=True):
     name: str
     capacity: int
     ordered: bool = False
+    rank_local: bool = False  # csp.dist: one copy of the channel per rank
 
 
 class Graph:
@@ -254,24 +262,27 @@ class Graph:
                 raise GraphError(f"plugins: cannot import {module!r}: {exc}") from exc
         graph = cls(trace=spec.trace)
         for c in spec.channel:
-            graph.channel(c.name, capacity=c.capacity, ordered=c.ordered)
+            graph.channel(c.name, capacity=c.capacity, ordered=c.ordered, rank_local=c.rank_local)
         for i, p in enumerate(spec.process):
             try:
                 pcls = reg.resolve(p.kind, allow_imports=allow_imports)
             except GraphError as exc:
                 raise GraphError(f"process {p.name!r} ($.process[{i}].kind): {exc}") from None
             graph.process(p.name, pcls, inputs=p.inputs, outputs=p.outputs, replicas=p.replicas,
-                          device=p.device, devices=p.devices, options=p.options, _index=i)
+                          device=p.device, devices=p.devices, options=p.options, ranks=p.ranks,
+                          _index=i)
         graph.validate()
         return graph
 
-    def channel(self, name: str, *, capacity: int, ordered: bool = False) -> "Graph":
+    def channel(self, name: str, *, capacity: int, ordered: bool = False,
+                rank_local: bool = False) -> "Graph":
         """Add a channel. Raises GraphError on a duplicate name or a negative capacity."""
         if name in self.channels:
             raise GraphError(f"channel {name!r} is declared twice; channel names must be unique")
         if capacity < 0:
             raise GraphError(f"channel {name!r}: capacity must be >= 0 (0 = rendezvous), got {capacity}")
-        self.channels[name] = ChannelNode(name=name, capacity=capacity, ordered=ordered)
+        self.channels[name] = ChannelNode(name=name, capacity=capacity, ordered=ordered,
+                                          rank_local=rank_local)
         return self
 
     def process(
@@ -285,15 +296,18 @@ class Graph:
         device: str | None = None,
         devices: Iterable[str] | None = None,
         options: Any = None,
+        ranks: Iterable[int] | None = None,
         _index: int | None = None,
     ) -> "Graph":
         """Add a process of class ``cls`` (a :class:`csp.Process` subclass).
 
         ``options`` is an instance of ``cls.Options``, a dict decoded into it, or None (defaults).
+        ``ranks`` places replica ``i`` on rank ``ranks[i]`` under ``csp.dist`` (ignored otherwise).
 
         Raises:
             GraphError: duplicate name, bad replicas, both ``device`` and ``devices`` given,
-                ``len(devices) != replicas``, or options that do not decode.
+                ``len(devices) != replicas``, ``len(ranks) != replicas``, or options that do
+                not decode.
         """
         index = len(self.processes) if _index is None else _index
         where = f"process {name!r}"
@@ -314,6 +328,10 @@ class Graph:
                 )
         else:
             devs = [device] * replicas
+        rank_list = None if ranks is None else [int(r) for r in ranks]
+        if rank_list is not None and len(rank_list) != replicas:
+            raise GraphError(f"{where}: {len(rank_list)} ranks for {replicas} replicas; give one "
+                             "rank per replica (ranks = [0, 1, ...]) or set replicas to match")
         options_t = cls.Options
         if options is None:
             options = {}
@@ -326,7 +344,7 @@ class Graph:
             raise GraphError(f"{where}: options must be a {options_t.__qualname__} or a dict, got {type(options).__name__}")
         self.processes[name] = ProcessNode(
             name=name, cls=cls, options=options, replicas=replicas, devices=devs,
-            inputs=dict(inputs or {}), outputs=dict(outputs or {}), index=index,
+            inputs=dict(inputs or {}), outputs=dict(outputs or {}), index=index, ranks=rank_list,
         )
         return self
 

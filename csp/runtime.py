@@ -119,10 +119,16 @@ class Runtime:
         trace: None follows ``graph.trace``; a bool switches ``trace.json`` on/off; a TraceSpec
             replaces ``graph.trace``.
         join_timeout_s: after a failure or abort, how long to wait for process threads to stop.
+        instances: run only these ``(process name, replica)`` instances (``csp.dist`` runs each
+            rank's share of the graph this way); None runs every instance.
+        channel_factory: ``f(item_type=, capacity=, name=, ordered=) -> (Sender, Receiver)`` used
+            instead of :func:`csp.channel` to build each channel (``csp.dist`` builds cross-rank
+            channels with it); None uses :func:`csp.channel`.
     """
 
     def __init__(self, graph: Graph, *, run_dir: Path | str | None = None, app: Any = None,
-                 trace: bool | TraceSpec | None = None, join_timeout_s: float = 10.0) -> None:
+                 trace: bool | TraceSpec | None = None, join_timeout_s: float = 10.0,
+                 instances: Any = None, channel_factory: Any = None) -> None:
         self.graph = graph
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.app = app
@@ -131,6 +137,8 @@ class Runtime:
             spec = msgspec.structs.replace(spec, perfetto=trace)
         self.trace_spec = spec
         self.join_timeout_s = join_timeout_s
+        self.instances = None if instances is None else set(instances)
+        self.channel_factory = channel_factory if channel_factory is not None else channel
         self.tracer: Tracer | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -222,11 +230,14 @@ class Runtime:
     def _build(self) -> None:
         g = self.graph
         for name, c in g.channels.items():
-            self._channels[name] = channel(g.item_type(name), c.capacity, name, c.ordered)
+            self._channels[name] = self.channel_factory(item_type=g.item_type(name), capacity=c.capacity,
+                                                        name=name, ordered=c.ordered)
         flows = self.trace_spec.flows and self.tracer is not None
         pending: dict[str, dict[int, int]] = {name: {} for name in g.channels}
         for node in g.processes.values():
             for r in range(node.replicas):
+                if self.instances is not None and (node.name, r) not in self.instances:
+                    continue
                 dev = node.devices[r] if node.devices else None
                 ctx = Context(node.name, r, node.replicas, device=_torch_device(dev),
                               run_dir=self.run_dir, app=self.app, stop_event=self._stop,
