@@ -33,7 +33,7 @@ from torch import nn
 
 from dflash.attention import BlockLayout, flex_block_mask, sdpa_mask
 
-__all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "rope_theta_of"]
+__all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config", "rope_theta_of"]
 
 LayerType = Literal["full_attention", "sliding_attention"]
 
@@ -130,6 +130,15 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("drafter.num_attention_heads must be a multiple of num_key_value_heads")
 
 
+def resolve_drafter_config(cfg: DrafterConfig, target_cfg) -> DrafterConfig:
+    """:meth:`DrafterConfig.resolve` against the target described by ``target_cfg``
+    (a :class:`dflash.target.TargetConfig`), without building the target."""
+    from dflash.target import build_hf_config, resolve_layer_ids
+
+    hf = build_hf_config(target_cfg)
+    return cfg.resolve(hf, resolve_layer_ids(target_cfg, hf, cfg.num_layers))
+
+
 def rope_theta_of(hf_config) -> float:
     """RoPE base of a transformers config (``rope_parameters`` in 5.x, ``rope_theta`` before).
 
@@ -158,7 +167,8 @@ class RMSNorm(nn.Module):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [B, h, N, d]``, ``cos/sin [B, 1, N, d]``."""
+    """Rotate-half RoPE: ``x [B, h, N, d]``, ``cos/sin [B, 1, N, d]`` (fp32, cast to x's dtype)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -252,8 +262,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.types)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).double() / cfg.head_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
+        self._inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).double()
+                                                  / cfg.head_dim)).float()
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -265,11 +276,11 @@ class DFlashDrafter(nn.Module):
             else:
                 p.normal_(0.0, 0.02, generator=gen)
 
-    def _rope_table(self, positions: torch.Tensor, dtype: torch.dtype):
-        """``cos, sin [B, 1, N, head_dim]`` for ``positions [B, N]`` (fp32 angles)."""
-        ang = positions.float()[..., None] * self.inv_freq.to(positions.device)   # [B, N, d/2]
+    def _rope_table(self, positions: torch.Tensor):
+        """``cos, sin [B, 1, N, head_dim]`` fp32 for ``positions [B, N]``."""
+        ang = positions.float()[..., None] * self._inv_freq.to(positions.device)  # [B, N, d/2]
         ang = torch.cat([ang, ang], dim=-1)[:, None]
-        return ang.cos().to(dtype), ang.sin().to(dtype)
+        return ang.cos(), ang.sin()
 
     def build_masks(self, layout: BlockLayout) -> dict[str, object]:
         """One mask per distinct layer type (bool tensor or BlockMask per ``attn_implementation``)."""
@@ -299,8 +310,8 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(features.to(dtype)))                  # [B, T, H]
         x = block_emb.to(dtype).reshape(B, A * bs, H)                        # [B, Q, H]
         qpos = layout.query_positions()
-        rope_q = self._rope_table(qpos, dtype)
-        rope_k = self._rope_table(torch.cat([layout.ctx_positions, qpos], dim=1), dtype)
+        rope_q = self._rope_table(qpos)
+        rope_k = self._rope_table(torch.cat([layout.ctx_positions, qpos], dim=1))
         masks = masks if masks is not None else self.build_masks(layout)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accuracy_per_position", "streak_lengths", "tau_from_accuracy"]
+__all__ = ["accuracy_per_position", "streak_lengths", "simulated_accepted_length"]
 
 
 def accuracy_per_position(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def accuracy_per_position(correct: torch.Tensor, valid: torch.Tensor) -> torch.T
     return (correct & valid).sum(0).float() / n
 
 
-def tau_from_accuracy(acc: torch.Tensor | list[float]) -> float:
+def simulated_accepted_length(acc: torch.Tensor | list[float]) -> float:
     """``sum_j prod_{i<=j} acc_i`` (nan entries count as 0: an untested slot accepts nothing)."""
     a = torch.as_tensor(acc, dtype=torch.float64).nan_to_num(0.0)
     return float(torch.cumprod(a, 0).sum())

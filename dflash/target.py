@@ -38,6 +38,7 @@ __all__ = [
     "load_shared_head",
     "load_target",
     "resolve_dtype",
+    "resolve_layer_ids",
 ]
 
 # Qwen3 shapes (public Qwen3 config.json files); "tiny" is a CPU debug size.
@@ -87,6 +88,8 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         attn_implementation: "sdpa" | "flex_attention" | "eager".
         layer_ids: 0-based decoder layers whose outputs feed the drafter; None = the DFlash evenly
             spaced choice for the drafter's layer count (:func:`default_layer_ids`).
+        tokenizer: tokenizer spec for the data path ("builtin:tiny" or a local directory);
+            None = ``path`` (or "builtin:tiny" without a path). Not used by the model code.
     """
 
     path: str | None = None
@@ -97,6 +100,7 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attn_implementation: Literal["sdpa", "flex_attention", "eager"] = "sdpa"
     layer_ids: list[int] | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.vocab_size is not None and self.vocab_size < 1:
@@ -153,6 +157,21 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
         return [L // 2]
     start, end = (1, L - 3) if L - 3 - 1 >= k - 1 else (0, L - 1)
     return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+def resolve_layer_ids(cfg: TargetConfig, hf_config, num_draft_layers: int) -> list[int]:
+    """``cfg.layer_ids`` (sorted) or :func:`default_layer_ids`, checked against the target depth.
+
+    Raises:
+        ValueError: ids out of ``[0, L-1]`` or repeated.
+    """
+    L = hf_config.num_hidden_layers
+    if cfg.layer_ids is None:
+        return default_layer_ids(L, num_draft_layers)
+    ids = sorted(cfg.layer_ids)
+    if not ids or ids[0] < 0 or ids[-1] >= L or len(set(ids)) != len(ids):
+        raise ValueError(f"target.layer_ids = {cfg.layer_ids} must be distinct ids in [0, {L - 1}]")
+    return ids
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -404,10 +423,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers:
     from transformers import AutoModelForCausalLM
 
     hf = build_hf_config(cfg)
-    L = hf.num_hidden_layers
-    layer_ids = sorted(cfg.layer_ids) if cfg.layer_ids is not None else default_layer_ids(L, num_draft_layers)
-    if not layer_ids or layer_ids[0] < 0 or layer_ids[-1] >= L or len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(f"target.layer_ids = {cfg.layer_ids} must be distinct ids in [0, {L - 1}]")
+    layer_ids = resolve_layer_ids(cfg, hf, num_draft_layers)
     dtype = resolve_dtype(cfg.dtype, device)
     build_cfg = hf
     if not need_final:

@@ -1,0 +1,311 @@
+"""Real draft-and-verify decoding against the target, next to the teacher-forced simulation.
+
+One step of speculative decoding (greedy; DFlash / speculative decoding, Leviathan et al. 2023):
+
+1. The last accepted token is the anchor; its target features are not known yet. The drafter
+   sees the features of every earlier token and proposes ``bs - 1`` tokens for the block
+   ``[anchor, mask, ..., mask]`` in one forward.
+2. The target runs over ``[anchor, d_1 .. d_{bs-1}]`` with its KV cache and takes its argmax
+   ``g_0 .. g_{bs-1}`` (``g_i`` is its token for the position after block slot ``i``).
+3. Accept ``m`` = the longest prefix with ``d_i == g_{i-1}``, then the bonus token ``g_m``; the
+   target's features of the anchor and the ``m`` accepted drafts join the context, its cache is
+   cropped to the accepted tokens. Output equals plain greedy decoding (tested).
+
+``m`` is the *accepted length* of the step (bonus not counted; tokens per step = m + 1), the
+convention of :mod:`dflash.metrics`. Next to it, the same text is scored teacher-forced: a block at
+every anchor of the generated region, labels = target argmax. Its streak at the anchors the decode
+visited reproduces each measured ``m`` (up to kernel numerics), and its marginal per-position
+accuracies give ``tau_sim`` as printed in training.
+
+``python -m dflash.eval CHECKPOINT [--prompts FILE.jsonl | --data SOURCE] [--num-prompts N]
+[--max-new-tokens N] [--device DEV]``: prompts are ``{"prompt": str}`` lines, or the first user
+turn(s) of the *last* N conversations of a dflash.data source (e.g. ``sharegpt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+import torch
+
+from dflash.attention import decode_layout, training_layout
+from dflash.drafter import DFlashDrafter
+from dflash.metrics import accuracy_per_position, simulated_accepted_length, streak_lengths
+from dflash.target import SharedHead, Target
+
+__all__ = ["DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate",
+           "greedy_decode", "speculative_decode", "teacher_forced"]
+
+
+class PromptResult(msgspec.Struct, kw_only=True):
+    """Per-prompt numbers (accepted lengths exclude the bonus token)."""
+
+    prompt_len: int
+    new_tokens: int
+    steps: int
+    mean_accepted: float
+    tau_sim: float
+    streak_visited: float
+
+
+class EvalResult(msgspec.Struct, kw_only=True):
+    """Aggregate over prompts.
+
+    Attributes:
+        mean_accepted: measured drafted tokens accepted per verify step, over all steps.
+        tokens_per_step: ``mean_accepted + 1`` (the bonus token).
+        streak_visited: teacher-forced streak at the anchors the decode visited (should equal
+            ``mean_accepted`` up to numerics).
+        tau_sim: ``sum_j prod_{i<=j} acc_j`` from teacher-forced accuracies on the generated text.
+        acc_per_pos: ``[bs-1]`` teacher-forced accuracies.
+        per_prompt: one :class:`PromptResult` per prompt.
+    """
+
+    mean_accepted: float
+    tokens_per_step: float
+    streak_visited: float
+    tau_sim: float
+    acc_per_pos: list[float]
+    per_prompt: list[PromptResult]
+
+
+class Proposer(Protocol):
+    def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``tokens [n]`` accepted so far (last = anchor), ``features [1, n-1, k*H]`` of all but
+        the anchor -> ``[bs-1]`` drafted token ids."""
+
+
+class DrafterProposer:
+    """Drafts with a :class:`DFlashDrafter` (recomputes the context each step; no drafter cache)."""
+
+    def __init__(self, drafter: DFlashDrafter, head: SharedHead) -> None:
+        self.drafter, self.head = drafter, head
+        self.bs = drafter.cfg.block_size
+
+    @torch.no_grad()
+    def propose(self, tokens, features):
+        n = tokens.shape[0]
+        block = torch.full((1, 1, self.bs), self.drafter.cfg.mask_token_id, device=tokens.device)
+        block[0, 0, 0] = tokens[-1]
+        layout = decode_layout(n - 1, n - 1, self.bs, tokens.device)
+        hidden = self.drafter(features, self.head.embed(block), layout)      # [1, 1, bs, H]
+        return self.head.logits(hidden[0, 0, 1:]).argmax(-1)
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation (an upper bound: every draft is accepted)."""
+
+    def __init__(self, target: Target, block_size: int) -> None:
+        self.target, self.bs = target, block_size
+
+    @torch.no_grad()
+    def propose(self, tokens, features):
+        return greedy_decode(self.target, tokens, self.bs - 1)[tokens.shape[0]:]
+
+
+def _cache_kwarg(target: Target) -> str:
+    """The KV-cache keyword of the base model's forward (``cache`` in newer transformers 5.x)."""
+    params = inspect.signature(target.model.model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(target: Target):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=target.hf_config)
+    except TypeError:
+        return DynamicCache()
+
+
+def _crop(cache, keep: int) -> None:
+    """Keep the first ``keep`` cached tokens. A negative ``crop`` argument means "remove that
+    many" in every transformers 5.x; 0 must be skipped (older 5.x read it as "keep 0")."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
+@torch.no_grad()
+def _target_step(target: Target, ids: torch.Tensor, start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached forward of ``ids [n]`` at positions ``start..``: ``(features [1, n, k*H],
+    argmax [n])`` (logits only for these ``n`` positions)."""
+    pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+    out = target.model.model(input_ids=ids[None], position_ids=pos, use_cache=True,
+                              **{_cache_kwarg(target): cache})
+    feats = target.collect()
+    logits = target.model.get_output_embeddings()(out.last_hidden_state[0])
+    return feats, logits.argmax(-1)
+
+
+@torch.no_grad()
+def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Plain greedy decoding with a KV cache: ``prompt [n]`` -> ``[n + max_new_tokens]``."""
+    cache = _new_cache(target)
+    _, g = _target_step(target, prompt, 0, cache)
+    out = [*prompt.tolist(), int(g[-1])]
+    for _ in range(max_new_tokens - 1):
+        _, g = _target_step(target, torch.tensor(out[-1:], device=prompt.device), len(out) - 1, cache)
+        out.append(int(g[-1]))
+    return torch.tensor(out, device=prompt.device)
+
+
+@torch.no_grad()
+def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
+                       max_new_tokens: int, block_size: int
+                       ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Greedy draft-and-verify (module docstring).
+
+    Returns:
+        ``(tokens [n + >= max_new_tokens], accepted m per step, anchor index per step)``; the last
+        step may overshoot ``max_new_tokens`` (its accepted tokens are kept).
+    """
+    cache = _new_cache(target)
+    feats, g = _target_step(target, prompt, 0, cache)                        # prefill
+    tokens = torch.cat([prompt, g[-1:]])
+    accepted, anchors = [], []
+    while tokens.shape[0] - prompt.shape[0] < max_new_tokens:
+        n = tokens.shape[0]
+        draft = proposer.propose(tokens, feats)                              # [bs-1]
+        block = torch.cat([tokens[-1:], draft])
+        f_blk, g = _target_step(target, block, n - 1, cache)                 # g: [bs]
+        match = (draft == g[:-1]).long().cumprod(0)
+        m = int(match.sum())
+        tokens = torch.cat([tokens, draft[:m], g[m:m + 1]])
+        feats = torch.cat([feats, f_blk[:, : m + 1]], dim=1)
+        _crop(cache, n + m)
+        accepted.append(m)
+        anchors.append(n - 1)
+    return tokens, accepted, anchors
+
+
+@torch.no_grad()
+def teacher_forced(target: Target, drafter: DFlashDrafter, head: SharedHead, tokens: torch.Tensor,
+                   anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score blocks at ``anchors [A]`` of ``tokens [L]`` against the target's argmax.
+
+    Slot ``j`` of anchor ``a`` is scored iff ``a + j - 1 < L`` (the target's prediction for token
+    ``a + j`` exists). Returns ``(correct, valid)``, both ``[A, bs-1]`` bool.
+    """
+    bs = drafter.cfg.block_size
+    L = tokens.shape[0]
+    ext = torch.cat([tokens, tokens[-1:]])[None]          # one dummy token: labels up to a+j-1 = L-1
+    pos = torch.arange(L + 1, device=tokens.device)[None]
+    doc = torch.zeros_like(pos)
+    feats, final = target(ext, pos, doc, need_final=True)
+    greedy = head.logits(final[0]).argmax(-1)             # [L+1]: greedy[t] = target's token t+1
+    a = anchors[None]
+    block = torch.full((1, a.shape[1], bs), drafter.cfg.mask_token_id, device=tokens.device)
+    block[0, :, 0] = tokens[anchors]
+    hidden = drafter(feats, head.embed(block), training_layout(pos, doc, a, bs))[0]
+    j = torch.arange(1, bs, device=tokens.device)
+    lab_pos = anchors[:, None] + j - 1                                  # [A, bs-1]
+    valid = lab_pos < L
+    label = greedy[lab_pos.clamp(max=L)]
+    correct = head.logits(hidden[:, 1:]).argmax(-1) == label
+    return correct, valid
+
+
+def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
+             prompts: list[torch.Tensor], max_new_tokens: int) -> EvalResult:
+    """Speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text."""
+    bs = drafter.cfg.block_size
+    proposer = DrafterProposer(drafter, head)
+    per, all_m, all_streak, corrects, valids = [], [], [], [], []
+    for prompt in prompts:
+        tokens, acc_m, visited = speculative_decode(target, proposer, prompt, max_new_tokens, bs)
+        n = prompt.shape[0]
+        region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
+        correct, valid = teacher_forced(target, drafter, head, tokens, region)
+        streaks = streak_lengths(correct, valid)
+        s_vis = streaks[torch.tensor(visited, device=tokens.device) - n]
+        acc = accuracy_per_position(correct, valid)
+        per.append(PromptResult(
+            prompt_len=n, new_tokens=tokens.shape[0] - n, steps=len(acc_m),
+            mean_accepted=sum(acc_m) / len(acc_m), tau_sim=simulated_accepted_length(acc),
+            streak_visited=float(s_vis.float().mean())))
+        all_m += acc_m
+        all_streak += s_vis.tolist()
+        corrects.append(correct)
+        valids.append(valid)
+    acc = accuracy_per_position(torch.cat(corrects), torch.cat(valids))
+    mean_m = sum(all_m) / max(len(all_m), 1)
+    return EvalResult(mean_accepted=mean_m, tokens_per_step=mean_m + 1,
+                      streak_visited=sum(all_streak) / max(len(all_streak), 1),
+                      tau_sim=simulated_accepted_length(acc), acc_per_pos=acc.tolist(),
+                      per_prompt=per)
+
+
+def _prompts(args, tok) -> list[list[int]]:
+    """Token ids of the CLI's prompts (chat template with a generation prompt)."""
+    if args.prompts:
+        lines = Path(args.prompts).read_text().splitlines()
+        convs = [[{"role": "user", "content": json.loads(x)["prompt"]}] for x in lines if x.strip()]
+    else:
+        from dflash.data.sources import read_source
+
+        recs = read_source(args.data).conversations
+        convs = []
+        for conv in recs[-args.num_prompts:]:
+            head = []
+            for msg in conv:
+                if msg["role"] == "assistant":
+                    break
+                head.append(msg)
+            convs.append(head)
+    out = []
+    for conv in convs[: args.num_prompts]:
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"][-args.max_prompt_tokens:])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.eval", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="dflash checkpoint directory (model.safetensors + configs)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help='JSONL file of {"prompt": str}')
+    src.add_argument("--data", help="a dflash.data source (e.g. sharegpt); its last N conversations")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", action="store_true", help="print the EvalResult as JSON")
+    args = p.parse_args(argv)
+
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.model_io import load_drafter
+    from dflash.target import load_target
+
+    drafter, dc, tc = load_drafter(args.checkpoint, args.device)
+    target = load_target(tc, args.device, dc.num_layers, need_final=True)
+    if target.layer_ids != list(dc.target_layer_ids):
+        print(f"dflash.eval: target layers {target.layer_ids} != drafter's {dc.target_layer_ids}",
+              file=sys.stderr)
+        return 2
+    drafter.to(target.model.dtype)
+    head = target.shared_head()
+    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
+    prompts = [torch.tensor(x, device=args.device) for x in _prompts(args, tok)]
+    res = evaluate(target, drafter, head, prompts, args.max_new_tokens)
+    if args.json:
+        print(msgspec.json.encode(res).decode())
+        return 0
+    for i, r in enumerate(res.per_prompt):
+        print(f"prompt {i}: len {r.prompt_len} new {r.new_tokens} steps {r.steps} "
+              f"accepted/step {r.mean_accepted:.3f} streak@visited {r.streak_visited:.3f} "
+              f"tau_sim {r.tau_sim:.3f}")
+    print(f"measured accepted/step {res.mean_accepted:.3f} (tokens/step {res.tokens_per_step:.3f}) | "
+          f"teacher-forced streak@visited {res.streak_visited:.3f} | tau_sim {res.tau_sim:.3f}")
+    print("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

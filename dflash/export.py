@@ -1,0 +1,150 @@
+"""Export a trained drafter to the public DFlash Hugging Face layout, and read it back.
+
+``python -m dflash.export CHECKPOINT -o DIR [--dtype bfloat16]`` writes
+
+* ``config.json``: a Qwen3-style config as the public DFlash drafters ship it:
+  ``architectures = ["DFlashDraftModel"]``, ``model_type = "qwen3"``, the drafter's dims
+  (``num_hidden_layers`` = drafter layers), ``block_size``, ``num_target_layers``, and
+  ``dflash_config = {"block_size", "mask_token_id", "target_layer_ids"}``;
+* ``model.safetensors``: the drafter weights under the public names (``fc.weight``,
+  ``hidden_norm.weight``, ``layers.N.self_attn.q_proj.weight``, ...; no embedding / LM head).
+
+Public drafters also carry an ``auto_map`` to their own ``dflash.py`` modeling file for
+``trust_remote_code``; that file is z-lab's and is not written here, so no ``auto_map`` is set
+(serving engines select the drafter by ``architectures``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.model_io import load_drafter
+
+__all__ = ["export_drafter", "hf_config_dict", "load_exported", "main"]
+
+
+def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The public-layout ``config.json`` content for a resolved drafter config.
+
+    Raises:
+        ValueError: ``mask_token_id`` is unset.
+    """
+    cfg.check_resolved()
+    if cfg.mask_token_id is None:
+        raise ValueError("drafter.mask_token_id is unset; the exported config must name it")
+    sliding = "sliding_attention" in cfg.types
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {
+            "block_size": cfg.block_size,
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
+        "num_target_layers": cfg.num_target_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "layer_types": cfg.types,
+        "use_sliding_window": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "max_window_layers": cfg.num_layers,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
+                   dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_dict(drafter.cfg, dtype)
+    weights = {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def load_exported(directory: str | Path, device: torch.device | str = "cpu",
+                  dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one).
+
+    Raises:
+        ValueError: ``architectures`` is not ``["DFlashDraftModel"]``.
+        RuntimeError: the weights do not match the config.
+    """
+    d = Path(directory)
+    raw = json.loads((d / "config.json").read_text())
+    if raw.get("architectures") != ["DFlashDraftModel"]:
+        raise ValueError(f"{d}/config.json: architectures {raw.get('architectures')} is not "
+                         "['DFlashDraftModel']")
+    dfc = raw.get("dflash_config", {})
+    rope = raw.get("rope_parameters") or {}
+    n = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or ["full_attention"] * n
+    cfg = DrafterConfig(
+        num_layers=n,
+        block_size=dfc.get("block_size", raw.get("block_size", 16)),
+        mask_token_id=dfc.get("mask_token_id"),
+        layer_types=types,
+        sliding_window=raw.get("sliding_window") if "sliding_attention" in types else None,
+        hidden_size=raw["hidden_size"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10_000.0))),
+        max_position_embeddings=raw.get("max_position_embeddings"),
+        vocab_size=raw.get("vocab_size"),
+        target_layer_ids=list(dfc["target_layer_ids"]),
+        num_target_layers=raw.get("num_target_layers"),
+    )
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(load_file(str(d / "model.safetensors")), strict=True)
+    drafter.to(device=device, dtype=dtype or torch.float32)
+    return drafter.eval(), cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash.export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a dflash checkpoint directory (model.safetensors + configs)")
+    p.add_argument("-o", "--out", required=True, help="output directory (public DFlash layout)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = p.parse_args(argv)
+    try:
+        drafter, _, _ = load_drafter(args.checkpoint)
+        out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"dflash.export: {e}", file=sys.stderr)
+        return 2
+    n = sum(t.numel() for t in drafter.state_dict().values())
+    print(f"wrote {out}/config.json and model.safetensors ({n / 1e6:.1f}M parameters, {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Drafter weights and configs on disk (the model part of a checkpoint directory).
+
+A drafter directory holds
+
+* ``model.safetensors``: the drafter's state dict under the public DFlash names (no embedding or
+  LM head: those are the target's);
+* ``drafter_config.json``: the resolved :class:`dflash.drafter.DrafterConfig` (msgspec JSON);
+* ``target_config.json``: the :class:`dflash.target.TargetConfig` the drafter was trained against
+  (so eval/export can rebuild the target and its shared head).
+
+:mod:`dflash.checkpoint` adds its own files (``meta.json``, ``train_state.pt``) next to these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.target import TargetConfig
+
+__all__ = ["DRAFTER_CONFIG", "TARGET_CONFIG", "WEIGHTS", "config_files", "load_configs",
+           "load_drafter", "save_drafter"]
+
+WEIGHTS = "model.safetensors"
+DRAFTER_CONFIG = "drafter_config.json"
+TARGET_CONFIG = "target_config.json"
+
+
+def config_files(drafter_cfg: DrafterConfig, target_cfg: TargetConfig) -> dict[str, Any]:
+    """``{file name: msgspec-encodable object}`` for the two config files."""
+    return {DRAFTER_CONFIG: drafter_cfg, TARGET_CONFIG: target_cfg}
+
+
+def save_drafter(directory: str | Path, drafter: DFlashDrafter, drafter_cfg: DrafterConfig,
+                 target_cfg: TargetConfig) -> None:
+    """Write weights and both configs into the existing ``directory`` (overwriting them).
+
+    Raises:
+        FileNotFoundError: ``directory`` does not exist.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d} does not exist; create it first")
+    weights = {k: t.detach().contiguous().cpu() for k, t in drafter.state_dict().items()}
+    save_file(weights, str(d / WEIGHTS), metadata={"format": "pt"})
+    for name, obj in config_files(drafter_cfg, target_cfg).items():
+        (d / name).write_bytes(msgspec.json.format(msgspec.json.encode(obj), indent=2))
+
+
+def load_configs(directory: str | Path) -> tuple[DrafterConfig, TargetConfig]:
+    """Read ``drafter_config.json`` and ``target_config.json``.
+
+    Raises:
+        FileNotFoundError: a file is missing (the directory is not a drafter checkpoint).
+        msgspec.ValidationError: a file does not match the config schema.
+    """
+    d = Path(directory)
+    for name in (DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS):
+        if not (d / name).is_file():
+            raise FileNotFoundError(f"{d} is not a drafter checkpoint: {name} is missing")
+    dc = msgspec.json.decode((d / DRAFTER_CONFIG).read_bytes(), type=DrafterConfig)
+    tc = msgspec.json.decode((d / TARGET_CONFIG).read_bytes(), type=TargetConfig)
+    return dc, tc
+
+
+def load_drafter(directory: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig, TargetConfig]:
+    """Rebuild a drafter saved by :func:`save_drafter` (or a dflash checkpoint).
+
+    Returns:
+        ``(drafter in eval mode on device/dtype, drafter config, target config)``.
+
+    Raises:
+        FileNotFoundError: missing files. RuntimeError: weights do not match the config.
+    """
+    dc, tc = load_configs(directory)
+    drafter = DFlashDrafter(dc)
+    drafter.load_state_dict(load_file(str(Path(directory) / WEIGHTS)), strict=True)
+    drafter.to(device=device, dtype=dtype) if dtype is not None else drafter.to(device)
+    return drafter.eval(), dc, tc

@@ -1,0 +1,133 @@
+"""dflash.target: layer choice, hidden-state capture, document masking, truncation, shared head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.target import (
+    TargetConfig,
+    default_layer_ids,
+    document_causal_mask,
+    load_shared_head,
+    load_target,
+)
+
+TINY = TargetConfig(preset="tiny", seed=3, vocab_size=300)   # 6 layers; 2 drafter layers -> [1, 3]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(TINY, "cpu", num_draft_layers=2)
+
+
+def _row(T=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 300, (1, T), generator=g)
+
+
+def test_default_layer_ids_match_public_rule():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(28, 1) == [14]
+    assert default_layer_ids(6, 2) == [1, 3]
+    ids = default_layer_ids(6, 5)                 # too shallow for [1, L-3]: spread over all
+    assert len(set(ids)) == 5 and ids == sorted(ids) and ids[-1] <= 5
+    with pytest.raises(ValueError, match="num_layers"):
+        default_layer_ids(4, 5)
+
+
+def test_capture_equals_output_hidden_states(target):
+    ids = _row()
+    T = ids.shape[1]
+    pos = torch.arange(T)[None]
+    feats, final = target(ids, pos, torch.zeros_like(ids), need_final=True)
+    hs = target.model(ids, output_hidden_states=True).hidden_states
+    assert target.layer_ids == [1, 3] and feats.shape == (1, T, 2 * 128)
+    # hidden_states[i + 1] is layer i's output (the last entry is post-norm: the final state)
+    torch.testing.assert_close(feats, torch.cat([hs[2], hs[4]], dim=-1))
+    torch.testing.assert_close(final, hs[-1])
+
+
+def test_packed_documents_do_not_see_each_other(target):
+    """Invariant: a packed row gives each document exactly what it gets alone (doc-aware mask,
+    positions restarting per document); padding changes nothing."""
+    a, b = _row(10, 1), _row(7, 2)
+    ids = torch.cat([a, b, torch.zeros(1, 3, dtype=torch.long)], dim=1)
+    pos = torch.cat([torch.arange(10), torch.arange(7), torch.zeros(3, dtype=torch.long)])[None]
+    doc = torch.tensor([[0] * 10 + [1] * 7 + [-1] * 3])
+    feats, final = target(ids, pos, doc)
+    fa, _ = target(a, torch.arange(10)[None], torch.zeros_like(a))
+    fb, _ = target(b, torch.arange(7)[None], torch.zeros_like(b))
+    torch.testing.assert_close(feats[:, :10], fa, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(feats[:, 10:17], fb, atol=1e-5, rtol=1e-4)
+    assert torch.isfinite(feats).all() and torch.isfinite(final).all()
+
+
+def test_document_mask_shape_and_rows():
+    doc = torch.tensor([[0, 0, 1, -1]])
+    m = document_causal_mask(doc)
+    assert m.shape == (1, 1, 4, 4) and m.dtype == torch.bool
+    assert m[0, 0].tolist() == [[True, False, False, False], [True, True, False, False],
+                                [False, False, True, False], [False, False, False, True]]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch-internal import on the flex path
+def test_flex_target_matches_sdpa(target):
+    flex = load_target(TargetConfig(**{**_fields(TINY), "attn_implementation": "flex_attention"}),
+                       "cpu", num_draft_layers=2)
+    ids = _row(20)
+    pos = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    doc = torch.tensor([[0] * 12 + [1] * 8])
+    f1, h1 = target(ids, pos, doc)
+    f2, h2 = flex(ids, pos, doc)
+    torch.testing.assert_close(f1, f2, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(h1, h2, atol=1e-5, rtol=1e-4)
+
+
+def _fields(cfg):
+    import msgspec
+    return msgspec.structs.asdict(cfg)
+
+
+def test_need_final_false_keeps_only_needed_layers(target):
+    short = load_target(TINY, "cpu", num_draft_layers=2, need_final=False)
+    assert len(short.decoder_layers) == max(short.layer_ids) + 1 == 4
+    assert short.model.get_output_embeddings() is None
+    ids = _row()
+    pos = torch.arange(ids.shape[1])[None]
+    f_short, none = short(ids, pos, torch.zeros_like(ids), need_final=False)
+    f_full, _ = target(ids, pos, torch.zeros_like(ids))
+    assert none is None
+    torch.testing.assert_close(f_short, f_full)   # same weights despite the truncated build
+    with pytest.raises(RuntimeError, match="need_final=True"):
+        short(ids, pos, torch.zeros_like(ids), need_final=True)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shared_head_random_init_equals_target(tie):
+    cfg = TargetConfig(**{**_fields(TINY), "overrides": {"tie_word_embeddings": tie}})
+    tgt = load_target(cfg, "cpu", num_draft_layers=2)
+    head = load_shared_head(cfg, "cpu")
+    assert torch.equal(head.embed_tokens.weight, tgt.model.model.embed_tokens.weight)
+    assert torch.equal(head.lm_head.weight, tgt.model.lm_head.weight)
+    assert (head.lm_head.weight is head.embed_tokens.weight) == tie
+    assert not any(p.requires_grad for p in head.parameters())
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shared_head_and_target_from_local_dir(tmp_path, tie):
+    cfg = TargetConfig(**{**_fields(TINY), "overrides": {"tie_word_embeddings": tie}})
+    src = load_target(cfg, "cpu", num_draft_layers=2)
+    src.model.save_pretrained(tmp_path)
+    local = TargetConfig(path=str(tmp_path))
+    tgt = load_target(local, "cpu", num_draft_layers=2)
+    head = load_shared_head(local, "cpu")
+    torch.testing.assert_close(head.embed_tokens.weight, src.model.model.embed_tokens.weight)
+    torch.testing.assert_close(head.lm_head.weight, src.model.lm_head.weight)
+    ids = _row()
+    pos = torch.arange(ids.shape[1])[None]
+    torch.testing.assert_close(tgt(ids, pos, torch.zeros_like(ids))[0], src(ids, pos, torch.zeros_like(ids))[0])
+    short = load_target(local, "cpu", num_draft_layers=2, need_final=False)
+    assert len(short.decoder_layers) == max(short.layer_ids) + 1
+    torch.testing.assert_close(short(ids, pos, torch.zeros_like(ids), need_final=False)[0],
+                               src(ids, pos, torch.zeros_like(ids))[0])
