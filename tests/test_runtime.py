@@ -394,3 +394,47 @@ def test_live_statistics_show_backpressure():
     rt.run()
     t.join(10)
     assert seen["src[0]"] == "blocked_output" and seen["sink[0]"] == "busy"
+
+
+# -- devices ----------------------------------------------------------------------------------
+
+class DeviceProbe(csp.Process):
+    """Records, in setup and run, which CUDA device and stream are current in its thread."""
+
+    inputs = {"inp": int}
+
+    def _probe(self, where):
+        import torch
+
+        self.ctx.app.contexts.append((where, self.ctx.replica, torch.cuda.current_device(),
+                                      torch.cuda.current_stream(), self.ctx.stream,
+                                      torch.cuda.default_stream(self.ctx.device)))
+
+    def setup(self):
+        self._probe("setup")
+
+    def run(self, inputs, outputs):
+        self._probe("run")
+        for _ in inputs["inp"]:
+            pass
+
+
+@pytest.mark.gpu
+def test_cuda_process_runs_with_its_device_and_own_stream():
+    """A process bound to cuda:N runs setup and run with device N current and its own,
+    non-default stream current (in its own thread)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n = min(torch.cuda.device_count(), 2)
+    h = Harness()
+    g = csp.Graph().channel("a", capacity=2)
+    g.process("src", Source, outputs={"out": "a"}, options={"n": 10})
+    g.process("probe", DeviceProbe, inputs={"inp": "a"}, replicas=n,
+              devices=[f"cuda:{i}" for i in range(n)])
+    csp.Runtime(g, app=h).run()
+    probes = [c for c in h.contexts if isinstance(c, tuple)]
+    assert len(probes) == 2 * n
+    for where, replica, current, stream, own, default in probes:
+        assert current == replica, where
+        assert stream == own and stream != default, where
