@@ -19,7 +19,7 @@ import json
 import logging
 import random
 import re
-from typing import Annotated
+from typing import Annotated, Iterator
 
 import msgspec
 
@@ -54,11 +54,18 @@ class Counts(msgspec.Struct, frozen=True):
     counts: dict[str, int]
 
 
-def generate_lines(n: int, seed: int = 0) -> list[str]:
-    """``n`` deterministic pseudo-random sentences of 3-12 words from :data:`WORDS`."""
+def generate_lines(n: int, seed: int = 0) -> Iterator[str]:
+    """``n`` deterministic pseudo-random sentences of 3-12 words from :data:`WORDS`, lazily."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "."
-            for _ in range(n)]
+    for _ in range(n):
+        yield " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))).capitalize() + "."
+
+
+def read_lines(path: str) -> Iterator[str]:
+    """The lines of a UTF-8 text file, without line endings, lazily."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield line.rstrip("\r\n")
 
 
 def tokenize(text: str, lowercase: bool = True) -> list[str]:
@@ -80,11 +87,7 @@ class ReadLines(csp.Process):
 
     def run(self, inputs, outputs):
         opts = self.options
-        if opts.path:
-            with open(opts.path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        else:
-            lines = generate_lines(opts.generate, opts.seed)
+        lines = read_lines(opts.path) if opts.path else generate_lines(opts.generate, opts.seed)
         for seq, text in enumerate(lines):
             if self.ctx.stopping():
                 log.info("%s: stop requested after %d lines", self.ctx.qualname, seq)
@@ -163,4 +166,5 @@ class Merge(csp.Process):
             out.write_text(json.dumps(result, indent=1))
 
 
-__all__ = ["Count", "Counts", "Line", "Merge", "ReadLines", "Tokenize", "Tokens", "generate_lines", "tokenize"]
+__all__ = ["Count", "Counts", "Line", "Merge", "ReadLines", "Tokenize", "Tokens", "generate_lines", "read_lines",
+           "tokenize"]
