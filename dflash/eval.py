@@ -40,7 +40,7 @@ from dflash.metrics import accuracy_per_position, simulated_accepted_length, str
 from dflash.target import SharedHead, Target
 
 __all__ = ["DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate",
-           "greedy_decode", "speculative_decode", "teacher_forced"]
+           "greedy_decode", "greedy_labels", "speculative_decode", "teacher_forced"]
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -186,30 +186,39 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
 
 
 @torch.no_grad()
+def greedy_labels(target: Target, head: SharedHead, tokens: torch.Tensor, anchors: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What greedy verification would accept at each anchor of ``tokens [L]``.
+
+    Returns ``(labels [A, bs-1], valid [A, bs-1], features [1, L+1, k*H])``: ``labels[:, j-1]`` is
+    the target's argmax for token ``a + j``, read at position ``a + j - 1``; slot ``j`` is valid
+    iff ``a + j - 1 < L`` (that prediction exists).
+    """
+    L = tokens.shape[0]
+    ext = torch.cat([tokens, tokens[-1:]])[None]          # one dummy token: features stay causal
+    pos = torch.arange(L + 1, device=tokens.device)[None]
+    feats, final = target(ext, pos, torch.zeros_like(pos), need_final=True)
+    greedy = head.logits(final[0, :L]).argmax(-1)        # greedy[t] = target's token t + 1
+    lab_pos = anchors[:, None] + torch.arange(block_size - 1, device=tokens.device)   # a + j - 1
+    valid = lab_pos < L
+    return greedy[lab_pos.clamp(max=L - 1)], valid, feats
+
+
+@torch.no_grad()
 def teacher_forced(target: Target, drafter: DFlashDrafter, head: SharedHead, tokens: torch.Tensor,
                    anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score blocks at ``anchors [A]`` of ``tokens [L]`` against the target's argmax.
+    """Score drafter blocks at ``anchors [A]`` of ``tokens [L]`` against :func:`greedy_labels`.
 
-    Slot ``j`` of anchor ``a`` is scored iff ``a + j - 1 < L`` (the target's prediction for token
-    ``a + j`` exists). Returns ``(correct, valid)``, both ``[A, bs-1]`` bool.
+    Returns ``(correct, valid)``, both ``[A, bs-1]`` bool.
     """
     bs = drafter.cfg.block_size
-    L = tokens.shape[0]
-    ext = torch.cat([tokens, tokens[-1:]])[None]          # one dummy token: labels up to a+j-1 = L-1
-    pos = torch.arange(L + 1, device=tokens.device)[None]
-    doc = torch.zeros_like(pos)
-    feats, final = target(ext, pos, doc, need_final=True)
-    greedy = head.logits(final[0]).argmax(-1)             # [L+1]: greedy[t] = target's token t+1
-    a = anchors[None]
-    block = torch.full((1, a.shape[1], bs), drafter.cfg.mask_token_id, device=tokens.device)
+    labels, valid, feats = greedy_labels(target, head, tokens, anchors, bs)
+    pos = torch.arange(feats.shape[1], device=tokens.device)[None]
+    block = torch.full((1, anchors.shape[0], bs), drafter.cfg.mask_token_id, device=tokens.device)
     block[0, :, 0] = tokens[anchors]
-    hidden = drafter(feats, head.embed(block), training_layout(pos, doc, a, bs))[0]
-    j = torch.arange(1, bs, device=tokens.device)
-    lab_pos = anchors[:, None] + j - 1                                  # [A, bs-1]
-    valid = lab_pos < L
-    label = greedy[lab_pos.clamp(max=L)]
-    correct = head.logits(hidden[:, 1:]).argmax(-1) == label
-    return correct, valid
+    layout = training_layout(pos, torch.zeros_like(pos), anchors[None], bs)
+    hidden = drafter(feats, head.embed(block), layout)[0]
+    return head.logits(hidden[:, 1:]).argmax(-1) == labels, valid
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,

@@ -1,0 +1,86 @@
+"""dflash.model_io + dflash.export: checkpoint round trip, public HF layout round trip, CLIs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash.attention import training_layout
+from dflash.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
+from dflash.export import export_drafter, load_exported, main as export_main
+from dflash.model_io import load_drafter, save_drafter
+from dflash.target import TargetConfig
+
+TCFG = TargetConfig(preset="tiny", seed=4, vocab_size=4096, tokenizer="builtin:tiny")
+
+
+def make(types=None):
+    dc = DrafterConfig(num_layers=2, block_size=4, mask_token_id=4095, layer_types=types,
+                       sliding_window=8 if types else None)
+    return DFlashDrafter(resolve_drafter_config(dc, TCFG), seed=3).eval()
+
+
+def outputs(d):
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, 12, 2 * 128, generator=g)
+    emb = torch.randn(1, 2, 4, 128, generator=g)
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        return d(feats, emb, training_layout(pos, torch.zeros_like(pos), torch.tensor([[3, 7]]), 4))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    d = make()
+    save_drafter(tmp_path, d, d.cfg, TCFG)
+    d2, dc, tc = load_drafter(tmp_path)
+    assert dc == d.cfg and tc == TCFG
+    torch.testing.assert_close(outputs(d2), outputs(d), rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="drafter_config.json"):
+        load_drafter(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("types", [None, ["sliding_attention", "full_attention"]])
+def test_export_public_layout_round_trip(tmp_path, types):
+    d = make(types)
+    export_drafter(d, tmp_path, torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 4 and cfg["num_hidden_layers"] == 2
+    assert cfg["dflash_config"] == {"block_size": 4, "mask_token_id": 4095,
+                                    "target_layer_ids": d.cfg.target_layer_ids}
+    assert cfg["num_target_layers"] == 6 and cfg["hidden_size"] == 128
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert names == set(d.state_dict()) and "fc.weight" in names and "hidden_norm.weight" in names
+    assert "layers.1.self_attn.q_proj.weight" in names and not any("embed" in n for n in names)
+    back, bcfg = load_exported(tmp_path)
+    assert bcfg.types == d.cfg.types and bcfg.target_layer_ids == d.cfg.target_layer_ids
+    torch.testing.assert_close(outputs(back), outputs(d), rtol=0, atol=0)
+
+
+def test_export_cli_writes_bf16(tmp_path, capsys):
+    d = make()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    assert export_main([str(ck), "-o", str(tmp_path / "hf")]) == 0
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert export_main([str(tmp_path / "missing"), "-o", str(tmp_path / "x")]) == 2
+    assert "missing" in capsys.readouterr().err
+
+
+def test_eval_cli_on_a_checkpoint(tmp_path, capsys):
+    from dflash.eval import main as eval_main
+
+    d = make()
+    save_drafter(tmp_path, d, d.cfg, TCFG)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n{"prompt": "what is two plus two?"}\n')
+    assert eval_main([str(tmp_path), "--prompts", str(prompts), "--max-new-tokens", "6",
+                      "--device", "cpu", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert len(res["per_prompt"]) == 2 and res["tokens_per_step"] == pytest.approx(res["mean_accepted"] + 1)
