@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
-    app.channel_stats = runtime.channel_statistics
+    app.channel_stats = lambda: runtime.statistics()["channels"]
     log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.start_step + 1,
              cfg.run.steps, run_dir)
     t0 = time.time()
