@@ -51,6 +51,7 @@ class PromptResult(msgspec.Struct, kw_only=True):
     steps: int
     mean_accepted: float
     tau_sim: float
+    streak_all: float
     streak_visited: float
 
 
@@ -62,6 +63,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
         tokens_per_step: ``mean_accepted + 1`` (the bonus token).
         streak_visited: teacher-forced streak at the anchors the decode visited (should equal
             ``mean_accepted`` up to numerics).
+        streak_all: teacher-forced mean streak over every anchor of the generated text (the
+            simulated accepted length without the independence assumption of ``tau_sim``).
         tau_sim: ``sum_j prod_{i<=j} acc_j`` from teacher-forced accuracies on the generated text.
         acc_per_pos: ``[bs-1]`` teacher-forced accuracies.
         per_prompt: one :class:`PromptResult` per prompt.
@@ -70,6 +73,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     mean_accepted: float
     tokens_per_step: float
     streak_visited: float
+    streak_all: float
     tau_sim: float
     acc_per_pos: list[float]
     per_prompt: list[PromptResult]
@@ -226,7 +230,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     """Speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text."""
     bs = drafter.cfg.block_size
     proposer = DrafterProposer(drafter, head)
-    per, all_m, all_streak, corrects, valids = [], [], [], [], []
+    per, all_m, all_streak, all_streaks, corrects, valids = [], [], [], [], [], []
     for prompt in prompts:
         tokens, acc_m, visited = speculative_decode(target, proposer, prompt, max_new_tokens, bs)
         n = prompt.shape[0]
@@ -238,8 +242,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         per.append(PromptResult(
             prompt_len=n, new_tokens=tokens.shape[0] - n, steps=len(acc_m),
             mean_accepted=sum(acc_m) / len(acc_m), tau_sim=simulated_accepted_length(acc),
-            streak_visited=float(s_vis.float().mean())))
+            streak_all=float(streaks.float().mean()), streak_visited=float(s_vis.float().mean())))
         all_m += acc_m
+        all_streaks.append(streaks)
         all_streak += s_vis.tolist()
         corrects.append(correct)
         valids.append(valid)
@@ -247,6 +252,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     mean_m = sum(all_m) / max(len(all_m), 1)
     return EvalResult(mean_accepted=mean_m, tokens_per_step=mean_m + 1,
                       streak_visited=sum(all_streak) / max(len(all_streak), 1),
+                      streak_all=float(torch.cat(all_streaks).float().mean()),
                       tau_sim=simulated_accepted_length(acc), acc_per_pos=acc.tolist(),
                       per_prompt=per)
 
@@ -309,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, r in enumerate(res.per_prompt):
         print(f"prompt {i}: len {r.prompt_len} new {r.new_tokens} steps {r.steps} "
               f"accepted/step {r.mean_accepted:.3f} streak@visited {r.streak_visited:.3f} "
-              f"tau_sim {r.tau_sim:.3f}")
+              f"streak@all {r.streak_all:.3f} tau_sim {r.tau_sim:.3f}")
     print(f"measured accepted/step {res.mean_accepted:.3f} (tokens/step {res.tokens_per_step:.3f}) | "
-          f"teacher-forced streak@visited {res.streak_visited:.3f} | tau_sim {res.tau_sim:.3f}")
+          f"teacher-forced streak@visited {res.streak_visited:.3f} streak@all {res.streak_all:.3f} | "
+          f"tau_sim {res.tau_sim:.3f}")
     print("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
     return 0
 
