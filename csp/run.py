@@ -52,6 +52,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_GRAPH
     run_dir = None if args.no_run_dir else (args.run_dir or Path("runs") / args.graph.stem)
+    from csp.dist import launched
+
+    if launched():  # under torchrun: run this rank's share (docs/distributed.md)
+        from csp.dist.launch import cli
+
+        return cli(graph, run_dir)
     runtime = Runtime(graph, run_dir=run_dir)
     try:
         result = runtime.run()
