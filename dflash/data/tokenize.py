@@ -1,0 +1,154 @@
+"""Tokenize a source once, in parallel, and cache it: ``load_dataset(cfg, tokenizer)``.
+
+The cache key covers everything that changes the arrays: the data file's identity (resolved path,
+size, mtime), data.format, the tokenizer fingerprint (vocab, merges, specials, chat template),
+max_length, last_turn_only, max_samples and the loss-token threshold ``2 * block_size``. A second
+load with the same key memory-maps the stored arrays and never reads the source file.
+
+Parallelism: conversations are cut into chunks of ``CHUNK`` and encoded by ``num_workers``
+``spawn`` processes (no ``fork`` of a process that may hold threads), each holding its own
+:class:`~dflash.data.chat.ChatEncoder`; results are reassembled in file order, so the arrays do
+not depend on the worker count. A rich progress bar counts conversations.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash.data.cache import cache_key, load_entry, save_entry
+from dflash.data.chat import ChatEncoder, Encoded
+from dflash.data.config import DataConfig
+from dflash.data.dataset import DataSummary, TokenizedDataset, print_summary
+from dflash.data.sources import SourceRecords, no_usable_rows, read_source, resolve_source
+from dflash.data.tokenizer import tokenizer_fingerprint
+
+CHUNK = 256
+"""Conversations per work item sent to a tokenizer process."""
+
+_ENCODER: ChatEncoder | None = None
+
+
+def _init_worker(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+    global _ENCODER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _ENCODER = ChatEncoder(tokenizer, **kwargs)
+
+
+def _encode_chunk(job: tuple[int, list]) -> tuple[int, list]:
+    index, conversations = job
+    assert _ENCODER is not None
+    return index, _ENCODER.encode_many(conversations)
+
+
+def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], workers: int,
+                progress: bool) -> list[Encoded | str]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    convs = records.conversations
+    jobs = [(i, convs[s: s + CHUNK]) for i, s in enumerate(range(0, len(convs), CHUNK))]
+    results: dict[int, list] = {}
+    columns = (TextColumn("tokenizing {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task(Path(records.name).name, total=len(convs))
+        if workers <= 1 or len(jobs) <= 1:
+            encoder = ChatEncoder(tokenizer, **kwargs)
+            for i, chunk in jobs:
+                results[i] = encoder.encode_many(chunk)
+                bar.advance(task, len(chunk))
+        else:
+            ctx = mp.get_context("spawn")
+            with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, kwargs)) as pool:
+                for i, encoded in pool.imap_unordered(_encode_chunk, jobs):
+                    results[i] = encoded
+                    bar.advance(task, len(encoded))
+    return [e for i in range(len(jobs)) for e in results[i]]
+
+
+def _key_parts(cfg: DataConfig, tokenizer: Any) -> tuple[Path, dict[str, Any]]:
+    path, identity = resolve_source(cfg.source)
+    parts = {
+        "source": identity,
+        "format": cfg.format,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": cfg.max_length,
+        "last_turn_only": cfg.last_turn_only,
+        "max_samples": cfg.max_samples,
+        "min_loss_tokens": 2 * cfg.block_size,
+    }
+    return path, parts
+
+
+def load_dataset(cfg: DataConfig, tokenizer: Any, *, progress: bool = True, console=None,
+                 quiet: bool = False) -> TokenizedDataset:
+    """Tokenized conversations of ``cfg.source`` (from the cache when possible).
+
+    Args:
+        cfg: the data config (source, format, max_length, block_size, cache_dir, num_workers...).
+        tokenizer: a fast transformers tokenizer with a chat template (see
+            :func:`dflash.data.tokenizer.load_tokenizer`).
+        progress: show a rich progress bar while tokenizing.
+        console: rich Console for the summary (default stderr).
+        quiet: do not print the summary (it is still in ``dataset.summary``).
+
+    Returns:
+        The whole dataset (use ``dataset.split(cfg.holdout, cfg.seed)`` for train/eval), with
+        ``dataset.summary`` (:class:`~dflash.data.dataset.DataSummary`).
+
+    Raises:
+        DataError: missing file, or no usable conversation (the message names the file and the
+            skip counts per reason).
+    """
+    t0 = time.perf_counter()
+    path, parts = _key_parts(cfg, tokenizer)
+    key = cache_key(parts)
+    entry = cfg.resolved_cache_dir() / key
+    cached = load_entry(entry)
+    if cached is None:
+        arrays, summary = _tokenize(cfg, tokenizer, parts, path, entry, progress)
+    else:
+        arrays, meta = cached
+        summary = DataSummary(**{**meta["summary"], "from_cache": True})
+    summary.seconds = time.perf_counter() - t0
+    if not quiet:
+        print_summary(summary, console)
+    return TokenizedDataset(arrays["tokens"], arrays["loss_mask"], arrays["offsets"],
+                            summary=summary, key=key)
+
+
+def _tokenize(cfg: DataConfig, tokenizer: Any, parts: dict[str, Any], path: Path, entry: Path,
+              progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
+    records = read_source(cfg.source, cfg.format, cfg.max_samples)
+    kwargs = {"max_length": cfg.max_length, "last_turn_only": cfg.last_turn_only,
+              "min_loss_tokens": 2 * cfg.block_size}
+    encoded = _encode_all(records, tokenizer, kwargs, cfg.resolved_workers(), progress)
+    skipped: Counter[str] = Counter(records.skipped)
+    kept = [(e, records.source_index[i]) for i, e in enumerate(encoded) if not isinstance(e, str)]
+    skipped.update(e for e in encoded if isinstance(e, str))
+    if not kept:
+        raise no_usable_rows(path, records.records_read, skipped, max_length=cfg.max_length,
+                             min_loss_tokens=2 * cfg.block_size)
+    lengths = np.fromiter((len(e.ids) for e, _ in kept), np.int64, len(kept))
+    offsets = np.zeros(len(kept) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    arrays = {
+        "tokens": np.concatenate([e.ids for e, _ in kept]),
+        "loss_mask": np.concatenate([e.mask for e, _ in kept]),
+        "offsets": offsets,
+        "source_index": np.asarray([i for _, i in kept], np.int64),
+    }
+    summary = DataSummary(
+        source=cfg.source, path=str(path), cache_path=str(entry), from_cache=False,
+        records_read=records.records_read, conversations=len(kept), skipped=dict(sorted(skipped.items())),
+        truncated=sum(e.truncated for e, _ in kept), num_tokens=int(offsets[-1]),
+        num_loss_tokens=int(arrays["loss_mask"].sum(dtype=np.int64)),
+    )
+    save_entry(entry, arrays, {"key_parts": parts, "summary": summary.to_dict()})
+    return arrays, summary
