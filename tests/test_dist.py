@@ -146,15 +146,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(scenario: str, world: int, out_dir: Path, timeout_s: float = 45.0) -> list[dict]:
-    """Run ``scenario`` on ``world`` local ranks; returns per rank its exit code, stderr, record."""
+def launch_ranks(scenario: str, world: int, out_dir: Path, timeout_s: float = 45.0,
+                 script: str = __file__, args: tuple[str, ...] = ()) -> list[dict]:
+    """Run ``script SCENARIO OUT_DIR *args`` on ``world`` local ranks (loopback rendezvous);
+    returns per rank its exit code, stderr and ``OUT_DIR/rank<r>.json`` record."""
     port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out_dir)], env=env,
+        procs.append(subprocess.Popen([sys.executable, script, scenario, str(out_dir), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout_s
     out = []
