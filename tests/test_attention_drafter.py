@@ -140,3 +140,16 @@ def test_config_validation():
         DrafterConfig(hidden_size=32).resolve(_HF, [1])
     with pytest.raises(ValueError, match="resolve"):
         DFlashDrafter(DrafterConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled flex_attention and bf16 SDPA")
+def test_cuda_compiled_flex_matches_sdpa_bf16():
+    feats, emb, pos, doc, anchors = (t.cuda() for t in packed_batch())
+    lay = training_layout(pos, doc, anchors, BS)
+    a = make_drafter(["sliding_attention", "full_attention"], "sdpa").cuda().bfloat16()
+    b = make_drafter(["sliding_attention", "full_attention"], "flex_attention").cuda().bfloat16()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(a(feats, emb, lay).float(), b(feats, emb, lay).float(),
+                                   atol=3e-2, rtol=3e-2)
