@@ -92,6 +92,11 @@ class LaneWriter:
         self.peer, self.control, self.cuda = peer, control, cuda
         self.frame = torch.zeros(FRAME, dtype=torch.uint8)
         self.bytes_sent = 0
+        # CUDA tensors sent but maybe not yet read by NCCL: (event after the send, tensor). Kept
+        # alive until the event completes, so the caching allocator cannot hand their memory out
+        # while the NCCL stream still reads it (independent of the process group's own
+        # record_stream policy).
+        self.in_flight: list[tuple[Any, torch.Tensor]] = []
 
     def send(self, kind: str, link: int, seq: int | None = None, item: Any = None) -> None:
         """Send one message and its tensors (blocks until gloo/NCCL accepted them).
@@ -118,7 +123,12 @@ class LaneWriter:
                         f"a CUDA tensor {tuple(t.shape)} must cross to rank {self.peer} but no NCCL "
                         "group exists (torch.cuda not available or NCCL missing); move it to CPU first"
                     )
-                dist.send(_as_bytes(t), self.peer, group=self.cuda)
+                raw = _as_bytes(t)
+                dist.send(raw, self.peer, group=self.cuda)  # the current stream now waits on it
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(raw.device))
+                self.in_flight = [(e, x) for e, x in self.in_flight if not e.query()]
+                self.in_flight.append((ev, raw))
             else:
                 dist.send(_as_bytes(t), self.peer, group=self.control)
             self.bytes_sent += t.nbytes
