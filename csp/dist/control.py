@@ -67,7 +67,8 @@ class Control:
                     rank, message = _parse(self.store.get(ABORT_KEY))
                     if self.seen is None:
                         self.seen = (rank, message)  # before the ack: the store host may then leave
-                    self.store.add(ACK_KEY, 1)
+                    if rank != self.rank:  # acks count the ranks other than the failing one
+                        self.store.add(ACK_KEY, 1)
                 except Exception as exc:
                     if self._stop.is_set():
                         return
