@@ -123,12 +123,11 @@ class ChatEncoder:
 
     def encode_many(self, conversations: list[Conversation]) -> list[Encoded | str]:
         """Encode each conversation; a string in the output is that conversation's skip reason
-        (``template_mismatch`` or ``too_few_loss_tokens``)."""
-        rendered = [self.render(c) for c in conversations]
-        texts = [f for r in rendered if not isinstance(r, str) for f in r[1]]
-        content_ids = iter(self._literal.encode_batch(texts, add_special_tokens=False))
+        (``template_mismatch`` or ``too_few_loss_tokens``). Messages that start after
+        ``max_length`` tokens are not tokenized at all."""
         out: list[Encoded | str] = []
-        for conv, r in zip(conversations, rendered):
+        for conv in conversations:
+            r = self.render(conv)
             if isinstance(r, str):
                 out.append(r)
                 continue
@@ -137,8 +136,12 @@ class ChatEncoder:
             trained = set(assistant[-1:] if self.last_turn_only else assistant)
             ids: list[int] = list(self._piece(pieces[0]))
             mask: list[int] = [0] * len(ids)
-            for i in range(len(forms)):
-                content = next(content_ids).ids
+            cut_early = False
+            for i, form in enumerate(forms):
+                if len(ids) >= self.max_length:  # the rest would be truncated: skip tokenizing it
+                    cut_early = True
+                    break
+                content = self._literal.encode(form, add_special_tokens=False).ids
                 ids += content
                 mask += [int(i in trained)] * len(content)
                 after = self._piece(pieces[i + 1])
@@ -146,7 +149,7 @@ class ChatEncoder:
                 mask += [0] * len(after)
                 if i in trained and after and after[0] in self._special:
                     mask[len(ids) - len(after)] = 1
-            truncated = len(ids) > self.max_length
+            truncated = cut_early or len(ids) > self.max_length
             ids_a = np.asarray(ids[: self.max_length], dtype=np.int32)
             mask_a = np.asarray(mask[: self.max_length], dtype=np.uint8)
             if int(mask_a.sum()) < max(self.min_loss_tokens, 1):
