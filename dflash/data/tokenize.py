@@ -56,7 +56,9 @@ def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], 
     results: dict[int, list] = {}
     columns = (TextColumn("tokenizing {task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    from rich.console import Console
+
+    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
         task = bar.add_task(Path(records.name).name, total=len(convs))
         if workers <= 1 or len(jobs) <= 1:
             encoder = ChatEncoder(tokenizer, **kwargs)
@@ -105,6 +107,9 @@ def load_dataset(cfg: DataConfig, tokenizer: Any, *, progress: bool = True, cons
     Raises:
         DataError: missing file, or no usable conversation (the message names the file and the
             skip counts per reason).
+
+    With ``num_workers > 1`` the workers are *spawned*: a script calling this at import time of
+    its main module needs the usual ``if __name__ == "__main__":`` guard.
     """
     t0 = time.perf_counter()
     path, parts = _key_parts(cfg, tokenizer)
