@@ -238,3 +238,6 @@ def test_split_holdout_is_seeded_and_disjoint(tok, tmp_path):
     assert d.split(1, seed=3)[1].rows.tolist() == held.rows.tolist()
     with pytest.raises(ValueError, match="holdout"):
         d.split(4, seed=0)
+    p = d.prompt(0)  # the context up to the first assistant turn, header included
+    assert tok.decode(p.tolist()).endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert held.prompt(0).tolist() == d.prompt(int(held.rows[0])).tolist()

@@ -118,6 +118,12 @@ class TokenizedDataset:
         stop = int(self.lengths[i]) if stop is None else stop
         return self.tokens[base + start: base + stop], self.loss_mask[base + start: base + stop]
 
+    def prompt(self, i: int) -> np.ndarray:
+        """``[P]`` int32 ids of conversation ``i`` before its first trained token: the context a
+        real decode (dflash.eval) starts generating from. Empty if the first token is trained."""
+        ids, mask = self.span(i)
+        return ids[: int(np.argmax(mask))] if mask.any() else ids
+
     def subset(self, indices: np.ndarray) -> "TokenizedDataset":
         """A view of conversations ``indices`` (this view's indices), without copying tokens."""
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, summary=self.summary,
