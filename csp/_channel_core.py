@@ -16,8 +16,6 @@ from collections import deque
 from time import perf_counter
 from typing import Any
 
-from anyio.lowlevel import checkpoint
-
 from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, PeerGone
 from csp.stats import ChannelStatistics
 
@@ -27,6 +25,14 @@ PENDING, DONE, RETRY = 0, 1, 2
 _EMPTY: Any = object()  # "nothing to take" marker
 _NOTHING = (_EMPTY, None, None)
 _allocate_lock = threading.Lock
+
+
+async def checkpoint() -> None:
+    """A cancellation point that yields to the loop once: ``asyncio.sleep(0)``, which is what
+    anyio's ``checkpoint()`` does on its asyncio backend, without the backend lookup (~0.7 us)."""
+    await asyncio.sleep(0)
+
+
 _get_ident = threading.get_ident
 
 
