@@ -217,7 +217,13 @@ class Sender(_End, Generic[T]):
         deadline = None if timeout is None else w.t0 + timeout
         try:
             while True:
-                woke = w.wait(-1 if deadline is None else max(0.0, deadline - perf_counter()))
+                try:
+                    woke = w.wait(-1 if deadline is None else max(0.0, deadline - perf_counter()))
+                except BaseException:  # KeyboardInterrupt in the main thread: withdraw the offer
+                    with core.lock:
+                        if w.state == _cc.PENDING:
+                            core.unpark_sender(w)
+                    raise
                 with core.lock:
                     if w.state == _cc.DONE:
                         return
@@ -369,7 +375,14 @@ class Receiver(_End, Generic[T]):
         deadline = None if timeout is None else w.t0 + timeout
         try:
             while True:
-                woke = w.wait(-1 if deadline is None else max(0.0, deadline - perf_counter()))
+                try:
+                    woke = w.wait(-1 if deadline is None else max(0.0, deadline - perf_counter()))
+                except BaseException:  # KeyboardInterrupt in the main thread: pass any wake-up on
+                    with core.lock:
+                        passed_on = core.abandon_receiver(w)
+                    if passed_on is not None:
+                        passed_on.wake()
+                    raise
                 with core.lock:
                     if not woke and w.state == _cc.PENDING:
                         core.unpark_receiver(w)

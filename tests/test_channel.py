@@ -476,3 +476,40 @@ def test_blocked_time_is_measured_and_includes_a_call_in_progress():
     assert done > 0.01 and send.blocked_s == done
     assert recv.statistics().send_blocked_s == pytest.approx(done, rel=1e-6)
     assert recv.blocked_s == 0.0 and recv.statistics().receive_wait_s == 0.0
+
+
+# ---- interrupted blocking calls ---------------------------------------------------------------------
+@pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread()
+    or not hasattr(__import__("signal"), "pthread_kill"),
+    reason="needs to run in the main thread with pthread_kill",
+)
+def test_ctrl_c_in_a_blocked_call_leaves_no_offer_and_no_waiter():
+    """A KeyboardInterrupt while blocked withdraws a sender's offer (the item is not delivered
+    later behind the caller's back) and removes a receiver's waiter."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is handled by someone else here")
+    main = threading.main_thread().ident
+    send, recv = csp.channel(int, capacity=0)
+
+    def interrupt_when(pred):
+        wait_until(pred)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    t = start(interrupt_when, lambda: send.waiting)
+    with pytest.raises(KeyboardInterrupt):
+        send.send(1)
+    joined(t)
+    assert recv.statistics().waiting_senders == 0 and not send.waiting
+    with pytest.raises(csp.WouldBlock):
+        recv.receive_nowait()
+
+    t = start(interrupt_when, lambda: recv.waiting)
+    with pytest.raises(KeyboardInterrupt):
+        recv.receive()
+    joined(t)
+    assert recv.statistics().waiting_receivers == 0
+    with pytest.raises(csp.WouldBlock):
+        send.send_nowait(2)  # nobody is waiting any more
