@@ -55,6 +55,10 @@ def channel(
             Required: there is no unbounded channel.
         name: shown in statistics, traces and error messages.
         ordered: deliver items in ``seq`` order (see module doc); ``send`` then requires ``seq``.
+            An ordered channel buffers up to ``max(capacity, 1)`` items (capacity 0 acts as 1).
+
+    Ends must be closed (the runtime closes a process's ends; ``with`` blocks do too): an end that
+    is dropped unclosed keeps its peers waiting.
 
     Raises:
         ValueError: capacity missing, negative or not an int.
