@@ -138,5 +138,5 @@ class WandbSink:
 
     def close(self) -> None:
         if self.run is not None:
-            self.run.finish(quiet=True)
+            self.run.finish()
             self.run = None

@@ -68,7 +68,7 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         dflash.data.DataError: unusable data (message names the file and the reasons).
         CheckpointError: the requested checkpoint cannot be used.
     """
-    from dflash.data import build_sampler, load_tokenizer, prepare_dataset, tokenizer_info
+    from dflash.data import Sampler, load_dataset, load_tokenizer, tokenizer_info
     from dflash.drafter import resolve_drafter_config
 
     run_dir = Path(cfg.run.out_dir)
@@ -83,8 +83,9 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         cfg.drafter.mask_token_id = info.mask_token_id
     cfg.data.block_size = cfg.drafter.block_size
 
-    dataset = prepare_dataset(cfg.data, tok)
-    sampler = build_sampler(dataset, cfg.data)
+    dataset = load_dataset(cfg.data, tok, console=console)
+    train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
+    sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
     ckpt = resolve_resume(run_dir, resume)
     train_state, start_step = None, 0
@@ -113,8 +114,11 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         config_hash=config_hash(cfg),
         drafter_cfg=resolve_drafter_config(cfg.drafter, cfg.target),
     )
+    stats = sampler.epoch_stats(sampler.epoch)
+    log.info("data: %d training conversations, %s batching: padding waste %.1f%%, %d batches/epoch",
+             len(train), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
     metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step,
-                   "data": getattr(dataset, "report", None) and msgspec.to_builtins(dataset.report)})
+                   "data": dataset.summary.to_dict(), "batching": msgspec.to_builtins(stats)})
     if ckpt is not None:
         metrics.write({"kind": "resume", "step": start_step, "path": str(ckpt)})
     return app

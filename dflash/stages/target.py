@@ -33,7 +33,9 @@ class TargetStage(csp.Process):
         app: RunApp = self.ctx.app
         self.device = self.ctx.device or torch.device("cpu")
         self.need_final = needs_final_hidden(app.cfg.loss)
-        self.target = load_target(app.cfg.target, self.device, num_draft_layers=app.cfg.drafter.num_layers)
+        self.target = load_target(
+            app.cfg.target, self.device, num_draft_layers=app.cfg.drafter.num_layers, need_final=self.need_final
+        )
         self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=app.cfg.train.check_channels)
         self.postprocess_here = app.cfg.train.postprocess_side == "target"
         self.noise, self.seed = app.cfg.train.feature_noise, app.cfg.run.seed
