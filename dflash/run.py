@@ -34,6 +34,11 @@ log = logging.getLogger("dflash.run")
 console = Console(stderr=True)
 
 
+def _error(exc: BaseException) -> None:
+    """One plain, unwrapped line on stderr (greppable in logs and CI)."""
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash.run", description=__doc__.split("\n\n")[0])
     p.add_argument("graph", help="graph file (TOML), e.g. examples/dflash-tiny.toml")
@@ -48,9 +53,7 @@ def setup_logging(run_dir: Path) -> None:
     """Log to the terminal (rich) and to RUN_DIR/run.log (plain)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_dflash", False):
-            root.removeHandler(h)
+    close_logging()
     term = RichHandler(console=console, show_path=False, rich_tracebacks=False)
     term.setLevel(logging.INFO)
     file = logging.FileHandler(run_dir / "run.log")
@@ -59,6 +62,15 @@ def setup_logging(run_dir: Path) -> None:
         h._dflash = True  # type: ignore[attr-defined]
         root.addHandler(h)
     root.setLevel(logging.INFO)
+
+
+def close_logging() -> None:
+    """Remove and close the handlers :func:`setup_logging` added."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_dflash", False):
+            root.removeHandler(h)
+            h.close()
 
 
 def prepare(cfg: DFlashFile, resume: str) -> RunApp:
@@ -125,11 +137,18 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        close_logging()
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.graph, args.overrides)
     except csp.GraphError as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         return 2
     run_dir = Path(cfg.run.out_dir)
     setup_logging(run_dir)
@@ -145,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         app = prepare(cfg, args.resume or cfg.run.resume)
         graph = csp.Graph.from_spec(cfg)
     except (csp.GraphError, DataError, CheckpointError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         return 2
     if app.steps_to_run == 0:
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         result = runtime.run()
         status, code = result.status, result.exit_code
     except csp.ProcessFailed as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+        _error(exc)
         cause = exc.__cause__
         if cause is not None and not isinstance(cause, (KeyboardInterrupt,)):
             log.error("stage %s failed: %r", exc.qualname if hasattr(exc, "qualname") else exc.process, cause)

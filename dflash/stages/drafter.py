@@ -63,8 +63,8 @@ class DrafterStage(csp.Process):
         self.device = self.ctx.device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.head = load_shared_head(cfg.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
-        torch.manual_seed(cfg.run.seed)
-        self.drafter = DFlashDrafter(app.drafter_cfg).to(self.device)  # fp32 master weights
+        # Seeded init from its own generator: the global RNG is shared with the other stages' threads.
+        self.drafter = DFlashDrafter(app.drafter_cfg, seed=cfg.run.seed).to(self.device)  # fp32 master weights
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.train
         self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)

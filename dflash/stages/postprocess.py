@@ -66,12 +66,16 @@ class PostprocessStage(csp.Process):
         self.device = self.ctx.device or torch.device("cpu")
         self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.train.check_channels)
 
+    def process(self, out: TargetOutput) -> DrafterInput:
+        """One target output -> drafter input on this process's device."""
+        with self.ctx.span("postprocess"):
+            out = csp.cuda.to_device(out, self.device, via_host=self.train.host_staging)
+            return to_drafter_input(out, feature_noise=self.train.feature_noise, seed=self.seed)
+
     def run(self, inputs, outputs) -> None:
         out_ch = outputs["features"]
         for out in inputs["hidden"]:
-            with self.ctx.span("postprocess"):
-                out = csp.cuda.to_device(out, self.device, via_host=self.train.host_staging)
-                item = to_drafter_input(out, feature_noise=self.train.feature_noise, seed=self.seed)
+            item = self.process(out)
             self.sentinel.check(item, batch_id=item.batch.batch_id, channel="features")
             out_ch.send(item)
         self.sentinel.flush()

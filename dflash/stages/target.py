@@ -40,27 +40,29 @@ class TargetStage(csp.Process):
         self.postprocess_here = app.cfg.train.postprocess_side == "target"
         self.noise, self.seed = app.cfg.train.feature_noise, app.cfg.run.seed
 
+    def forward(self, batch: Batch) -> TargetOutput:
+        """The target's hidden states for one batch (moved to this replica's device)."""
+        t0 = time.perf_counter()
+        with self.ctx.span("target.forward"), torch.no_grad():
+            b = batch.to(self.device, non_blocking=True)
+            layer_hidden, final_hidden = self.target.forward(
+                b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final
+            )
+            if self.postprocess_here:  # [train].postprocess_side = "target"
+                layer_hidden = apply_feature_noise(layer_hidden, std=self.noise, seed=self.seed, batch_id=b.batch_id)
+        return TargetOutput(
+            batch=b,
+            layer_hidden=layer_hidden,
+            final_hidden=final_hidden,
+            replica=self.ctx.replica,
+            target_s=time.perf_counter() - t0,
+            postprocessed=self.postprocess_here,
+        )
+
     def run(self, inputs, outputs) -> None:
         out = outputs["hidden"]
         for batch in inputs["batches"]:
-            t0 = time.perf_counter()
-            with self.ctx.span("target.forward"), torch.no_grad():
-                b = batch.to(self.device, non_blocking=True)
-                layer_hidden, final_hidden = self.target.forward(
-                    b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final
-                )
-                if self.postprocess_here:  # [train].postprocess_side = "target"
-                    layer_hidden = apply_feature_noise(
-                        layer_hidden, std=self.noise, seed=self.seed, batch_id=batch.batch_id
-                    )
-            item = TargetOutput(
-                batch=b,
-                layer_hidden=layer_hidden,
-                final_hidden=final_hidden,
-                replica=self.ctx.replica,
-                target_s=time.perf_counter() - t0,
-                postprocessed=self.postprocess_here,
-            )
+            item = self.forward(batch)
             self.sentinel.check(item, batch_id=batch.batch_id, channel="hidden")
             out.send(item, seq=batch.seq)
         self.sentinel.flush()
