@@ -1,0 +1,458 @@
+"""Reproduce the tensor-lifetime race class on a GPU and show that csp's hand-off prevents it.
+
+DESIGN.md failure mode 1: a non-blocking copy whose source is freed or reused before the copy ran,
+or a buffer the caching allocator hands to the producer's next forward while a consumer stream
+still reads it, gives silent garbage. Each case below runs twice through the same csp graph, with
+the same threads, streams and host-side choreography:
+
+* ``naive``: the tensor is handed over the way a ``queue.Queue`` would (wrapped in :class:`Hidden`,
+  so csp's hooks never see it: no event, no ``record_stream``), copies are plain
+  ``non_blocking=True``, one pinned staging buffer is refilled at once;
+* ``csp``: the same tensor goes through the channel (event + ``record_stream``), device moves use
+  ``csp.cuda.to_device``, pinned staging uses ``csp.cuda.PinnedPool``.
+
+Every trial writes a known value (``trial + 1``) and checks it on the far side; ``torch.cuda._sleep``
+keeps one stream busy for ``--window-ms`` so that the race window is far wider than the host-side
+hand-off (a few microseconds). Cases:
+
+======================  ==========================================================================
+d2h_unwaited_read       producer (busy stream) copies GPU -> pinned host, a host consumer reads it
+d2h_source_freed        a copier stream copies the tensor to the host late; the source is freed and
+                        the producer's next forward reuses its block meanwhile
+h2d_pinned_reuse        a loader refills its pinned staging memory while the H2D copy is queued
+forward_buffer_reuse    a consumer stream reads the tensor late; the producer's next forward reuses
+                        the freed block and overwrites it
+cross_device            producer on cuda:0 (busy), consumer on cuda:1 copies it over (2 GPUs only)
+======================  ==========================================================================
+
+Run (prints the JSON; ``--out`` also writes it)::
+
+    python benchmarks/cuda_races.py --trials 100 --out benchmarks/results/cuda_races.json
+    python benchmarks/cuda_races.py --dry-run --trials 3     # CPU: same Python paths, no races
+    TORCH_CUDA_SANITIZER=1 python benchmarks/cuda_races.py --csan csp   # exits 0, no CSAN report
+    TORCH_CUDA_SANITIZER=1 python benchmarks/cuda_races.py --csan naive # CSAN reports a race
+
+The exit status is 1 when a csp run corrupted anything or a case failed (listed under "errors").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import sys
+import weakref
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import msgspec
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import csp  # noqa: E402
+from csp import cuda as ccuda  # noqa: E402
+
+CASES = {
+    "d2h_unwaited_read": "GPU->pinned host copy behind a busy producer stream; a host thread reads the "
+                         "copy at once (naive: non_blocking copy; csp: csp.cuda.to_device)",
+    "d2h_source_freed": "a copier stream copies the tensor to the host late; the source is freed and "
+                        "the producer's next forward reuses its block (naive: plain hand-off; csp: channel)",
+    "h2d_pinned_reuse": "the loader refills its pinned staging memory while the H2D copy is queued "
+                        "(naive: one pinned buffer; csp: PinnedPool, reuse only after the copy's event)",
+    "forward_buffer_reuse": "a consumer stream reads the tensor late; the producer's next forward reuses "
+                            "the freed block (naive: plain hand-off; csp: channel)",
+    "cross_device": "producer on cuda:0 behind a busy stream, consumer on cuda:1 copies it over "
+                    "(naive: plain hand-off + .to(); csp: channel + csp.cuda.to_device)",
+}
+SLOW_PRODUCER = {"d2h_unwaited_read", "cross_device"}  # the race is a read before the write finished
+LIFETIME = {"d2h_source_freed", "forward_buffer_reuse", "cross_device"}  # the consumer lets go early
+TIMEOUT_S = 120.0  # no hand-off in these graphs takes more than a fraction of a second
+
+
+class Hidden:
+    """Carries a tensor past csp's hand-off hooks, as a plain ``queue.Queue`` would (no event, no
+    ``record_stream``): the ``naive`` side of every comparison."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __csp_nbytes__(self) -> int:  # the channel counts it without walking into it
+        return self.tensor.nbytes
+
+
+class Item(msgspec.Struct):
+    """One trial's payload: ``data`` holds ``value`` in every element (a tensor or :class:`Hidden`)."""
+
+    trial: int
+    value: float
+    data: Any
+
+
+class RaceOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``case`` (a key of CASES), ``mode`` ("naive" | "csp"), ``trials``, ``numel`` (fp32 elements
+    per tensor), ``cycles`` (GPU clock cycles of each deliberate delay; 0 off CUDA)."""
+
+    case: str
+    mode: str
+    trials: int
+    numel: int
+    cycles: int = 0
+
+
+# ---- small helpers (no-ops off CUDA, so the dry run walks the same code) ---------------------------
+def _device(ctx: csp.Context) -> torch.device:
+    return ctx.device if ctx.device is not None else torch.device("cpu")
+
+
+def _busy(dev: torch.device, cycles: int) -> None:
+    """Keep the current stream of ``dev`` busy for ``cycles`` GPU clock cycles (host returns at once)."""
+    if dev.type == "cuda" and cycles > 0:
+        torch.cuda._sleep(cycles)
+
+
+def _event(dev: torch.device) -> Any:
+    """An event recorded on the current stream of ``dev`` (None off CUDA)."""
+    if dev.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dev))
+    return event
+
+
+def _pinned(numel: int) -> torch.Tensor:
+    return torch.empty(numel, pin_memory=torch.cuda.is_available())
+
+
+def _holds(t: torch.Tensor, value: float) -> bool:
+    """True if every element equals ``value`` (a GPU tensor: syncs the current stream only)."""
+    return bool((t == value).all())
+
+
+def sanitizer_mode() -> Any:
+    """CSAN's dispatch mode for the calling thread when ``TORCH_CUDA_SANITIZER`` is on.
+
+    The sanitizer sees only kernels launched by threads with its mode on their (thread-local)
+    dispatch stack; ``TORCH_CUDA_SANITIZER=1`` enables it for the importing thread only, so each
+    process thread enters it here. A no-op context otherwise.
+    """
+    san = sys.modules.get("torch.cuda._sanitizer")
+    if san is None or not san.cuda_sanitizer.enabled:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    mode = san.cuda_sanitizer.dispatch
+    return contextlib.nullcontext() if mode in _get_current_dispatch_mode_stack() else mode
+
+
+# ---- the processes --------------------------------------------------------------------------------
+class Producer(csp.Process):
+    """Per trial: a tensor filled with ``trial + 1`` on this stream, handed off; once the consumer
+    has queued its read and let go (``acks``), the next forward allocates a same-sized output and
+    fills it with -1 (the caching allocator hands it the freed block unless something holds it)."""
+
+    Options = RaceOptions
+    inputs = {"acks": int}
+    outputs = {"items": Item, "forwards": int}
+
+    def run(self, inputs, outputs):
+        o, dev = self.options, _device(self.ctx)
+        reused = 0
+        with sanitizer_mode():
+            for i in range(o.trials):
+                value = float(i + 1)
+                if o.case in SLOW_PRODUCER:
+                    _busy(dev, o.cycles)  # this forward is still running when the hand-off happens
+                x = torch.full((o.numel,), value, device=dev)
+                ptr = x.data_ptr()
+                if o.case == "d2h_unwaited_read":
+                    if o.mode == "csp":
+                        data = ccuda.to_device(x, "cpu")  # readable when it returns
+                    else:
+                        data = _pinned(o.numel)
+                        data.copy_(x, non_blocking=True)
+                else:
+                    data = x if o.mode == "csp" else Hidden(x)
+                del x
+                outputs["items"].send(Item(i, value, data))
+                del data
+                inputs["acks"].receive(timeout=TIMEOUT_S)  # the consumer queued its read, let go
+                z = torch.full((o.numel,), -1.0, device=dev)  # the next forward's output
+                reused += z.data_ptr() == ptr
+                del z
+                outputs["forwards"].send(i)
+                inputs["acks"].receive(timeout=TIMEOUT_S)  # checked
+                if dev.type == "cuda":
+                    torch.cuda.current_stream(dev).synchronize()  # harness only: independent trials
+        self.ctx.app["block_reused"] = reused
+
+
+class Consumer(csp.Process):
+    """Per trial: receives the tensor, queues its (late) read, drops its last reference, lets the
+    producer run its next forward, then checks what it read."""
+
+    Options = RaceOptions
+    inputs = {"items": Item, "forwards": int}
+    outputs = {"acks": int}
+
+    def run(self, inputs, outputs):
+        o, dev = self.options, _device(self.ctx)
+        corrupted = released = 0
+        with sanitizer_mode():
+            for item in inputs["items"]:
+                value = item.value
+                x = item.data.tensor if isinstance(item.data, Hidden) else item.data
+                del item
+                ok = None
+                if o.case == "d2h_unwaited_read":
+                    ok = _holds(x, value)  # a host tensor: read at once, as any CPU consumer would
+                    out = event = None
+                else:
+                    out, event = self._read(x)
+                ref = weakref.ref(x)
+                del x
+                released += ref() is None  # the block is back with the allocator before the read ran
+                outputs["acks"].send(0)
+                inputs["forwards"].receive(timeout=TIMEOUT_S)  # the next forward is queued
+                if out is not None:
+                    if event is not None:
+                        event.synchronize()
+                    ok = _holds(out, value)
+                corrupted += not ok
+                outputs["acks"].send(1)
+        self.ctx.app.update(corrupted=corrupted, released=released)
+
+    def _read(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Queue this case's read of ``x``: ``(result, event to wait on before reading it | None)``."""
+        o, dev = self.options, _device(self.ctx)
+        if o.case == "d2h_source_freed":
+            host = _pinned(o.numel)
+            _busy(dev, o.cycles)  # the copier stream is still busy with earlier copies
+            host.copy_(x, non_blocking=True)
+            return host, _event(dev)
+        if o.case == "forward_buffer_reuse":
+            _busy(dev, o.cycles)  # the consumer's previous kernels are still running
+            return x.clone(), None
+        if o.case == "cross_device":
+            return (ccuda.to_device(x, dev) if o.mode == "csp" else x.to(dev, non_blocking=True)), None
+        raise ValueError(f"unknown case {o.case!r}; known: {sorted(CASES)}")
+
+
+class Loader(csp.Process):
+    """h2d_pinned_reuse: stages each item in pinned memory, copies it to the GPU behind a busy
+    stream, sends it, and at once stages the next item (-1) in the same pinned memory (naive) or in
+    whatever the PinnedPool hands out (csp: only a buffer whose copy has finished)."""
+
+    Options = RaceOptions
+    outputs = {"items": Item}
+
+    def run(self, inputs, outputs):
+        o, dev = self.options, _device(self.ctx)
+        nbytes = 4 * o.numel
+        pool = single = None
+        if o.mode == "csp":  # room for exactly one buffer: every reuse has to wait for its copy
+            pool = ccuda.PinnedPool(max_bytes=max(ccuda.PinnedPool.MIN_BYTES, 1 << (nbytes - 1).bit_length()))
+        else:
+            single = _pinned(o.numel)  # one staging buffer, refilled for every item
+        with sanitizer_mode():
+            for i in range(o.trials):
+                value = float(i + 1)
+                raw, stage = self._stage(pool, single, nbytes)
+                stage.fill_(value)
+                _busy(dev, o.cycles)  # earlier copies keep this stream busy
+                if dev.type != "cuda":
+                    g = stage.clone()  # dry run: a synchronous stand-in for the device copy
+                elif o.mode == "csp":
+                    g = ccuda.to_device(stage, dev)
+                else:
+                    g = stage.to(dev, non_blocking=True)
+                if raw is not None:
+                    pool.give(raw, after=_event(dev))
+                outputs["items"].send(Item(i, value, g))
+                del g
+                raw, stage = self._stage(pool, single, nbytes)  # the next item, staged at once
+                stage.fill_(-1.0)
+                if raw is not None:
+                    pool.give(raw)
+
+    def _stage(self, pool: Any, single: Any, nbytes: int) -> tuple[Any, torch.Tensor]:
+        if pool is None:
+            return None, single
+        raw = pool.take(nbytes)  # waits for the buffer's last copy if it must reuse it
+        return raw, raw[:nbytes].view(torch.float32)
+
+
+class Checker(csp.Process):
+    """h2d_pinned_reuse: checks every item's GPU tensor (ordered after the copy by the channel)."""
+
+    Options = RaceOptions
+    inputs = {"items": Item}
+
+    def run(self, inputs, outputs):
+        corrupted = 0
+        with sanitizer_mode():
+            for item in inputs["items"]:
+                corrupted += not _holds(item.data, item.value)
+        self.ctx.app["corrupted"] = corrupted
+
+
+# ---- running the cases ----------------------------------------------------------------------------
+def case_devices(case: str, cuda: bool) -> tuple[str | None, str | None]:
+    """``(producer device, consumer device)`` for a case; None = a CPU thread (the dry run)."""
+    if not cuda:
+        return None, None
+    if case == "d2h_unwaited_read":
+        return "cuda:0", None  # the consumer is a host thread
+    return "cuda:0", ("cuda:1" if case == "cross_device" else "cuda:0")
+
+
+def run_case(case: str, mode: str, *, trials: int, numel: int, cycles: int,
+             devices: tuple[str | None, str | None]) -> dict[str, Any]:
+    """Run one case's graph once (``mode`` "naive" or "csp").
+
+    Returns ``{"corrupted": trials with a wrong value, "released": trials where the consumer's last
+    reference was gone before its read ran, "block_reused": trials where the next forward got the
+    handed-off tensor's block, "seconds": wall time}`` (the last two only where they apply).
+
+    Raises: csp.ProcessFailed if a process raised (e.g. CSAN found a race).
+    """
+    if case not in CASES or mode not in ("naive", "csp"):
+        raise ValueError(f"case must be one of {sorted(CASES)} and mode 'naive' or 'csp'; got {case!r}, {mode!r}")
+    opts = RaceOptions(case=case, mode=mode, trials=trials, numel=numel, cycles=cycles)
+    prod, cons = devices
+    g = csp.Graph()
+    if case == "h2d_pinned_reuse":
+        g.channel("items", capacity=1)
+        g.process("loader", Loader, outputs={"items": "items"}, device=prod, options=opts)
+        g.process("checker", Checker, inputs={"items": "items"}, device=cons, options=opts)
+    else:
+        g.channel("items", capacity=1).channel("acks", capacity=2).channel("forwards", capacity=1)
+        g.process("producer", Producer, inputs={"acks": "acks"},
+                  outputs={"items": "items", "forwards": "forwards"}, device=prod, options=opts)
+        g.process("consumer", Consumer, inputs={"items": "items", "forwards": "forwards"},
+                  outputs={"acks": "acks"}, device=cons, options=opts)
+    app: dict[str, Any] = {}
+    t0 = perf_counter()
+    csp.Runtime(g, app=app, join_timeout_s=30.0).run()
+    app["seconds"] = round(perf_counter() - t0, 3)
+    return app
+
+
+def calibrate_cycles(window_ms: float) -> int:
+    """``torch.cuda._sleep`` cycles lasting at least ``window_ms`` (at the fastest clock measured)."""
+    probe = 20_000_000
+    torch.cuda._sleep(probe)  # let the clocks ramp up
+    per_ms = 0.0
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        per_ms = max(per_ms, probe / max(start.elapsed_time(end), 1e-3))
+    return int(per_ms * window_ms)
+
+
+def compare(case: str, *, trials: int, numel: int, cycles: int, cuda: bool) -> dict[str, Any]:
+    """Both modes of one case: a ``cases`` entry of the result file."""
+    devices = case_devices(case, cuda)
+    naive = run_case(case, "naive", trials=trials, numel=numel, cycles=cycles, devices=devices)
+    safe = run_case(case, "csp", trials=trials, numel=numel, cycles=cycles, devices=devices)
+    entry = {"case": case, "naive_corrupted": naive["corrupted"], "csp_corrupted": safe["corrupted"],
+             "trials": trials, "what": CASES[case]}
+    if case in LIFETIME:
+        entry.update(naive_block_reused=naive["block_reused"], csp_block_reused=safe["block_reused"],
+                     csp_released_before_read=safe["released"])
+    entry["seconds"] = round(naive["seconds"] + safe["seconds"], 3)
+    return entry
+
+
+def csan_pipeline(mode: str, cuda: bool) -> dict[str, Any]:
+    """A small csp CUDA pipeline for a ``TORCH_CUDA_SANITIZER=1`` run.
+
+    Part 1 (main thread, two streams): a tensor written on stream P crosses a channel to stream C
+    and is read there, then H2D through a copy stream and D2H with ``csp.cuda.to_device``. With
+    ``mode="naive"`` the tensor is :class:`Hidden` and CSAN must report the read on C (the
+    positive control). Part 2 (``csp`` only): every single-GPU race case's csp variant, a few
+    trials, each process thread under CSAN's dispatch mode.
+    """
+    san = sys.modules.get("torch.cuda._sanitizer")
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    n = 1 << 12
+    streams = [torch.cuda.Stream(dev) for _ in range(3)] if cuda else [None] * 3
+    p, c, copy = streams  # created first: CSAN then knows every pool stream before threads start
+
+    def on(s):
+        return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
+
+    send, recv = csp.channel(Item, capacity=1, name="csan")
+    with on(p):
+        x = torch.full((n,), 1.0, device=dev)
+        send.send(Item(0, 1.0, x if mode == "csp" else Hidden(x)))
+        del x
+    with on(c):
+        got = recv.receive()
+        x = got.data.tensor if isinstance(got.data, Hidden) else got.data
+        y = x * 2  # naive: CSAN reports this read (x was written on P, nothing ordered C after it)
+        del x, got
+        h = torch.full((n,), 3.0)
+        h = h.pin_memory() if cuda else h
+        g = ccuda.to_device(h, dev, stream=copy)
+        total = ccuda.to_device({"s": (y + g).sum()}, "cpu")["s"]
+    if float(total) != 5.0 * n:
+        raise AssertionError(f"csan pipeline: expected {5.0 * n}, got {float(total)}")
+    cases = {}
+    if mode == "csp":
+        for case in ("d2h_unwaited_read", "d2h_source_freed", "h2d_pinned_reuse", "forward_buffer_reuse"):
+            r = run_case(case, "csp", trials=3, numel=n, cycles=1_000_000 if cuda else 0,
+                         devices=case_devices(case, cuda))
+            cases[case] = r["corrupted"]
+    return {"csan": bool(san is not None and san.cuda_sanitizer.enabled), "mode": mode,
+            "corrupted": cases, "ok": not any(cases.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=100, help="trials per case and mode")
+    ap.add_argument("--window-ms", type=float, default=10.0, help="how long the deliberate delays last")
+    ap.add_argument("--numel", type=int, default=1 << 20, help="fp32 elements per tensor (4 MiB)")
+    ap.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--dry-run", action="store_true", help="CPU only: same code paths, no race possible")
+    ap.add_argument("--csan", choices=("csp", "naive"), help="run the small sanitizer pipeline instead")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if args.csan:
+        result = csan_pipeline(args.csan, cuda)
+        print(json.dumps(result))
+        return 0 if result["ok"] else 1
+    gpus = torch.cuda.device_count() if cuda else 0
+    cycles = calibrate_cycles(args.window_ms) if cuda else 0
+    cases, skipped, errors = [], [], []
+    for case in args.cases:
+        if case == "cross_device" and gpus < 2:
+            skipped.append({"case": case, "reason": f"needs 2 CUDA devices; found {gpus}"})
+            continue
+        try:
+            cases.append(compare(case, trials=args.trials, numel=args.numel, cycles=cycles, cuda=cuda))
+        except Exception as exc:  # report the other cases anyway
+            errors.append({"case": case, "error": f"{type(exc).__name__}: {exc}"})
+    result = {
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv]),
+        "device": torch.cuda.get_device_name() if cuda else "cpu (dry run: code paths only, no race possible)",
+        "torch": torch.__version__, "window_ms": args.window_ms, "sleep_cycles": cycles, "numel": args.numel,
+        "cases": cases, "skipped": skipped, "errors": errors,
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 1 if errors or any(c["csp_corrupted"] for c in cases) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
