@@ -1,0 +1,328 @@
+"""DFlash training on H200: the csp pipeline against a serial loop, efficiency against the slowest
+stage, MFU, memory, channel capacity and checkpoint cost (issue 8). Results: benchmarks/RESULTS.md.
+
+    python benchmarks/bench_h200.py [--set data.source=PATH] [--out benchmarks/results/h200.json]
+    python benchmarks/bench_h200.py --smoke                  # CPU, tiny shapes, every code path
+
+One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are two, else 1):
+
+* ``matmul``: bf16 ``8192^3`` matmul rate on cuda:0 (the MFU denominator);
+* ``target_alone`` (cuda:0), ``drafter_alone`` (cuda:1 on two GPUs, else cuda:0; on features the
+  target computed beforehand): each stage by itself, for the bound;
+* ``serial``: target forward then drafter step per batch, one thread, one stream, cuda:0;
+* ``pipeline_1gpu`` (examples/qwen3-8b-h200.toml) and, on two GPUs, ``pipeline_2gpu``
+  (examples/qwen3-8b-h200x2.toml: target cuda:0, drafter cuda:1): the csp graph as
+  ``python -m dflash.run`` runs it;
+* ``checkpoint_<mode>``: the pipeline with ``[checkpoint].every`` saves inside the timed window; step
+  times overlapping a background save against steady steps;
+* ``capacity_sweep_<mode>``: pipeline tokens/s with the ``hidden`` and ``features`` channels at
+  capacity 1, 2, 4, 8;
+* ``plain_forward``: the plain transformers forward (all layers, all logits) for the MFU comparison.
+
+Each measurement runs ``--warmup`` untimed then ``--steps`` timed steps, in priority order; one that
+would not finish inside ``--budget-s`` (from the start of this process) is skipped and says so, one
+that fails records its error, and the results file is rewritten after every measurement, so a run
+killed by a time limit still leaves everything measured before. ``--merge FILE`` folds the runs of an
+earlier results file (e.g. the 1-GPU machine's) into this one; ``--merge-only`` only merges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.h200_report import load_runs, ok, write_results  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "h200.json"
+GRAPH_1GPU = ROOT / "examples" / "qwen3-8b-h200.toml"
+GRAPH_2GPU = ROOT / "examples" / "qwen3-8b-h200x2.toml"
+SWEEP_CHANNELS = ("hidden", "features")
+
+# --smoke: the same graphs and code paths with tiny shapes on the CPU.
+SMOKE_SETTINGS = [
+    "target.preset=tiny", "drafter.num_layers=2", "drafter.block_size=8", "drafter.num_anchors=8",
+    "data.max_samples=160", "data.max_length=256", "data.tokens_per_batch=512", "data.packed_rows=2",
+    "data.num_workers=1", "data.holdout=8", "trace.stats_interval_s=0.2",
+    "process.target.device=cpu", "process.postprocess.device=cpu", "process.drafter.device=cpu",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench_h200.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="graph-file override for every run, e.g. --set data.source=.devdata/sharegpt-subset.jsonl")
+    p.add_argument("--out", type=Path, default=OUT, help="results file (rewritten after each measurement)")
+    p.add_argument("--merge", type=Path, action="append", default=[], metavar="FILE",
+                   help="fold the runs of this earlier results file into --out (repeatable)")
+    p.add_argument("--merge-only", action="store_true", help="only merge --merge files into --out")
+    p.add_argument("--gpus", choices=["auto", "1", "2"], default="auto")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks every code path in seconds")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 5; smoke 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 20; smoke 2)")
+    p.add_argument("--capacities", default="1,2,4,8", help="channel capacities of the sweep")
+    p.add_argument("--sweep-steps", type=int, default=None, help="timed steps per sweep point "
+                   "(default 10; smoke 2); a point equal to the graph's capacities reuses the main run")
+    p.add_argument("--ckpt-every", type=int, default=None, help="[checkpoint].every of the checkpoint run "
+                   "(default 15; smoke 2)")
+    p.add_argument("--ckpt-steps", type=int, default=None, help="timed steps of the checkpoint run "
+                   "(default 20; smoke 4)")
+    p.add_argument("--budget-s", type=float, default=400.0, help="skip what would end later than this "
+                   "many seconds after start")
+    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
+    p.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-h200",
+                   help="run directories (checkpoints of the checkpoint run are written and deleted here)")
+    p.add_argument("--artifacts", type=Path, default=None,
+                   help="copy each pipeline run's metrics.jsonl, csp/stats.jsonl and csp/trace.json here")
+    args = p.parse_args(argv)
+    small = args.smoke
+    args.warmup = args.warmup if args.warmup is not None else (1 if small else 5)
+    args.steps = args.steps if args.steps is not None else (2 if small else 20)
+    args.sweep_steps = args.sweep_steps if args.sweep_steps is not None else (2 if small else 10)
+    args.ckpt_every = args.ckpt_every if args.ckpt_every is not None else (2 if small else 15)
+    args.ckpt_steps = args.ckpt_steps if args.ckpt_steps is not None else (4 if small else 20)
+    args.capacities = [int(c) for c in args.capacities.split(",") if c]
+    args.skip = {s for s in args.skip.split(",") if s}
+    return args
+
+
+class Bench:
+    """One invocation: the plan, the time budget, the results of this run."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]) -> None:
+        import torch
+
+        self.args = args
+        self.t0 = time.perf_counter()
+        ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if args.smoke:
+            self.mode = "smoke"
+        elif ngpu == 0:
+            raise SystemExit("no CUDA device visible: run on a GPU machine, or use --smoke for the CPU check")
+        else:
+            self.mode = "2gpu" if (args.gpus == "2" or (args.gpus == "auto" and ngpu >= 2)) else "1gpu"
+            if self.mode == "2gpu" and ngpu < 2:
+                raise SystemExit(f"--gpus 2 but {ngpu} CUDA device(s) visible")
+        cpu = torch.device("cpu")
+        self.dev0 = cpu if args.smoke else torch.device("cuda:0")
+        self.dev1 = torch.device("cuda:1") if self.mode == "2gpu" else self.dev0
+        self.overrides = list(args.overrides)
+        self.runs = load_runs(args.merge)
+        self.run: dict[str, Any] = {
+            "mode": self.mode,
+            "command": "python " + shlex.join(["benchmarks/bench_h200.py", *argv]),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "complete": False,
+            "env": environment(ngpu),
+            "settings": {"warmup": args.warmup, "steps": args.steps, "capacities": args.capacities,
+                         "sweep_channels": list(SWEEP_CHANNELS), "sweep_steps": args.sweep_steps,
+                         "ckpt_every": args.ckpt_every, "ckpt_steps": args.ckpt_steps,
+                         "budget_s": args.budget_s, "overrides": self.overrides},
+            "measurements": {},
+        }
+        self.runs[self.mode] = self.run
+        # step-time guesses for the budget, replaced by measured ones as they come in (seconds)
+        self.t_target, self.t_drafter = (0.05, 0.05) if args.smoke else (0.6, 0.6)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def save(self) -> None:
+        self.run["elapsed_s"] = round(self.elapsed(), 1)
+        write_results(self.args.out, self.runs)
+
+    def measure(self, name: str, estimate_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Run one measurement unless skipped or over budget; record its result or error; save."""
+        ms = self.run["measurements"]
+        left = self.args.budget_s - self.elapsed()
+        if name in self.args.skip:
+            ms[name] = {"status": "skipped", "reason": "--skip"}
+        elif not self.args.smoke and estimate_s > left:
+            ms[name] = {"status": "skipped", "reason": f"time budget: needs ~{estimate_s:.0f} s, {left:.0f} s left "
+                        f"of --budget-s {self.args.budget_s:.0f}"}
+        else:
+            print(f"[bench_h200 {self.elapsed():6.1f}s] {name} (~{estimate_s:.0f} s)", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            try:
+                ms[name] = {"status": "ok", **fn()}
+            except Exception as exc:  # noqa: BLE001 - recorded; the next measurement still runs
+                tb = traceback.format_exc()
+                print(tb, file=sys.stderr, flush=True)
+                ms[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-3000:]}
+                from benchmarks.h200_stages import release
+                release()
+            ms[name]["seconds"] = round(time.perf_counter() - t, 1)
+        self.save()
+        return ok(self.run, name)
+
+    # -- the plan ---------------------------------------------------------------------------------
+    def execute(self) -> None:
+        import torch
+
+        from benchmarks.h200_reuse import ModelReuse
+        from benchmarks.h200_stages import make_batches, matmul_tflops, scratch_app
+
+        a = self.args
+        n = a.warmup + a.steps
+        if a.smoke:
+            from dflash.data import load_tokenizer, tokenizer_info
+
+            vocab = tokenizer_info(load_tokenizer("builtin:tiny")).vocab_size
+            self.overrides = [*SMOKE_SETTINGS, f"target.vocab_size={vocab}", *self.overrides]
+            self.run["settings"]["overrides"] = self.overrides
+        # data first: tokenizing spawns workers, better before CUDA is initialised
+        self.app = scratch_app(GRAPH_1GPU, self.overrides, a.run_root / "scratch")
+        self.run["data"] = data_summary(self.app)
+        self.batches = make_batches(self.app, n, pin=not a.smoke)
+        self.save()
+
+        mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=256 if a.smoke else 8192))
+        self.peak = mm["tflops"] if mm else float("nan")
+        with ModelReuse() as self.reuse:
+            self.measure("target_alone", 40 + n * self.t_target, self._target_alone)
+            self.measure("drafter_alone", 15 + n * self.t_drafter, self._drafter_alone)
+            self.measure("serial", 15 + n * (self.t_target + self.t_drafter), self._serial)
+            modes = {"smoke": ["1gpu", "2gpu"], "1gpu": ["1gpu"], "2gpu": ["2gpu", "1gpu"]}[self.mode]
+            first = modes[0]
+            for mode in modes:
+                self.measure(f"pipeline_{mode}", self._pipeline_estimate(mode, n), lambda m=mode: self._pipeline(m))
+                if mode == first:
+                    ckpt_n = a.warmup + a.ckpt_steps
+                    self.measure(f"checkpoint_{mode}", 20 + self._pipeline_estimate(mode, ckpt_n),
+                                 lambda m=mode: self._checkpoint(m))
+                    self._sweep(mode)
+            if self.mode != "smoke" and "pipeline_2gpu" not in self.run["measurements"]:
+                self.run["measurements"]["pipeline_2gpu"] = {
+                    "status": "skipped", "reason": "one CUDA device visible: run this harness on a 2-GPU machine "
+                    "(see benchmarks/RESULTS.md) and merge its results with --merge"}
+            self.measure("plain_forward", 30 + n * self.t_target * 1.3, self._plain_forward)
+            self.run["model_reuse"] = self.reuse.report()
+        self.app.metrics.close()
+        self.run["complete"] = True
+        self.run["cuda_memory_after_gb"] = (round(torch.cuda.memory_allocated(self.dev0) / 2**30, 2)
+                                            if self.dev0.type == "cuda" else None)
+        self.save()
+
+    def _pipeline_estimate(self, mode: str, steps: int) -> float:
+        per_step = max(self.t_target, self.t_drafter) if mode == "2gpu" else self.t_target + self.t_drafter
+        return 10 + steps * per_step
+
+    def _target(self) -> Any:
+        from dflash.loss import needs_final_hidden
+
+        cfg = self.app.cfg  # the same arguments as the dflash.target stage: the pipeline reuses this model
+        return self.reuse.load_target(cfg.target, self.dev0, num_draft_layers=cfg.drafter.num_layers,
+                                      need_final=needs_final_hidden(cfg.loss))
+
+    def _target_alone(self) -> dict[str, Any]:
+        from benchmarks.h200_stages import time_target
+
+        t = time.perf_counter()
+        target = self._target()
+        build_s = time.perf_counter() - t
+        out = time_target(self.app, target, self.batches, self.dev0, self.args.warmup, self.peak)
+        self.t_target = out["step_s"]
+        return {"build_s": round(build_s, 1), **out}
+
+    def _drafter_alone(self) -> dict[str, Any]:
+        from benchmarks.h200_stages import time_drafter
+
+        out = time_drafter(self.app, self._target(), self.batches, self.dev0, self.dev1, self.args.warmup)
+        self.t_drafter = out["step_s"]
+        return out
+
+    def _serial(self) -> dict[str, Any]:
+        from benchmarks.h200_stages import time_serial
+
+        return time_serial(self.app, self._target(), self.batches, self.dev0, self.args.warmup)
+
+    def _plain_forward(self) -> dict[str, Any]:
+        from benchmarks.h200_stages import time_plain_forward
+
+        return time_plain_forward(self.reuse, self.app, self.batches, self.dev0, self.args.warmup, self.peak)
+
+    def _run(self, mode: str, name: str, extra: list[str], timed: int, every: int = 0) -> dict[str, Any]:
+        from benchmarks.h200_pipeline import run_pipeline
+
+        a = self.args
+        graph = GRAPH_2GPU if mode == "2gpu" else GRAPH_1GPU
+        est = self._pipeline_estimate(mode, a.warmup + timed)
+        return run_pipeline(graph, [*self.overrides, *extra], a.run_root / name, warmup=a.warmup, timed=timed,
+                            checkpoint_every=every, timeout_s=max(120.0, 3 * est),
+                            artifacts=a.artifacts / name if a.artifacts else None)
+
+    def _pipeline(self, mode: str) -> dict[str, Any]:
+        return self._run(mode, f"pipeline_{mode}", [], self.args.steps)
+
+    def _checkpoint(self, mode: str) -> dict[str, Any]:
+        a = self.args
+        out = self._run(mode, f"checkpoint_{mode}", ["checkpoint.keep_last=1"], a.ckpt_steps, every=a.ckpt_every)
+        return {**out.pop("checkpoint"), "pipeline": out}
+
+    def _sweep(self, mode: str) -> None:
+        """One measurement per capacity (each its own budget check), then the collected points."""
+        a, ms = self.args, self.run["measurements"]
+        main = ok(self.run, f"pipeline_{mode}")
+        points: dict[str, float | None] = {}
+        for cap in a.capacities:
+            default = main is not None and all(
+                c.capacity == cap for c in self.app.cfg.channel if c.name in SWEEP_CHANNELS)
+            if default:
+                points[str(cap)] = main["tok_s"]
+                continue
+            name = f"capacity_{mode}_{cap}"
+            extra = [f"channel.{ch}.capacity={cap}" for ch in SWEEP_CHANNELS]
+            m = self.measure(name, self._pipeline_estimate(mode, a.warmup + a.sweep_steps),
+                             lambda e=extra, nm=name: self._run(mode, nm, e, a.sweep_steps))
+            points[str(cap)] = m["tok_s"] if m else None
+        ms[f"capacity_sweep_{mode}"] = {"status": "ok", "channels": list(SWEEP_CHANNELS), "tok_s": points}
+        self.save()
+
+
+def environment(ngpu: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(ngpu)]
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cuda": torch.version.cuda, "gpus": gpus,
+            "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def data_summary(app: Any) -> dict[str, Any]:
+    cfg = app.cfg
+    stats = app.sampler.epoch_stats(0)
+    return {"source": cfg.data.source, "conversations": len(app.sampler.dataset),
+            "strategy": cfg.data.strategy, "tokens_per_batch": cfg.data.tokens_per_batch,
+            "rows": cfg.data.packed_rows, "max_length": cfg.data.max_length,
+            "padding_waste": round(stats.padding_waste, 4), "batches_per_epoch": stats.num_batches,
+            "anchors_per_row": cfg.drafter.num_anchors, "block_size": cfg.drafter.block_size,
+            "target_preset": cfg.target.preset, "vocab_size": cfg.target.vocab_size,
+            "drafter_layers": cfg.drafter.num_layers}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.merge_only:
+        doc = write_results(args.out, load_runs(args.merge))
+        print(f"merged {', '.join(doc['runs'])} -> {args.out}")
+        return 0
+    bench = Bench(args, argv)
+    bench.execute()
+    print(f"[bench_h200 {bench.elapsed():6.1f}s] done -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The results file of ``benchmarks/bench_h200.py``: per-run measurements, merging, the summary.
+
+``benchmarks/results/h200.json``::
+
+    {<summary keys>, "goals": {...}, "sources": {key: run}, "runs": {"1gpu": RUN, "2gpu": RUN}}
+
+A RUN holds ``mode``, ``command``, ``env``, ``settings``, ``data`` and ``measurements`` (name ->
+``{"status": "ok", ...}`` | ``{"status": "skipped", "reason"}`` | ``{"status": "error", "error"}``).
+Runs from separate invocations (one 1-GPU machine, one 2-GPU machine) are merged by run name; the
+summary is recomputed from the merged runs and takes every ratio from a single run (a 2-GPU
+speedup divides by the serial loop measured on the same machine in the same invocation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Where each summary number comes from, in order of preference.
+SINGLE = ("1gpu", "2gpu", "smoke")
+DOUBLE = ("2gpu", "smoke")
+
+GOALS = {
+    "efficiency_2gpu": (">=", 0.95),
+    "speedup_2gpu_vs_serial": (">=", 1.8),
+    "checkpoint_slowdown": ("<", 0.02),
+}
+
+
+def ok(run: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """The measurement ``name`` of ``run`` if it succeeded, else None."""
+    m = (run or {}).get("measurements", {}).get(name)
+    return m if m and m.get("status") == "ok" else None
+
+
+def _first(runs: dict[str, Any], order: tuple[str, ...], *names: str) -> tuple[str | None, list[Any]]:
+    """The first run (in ``order``) where every measurement in ``names`` succeeded."""
+    for r in order:
+        found = [ok(runs.get(r), n) for n in names]
+        if all(found):
+            return r, found
+    return None, [None] * len(names)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(runs: dict[str, Any]) -> dict[str, Any]:
+    """The top-level keys of the results file (see the module docstring); None where not measured."""
+    s: dict[str, Any] = {}
+    src: dict[str, str | None] = {}
+
+    def take(key: str, order: tuple[str, ...], name: str, field: str = "tok_s") -> None:
+        r, (m,) = _first(runs, order, name)
+        s[key], src[key] = (m[field] if m else None), r
+
+    take("matmul_tflops", SINGLE, "matmul", "tflops")
+    take("serial_tok_s", SINGLE, "serial")
+    take("target_alone_tok_s", SINGLE, "target_alone")
+    take("drafter_alone_tok_s", SINGLE, "drafter_alone")
+
+    r, (p1, ser) = _first(runs, SINGLE, "pipeline_1gpu", "serial")
+    s["pipeline_1gpu_tok_s"] = p1["tok_s"] if p1 else None
+    s["speedup_1gpu_vs_serial"] = _ratio(p1 and p1["tok_s"], ser and ser["tok_s"])
+    src["pipeline_1gpu_tok_s"] = src["speedup_1gpu_vs_serial"] = r
+    if p1 is None:
+        r, (p1,) = _first(runs, SINGLE, "pipeline_1gpu")
+        s["pipeline_1gpu_tok_s"], src["pipeline_1gpu_tok_s"] = (p1["tok_s"] if p1 else None), r
+
+    r, (p2,) = _first(runs, DOUBLE, "pipeline_2gpu")
+    run2 = runs.get(r) if r else None
+    t, d, ser2 = ok(run2, "target_alone"), ok(run2, "drafter_alone"), ok(run2, "serial")
+    stages = {k: m["tok_s"] for k, m in (("target", t), ("drafter", d)) if m}
+    slowest = min(stages, key=stages.get) if len(stages) == 2 else None
+    s["pipeline_2gpu_tok_s"] = p2["tok_s"] if p2 else None
+    s["slowest_stage_2gpu"] = slowest
+    s["slowest_stage_tok_s_2gpu"] = stages[slowest] if slowest else None
+    s["efficiency_2gpu"] = _ratio(s["pipeline_2gpu_tok_s"], s["slowest_stage_tok_s_2gpu"])
+    s["speedup_2gpu_vs_serial"] = _ratio(s["pipeline_2gpu_tok_s"], ser2 and ser2["tok_s"])
+    for k in ("pipeline_2gpu_tok_s", "slowest_stage_tok_s_2gpu", "efficiency_2gpu", "speedup_2gpu_vs_serial"):
+        src[k] = r
+    if p2 is None:
+        reasons = [m.get("reason") or m.get("error") for run in runs.values()
+                   if (m := run.get("measurements", {}).get("pipeline_2gpu"))]
+        s["pipeline_2gpu_null_reason"] = "; ".join(x for x in reasons if x) or "no run on two GPUs merged"
+
+    r, (tm, pm) = _first(runs, SINGLE, "target_alone", "plain_forward")
+    if tm is None:
+        r, (tm,) = _first(runs, SINGLE, "target_alone")
+    s["target_mfu"] = tm["mfu"] if tm else None
+    s["plain_forward_mfu"] = pm["mfu"] if pm else None
+    src["target_mfu"] = src["plain_forward_mfu"] = r
+
+    for mode in ("1gpu", "2gpu"):
+        r, (c,) = _first(runs, (mode, "smoke") if mode == "1gpu" else DOUBLE, f"checkpoint_{mode}")
+        s[f"checkpoint_slowdown_{mode}"] = c["slowdown"] if c else None
+        src[f"checkpoint_slowdown_{mode}"] = r
+    two = s["checkpoint_slowdown_2gpu"] is not None
+    s["checkpoint_slowdown"] = s["checkpoint_slowdown_2gpu"] if two else s["checkpoint_slowdown_1gpu"]
+    src["checkpoint_slowdown"] = src["checkpoint_slowdown_2gpu" if two else "checkpoint_slowdown_1gpu"]
+
+    s["peak_mem_gb"] = {}
+    s["capacity_sweep"] = {}
+    for mode in ("1gpu", "2gpu"):
+        r, (p,) = _first(runs, SINGLE if mode == "1gpu" else DOUBLE, f"pipeline_{mode}")
+        if p:
+            s["peak_mem_gb"][f"pipeline_{mode}"] = p.get("peak_mem_gb")
+        r, (sw,) = _first(runs, SINGLE if mode == "1gpu" else DOUBLE, f"capacity_sweep_{mode}")
+        if sw:
+            s["capacity_sweep"][mode] = {"channels": sw["channels"], "tok_s": sw["tok_s"]}
+
+    goals = {}
+    for key, (op, bound) in GOALS.items():
+        v = s.get(key)
+        goals[key] = {"goal": f"{op} {bound}", "value": v,
+                      "met": None if v is None else (v >= bound if op == ">=" else v < bound)}
+    tm_, pm_ = s["target_mfu"], s["plain_forward_mfu"]
+    goals["target_mfu"] = {"goal": ">= plain_forward_mfu", "value": tm_,
+                           "met": None if tm_ is None or pm_ is None else tm_ >= pm_}
+    s["goals"] = goals
+    s["sources"] = src
+    s["smoke"] = any(v == "smoke" for v in src.values())
+    return s
+
+
+def command_line(runs: dict[str, Any]) -> str:
+    """The commands of the merged runs, in run order, joined by `` ; ``."""
+    return " ; ".join(run["command"] for _, run in sorted(runs.items()) if run.get("command"))
+
+
+def load_runs(paths: list[Path]) -> dict[str, Any]:
+    """The ``runs`` of existing results files (later files win on a run name clash); missing files
+    are skipped."""
+    runs: dict[str, Any] = {}
+    for p in paths:
+        if Path(p).is_file():
+            runs.update(json.loads(Path(p).read_text()).get("runs", {}))
+    return runs
+
+
+def write_results(path: Path, runs: dict[str, Any]) -> dict[str, Any]:
+    """Write ``{summary..., "runs": runs}`` to ``path`` atomically (tmp file + rename); returns it."""
+    doc = {"command": command_line(runs), **summarize(runs), "runs": runs}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return doc
