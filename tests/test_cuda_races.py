@@ -86,7 +86,7 @@ def test_cross_device_naive_corrupts_and_csp_does_not(cycles):
 def _csan(mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
     return subprocess.run([sys.executable, str(SCRIPT), "--csan", mode], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.mark.gpu
