@@ -2,7 +2,8 @@
 stage, MFU, memory, channel capacity and checkpoint cost (issue 8). Results: benchmarks/RESULTS.md.
 
     python benchmarks/bench_h200.py [--set data.source=PATH] [--out benchmarks/results/h200.json]
-    python benchmarks/bench_h200.py --smoke                  # CPU, tiny shapes, every code path
+    python benchmarks/bench_h200.py --smoke                  # tiny shapes on the CPU: every code path
+    python benchmarks/bench_h200.py --tiny                   # tiny shapes on the GPUs: a quick GPU check
 
 One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are two, else 1):
 
@@ -29,6 +30,7 @@ earlier results file (e.g. the 1-GPU machine's) into this one; ``--merge-only`` 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -48,13 +50,13 @@ GRAPH_1GPU = ROOT / "examples" / "qwen3-8b-h200.toml"
 GRAPH_2GPU = ROOT / "examples" / "qwen3-8b-h200x2.toml"
 SWEEP_CHANNELS = ("hidden", "features")
 
-# --smoke: the same graphs and code paths with tiny shapes on the CPU.
-SMOKE_SETTINGS = [
+# --smoke / --tiny: the same graphs and code paths with tiny shapes (the vocabulary is the tokenizer's).
+TINY_SETTINGS = [
     "target.preset=tiny", "drafter.num_layers=2", "drafter.block_size=8", "drafter.num_anchors=8",
     "data.max_samples=160", "data.max_length=256", "data.tokens_per_batch=512", "data.packed_rows=2",
     "data.num_workers=1", "data.holdout=8", "trace.stats_interval_s=0.2",
-    "process.target.device=cpu", "process.postprocess.device=cpu", "process.drafter.device=cpu",
 ]
+CPU_SETTINGS = ["process.target.device=cpu", "process.postprocess.device=cpu", "process.drafter.device=cpu"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,16 +68,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="fold the runs of this earlier results file into --out (repeatable)")
     p.add_argument("--merge-only", action="store_true", help="only merge --merge files into --out")
     p.add_argument("--gpus", choices=["auto", "1", "2"], default="auto")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks every code path in seconds")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 5; smoke 1)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 20; smoke 2)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: every code path in seconds")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes on the visible GPUs: a quick GPU check")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 5; tiny 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 20; tiny 2)")
     p.add_argument("--capacities", default="1,2,4,8", help="channel capacities of the sweep")
     p.add_argument("--sweep-steps", type=int, default=None, help="timed steps per sweep point "
-                   "(default 10; smoke 2); a point equal to the graph's capacities reuses the main run")
+                   "(default 10; tiny 2); a point equal to the graph's capacities reuses the main run")
     p.add_argument("--ckpt-every", type=int, default=None, help="[checkpoint].every of the checkpoint run "
-                   "(default 15; smoke 2)")
+                   "(default 15; tiny 2)")
     p.add_argument("--ckpt-steps", type=int, default=None, help="timed steps of the checkpoint run "
-                   "(default 20; smoke 4)")
+                   "(default 20; tiny 4)")
     p.add_argument("--budget-s", type=float, default=400.0, help="skip what would end later than this "
                    "many seconds after start")
     p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
@@ -84,7 +87,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--artifacts", type=Path, default=None,
                    help="copy each pipeline run's metrics.jsonl, csp/stats.jsonl and csp/trace.json here")
     args = p.parse_args(argv)
-    small = args.smoke
+    small = args.smoke or args.tiny
     args.warmup = args.warmup if args.warmup is not None else (1 if small else 5)
     args.steps = args.steps if args.steps is not None else (2 if small else 20)
     args.sweep_steps = args.sweep_steps if args.sweep_steps is not None else (2 if small else 10)
@@ -104,14 +107,16 @@ class Bench:
         self.args = args
         self.t0 = time.perf_counter()
         ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        self.tiny = args.smoke or args.tiny
         if args.smoke:
-            self.mode = "smoke"
+            self.mode = "cpu"
         elif ngpu == 0:
             raise SystemExit("no CUDA device visible: run on a GPU machine, or use --smoke for the CPU check")
         else:
             self.mode = "2gpu" if (args.gpus == "2" or (args.gpus == "auto" and ngpu >= 2)) else "1gpu"
             if self.mode == "2gpu" and ngpu < 2:
                 raise SystemExit(f"--gpus 2 but {ngpu} CUDA device(s) visible")
+        self.name = "smoke" if self.tiny else self.mode  # tiny-shape numbers never pass for H200 ones
         cpu = torch.device("cpu")
         self.dev0 = cpu if args.smoke else torch.device("cuda:0")
         self.dev1 = torch.device("cuda:1") if self.mode == "2gpu" else self.dev0
@@ -119,6 +124,7 @@ class Bench:
         self.runs = load_runs(args.merge)
         self.run: dict[str, Any] = {
             "mode": self.mode,
+            "tiny": self.tiny,
             "command": "python " + shlex.join(["benchmarks/bench_h200.py", *argv]),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "complete": False,
@@ -129,9 +135,9 @@ class Bench:
                          "budget_s": args.budget_s, "overrides": self.overrides},
             "measurements": {},
         }
-        self.runs[self.mode] = self.run
+        self.runs[self.name] = self.run
         # step-time guesses for the budget, replaced by measured ones as they come in (seconds)
-        self.t_target, self.t_drafter = (0.05, 0.05) if args.smoke else (0.6, 0.6)
+        self.t_target, self.t_drafter = (0.05, 0.05) if self.tiny else (0.6, 0.6)
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -147,7 +153,7 @@ class Bench:
         left = self.args.budget_s - self.elapsed()
         if name in self.args.skip:
             ms[name] = {"status": "skipped", "reason": "--skip"}
-        elif not self.args.smoke and estimate_s > left:
+        elif not self.tiny and estimate_s > left:
             ms[name] = {"status": "skipped", "reason": f"time budget: needs ~{estimate_s:.0f} s, {left:.0f} s left "
                         f"of --budget-s {self.args.budget_s:.0f}"}
         else:
@@ -159,7 +165,9 @@ class Bench:
                 tb = traceback.format_exc()
                 print(tb, file=sys.stderr, flush=True)
                 ms[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-3000:]}
+            if ms[name]["status"] == "error":  # outside the except: the traceback's frames are gone
                 from benchmarks.h200_stages import release
+
                 release()
             ms[name]["seconds"] = round(time.perf_counter() - t, 1)
         self.save()
@@ -174,25 +182,34 @@ class Bench:
 
         a = self.args
         n = a.warmup + a.steps
-        if a.smoke:
+        if self.tiny:
             from dflash.data import load_tokenizer, tokenizer_info
 
             vocab = tokenizer_info(load_tokenizer("builtin:tiny")).vocab_size
-            self.overrides = [*SMOKE_SETTINGS, f"target.vocab_size={vocab}", *self.overrides]
+            cpu = CPU_SETTINGS if self.mode == "cpu" else []
+            self.overrides = [*TINY_SETTINGS, f"target.vocab_size={vocab}", *cpu, *self.overrides]
             self.run["settings"]["overrides"] = self.overrides
+        if self.mode == "1gpu":
+            self.run["measurements"]["pipeline_2gpu"] = {
+                "status": "skipped", "reason": "one CUDA device visible: run this harness on a 2-GPU machine "
+                "and merge the two results files (benchmarks/RESULTS.md)"}
         # data first: tokenizing spawns workers, better before CUDA is initialised
         self.app = scratch_app(GRAPH_1GPU, self.overrides, a.run_root / "scratch")
         self.run["data"] = data_summary(self.app)
-        self.batches = make_batches(self.app, n, pin=not a.smoke)
+        self.batches = make_batches(self.app, n, pin=self.dev0.type == "cuda")
         self.save()
+        import dflash.run
 
-        mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=256 if a.smoke else 8192))
+        dflash.run.console.quiet = True  # the data summary table was printed once; not again per run
+
+        size = 256 if self.mode == "cpu" else (2048 if self.tiny else 8192)
+        mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=size))
         self.peak = mm["tflops"] if mm else float("nan")
         with ModelReuse() as self.reuse:
             self.measure("target_alone", 40 + n * self.t_target, self._target_alone)
             self.measure("drafter_alone", 15 + n * self.t_drafter, self._drafter_alone)
             self.measure("serial", 15 + n * (self.t_target + self.t_drafter), self._serial)
-            modes = {"smoke": ["1gpu", "2gpu"], "1gpu": ["1gpu"], "2gpu": ["2gpu", "1gpu"]}[self.mode]
+            modes = {"cpu": ["1gpu", "2gpu"], "1gpu": ["1gpu"], "2gpu": ["2gpu", "1gpu"]}[self.mode]
             first = modes[0]
             for mode in modes:
                 self.measure(f"pipeline_{mode}", self._pipeline_estimate(mode, n), lambda m=mode: self._pipeline(m))
@@ -201,10 +218,6 @@ class Bench:
                     self.measure(f"checkpoint_{mode}", 20 + self._pipeline_estimate(mode, ckpt_n),
                                  lambda m=mode: self._checkpoint(m))
                     self._sweep(mode)
-            if self.mode != "smoke" and "pipeline_2gpu" not in self.run["measurements"]:
-                self.run["measurements"]["pipeline_2gpu"] = {
-                    "status": "skipped", "reason": "one CUDA device visible: run this harness on a 2-GPU machine "
-                    "(see benchmarks/RESULTS.md) and merge its results with --merge"}
             self.measure("plain_forward", 30 + n * self.t_target * 1.3, self._plain_forward)
             self.run["model_reuse"] = self.reuse.report()
         self.app.metrics.close()
@@ -321,7 +334,25 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, argv)
     bench.execute()
     print(f"[bench_h200 {bench.elapsed():6.1f}s] done -> {args.out}", file=sys.stderr)
+    print(headline(json.loads(Path(args.out).read_text())))
     return 0
+
+
+def headline(doc: dict[str, Any]) -> str:
+    """The summary numbers, one per line (what a terminal tail should show)."""
+    keys = ("matmul_tflops", "target_alone_tok_s", "drafter_alone_tok_s", "serial_tok_s", "pipeline_1gpu_tok_s",
+            "speedup_1gpu_vs_serial", "pipeline_2gpu_tok_s", "slowest_stage_2gpu", "slowest_stage_tok_s_2gpu",
+            "efficiency_2gpu", "speedup_2gpu_vs_serial", "target_mfu", "plain_forward_mfu",
+            "checkpoint_slowdown_1gpu", "checkpoint_slowdown_2gpu", "pipeline_2gpu_null_reason")
+    lines = [f"{k:28s} {doc[k]:.4g}" if isinstance(doc.get(k), float) else f"{k:28s} {doc.get(k)}"
+             for k in keys if k in doc]
+    lines += [f"{'capacity_sweep_' + m:28s} {v['tok_s']}" for m, v in doc.get("capacity_sweep", {}).items()]
+    lines += [f"{'peak_mem_gb_' + k:28s} {v}" for k, v in doc.get("peak_mem_gb", {}).items()]
+    lines += [f"goal {k:23s} {g['goal']:>22s}  value {g['value']}  met {g['met']}" for k, g in doc["goals"].items()]
+    for run in doc.get("runs", {}).values():
+        lines += [f"{name:28s} {m['status']}: {m.get('reason') or m.get('error')}"
+                  for name, m in run.get("measurements", {}).items() if m.get("status") != "ok"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def _cuda_devices(cfg: Any) -> list[str]:
 
 
 def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmup: int, timed: int,
-                 checkpoint_every: int = 0, timeout_s: float = 300.0,
+                 checkpoint_every: int = 0, timeout_s: float = 300.0, join_timeout_s: float = 180.0,
                  artifacts: Path | None = None) -> dict[str, Any]:
     """Run the graph for ``warmup + timed`` steps (then abort) and measure it.
 
@@ -180,6 +180,8 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
         run_dir: the run directory (emptied first; its checkpoints are deleted afterwards).
         checkpoint_every: ``[checkpoint].every`` (0: no checkpoint inside the run).
         timeout_s: abort the run if step ``warmup + timed`` is not logged by then.
+        join_timeout_s: how long the aborted run may take to stop (a checkpoint being written when
+            the window ends is finished first).
         artifacts: copy ``metrics.jsonl``, ``config.toml``, ``csp/stats.jsonl`` and ``csp/trace.json``
             to this directory.
 
@@ -215,7 +217,8 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
     torch.manual_seed(cfg.run.seed)
     app = prepare(cfg, "none")
     graph = csp.Graph.from_spec(cfg)
-    runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
+    # join_timeout_s: after the abort the drafter's teardown finishes an in-flight checkpoint first
+    runtime = csp.Runtime(graph, run_dir=run_dir, app=app, join_timeout_s=join_timeout_s)
     app.channel_stats = lambda: runtime.statistics()["channels"]
 
     reached, ended = threading.Event(), threading.Event()
