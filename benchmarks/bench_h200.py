@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 15; tiny 2)")
     p.add_argument("--ckpt-steps", type=int, default=None, help="timed steps of the checkpoint run "
                    "(default 20; tiny 4)")
-    p.add_argument("--budget-s", type=float, default=400.0, help="skip what would end later than this "
+    p.add_argument("--budget-s", type=float, default=390.0, help="skip what would end later than this "
                    "many seconds after start")
     p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
     p.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-h200",
@@ -165,10 +165,9 @@ class Bench:
                 tb = traceback.format_exc()
                 print(tb, file=sys.stderr, flush=True)
                 ms[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-3000:]}
-            if ms[name]["status"] == "error":  # outside the except: the traceback's frames are gone
-                from benchmarks.h200_stages import release
+            from benchmarks.h200_stages import release
 
-                release()
+            release()  # here, not in the except: the measurement's (and a traceback's) frames are gone
             ms[name]["seconds"] = round(time.perf_counter() - t, 1)
         self.save()
         return ok(self.run, name)

@@ -150,3 +150,78 @@ def write_results(path: Path, runs: dict[str, Any]) -> dict[str, Any]:
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     os.replace(tmp, path)
     return doc
+
+
+def _fmt(v: Any, kind: str = "num") -> str:
+    if v is None:
+        return "n/a"
+    if kind == "tok":
+        return f"{v / 1e3:,.1f}K"
+    if kind == "pct":
+        return f"{100 * v:+.1f}%"
+    if kind == "x":
+        return f"{v:.2f}x"
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The results section of benchmarks/RESULTS.md, generated from a results file."""
+    src = doc.get("sources", {})
+    slow = doc.get("slowest_stage_2gpu")
+    rows = [
+        ("bf16 matmul 8192^3 (TFLOP/s)", _fmt(doc.get("matmul_tflops")), "matmul_tflops"),
+        ("target forward alone (tokens/s)", _fmt(doc.get("target_alone_tok_s"), "tok"), "target_alone_tok_s"),
+        ("drafter step alone (tokens/s)", _fmt(doc.get("drafter_alone_tok_s"), "tok"), "drafter_alone_tok_s"),
+        ("serial loop, 1 GPU (tokens/s)", _fmt(doc.get("serial_tok_s"), "tok"), "serial_tok_s"),
+        ("csp pipeline, 1 GPU (tokens/s)", _fmt(doc.get("pipeline_1gpu_tok_s"), "tok"), "pipeline_1gpu_tok_s"),
+        ("speedup, 1 GPU vs serial", _fmt(doc.get("speedup_1gpu_vs_serial"), "x"), "speedup_1gpu_vs_serial"),
+        ("csp pipeline, 2 GPUs (tokens/s)", _fmt(doc.get("pipeline_2gpu_tok_s"), "tok"), "pipeline_2gpu_tok_s"),
+        (f"slowest stage alone, 2-GPU run ({slow or 'n/a'})", _fmt(doc.get("slowest_stage_tok_s_2gpu"), "tok"),
+         "slowest_stage_tok_s_2gpu"),
+        ("efficiency, 2 GPUs (pipeline / slowest stage)", _fmt(doc.get("efficiency_2gpu")), "efficiency_2gpu"),
+        ("speedup, 2 GPUs vs serial", _fmt(doc.get("speedup_2gpu_vs_serial"), "x"), "speedup_2gpu_vs_serial"),
+        ("target MFU (document-masked forward)", _fmt(doc.get("target_mfu")), "target_mfu"),
+        ("plain transformers forward MFU", _fmt(doc.get("plain_forward_mfu")), "plain_forward_mfu"),
+        ("step-time change during a checkpoint, 1 GPU", _fmt(doc.get("checkpoint_slowdown_1gpu"), "pct"),
+         "checkpoint_slowdown_1gpu"),
+        ("step-time change during a checkpoint, 2 GPUs", _fmt(doc.get("checkpoint_slowdown_2gpu"), "pct"),
+         "checkpoint_slowdown_2gpu"),
+    ]
+    out = ["| quantity | value | run |", "| --- | ---: | --- |"]
+    out += [f"| {q} | {v} | {src.get(k) or '-'} |" for q, v, k in rows]
+    for name, mem in (doc.get("peak_mem_gb") or {}).items():
+        shown = ", ".join(f"{d}: {g}" for d, g in mem.items()) or "n/a"
+        out.append(f"| peak GPU memory, {name} (GiB) | {shown} | |")
+    for mode, sweep in (doc.get("capacity_sweep") or {}).items():
+        by_cap = sorted(sweep["tok_s"].items(), key=lambda kv: int(kv[0]))
+        pts = ", ".join(f"{c}: {_fmt(v, 'tok')}" for c, v in by_cap)
+        out.append(f"| tokens/s by capacity of {' + '.join(sweep['channels'])}, {mode} | {pts} | |")
+    out += ["", "| goal | target | value | met |", "| --- | --- | ---: | --- |"]
+    for key, g in (doc.get("goals") or {}).items():
+        v = g["value"]
+        shown = _fmt(v, "pct") if key == "checkpoint_slowdown" else _fmt(v)
+        met = "n/a" if g["met"] is None else ("yes" if g["met"] else "no")
+        out.append(f"| {key} | {g['goal']} | {shown} | {met} |")
+    if doc.get("pipeline_2gpu_null_reason"):
+        out += ["", f"pipeline_2gpu_tok_s is null: {doc['pipeline_2gpu_null_reason']}"]
+    if doc.get("smoke"):
+        out += ["", "**These are CPU smoke numbers (tiny shapes), not H200 results.**"]
+    out += ["", f"Command(s): `{doc.get('command', '')}`"]
+    return "\n".join(out)
+
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def update_markdown(path: Path, doc: dict[str, Any]) -> None:
+    """Replace the text between the results markers of ``path`` with :func:`markdown` of ``doc``.
+
+    Raises:
+        ValueError: ``path`` lacks the ``<!-- results:begin -->`` / ``<!-- results:end -->`` markers.
+    """
+    text = Path(path).read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{path}: no {BEGIN} ... {END} section to fill")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    Path(path).write_text(f"{head}{BEGIN}\n{markdown(doc)}\n{END}{tail}")

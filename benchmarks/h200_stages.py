@@ -9,6 +9,9 @@ stage built outside csp, and the features go through :func:`dflash.stages.postpr
 Batches are drawn as ``dflash.prefetch`` draws them (same sampler order, same anchors) and pinned on
 CUDA, so every measurement sees the batches the pipeline sees, in the same order.
 
+Memory: each function drops what it built when it returns; the caller runs :func:`release` after
+each measurement so the next one (and the csp stages, on their own streams) get the memory back.
+
 Timing: ``warmup`` untimed steps, then ``timed`` steps between two device synchronisations. Tokens
 are real (non-padding) tokens. FLOPs (forward, per the usual accounting, e.g. PaLM appendix B):
 ``2 * linear_params * tokens`` for the matmuls plus ``2 * width * L * (L + 1)`` per layer and causal
@@ -64,7 +67,7 @@ def reset_peak(devices: list[torch.device]) -> dict[str, float]:
 
 # -- FLOPs ----------------------------------------------------------------------------------------
 
-def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 50, warmup: int = 5) -> dict[str, Any]:
+def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 100, warmup: int = 10) -> dict[str, Any]:
     """Rate of ``[n, n] @ [n, n]`` (bf16 on CUDA, fp32 on CPU) in TFLOP/s (``2 n^3`` per product)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -228,8 +231,8 @@ def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch
     sync(target_device)
     before = reset_peak([device])
     stage = drafter_stage(app, device)
+    items = [inputs[i % len(inputs)] for i in range(len(batches))]
     try:
-        items = [inputs[i % len(inputs)] for i in range(len(batches))]
         with device_scope(device):
             secs = _timed(stage.train_step, items, warmup, device)
         timed = items[warmup:]
@@ -238,9 +241,7 @@ def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch
                     "blocks_per_step": sum(int((i.anchors >= 0).sum()) for i in timed) / len(timed),
                     "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     finally:
-        stage.teardown()
-        del stage, inputs
-        release()
+        stage.teardown()  # the caller frees the memory (release()) once this frame is gone
     return out
 
 
@@ -260,8 +261,6 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
         out.update({"device": str(device), "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     finally:
         stage.teardown()
-        del stage
-        release()
     return out
 
 
@@ -269,7 +268,7 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
                        peak_tflops: float) -> dict[str, Any]:
     """The plain transformers forward for comparison: the whole Qwen3 model (every layer, LM head,
     logits for every position, all hidden states), causal rows with no document mask, on the same
-    token rows. Built for this measurement and freed after it."""
+    token rows. Built for this measurement; call release() after it."""
     full = reuse.original_load_target(app.cfg.target, device, num_draft_layers=app.cfg.drafter.num_layers,
                                       need_final=True)
     model = full.model
@@ -280,20 +279,16 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
             model(input_ids=batch.input_ids.to(device, non_blocking=True), use_cache=False,
                   output_hidden_states=True)
 
-    try:
-        before = reset_peak([device])
-        secs = _timed(step, batches, warmup, device)
-        timed = batches[warmup:]
-        tokens = sum(b.input_ids.numel() for b in timed)
-        flops = sum(shape.flops(b.input_ids.numel(), [b.input_ids.shape[1]] * b.input_ids.shape[0]) for b in timed)
-        out = _rate(tokens, secs, len(timed))
-        out.update({"device": str(device), "tflops": flops / secs / 1e12, "mfu": flops / secs / 1e12 / peak_tflops,
-                    "layers": shape.layers, "linear_params": shape.linear_params,
-                    "resident_gb": before, "peak_mem_gb": memory_gb([device])})
-    finally:
-        del model, full
-        release()
-    return out
+    before = reset_peak([device])
+    secs = _timed(step, batches, warmup, device)
+    timed = batches[warmup:]
+    tokens = sum(b.input_ids.numel() for b in timed)
+    flops = sum(shape.flops(b.input_ids.numel(), [b.input_ids.shape[1]] * b.input_ids.shape[0]) for b in timed)
+    out = _rate(tokens, secs, len(timed))
+    out.update({"device": str(device), "tflops": flops / secs / 1e12, "mfu": flops / secs / 1e12 / peak_tflops,
+                "layers": shape.layers, "linear_params": shape.linear_params,
+                "resident_gb": before, "peak_mem_gb": memory_gb([device])})
+    return out  # the model goes with this frame; the caller frees the memory (release())
 
 
 def scratch_app(graph_file: Path, overrides: list[str], run_dir: Path) -> Any:

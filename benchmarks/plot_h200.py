@@ -1,10 +1,12 @@
 """Plot benchmarks/results/h200.json (from bench_h200.py) to benchmarks/results/h200.png.
 
     python benchmarks/plot_h200.py [--in benchmarks/results/h200.json] [--out benchmarks/results/h200.png]
+                                   [--results-md benchmarks/RESULTS.md]
 
 Three panels: (1) tokens/s of the serial loop and the pipelines, with each stage alone as the bound;
 (2) pipeline tokens/s against the capacity of the target -> drafter channels; (3) step times of the
 checkpoint run, the steps that overlap a background save marked. Needs matplotlib (the ``plot`` extra).
+``--results-md`` also rewrites the generated results section of that markdown file.
 """
 
 from __future__ import annotations
@@ -111,9 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--in", dest="src", type=Path, default=IN)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--results-md", type=Path, default=None,
+                   help="also fill the results section of this file (e.g. benchmarks/RESULTS.md)")
     args = p.parse_args(argv)
-    plot(json.loads(args.src.read_text()), args.out)
+    doc = json.loads(args.src.read_text())
+    plot(doc, args.out)
     print(f"wrote {args.out}")
+    if args.results_md is not None:
+        sys.path.insert(0, str(HERE.parent))
+        from benchmarks.h200_report import update_markdown
+
+        update_markdown(args.results_md, doc)
+        print(f"updated {args.results_md}")
     return 0
 
 

@@ -99,6 +99,15 @@ def test_plot_and_merge(smoke, tmp_path):
                            str(tmp / "h200.json"), "--out", str(png)], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 10_000
+    # the generated section of RESULTS.md is filled from the results file, the rest kept
+    md = tmp_path / "RESULTS.md"
+    md.write_text((ROOT / "benchmarks" / "RESULTS.md").read_text())
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_h200.py"), "--in", str(tmp / "h200.json"),
+                           "--out", str(png), "--results-md", str(md)], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = md.read_text()
+    assert "_pending_" not in text and "CPU smoke numbers" in text and "## Reading the results" in text
+    assert f"| csp pipeline, 2 GPUs (tokens/s) | {doc['pipeline_2gpu_tok_s'] / 1e3:,.1f}K | smoke |" in text
     # a second machine's results file merges in by run name; the summary is recomputed
     other = {"runs": {"2gpu": {"command": "python benchmarks/bench_h200.py", "measurements": {}}}}
     (tmp_path / "x2.json").write_text(json.dumps(other))
