@@ -204,20 +204,34 @@ class Bench:
         size = 256 if self.mode == "cpu" else (2048 if self.tiny else 8192)
         mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=size))
         self.peak = mm["tflops"] if mm else float("nan")
+        ckpt_n = a.warmup + a.ckpt_steps
+        steps = {  # name -> (estimated seconds, evaluated when its turn comes; the measurement)
+            "target_alone": (lambda: 40 + n * self.t_target, self._target_alone),
+            "plain_forward": (lambda: 30 + n * self.t_target * 1.3, self._plain_forward),
+            "drafter_alone": (lambda: 15 + n * self.t_drafter, self._drafter_alone),
+            "serial": (lambda: 15 + n * (self.t_target + self.t_drafter), self._serial),
+        }
+        for mode in ("1gpu", "2gpu"):
+            steps[f"pipeline_{mode}"] = (lambda m=mode: self._pipeline_estimate(m, n),
+                                         lambda m=mode: self._pipeline(m))
+            steps[f"checkpoint_{mode}"] = (lambda m=mode: 20 + self._pipeline_estimate(m, ckpt_n),
+                                           lambda m=mode: self._checkpoint(m))
+        # priority order: what the summary keys need first, extras last
+        plan = {
+            "cpu": ["target_alone", "plain_forward", "drafter_alone", "serial", "pipeline_1gpu", "checkpoint_1gpu",
+                    "sweep_1gpu", "pipeline_2gpu"],
+            "1gpu": ["target_alone", "plain_forward", "drafter_alone", "serial", "pipeline_1gpu", "checkpoint_1gpu",
+                     "sweep_1gpu"],
+            "2gpu": ["target_alone", "drafter_alone", "serial", "pipeline_2gpu", "checkpoint_2gpu", "sweep_2gpu",
+                     "pipeline_1gpu", "plain_forward"],
+        }[self.mode]
         with ModelReuse() as self.reuse:
-            self.measure("target_alone", 40 + n * self.t_target, self._target_alone)
-            self.measure("drafter_alone", 15 + n * self.t_drafter, self._drafter_alone)
-            self.measure("serial", 15 + n * (self.t_target + self.t_drafter), self._serial)
-            modes = {"cpu": ["1gpu", "2gpu"], "1gpu": ["1gpu"], "2gpu": ["2gpu", "1gpu"]}[self.mode]
-            first = modes[0]
-            for mode in modes:
-                self.measure(f"pipeline_{mode}", self._pipeline_estimate(mode, n), lambda m=mode: self._pipeline(m))
-                if mode == first:
-                    ckpt_n = a.warmup + a.ckpt_steps
-                    self.measure(f"checkpoint_{mode}", 20 + self._pipeline_estimate(mode, ckpt_n),
-                                 lambda m=mode: self._checkpoint(m))
-                    self._sweep(mode)
-            self.measure("plain_forward", 30 + n * self.t_target * 1.3, self._plain_forward)
+            for name in plan:
+                if name.startswith("sweep_"):
+                    self._sweep(name.removeprefix("sweep_"))
+                else:
+                    estimate, fn = steps[name]
+                    self.measure(name, estimate(), fn)
             self.run["model_reuse"] = self.reuse.report()
         self.app.metrics.close()
         self.run["complete"] = True
