@@ -95,6 +95,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ckpt_steps = args.ckpt_steps if args.ckpt_steps is not None else (4 if small else 20)
     args.capacities = [int(c) for c in args.capacities.split(",") if c]
     args.skip = {s for s in args.skip.split(",") if s}
+    if args.warmup < 1 or min(args.steps, args.sweep_steps, args.ckpt_steps) < 1 or args.ckpt_every < 1:
+        p.error("--warmup, --steps, --sweep-steps, --ckpt-steps and --ckpt-every must be >= 1 (a timed "
+                "window starts at the end of the last warmup step)")
+    if args.ckpt_every > args.warmup + args.ckpt_steps:
+        p.error(f"--ckpt-every {args.ckpt_every} saves after the checkpoint run's window (warmup + "
+                f"--ckpt-steps = {args.warmup + args.ckpt_steps} steps): lower it")
+    if any(c < 0 for c in args.capacities):
+        p.error("--capacities must be >= 0")
     return args
 
 
