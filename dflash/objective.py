@@ -83,7 +83,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Te
         ValueError: the config needs target logits and ``final_hidden`` is None, or the drafter
             has no ``mask_token_id``.
     """
-    dc = drafter.cfg
+    dc = getattr(drafter, "module", drafter).cfg  # DDP-wrapped drafters keep their config inside
     bs = dc.block_size
     if dc.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 import csp
+import csp.dist
 from dflash.app import RunApp
 from dflash.checkpoint import CheckpointError, load_train_state, read_meta, resolve_resume
 from dflash.config import DFlashFile, config_hash, load_config, to_toml
@@ -114,7 +116,8 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         log.warning("%s already holds checkpoints; starting from step 0 (resume=%s)", run_dir, resume)
 
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
+    metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
     app = RunApp(
         cfg=cfg,
         run_dir=run_dir,
@@ -170,20 +173,27 @@ def _main(argv: list[str] | None) -> int:
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
         return 0
 
-    runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
-    app.channel_stats = lambda: runtime.statistics()["channels"]
     log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.start_step + 1,
              cfg.run.steps, run_dir)
     t0 = time.time()
     status, code = "failed", 1
+    if csp.dist.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
+        result, runtime = csp.dist.run(graph, run_dir=run_dir, app=app)
+        status, code = result.status, result.exit_code
+        app.metrics.write({"kind": "end", "status": status, "exit_code": code, "rank": result.rank,
+                           "seconds": time.time() - t0})
+        app.metrics.close()
+        if result.error is not None:
+            print(f"rank {result.rank}: error: {result.error}", file=sys.stderr)
+            csp.dist.hard_exit(code)
+        return code
+    runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
+    app.channel_stats = lambda: runtime.statistics()["channels"]
     try:
         result = runtime.run()
         status, code = result.status, result.exit_code
     except csp.ProcessFailed as exc:
         _error(exc)
-        cause = exc.__cause__
-        if cause is not None and not isinstance(cause, (KeyboardInterrupt,)):
-            log.error("stage %s failed: %r", exc.qualname if hasattr(exc, "qualname") else exc.process, cause)
     finally:
         app.metrics.write({"kind": "end", "status": status, "exit_code": code, "seconds": time.time() - t0})
         app.metrics.close()

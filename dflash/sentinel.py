@@ -77,7 +77,7 @@ class FiniteSentinel:
         host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(flags.device))  # the stream that ran the copy
         self._pending.append((event, host, names, batch_id, channel))
 
     def flush(self) -> None:

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 import csp
+from dflash import parallel
 from dflash.app import RunApp
 from dflash.checkpoint import Checkpointer
 from dflash.messages import DrafterInput, StepMetrics
@@ -65,6 +66,9 @@ class DrafterStage(csp.Process):
         self.head = load_shared_head(cfg.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
         # Seeded init from its own generator: the global RNG is shared with the other stages' threads.
         self.drafter = DFlashDrafter(app.drafter_cfg, seed=cfg.run.seed).to(self.device)  # fp32 master weights
+        # DDP over the drafter replicas' ranks under torchrun (dflash.parallel); the module itself otherwise.
+        self.model = parallel.wrap(self.drafter, self.ctx)
+        self.distributed = parallel.group(self.ctx) is not None
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = cfg.train
         self.opt = torch.optim.AdamW(self.params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
@@ -86,9 +90,12 @@ class DrafterStage(csp.Process):
         self.last_sampler_state: dict = {}
         self.last_loss = float("nan")
         self.last_batch_id = -1
+        self.saved_step = -1
 
     def _restore(self) -> None:
         path, state = self.app.resume_path, self.app.train_state
+        if self.distributed:  # each data-parallel replica restores its own optimizer/RNG state
+            state = parallel.load_rank_state(path.parent, self.app.start_step, self.ctx) or state
         self.drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
@@ -100,10 +107,11 @@ class DrafterStage(csp.Process):
         every = self.app.cfg.checkpoint.every
         for inp in inputs["features"]:
             m = self.train_step(inp)
-            metrics.send(m)
+            if parallel.is_writer(self.ctx):  # one record per step, not one per replica
+                metrics.send(m)
             if every and self.step % every == 0 and self.step < self.app.cfg.run.steps:
                 self.save()
-        if self.last_batch_id >= 0:  # trained at least one step in this process: final checkpoint
+        if self.last_batch_id >= 0 and self.saved_step != self.step:  # final checkpoint, once
             self.save()
         self.ckpt.wait()
 
@@ -122,7 +130,7 @@ class DrafterStage(csp.Process):
         with self.ctx.span("drafter.step"):
             with autocast:
                 out = compute_loss(
-                    self.drafter,
+                    self.model,
                     self.head,
                     features=inp.features,
                     input_ids=b.input_ids,
@@ -192,20 +200,30 @@ class DrafterStage(csp.Process):
 
     def save(self) -> None:
         """Background checkpoint of the state after ``self.step`` (returns before the disk write)."""
+        self.saved_step = self.step
+        sampler_state = self.last_sampler_state
+        if self.distributed:
+            # Each replica trained a different batch of this step: resume after the newest of them.
+            states: list = [None] * parallel.world(self.ctx)
+            torch.distributed.all_gather_object(states, sampler_state, group=parallel.group(self.ctx))
+            sampler_state = max(states, key=lambda st: st.get("batch_id", -1))
         with self.ctx.span("checkpoint.snapshot"):
             train_state = {
                 "step": self.step,
                 "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict(),
-                "sampler": self.last_sampler_state,
+                "sampler": sampler_state,
                 "rng": {"torch": torch.get_rng_state()},
                 "skipped_total": self.skipped_total,
             }
-            self.ckpt.save(
-                step=self.step,
-                batch_id=self.last_batch_id,
-                loss=self.last_loss,
-                weights=dict(self.drafter.state_dict()),
-                train_state=train_state,
-                configs=config_files(self.app.drafter_cfg, self.app.cfg.target),
-            )
+            if parallel.is_writer(self.ctx):
+                self.ckpt.save(
+                    step=self.step,
+                    batch_id=self.last_batch_id,
+                    loss=self.last_loss,
+                    weights=dict(self.drafter.state_dict()),
+                    train_state=train_state,
+                    configs=config_files(self.app.drafter_cfg, self.app.cfg.target),
+                )
+            if self.distributed:  # every replica's own state, then a barrier across replicas
+                parallel.save_rank_state(self.app.run_dir / "checkpoints", self.step, self.ctx, train_state)

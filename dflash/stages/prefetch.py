@@ -43,7 +43,9 @@ class PrefetchStage(csp.Process):
         cfg = self.app.cfg
         out = outputs["batches"]
         sampler = self.app.sampler
-        for seq in range(self.app.steps_to_run):
+        # Data-parallel drafter replicas (torchrun) each take one batch per optimizer step.
+        drafters = next((p.replicas for p in cfg.process if p.kind == "dflash.drafter"), 1)
+        for seq in range(self.app.steps_to_run * drafters):
             if self.ctx.stopping():
                 break
             with self.ctx.span("batch"):
