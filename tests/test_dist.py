@@ -76,6 +76,7 @@ class Sink(csp.Process):
     class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         factor: float = 1.0
         delay_s: float = 0.0  # a slow consumer: seconds of "work" per item
+        slow_replica: int = -1  # ... in this replica only (-1: every replica)
 
     inputs = {"inp": Item}
 
@@ -85,7 +86,7 @@ class Sink(csp.Process):
             times.append(time.monotonic())
             seqs.append(item.seq)
             ok &= bool(torch.equal(item.data, expected(item.seq) * self.options.factor))
-            if self.options.delay_s:
+            if self.options.delay_s and self.options.slow_replica in (-1, self.ctx.replica):
                 time.sleep(self.options.delay_s)
         RESULTS[f"{self.ctx.qualname}.seqs"] = seqs
         RESULTS[f"{self.ctx.qualname}.recv_times"] = times
@@ -111,6 +112,11 @@ def graph_for(scenario: str) -> csp.Graph:
         g.channel("a", capacity=2)
         g.process("src", Source, outputs={"out": "a"}, options={"n": 24, "stamp": True})
         g.process("sink", Sink, inputs={"inp": "a"}, options={"delay_s": 0.03}, ranks=[1])
+    elif scenario == "deal":  # src@0 -> sink[0]@0 (local link, fast) and sink[1]@1 (slow)
+        g.channel("a", capacity=2)
+        g.process("src", Source, outputs={"out": "a"}, options={"n": 20}, ranks=[0])
+        g.process("sink", Sink, inputs={"inp": "a"}, replicas=2, ranks=[0, 1],
+                  options={"delay_s": 0.02, "slow_replica": 1})
     elif scenario == "failure":  # relay[1] on rank 1 raises after 3 items; ranks 0 and 2 wait on it
         g.channel("a", capacity=2)
         g.channel("b", capacity=2)
@@ -225,6 +231,17 @@ def test_backpressure_slow_receiver_blocks_sender_with_bounded_buffering(tmp_pat
     assert runs[0]["record"]["channels"]["a"]["send_blocked_s"] > 0.3
     assert runs[0]["record"]["processes"]["src[0]"]["blocked_output_s"] > 0.3
     assert runs[1]["record"]["channels"]["a"]["peak_fill"] <= credits
+
+
+def test_fan_out_across_ranks_deals_items_in_turn(tmp_path):
+    """Fan-out from rank 0 to a consumer on rank 0 (local link) and one on rank 1: the ranks get
+    items in turn (0, 2, 4, ... and 1, 3, 5, ...), however fast each consumes. Data-parallel
+    replicas in lockstep (DDP) rely on it: an unequal share left one replica waiting forever in
+    a gradient all-reduce that the other never joined."""
+    runs = launch_ranks("deal", 2, tmp_path)
+    _ok(runs)
+    assert runs[0]["record"]["results"]["sink[0].seqs"] == list(range(0, 20, 2))
+    assert runs[1]["record"]["results"]["sink[1].seqs"] == list(range(1, 20, 2))
 
 
 def test_failure_on_one_rank_stops_every_rank_naming_it(tmp_path):

@@ -14,7 +14,9 @@ On every rank a crossing channel (see :mod:`csp.dist.placement`) has two local h
 Credit-based flow control: link ``src -> dst`` starts with ``ceil(capacity / sending ranks)``
 credits (at least 1). A credit is spent when the pump hands an item to the link and returned when
 a consumer on ``dst`` takes that item out of the inbox, so per link at most ``credits`` items are
-in flight or buffered, and a receiving rank buffers at most about ``capacity`` items.
+in flight or buffered, and a receiving rank buffers at most about ``capacity`` items. A pump
+deals its items to its links in turn (receiving ranks ascending, skipping gone links): every
+receiving rank gets an equal share, as lockstep data-parallel consumers (DDP) need.
 
 End of stream: when all of a rank's producers closed, its pump sends EOS on each of its links;
 a feeder closes its inbox end on EOS; consumers see ``EndOfStream`` once every link's end closed
@@ -136,7 +138,8 @@ class CrossChannel:
         rank = hub.rank
         self.hub, self.name, self.item_type, self.capacity = hub, name, item_type, capacity
         self.check_type = _cc._checkable(item_type)
-        self.out_links = [lk for lk in links if lk.src == rank]
+        self.out_links = sorted((lk for lk in links if lk.src == rank), key=lambda lk: lk.dst)
+        self.turn = 0  # index in out_links of the link that gets the pump's next item (Hub.acquire)
         self.in_links = [lk for lk in links if lk.dst == rank]
         self.outbox = _cc.Core(object, 0, name, ordered)
         self.inbox = _cc.Core(object, sum(lk.credits for lk in self.in_links), name, ordered)
@@ -272,7 +275,6 @@ class Hub:
         self.threads: list[threading.Thread] = []
         self.aborted: str | None = None
         self.remote_reason: str | None = None
-        self._rot = 0
 
     # -- building -----------------------------------------------------------------------------
     def factory(self, *, item_type: Any, capacity: int, name: str, ordered: bool) -> tuple[Any, Any]:
@@ -307,22 +309,27 @@ class Hub:
             self.cond.notify_all()
 
     def acquire(self, x: CrossChannel) -> Link | None:
-        """Block until one of ``x``'s links has a credit and take it (round robin over links).
-        Returns None when the run aborted, every link is gone, or the rank's producers are all
-        closed (the pump then drains the outbox: EndOfStream)."""
+        """Block until the link whose turn it is holds a credit and take it: the pump deals its
+        items to ``x``'s live links in turn (receiving ranks ascending), so receiving rank ``k`` of
+        ``n`` gets this rank's items ``k, k + n, k + 2n, ...``. Dealing, not "any link with a
+        credit": data-parallel consumers in lockstep (DDP) need equal shares (an unequal split
+        leaves one replica in a collective that the others never join), and a fixed split makes
+        runs reproducible. Returns None when the run aborted, every link is gone, or the rank's
+        producers are all closed (the pump then drains the outbox: EndOfStream)."""
         with self.cond:
             while True:
                 if self.aborted is not None:
                     return None
-                alive = [lk for lk in x.out_links if lk.id not in self.dead]
-                if not alive:
-                    return None
-                self._rot += 1
-                for k in range(len(alive)):
-                    lk = alive[(self._rot + k) % len(alive)]
-                    if self.credits[lk.id] > 0:
-                        self.credits[lk.id] -= 1
-                        return lk
+                n = len(x.out_links)
+                turn = next((x.turn + k for k in range(n) if x.out_links[(x.turn + k) % n].id not in self.dead),
+                            None)
+                if turn is None:
+                    return None  # every link is gone
+                lk = x.out_links[turn % n]
+                if self.credits[lk.id] > 0:
+                    self.credits[lk.id] -= 1
+                    x.turn = (turn + 1) % n
+                    return lk
                 st = x.pump_end.statistics()
                 if st.open_send_ends == 0 and st.current_fill == 0:
                     return None  # producers closed and nothing left (an ordered outbox holds one)
