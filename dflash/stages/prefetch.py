@@ -46,7 +46,7 @@ class PrefetchStage(csp.Process):
         # Data-parallel drafter replicas (torchrun) each take one batch per optimizer step.
         drafters = next((p.replicas for p in cfg.process if p.kind == "dflash.drafter"), 1)
         for seq in range(self.app.steps_to_run * drafters):
-            if self.ctx.stopping():
+            if self.ctx.stopping() and seq % drafters == 0:  # whole steps only: DDP replicas stay even
                 break
             with self.ctx.span("batch"):
                 batch: Batch = next(sampler)
