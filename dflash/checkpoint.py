@@ -128,6 +128,8 @@ class Checkpointer:
         self._closed = False
         self._error: BaseException | None = None
         self._copy_stream: Any = None
+        self._d2h_stream: Any = None
+        self._host: dict[str, torch.Tensor] = {}  # reused page-locked buffers of the host copy
         self._thread = threading.Thread(target=self._writer, name="dflash-checkpoint", daemon=False)
         self._thread.start()
         self.last_healthy: Path | None = None
@@ -234,11 +236,40 @@ class Checkpointer:
                 self._pending = None
                 self._cond.notify_all()
 
+    def _to_host(self, tree: Any, device: Any) -> Any:
+        """Copy the device snapshot into page-locked host buffers kept for the next save (the first
+        save allocates them; later saves reuse them, so page-locking and first-touch costs are paid
+        once per run), on a copy stream of this writer thread; then free the device clones."""
+        if self._d2h_stream is None:
+            self._d2h_stream = torch.cuda.Stream(device=device)
+        out = []
+
+        def walk(obj: Any, path: str) -> Any:
+            if isinstance(obj, torch.Tensor):
+                if not obj.is_cuda:
+                    return obj
+                buf = self._host.get(path)
+                if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                    buf = self._host[path] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+                buf.copy_(obj, non_blocking=True)
+                out.append(obj)
+                return buf
+            if isinstance(obj, dict):
+                return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
+            return obj
+
+        with torch.cuda.stream(self._d2h_stream):
+            host = walk(tree, "")
+        self._d2h_stream.synchronize()
+        out.clear()  # the device clones can go back to the caching allocator
+        return host
+
     def _write(self, snap: Snapshot) -> None:
         if snap.ready is not None:
             snap.ready.synchronize()  # only this writer thread waits for the snapshot clone
-            snap.weights = _snapshot_tree(snap.weights, lambda t: t.cpu())
-            snap.train_state = _snapshot_tree(snap.train_state, lambda t: t.cpu())
+            snap.weights, snap.train_state = self._to_host((snap.weights, snap.train_state), snap.device)
         bad = [k for k, t in snap.weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
         if bad:
             log.error("not writing checkpoint at step %d: non-finite weights in %s", snap.step, bad[:5])
