@@ -87,6 +87,11 @@ class DrafterStage(csp.Process):
             on_event=app.metrics.write,
         )
         self.ckpt.last_healthy = app.resume_path
+        if self.cuda and parallel.is_writer(self.ctx):
+            # Page-lock the host buffers of the checkpoint copy now, not in the middle of training.
+            like = {str(i): {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
+                    for i, p in enumerate(self.params)}
+            self.ckpt.reserve(dict(self.drafter.state_dict()), {"optimizer": {"state": like}})
         self.last_sampler_state: dict = {}
         self.last_loss = float("nan")
         self.last_batch_id = -1
