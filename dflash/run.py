@@ -39,6 +39,10 @@ console = Console(stderr=True)
 def _error(exc: BaseException) -> None:
     """One plain, unwrapped line on stderr (greppable in logs and CI)."""
     print(f"error: {exc}", file=sys.stderr, flush=True)
+    for h in logging.getLogger().handlers:
+        if getattr(h, "_dflash", False) and isinstance(h, logging.FileHandler):
+            h.emit(logging.makeLogRecord({"name": "dflash.run", "levelname": "ERROR", "levelno": logging.ERROR,
+                                          "msg": f"error: {exc}"}))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +79,54 @@ def close_logging() -> None:
             h.close()
 
 
+_SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "intermediate_size", "vocab_size", "target_layer_ids", "layer_types")
+
+
+def check_architecture(ckpt: Path, drafter_cfg) -> None:
+    """Raise CheckpointError naming the drafter shape keys that differ from the checkpoint's."""
+    import json
+
+    try:
+        saved = json.loads((ckpt / "drafter_config.json").read_text())
+    except (OSError, ValueError):
+        return
+    now = msgspec.to_builtins(drafter_cfg)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in _SHAPE_KEYS
+            if k in saved and saved.get(k) != now.get(k)]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {ckpt} has another drafter shape ({'; '.join(diff)}); resume it with its own "
+            "config, or start fresh with --resume none or another run.out_dir"
+        )
+
+
+def acquire_run_lock(run_dir: Path):
+    """Exclusive lock on RUN_DIR/.lock for the life of the process (two runs must not share a
+    run directory: their checkpoints and metrics would interleave).
+
+    Raises:
+        csp.GraphError: another process holds the lock.
+    """
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise csp.GraphError(f"{run_dir} is in use by another dflash.run (pid {other}); wait for it, "
+                             "or choose another run.out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     """Everything that must exist before the graph starts: tokenizer, data, resume state.
 
@@ -82,7 +134,7 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         dflash.data.DataError: unusable data (message names the file and the reasons).
         CheckpointError: the requested checkpoint cannot be used.
     """
-    from dflash.data import Sampler, load_dataset, load_tokenizer, tokenizer_info
+    from dflash.data import DataError, Sampler, load_dataset, load_tokenizer, tokenizer_info
     from dflash.drafter import resolve_drafter_config
 
     run_dir = Path(cfg.run.out_dir)
@@ -98,7 +150,10 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     cfg.data.block_size = cfg.drafter.block_size
 
     dataset = load_dataset(cfg.data, tok, console=console)
-    train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
+    try:
+        train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
+    except ValueError as exc:
+        raise DataError(f"{exc}; lower data.holdout") from exc
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
     ckpt = resolve_resume(run_dir, resume)
@@ -116,6 +171,9 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         log.warning("%s already holds checkpoints; starting from step 0 (resume=%s)", run_dir, resume)
 
+    drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
+    if ckpt is not None:
+        check_architecture(ckpt, drafter_cfg)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
     metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
     app = RunApp(
@@ -127,7 +185,7 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         train_state=train_state,
         metrics=metrics,
         config_hash=config_hash(cfg),
-        drafter_cfg=resolve_drafter_config(cfg.drafter, cfg.target),
+        drafter_cfg=drafter_cfg,
     )
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations, %s batching: padding waste %.1f%%, %d batches/epoch",
@@ -153,22 +211,54 @@ def _main(argv: list[str] | None) -> int:
     except csp.GraphError as exc:
         _error(exc)
         return 2
-    run_dir = Path(cfg.run.out_dir)
-    setup_logging(run_dir)
-    (run_dir / "config.toml").write_bytes(to_toml(cfg))
-    if cfg.run.deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.run.seed)
-
     import dflash.stages  # noqa: F401  (registers the dflash.* process kinds)
     from dflash.data import DataError
 
+    if not cfg.run.out_dir.strip():
+        _error("run.out_dir is empty; set it to a directory, e.g. runs/my-run")
+        return 2
+    try:  # the whole graph is checked before anything is tokenized, loaded or written
+        graph = csp.Graph.from_spec(cfg)
+        drafters = next((p.replicas for p in cfg.process if p.kind == "dflash.drafter"), 1)
+        if drafters > 1 and not csp.dist.launched():
+            raise csp.GraphError(
+                f"process 'drafter' has replicas = {drafters}: data-parallel drafters need one rank each; "
+                f"launch with torchrun --nproc-per-node {drafters} -m dflash.run ... (docs/distributed.md)"
+            )
+    except csp.GraphError as exc:
+        _error(exc)
+        return 2
+    run_dir = Path(cfg.run.out_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        lock = acquire_run_lock(run_dir) if rank == 0 else None
+    except csp.GraphError as exc:
+        _error(exc)
+        return 2
+    try:
+        return _train(cfg, args, graph, run_dir, rank)
+    finally:
+        if lock is not None:
+            lock.close()  # releases the flock
+
+
+def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir: Path, rank: int) -> int:
+    from dflash.data import DataError
+
+    setup_logging(run_dir)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.run.seed)
     try:
         app = prepare(cfg, args.resume or cfg.run.resume)
-        graph = csp.Graph.from_spec(cfg)
     except (csp.GraphError, DataError, CheckpointError) as exc:
         _error(exc)
         return 2
+    except KeyboardInterrupt:
+        _error("interrupted before training started; nothing was written")
+        return 130
+    if rank == 0:
+        (run_dir / "config.toml").write_bytes(to_toml(cfg))
     if app.steps_to_run == 0:
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
         return 0
@@ -197,7 +287,10 @@ def _main(argv: list[str] | None) -> int:
     finally:
         app.metrics.write({"kind": "end", "status": status, "exit_code": code, "seconds": time.time() - t0})
         app.metrics.close()
-    if code == 130:
+    if status == "aborted":
+        log.warning("aborted (second Ctrl-C): no final checkpoint was written; --resume auto continues "
+                    "from the last periodic one")
+    elif code == 130:
         log.warning("stopped by Ctrl-C after draining; the final checkpoint is in %s", run_dir / "checkpoints")
     elif code == 0:
         log.info("done in %.1fs; metrics: %s", time.time() - t0, run_dir / "metrics.jsonl")

@@ -238,3 +238,38 @@ def test_ctrl_c_drains_writes_a_final_checkpoint_and_exits_130(tmp_path, cache_d
     assert main(small(run, cache_dir, "checkpoint.every=0", steps=stopped_at + 2)) == 0
     assert records(run, "resume")[-1]["step"] == stopped_at
     assert max(losses(run)) == stopped_at + 2
+
+
+def test_graph_errors_come_before_any_work_or_write(tmp_path, cache_dir, capsys):
+    """A bad graph is reported before tokenization and leaves the run directory untouched."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, "process.drafter.device=\"cuda:7\"")) == 2
+    assert "cuda:7" in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_data_parallel_drafters_need_torchrun(tmp_path, cache_dir, capsys):
+    assert main(small(tmp_path / "run", cache_dir, "process.drafter.replicas=2")) == 2
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+def test_two_runs_cannot_share_a_run_directory(tmp_path, cache_dir, capsys):
+    from dflash.run import acquire_run_lock
+
+    run = tmp_path / "run"
+    held = acquire_run_lock(run)  # as if another dflash.run were training there
+    try:
+        assert main(small(run, cache_dir)) == 2
+        assert "in use by another dflash.run" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert main(small(run, cache_dir, steps=2)) == 0  # released: usable again
+
+
+def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=4)) == 0
+    capsys.readouterr()
+    assert main(small(run, cache_dir, "drafter.num_layers=3", steps=6)) == 2
+    err = capsys.readouterr().err
+    assert "num_layers: checkpoint 2, config 3" in err and "--resume none" in err
