@@ -18,8 +18,19 @@ visited reproduces each measured ``m`` (up to kernel numerics), and its marginal
 accuracies give ``tau_sim`` as printed in training.
 
 ``python -m dflash.eval CHECKPOINT [--prompts FILE.jsonl | --data SOURCE] [--num-prompts N]
-[--max-new-tokens N] [--device DEV]``: prompts are ``{"prompt": str}`` lines, or the first user
-turn(s) of the *last* N conversations of a dflash.data source (e.g. ``sharegpt``).
+[--max-new-tokens N] [--device DEV]``. Prompts are the first N ``{"prompt": str}`` lines of
+``--prompts``, or, with ``--data SOURCE``, the context before the first assistant turn of N
+conversations that open with a user turn (others are skipped, so N is honoured when possible):
+
+* when CHECKPOINT is ``RUN_DIR/checkpoints/step_N``, ``RUN_DIR/config.toml`` exists and its
+  ``data.source`` is SOURCE: the run's held-out conversations, ``split(data.holdout, data.seed)[1]``
+  of its tokenized data (:func:`heldout_prompts`), i.e. none the drafter was trained on;
+* otherwise (a copied checkpoint, another source, ``data.holdout = 0``): the *last* N usable
+  conversations of SOURCE in file order (:func:`source_prompts`), which may be training data; a
+  note on stderr says so.
+
+Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data``)
+is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ import torch
 
 from dflash.attention import decode_layout, training_layout
 from dflash.drafter import DFlashDrafter
+from dflash.eval_prompts import (EvalInputError, check_checkpoint, encode_prompt, heldout_prompts,
+                                 run_data_config, source_prompts)
 from dflash.metrics import accuracy_per_position, simulated_accepted_length, streak_lengths
 from dflash.target import SharedHead, Target
 
@@ -258,27 +271,29 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
 
 
 def _prompts(args, tok) -> list[list[int]]:
-    """Token ids of the CLI's prompts (chat template with a generation prompt)."""
+    """Token ids of the CLI's prompts (module docstring says which conversations)."""
     if args.prompts:
         lines = Path(args.prompts).read_text().splitlines()
         convs = [[{"role": "user", "content": json.loads(x)["prompt"]}] for x in lines if x.strip()]
+        return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
+    data_cfg = run_data_config(Path(args.checkpoint))
+    if data_cfg is None:
+        print(f"dflash.eval: {args.checkpoint} is not inside a run directory with config.toml: "
+              f"using the last {args.num_prompts} conversations of {args.data} (may be training data)",
+              file=sys.stderr)
+    elif data_cfg.source != args.data:
+        print(f"dflash.eval: --data {args.data} is not the run's data.source ({data_cfg.source}): "
+              f"using its last {args.num_prompts} conversations", file=sys.stderr)
+    elif data_cfg.holdout == 0:
+        print("dflash.eval: the run held out no conversations (data.holdout = 0): using the last "
+              f"{args.num_prompts} conversations of {args.data} (training data)", file=sys.stderr)
     else:
-        from dflash.data.sources import read_source
-
-        recs = read_source(args.data).conversations
-        convs = []
-        for conv in recs[-args.num_prompts:]:
-            head = []
-            for msg in conv:
-                if msg["role"] == "assistant":
-                    break
-                head.append(msg)
-            convs.append(head)
-    out = []
-    for conv in convs[: args.num_prompts]:
-        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-        out.append(tok(text, add_special_tokens=False)["input_ids"][-args.max_prompt_tokens:])
-    return out
+        out = heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens)
+        if len(out) < args.num_prompts:
+            print(f"dflash.eval: only {len(out)} usable held-out conversations "
+                  f"(data.holdout = {data_cfg.holdout})", file=sys.stderr)
+        return out
+    return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,13 +301,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="dflash checkpoint directory (model.safetensors + configs)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help='JSONL file of {"prompt": str}')
-    src.add_argument("--data", help="a dflash.data source (e.g. sharegpt); its last N conversations")
+    src.add_argument("--data", help="a dflash.data source (e.g. sharegpt): the run's held-out conversations "
+                     "(see the module doc)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true", help="print the EvalResult as JSON")
     args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+        p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
+    from dflash.data import DataError
+    from dflash.data.sources import resolve_source
+
+    try:
+        check_checkpoint(args.checkpoint)
+        if args.prompts and not Path(args.prompts).is_file():
+            raise EvalInputError(f"--prompts {args.prompts}: no such file")
+        if args.data:
+            resolve_source(args.data)  # an unknown source fails here, before loading any model
+    except (EvalInputError, DataError) as exc:
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
 
     from dflash.data.tokenizer import load_tokenizer
     from dflash.model_io import load_drafter
@@ -307,7 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     drafter.to(target.model.dtype)
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
-    prompts = [torch.tensor(x, device=args.device) for x in _prompts(args, tok)]
+    try:
+        ids = _prompts(args, tok)
+    except (EvalInputError, DataError, ValueError, KeyError) as exc:
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
+    if not ids:
+        print("dflash.eval: no usable prompt (every conversation opens with an assistant turn)",
+              file=sys.stderr)
+        return 2
+    prompts = [torch.tensor(x, device=args.device) for x in ids]
     res = evaluate(target, drafter, head, prompts, args.max_new_tokens)
     if args.json:
         print(msgspec.json.encode(res).decode())

@@ -104,3 +104,83 @@ def test_evaluate_reports_consistent_numbers(models):
     assert res.streak_visited == pytest.approx(res.mean_accepted)
     for r in res.per_prompt:
         assert r.new_tokens >= 8 and r.steps >= 1
+
+
+# -- prompt selection and CLI input (QA regressions) -------------------------------------------
+
+def _conv(i, assistant_first=False):
+    turns = [{"role": "user", "content": f"question number {i} about channels"},
+             {"role": "assistant", "content": f"answer number {i}: " + "word " * 12}]
+    return {"messages": turns[1:] if assistant_first else turns}
+
+
+def _write_source(path, flags):
+    import json
+
+    path.write_text("".join(json.dumps(_conv(i, f)) + "\n" for i, f in enumerate(flags)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from dflash.data.tokenizer import load_tokenizer
+
+    return load_tokenizer("builtin:tiny")
+
+
+def test_source_prompts_skip_conversations_that_open_with_the_assistant(tmp_path, tok):
+    """Regression: a last conversation that opens with an assistant turn gave an empty prompt and
+    apply_chat_template raised; it is skipped and an earlier one taken, so N prompts come back."""
+    from dflash.eval_prompts import source_prompts
+
+    src = _write_source(tmp_path / "d.jsonl", [False, False, False, True])
+    got = source_prompts(str(src), tok, 2, 1024)
+    texts = [tok.decode(x) for x in got]
+    assert len(got) == 2 and "question number 1" in texts[0] and "question number 2" in texts[1]
+    assert source_prompts(str(src), tok, 2, 5)[0] == got[0][-5:]
+
+
+def test_heldout_prompts_are_the_training_runs_holdout(tmp_path, tok):
+    """Invariant: with RUN_DIR/config.toml, eval's prompts come from exactly the conversations
+    dflash.run held out (dataset.split(holdout, seed)[1]), never from its training part."""
+    from dflash.data import load_dataset
+    from dflash.eval_prompts import heldout_prompts, run_data_config
+
+    flags = [False] * 7 + [True]
+    src = _write_source(tmp_path / "d.jsonl", flags)
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    assert run_data_config(ckpt) is None
+    (run / "config.toml").write_text(
+        f'[run]\nname = "x"\n[data]\nsource = "{src}"\nholdout = 7\nseed = 3\nblock_size = 1\n'
+        f'cache_dir = "{tmp_path / "cache"}"\nnum_workers = 1\n')
+    cfg = run_data_config(ckpt)
+    assert (cfg.holdout, cfg.seed, cfg.source) == (7, 3, str(src))
+    train, held = load_dataset(cfg, tok, progress=False, quiet=True).split(7, 3)
+    got = heldout_prompts(cfg, tok, 7, 1024)
+    held_prompts = [held.prompt(i).tolist() for i in range(len(held))]
+    train_prompts = [train.prompt(i).tolist() for i in range(len(train))]
+    assert got and all(p in held_prompts and p not in train_prompts for p in got)
+    assert all("question number" in tok.decode(p) for p in got)   # assistant-first one skipped
+    assert any("question number" not in tok.decode(p) for p in held_prompts)  # one to skip
+    assert len(got) == sum("question number" in tok.decode(p) for p in held_prompts) == 6
+
+
+@pytest.mark.parametrize("case", ["missing", "run_dir", "not_ckpt", "bad_data"])
+def test_eval_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
+    from dflash.eval import main as eval_main
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000005").mkdir(parents=True)
+    path = {"missing": tmp_path / "nope", "run_dir": run, "not_ckpt": tmp_path,
+            "bad_data": run / "checkpoints" / "step_00000005"}[case]
+    if case == "bad_data":
+        for name in ("model.safetensors", "drafter_config.json", "target_config.json"):
+            (path / name).write_text("{}")
+    assert eval_main([str(path), "--data", "no-such-source.jsonl", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    want = {"missing": "no such checkpoint", "run_dir": "step_00000005",
+            "not_ckpt": "not a drafter checkpoint", "bad_data": "no-such-source.jsonl"}[case]
+    assert want in err
