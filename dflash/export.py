@@ -12,12 +12,18 @@
 Public drafters also carry an ``auto_map`` to their own ``dflash.py`` modeling file for
 ``trust_remote_code``; that file is z-lab's and is not written here, so no ``auto_map`` is set
 (serving engines select the drafter by ``architectures``).
+
+The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
+``meta.json`` or ``train_state.pt``) or the input itself, an output path that is a file, and a
+non-empty output directory unless ``--force``. Written files get the usual ``0o666 & ~umask``
+permissions (safetensors alone writes them ``0600``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.model_io import load_drafter
 
-__all__ = ["export_drafter", "hf_config_dict", "load_exported", "main"]
+__all__ = ["check_output", "export_drafter", "hf_config_dict", "load_exported", "main"]
 
 
 def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -85,7 +91,34 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
     weights = {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        os.chmod(out / name, 0o666 & ~umask)
     return out
+
+
+def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> None:
+    """Refuse an export destination that would destroy or mix with other files.
+
+    Raises:
+        ValueError: ``out_dir`` is the checkpoint itself, is a checkpoint (holds ``meta.json`` or
+            ``train_state.pt``), is not a directory, or is a non-empty directory and ``force``
+            is False. The message says what to change.
+    """
+    out, src = Path(out_dir), Path(checkpoint)
+    if out.exists() and src.exists() and out.resolve() == src.resolve():
+        raise ValueError(f"-o {out_dir} is the checkpoint being exported; give a new directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"-o {out_dir} is a file, not a directory; give a directory path")
+    if not out.is_dir():
+        return
+    if (out / "meta.json").exists() or (out / "train_state.pt").exists():
+        raise ValueError(f"-o {out_dir} is a training checkpoint; exporting there would overwrite "
+                         "its weights; give a new directory")
+    if any(out.iterdir()) and not force:
+        raise ValueError(f"-o {out_dir} is not empty; give an empty or new directory, or --force "
+                         "to overwrite config.json and model.safetensors there")
 
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
@@ -134,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a dflash checkpoint directory (model.safetensors + configs)")
     p.add_argument("-o", "--out", required=True, help="output directory (public DFlash layout)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     args = p.parse_args(argv)
     try:
+        check_output(args.checkpoint, args.out, args.force)
         drafter, _, _ = load_drafter(args.checkpoint)
         out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
     except (FileNotFoundError, ValueError) as e:

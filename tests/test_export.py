@@ -84,3 +84,36 @@ def test_eval_cli_on_a_checkpoint(tmp_path, capsys):
                       "--device", "cpu", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert len(res["per_prompt"]) == 2 and res["tokens_per_step"] == pytest.approx(res["mean_accepted"] + 1)
+
+
+def test_export_cli_refuses_to_overwrite(tmp_path, capsys):
+    """Regression: ``export CKPT -o CKPT`` overwrote the checkpoint's weights. Invariant: export
+    never writes into a checkpoint, the input, a file path, or (without --force) a non-empty dir;
+    what it writes has the usual permissions."""
+    import os
+    import stat
+
+    d = make()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    before = (ck / "model.safetensors").read_bytes()
+    other = tmp_path / "other_ckpt"
+    other.mkdir()
+    (other / "meta.json").write_text("{}")
+    (tmp_path / "afile").write_text("x")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("keep")
+    for out, words in [(ck, "is the checkpoint"), (other, "training checkpoint"),
+                       (tmp_path / "afile", "is a file"), (full, "not empty")]:
+        assert export_main([str(ck), "-o", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err
+    assert (ck / "model.safetensors").read_bytes() == before
+    assert export_main([str(ck), "-o", str(full), "--force"]) == 0
+    assert (full / "notes.txt").read_text() == "keep"
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE((full / name).stat().st_mode) == 0o666 & ~umask
