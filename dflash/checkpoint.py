@@ -367,11 +367,29 @@ def read_meta(path: Path) -> dict[str, Any] | None:
 
 
 def is_healthy(path: Path) -> bool:
-    """True if the checkpoint is complete, marked healthy, and its weight file is present."""
+    """True if the checkpoint is complete, marked healthy, and its tensor files are readable.
+
+    Cheap: ``meta.json`` plus the safetensors *headers* of ``model.safetensors`` and (when
+    present) ``train_state.safetensors`` (``safe_open`` reads the header and checks that the file
+    is as long as the header says: a truncated copy fails), no tensor data.
+    """
     meta = read_meta(path)
-    return bool(meta and meta.get("healthy")) and (path / "model.safetensors").is_file() and (
-        path / "train_state.pt"
-    ).is_file()
+    if not (meta and meta.get("healthy")) or not (path / "train_state.pt").is_file():
+        return False
+    state = path / "train_state.safetensors"
+    return _readable_safetensors(path / "model.safetensors") and (
+        not state.exists() or _readable_safetensors(state))
+
+
+def _readable_safetensors(file: Path) -> bool:
+    """The file exists and its safetensors header parses and covers the file (no data read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt"):
+            return True
+    except Exception:  # noqa: BLE001 - SafetensorError, OSError: not a usable file
+        return False
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:

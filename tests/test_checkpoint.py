@@ -104,3 +104,24 @@ def test_resume_explicit_path_must_be_healthy(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(CheckpointError, match="not a complete healthy checkpoint"):
         resolve_resume(tmp_path, str(tmp_path / "half"))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "train_state.safetensors"])
+def test_resume_auto_skips_a_truncated_tensor_file(tmp_path, name):
+    """Regression: a checkpoint whose safetensors file was truncated (disk full, partial copy)
+    counted as healthy; resume auto must skip it and take the older intact one."""
+    import os
+
+    root = tmp_path / "checkpoints"
+    ck = Checkpointer(root, keep_last=5, config_hash="h")
+    _save(ck, 1)
+    _save(ck, 2)
+    ck.close()
+    newest = root / "step_00000002"
+    assert resolve_resume(tmp_path, "auto") == newest
+    f = newest / name
+    os.truncate(f, f.stat().st_size - 4)
+    assert not is_healthy(newest)
+    assert resolve_resume(tmp_path, "auto") == root / "step_00000001"
+    with pytest.raises(CheckpointError, match="not a complete healthy checkpoint"):
+        resolve_resume(tmp_path, str(newest))
