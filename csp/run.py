@@ -2,7 +2,7 @@
 
 Reads and validates the file (``plugins`` are imported so their kinds register), builds the graph,
 runs it, prints how it ended and a per-process summary, and exits with the run's exit code:
-0 completed, 130 stopped by Ctrl-C (graceful drain; a second Ctrl-C aborts), 1 a process failed,
+0 completed, 130 stopped by Ctrl-C or SIGTERM (graceful drain; a second signal aborts), 1 a process failed,
 2 bad graph or config. Statistics and the trace go to ``RUN_DIR/csp/`` (default
 ``runs/<graph file stem>``; ``--no-run-dir`` writes nothing).
 

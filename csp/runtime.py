@@ -8,21 +8,24 @@ raises, so end-of-stream propagates downstream by itself.
 Stopping:
 
 * **completed** - every source returned and everything drained.
-* **graceful stop** - :meth:`Runtime.request_stop` or the first SIGINT (when ``run()`` is called
-  from the main thread): sources see ``ctx.stopping()`` and return, in-flight items drain through
+* **graceful stop** - :meth:`Runtime.request_stop` or the first SIGINT or SIGTERM (when ``run()``
+  is called from the main thread; SIGTERM is what ``docker stop``, SLURM preemption and
+  torchrun's agent send): sources see ``ctx.stopping()`` and return, in-flight items drain through
   the graph, every process ends normally.
 * **failure** - the first exception escaping a process (``setup``, ``run`` or ``teardown``)
   aborts every channel (each blocked send/receive wakes with ``ChannelAborted``), requests stop,
   cancels the async tasks, joins the threads (bounded by ``join_timeout_s``) and ``run()`` raises
   :class:`csp.ProcessFailed` naming ``process[replica]``, chained to the original exception.
   ``ChannelAborted`` raised in other processes because of it is not reported.
-* **abort** - :meth:`Runtime.abort` or a second SIGINT: the same teardown, without an error.
+* **abort** - :meth:`Runtime.abort` or a second signal (SIGINT or SIGTERM, either order): the
+  same teardown, without an error.
 
 Exit codes (``RunResult.exit_code``; ``python -m csp.run`` exits with it):
 
 ====  ==========================================================================
 0     completed
-130   stopped (graceful drain after SIGINT or ``request_stop``) or aborted
+130   stopped (graceful drain after SIGINT, SIGTERM or ``request_stop``) or aborted; SIGTERM
+      also gives 130, not the shell's 143, so callers test one code for "stopped, drained"
 1     a process failed (``run()`` raises ProcessFailed; the CLI exits 1)
 2     bad graph or config (GraphError before anything starts; set by the CLI)
 ====  ==========================================================================
@@ -59,6 +62,7 @@ from csp.trace import FlowTap, Tracer
 log = logging.getLogger("csp.runtime")
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_INTERRUPTED = 0, 1, 2, 130
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,8 +150,8 @@ class Runtime:
         self._aborted = False
         self._shutting_down = False
         self._failure: tuple[_Worker, BaseException] | None = None
-        self._sigints = 0
-        self._sigint_installed = False
+        self._signals = 0
+        self._signals_installed = False
         self._workers: list[_Worker] = []
         self._channels: dict[str, tuple[Any, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -193,15 +197,15 @@ class Runtime:
             self.tracer = Tracer(max_events=spec.max_events, flow_every=spec.flow_every)
         self._build()
         statslog = self._start_observers()
-        old_handler = self._install_sigint()
+        old_handlers = self._install_signals()
         status, exit_code, stuck = "failed", EXIT_FAILED, []
         try:
             if not self._aborted:
                 anyio.run(self._supervise, backend="asyncio")
         finally:
             self._loop = None
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
+            for sig, old in old_handlers.items():
+                signal.signal(sig, old)
             stuck = self._join_threads()
             for w in self._workers:
                 w.close_ends()
@@ -293,19 +297,21 @@ class Runtime:
         self._threads_done = anyio.Event()
         threaded = [w for w in self._workers if not w.is_async]
         self._threads_left = len(threaded)
-        if self._sigint_installed:
-            # While the loop runs, let asyncio take SIGINT: it wakes the selector (wakeup fd) and
-            # runs the handler as a loop callback, outside any channel code.
-            self._loop.add_signal_handler(signal.SIGINT, self._on_sigint, signal.SIGINT, None)
+        if self._signals_installed:
+            # While the loop runs, let asyncio take the signals: it wakes the selector (wakeup fd)
+            # and runs the handler as a loop callback, outside any channel code.
+            for sig in _STOP_SIGNALS:
+                self._loop.add_signal_handler(sig, self._on_signal, sig, None)
         try:
             await self._run_workers(threaded)
         finally:
-            if self._sigint_installed:
-                self._loop.remove_signal_handler(signal.SIGINT)
-                signal.signal(signal.SIGINT, self._on_sigint)
+            if self._signals_installed:
+                for sig in _STOP_SIGNALS:
+                    self._loop.remove_signal_handler(sig)
+                    signal.signal(sig, self._on_signal)
 
     async def _run_workers(self, threaded: list[_Worker]) -> None:
-        if self._aborted and not self._shutting_down:  # second SIGINT before the loop ran
+        if self._aborted and not self._shutting_down:  # second signal before the loop ran
             self._shutdown("run aborted")
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -432,22 +438,24 @@ class Runtime:
         return [w.qualname for w in stuck]
 
     # -- signals ------------------------------------------------------------------------------
-    def _install_sigint(self) -> Any:
+    def _install_signals(self) -> dict[int, Any]:
+        """Take SIGINT and SIGTERM (main thread only); returns the handlers to restore."""
         if threading.current_thread() is not threading.main_thread():
-            return None
-        self._sigint_installed = True
-        return signal.signal(signal.SIGINT, self._on_sigint)
+            return {}
+        self._signals_installed = True
+        return {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         # Outside the loop this runs in the main thread between bytecodes, possibly inside channel
         # code holding a lock: only set flags or defer to the loop, never touch channels here.
-        self._sigints += 1
-        if self._sigints == 1:
-            log.warning("SIGINT: graceful stop requested (sources stop, items drain); "
-                        "press Ctrl-C again to abort")
+        name = signal.Signals(signum).name
+        self._signals += 1
+        if self._signals == 1:
+            log.warning("%s: graceful stop requested (sources stop, items drain); "
+                        "press Ctrl-C (or send SIGTERM) again to abort", name)
             self.request_stop()
         else:
-            log.warning("second SIGINT: aborting the run")
+            log.warning("second stop signal (%s): aborting the run", name)
             loop = self._loop
             if loop is not None:
                 loop.call_soon_threadsafe(self.abort)

@@ -358,6 +358,46 @@ def test_second_sigint_aborts():
     assert sorted(h.torn_down) == sorted(ALL)
 
 
+def test_sigterm_drains_then_restores_handler():
+    """Regression: SIGTERM (docker stop, SLURM preemption, torchrun's agent) killed the run at
+    once. Invariant: it is a graceful stop like the first Ctrl-C: every sent item drains, exit 130,
+    and the previous SIGTERM handler is back afterwards."""
+    h = Harness()
+    before = signal.getsignal(signal.SIGTERM)
+    rt = csp.Runtime(pipeline(sink={"wait_release": True}), app=h)
+
+    def driver():
+        assert h.full.wait(20)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_for(lambda: h.contexts[0].stopping())  # the handler ran
+        h.release.set()
+
+    t = in_thread(driver)
+    result = rt.run()
+    t.join(10)
+    assert (result.status, result.exit_code) == ("stopped", 130)
+    assert sorted(h.received) == list(range(len(h.sent))) and len(h.sent) >= 4
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_then_sigint_aborts():
+    """A second stop signal of either kind aborts."""
+    h = Harness()
+    rt = csp.Runtime(pipeline(src={"ignore_stop": True}), app=h)
+
+    def driver():
+        assert h.full.wait(20)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert h.saw_stop.wait(20)  # the source ignores the graceful stop...
+        os.kill(os.getpid(), signal.SIGINT)  # ...so the second signal aborts
+
+    t = in_thread(driver)
+    result = rt.run()
+    t.join(10)
+    assert (result.status, result.exit_code) == ("aborted", 130)
+    assert sorted(h.torn_down) == sorted(ALL)
+
+
 def test_abort_from_another_thread():
     h = Harness()
     rt = csp.Runtime(pipeline(src={"ignore_stop": True}, relay_cls=AsyncRelay), app=h)
