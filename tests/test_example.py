@@ -60,9 +60,38 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert csp.run.main([str(TOML), "--no-run-dir", "--set", "channel.lines.capactiy=1"]) == 2
     assert "unknown field `capactiy` - at `$.channel[0]`" in capsys.readouterr().err
     assert csp.run.main([str(tmp_path / "missing.toml")]) == 2
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")  # not UTF-8: fails while the run reads it
     assert csp.run.main([str(TOML), "--no-run-dir", "-q",
-                         "--set", f"process.read.options.path={tmp_path / 'nope.txt'}"]) == 1
-    assert "process read[0] failed: FileNotFoundError" in capsys.readouterr().err
+                         "--set", f"process.read.options.path={bad}"]) == 1
+    assert "process read[0] failed: UnicodeDecodeError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("path=NOPE", "path: no such file: 'NOPE'"),
+    ("generate=-1", "Expected `int` >= 0 - at `$.process[0].options.generate`"),
+])
+def test_bad_read_options_are_one_line_config_errors(tmp_path, capsys, override, message):
+    """Regression: a missing options.path failed the run with a traceback dump; negative
+    ``generate`` was accepted. Both are config errors now: one line, exit 2, nothing started."""
+    override = override.replace("NOPE", str(tmp_path / "nope.txt"))
+    message = message.replace("NOPE", str(tmp_path / "nope.txt"))
+    assert csp.run.main([str(TOML), "--no-run-dir", "--set", f"process.read.options.{override}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_python_m_csp_run_from_another_directory(tmp_path):
+    """Regression: an absolute graph path run from elsewhere could not import its plugin
+    (``examples.textpipe``); it is found next to the graph file."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "csp.run", str(TOML), "--no-run-dir", "-q",
+         "--set", "process.read.options.generate=50"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("completed in")
 
 
 def test_python_m_csp_run(tmp_path):

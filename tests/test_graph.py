@@ -239,6 +239,55 @@ def test_plugins_import_and_failure(tmp_path):
         csp.Graph.from_spec(spec)
 
 
+def test_plugins_found_next_to_the_graph_file(tmp_path, monkeypatch):
+    """Regression: ``python -m csp.run /abs/path/examples/x.toml`` from another directory could
+    not import ``examples.textpipe``. Invariant: a plugin package in the graph file's directory or
+    a parent is imported from there, and sys.path is left as it was."""
+    import sys
+
+    pkg = tmp_path / "proj" / "qa_plug_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kinds.py").write_text(textwrap.dedent("""
+        import csp
+
+        @csp.register("qa_plug_pkg.emit")
+        class Emit(csp.Process):
+            outputs = {"out": object}
+
+            def run(self, inputs, outputs):
+                pass
+
+        @csp.register("qa_plug_pkg.take")
+        class Take(csp.Process):
+            class Options(csp.Process.Options):
+                top: int = 3
+
+            inputs = {"inp": object}
+
+            def run(self, inputs, outputs):
+                pass
+    """))
+    graphs = tmp_path / "proj" / "graphs"
+    graphs.mkdir()
+    text = 'plugins = ["qa_plug_pkg.kinds"]\n' + GOOD.replace('"t.', '"qa_plug_pkg.')
+    monkeypatch.chdir(tmp_path)
+    path_before = list(sys.path)
+    try:
+        spec = csp.load_spec(write(graphs, text))
+        assert sys.path == path_before
+        assert "qa_plug_pkg.kinds" in sys.modules
+        assert csp.Graph.from_spec(spec).processes["emit"].cls.__module__ == "qa_plug_pkg.kinds"
+    finally:
+        for name in ("qa_plug_pkg.kinds", "qa_plug_pkg"):
+            sys.modules.pop(name, None)
+    spec = csp.load_spec(write(graphs, text.replace("qa_plug_pkg.kinds", "qa_plug_pkg.nope")))
+    with pytest.raises(csp.GraphError, match="cannot import 'qa_plug_pkg.nope'.*PYTHONPATH"):
+        csp.Graph.from_spec(spec)
+    for name in ("qa_plug_pkg",):
+        sys.modules.pop(name, None)
+
+
 # -- validation -------------------------------------------------------------------------------
 
 def test_builder_graph_validates():

@@ -137,6 +137,10 @@ def load_spec(
     (``process.target.replicas=1``, ``channel.batches.capacity=2``); the value is parsed as a
     TOML value (``true``, ``3``, ``[1, 2]``, ``"x"``), else taken as a plain string.
 
+    ``plugins`` not importable from ``sys.path`` but found in the file's directory or a parent
+    are imported here (:func:`import_plugins_near`); the rest are imported by
+    :meth:`Graph.from_spec`.
+
     Raises:
         GraphError: the file is missing or unreadable, is not valid TOML, an override is
             malformed or addresses nothing, or decoding fails (message: ``FILE: <msgspec error>
@@ -156,13 +160,55 @@ def load_spec(
     for item in overrides:
         apply_override(data, item)
     try:
-        return msgspec.convert(data, spec_type)
+        spec = msgspec.convert(data, spec_type)
     except msgspec.ValidationError as exc:
         raise GraphError(f"{path}: {exc}") from None
+    import_plugins_near(spec.plugins, path)
+    return spec
 
 
-def apply_override(data: dict[str, Any], item: str) -> None:
+def import_plugins_near(plugins: Sequence[str], graph_file: str | Path) -> None:
+    """Import plugins that are not importable from ``sys.path`` but live next to the graph file.
+
+    For each plugin ``a.b`` not yet imported and not found on ``sys.path``, the nearest of the
+    graph file's directory and its parents holding ``a/b/__init__.py`` or ``a/b.py`` is put on
+    ``sys.path`` for the import only (so ``python -m csp.run /abs/path/examples/x.toml`` works
+    from any directory). Plugins found nowhere are left for :meth:`Graph.from_spec` to report.
+
+    Raises:
+        GraphError: a plugin found this way fails to import.
+    """
+    import importlib.util
+
+    start = Path(graph_file).resolve().parent
+    for module in plugins:
+        if module in sys.modules:
+            continue
+        try:
+            if importlib.util.find_spec(module) is not None:
+                continue
+        except (ImportError, ValueError):
+            pass
+        rel = Path(*module.split("."))
+        root = next((d for d in (start, *start.parents)
+                     if (d / rel / "__init__.py").is_file() or (d / rel).with_suffix(".py").is_file()),
+                    None)
+        if root is None:
+            continue
+        sys.path.insert(0, str(root))
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise GraphError(f"plugins: cannot import {module!r} from {root}: {exc}") from exc
+        finally:
+            sys.path.remove(str(root))
+
+
+def apply_override(data: dict[str, Any], item: str) -> str:
     """Apply one ``dotted.key=value`` override to raw TOML ``data`` in place.
+
+    Returns:
+        The key's msgspec error path, e.g. ``$.process[2].options.generate``.
 
     Raises:
         GraphError: no ``=``, an empty key part, a name not found in an array of tables, or a
@@ -178,6 +224,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         value = raw.strip()
     node: Any = data
     walked: list[str] = []
+    mpath = "$"
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(node, list):
@@ -189,11 +236,13 @@ def apply_override(data: dict[str, Any], item: str) -> None:
                 )
             if last:
                 raise GraphError(f"override {item!r}: give a field of {'.'.join(walked)}.{part}")
+            mpath += f"[{next(j for j, t in enumerate(node) if t is matches[0])}]"
             node = matches[0]
         elif isinstance(node, dict):
+            mpath += f".{part}"
             if last:
                 node[part] = value
-                return
+                return mpath
             node = node.setdefault(part, {})
         else:
             raise GraphError(f"override {item!r}: {'.'.join(walked)} is a value, not a table")
@@ -259,7 +308,10 @@ class Graph:
             try:
                 importlib.import_module(module)
             except ImportError as exc:
-                raise GraphError(f"plugins: cannot import {module!r}: {exc}") from exc
+                raise GraphError(
+                    f"plugins: cannot import {module!r}: {exc} (searched sys.path and, for a graph "
+                    "file, its directory and their parents; add the directory holding the "
+                    "package to PYTHONPATH)") from exc
         graph = cls(trace=spec.trace)
         for c in spec.channel:
             graph.channel(c.name, capacity=c.capacity, ordered=c.ordered, rank_local=c.rank_local)
@@ -460,5 +512,5 @@ def _check_device(where: str, dev: str | None) -> None:
 
 __all__ = [
     "ChannelNode", "ChannelSpec", "Graph", "GraphSpec", "ProcessNode", "ProcessSpec", "TraceSpec",
-    "apply_override", "compatible", "load_spec",
+    "apply_override", "compatible", "import_plugins_near", "load_spec",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import random
 import re
 from typing import Annotated, Iterator
@@ -80,8 +81,14 @@ class ReadLines(csp.Process):
 
     class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         path: str = ""  # text file to read; empty = generate
-        generate: int = 1000  # number of generated lines (when path is empty)
+        generate: Annotated[int, msgspec.Meta(ge=0)] = 1000  # generated lines (when path is empty)
         seed: int = 0
+
+        def __post_init__(self) -> None:
+            # Checked when the graph is built, so a typo is a one-line config error (exit 2)
+            # rather than a process failure with a traceback once the run has started.
+            if self.path and not os.path.isfile(self.path):
+                raise ValueError(f"path: no such file: {self.path!r} (cwd {os.getcwd()})")
 
     outputs = {"line": Line}
 
