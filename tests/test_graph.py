@@ -192,6 +192,38 @@ def test_apply_override_creates_missing_tables():
     assert data == {"trace": {"stats_interval_s": 0.5}}
 
 
+@pytest.mark.parametrize("override, note", [
+    ("process.take.options.top=-1", None),            # options are decoded later, by from_spec
+    ("channel.items.capacity=-1", "channel.items.capacity=-1"),
+    ("channel.items.capactiy=2", "channel.items.capactiy=2"),
+    ("trace.floes=true", "trace.floes=true"),
+    ("nosuch.key=1", "nosuch.key=1"),
+])
+def test_override_errors_name_the_override(tmp_path, override, note):
+    """Regression: an error caused by ``--set`` was labelled with the file only; it now names the
+    override that set the offending key (and only that one)."""
+    overrides = ["process.take.replicas=1", override]
+    if note is None:
+        csp.load_spec(write(tmp_path, GOOD), overrides=overrides)
+        return
+    with pytest.raises(csp.GraphError) as info:
+        csp.load_spec(write(tmp_path, GOOD), overrides=overrides)
+    assert str(info.value).endswith(f"(from --set {note})") and "graph.toml" in str(info.value)
+
+
+def test_file_error_is_not_blamed_on_an_override(tmp_path):
+    bad = GOOD.replace("capacity = 4", "capacity = -4")
+    with pytest.raises(csp.GraphError) as info:
+        csp.load_spec(write(tmp_path, bad), overrides=["process.take.replicas=1", "trace.flows=true"])
+    assert "$.channel[0].capacity" in str(info.value) and "--set" not in str(info.value)
+
+
+def test_apply_override_returns_the_msgspec_path():
+    data: dict[str, Any] = {"process": [{"name": "a"}, {"name": "b"}]}
+    assert apply_override(data, "process.b.options.top=1") == "$.process[1].options.top"
+    assert apply_override(data, "run.steps=3") == "$.run.steps"
+
+
 # -- registry ---------------------------------------------------------------------------------
 
 def test_unknown_kind_lists_known_and_close_matches(tmp_path, reg):

@@ -157,14 +157,28 @@ def load_spec(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise GraphError(f"{path}: invalid TOML: {exc}") from None
+    overridden: dict[str, str] = {}
     for item in overrides:
-        apply_override(data, item)
+        overridden[apply_override(data, item)] = item
     try:
         spec = msgspec.convert(data, spec_type)
     except msgspec.ValidationError as exc:
-        raise GraphError(f"{path}: {exc}") from None
+        raise GraphError(f"{path}: {exc}{_override_note(str(exc), overridden)}") from None
     import_plugins_near(spec.plugins, path)
     return spec
+
+
+def _override_note(message: str, overridden: dict[str, str]) -> str:
+    """`` (from --set KEY=VALUE)`` when the error's ``$.`` path is a key an override set."""
+    at = message.rpartition(" - at `")[2].rstrip("`") if " - at `" in message else "$"
+    field = message.partition("unknown field `")[2].partition("`")[0]
+    where = f"{at}.{field}" if field else at
+    for msgspec_path, item in overridden.items():
+        inside = where.startswith((msgspec_path + ".", msgspec_path + "["))
+        created = bool(field) and msgspec_path.startswith(where + ".")  # a table the --set made
+        if where == msgspec_path or inside or created:
+            return f" (from --set {item})"
+    return ""
 
 
 def import_plugins_near(plugins: Sequence[str], graph_file: str | Path) -> None:
