@@ -127,6 +127,16 @@ def acquire_run_lock(run_dir: Path):
     return f
 
 
+def keep_previous_observability(run_dir: Path, start_step: int) -> None:
+    """Move an earlier segment's csp stats and trace aside (``stats.before-step-N.jsonl``) so a
+    resumed run does not overwrite them; ``csp.inspect`` reads the current ``stats.jsonl``."""
+    for name in ("stats.jsonl", "trace.json"):
+        old = run_dir / "csp" / name
+        if old.exists():
+            stem, ext = name.split(".", 1)
+            old.rename(old.with_name(f"{stem}.before-step-{start_step}.{ext}"))
+
+
 def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     """Everything that must exist before the graph starts: tokenizer, data, resume state.
 
@@ -259,6 +269,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         return 130
     if rank == 0:
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
+        keep_previous_observability(run_dir, app.start_step)
     if app.steps_to_run == 0:
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
         return 0

@@ -98,6 +98,7 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, cache_dir):
     (part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     assert main(small(part, cache_dir)) == 0  # resume = "auto" picks step 4
     assert records(part, "resume")[0]["step"] == 4
+    assert (part / "csp" / "stats.before-step-4.jsonl").is_file()  # the earlier segment's stats are kept
     assert losses(part) == losses(full)
     a = load_file(str(full / "checkpoints" / "step_00000008" / "model.safetensors"))
     b = load_file(str(part / "checkpoints" / "step_00000008" / "model.safetensors"))
