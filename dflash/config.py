@@ -91,8 +91,9 @@ class MonitorSection(_Table):
     wandb_project: str = "dflash"
     display: Literal["auto", "live", "plain", "off"] = "auto"
     """"auto": a rich live view on a terminal, plain lines otherwise."""
-    spike_factor: Annotated[float, Meta(gt=1.0)] = 3.0
-    """A window whose loss exceeds spike_factor x the running median is flagged as a spike."""
+    spike_k: Annotated[float, Meta(gt=0.0)] = 5.0
+    """A window whose loss exceeds the median of the last 20 windows by spike_k robust standard
+    deviations (1.4826 x MAD) is flagged as a spike (the rule of python -m dflash.logs)."""
 
 
 class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):

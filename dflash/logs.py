@@ -103,6 +103,21 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def spike_threshold(history: list[float], *, window: int = 20, k: float = 5.0, rel_floor: float = 0.01,
+                    min_history: int = 5) -> tuple[float, float] | None:
+    """``(median, threshold)`` of the last ``window`` finite losses, or None with too little history.
+
+    A loss above ``threshold = median + k * max(1.4826 * MAD, rel_floor * |median|)`` is a spike.
+    The monitor flags spikes live with this same rule.
+    """
+    recent = history[-window:]
+    if len(recent) < min_history:
+        return None
+    med = statistics.median(recent)
+    mad = statistics.median(abs(x - med) for x in recent)
+    return med, med + k * max(MAD_TO_STD * mad, rel_floor * abs(med))
+
+
 def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0,
                 rel_floor: float = 0.01, min_history: int = 5) -> list[Spike]:
     """Loss spikes among ``train`` records (in file order) by the rule in the module docstring."""
@@ -113,13 +128,9 @@ def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0
             spikes.append(Spike(step=rec.get("step", -1), loss=float("nan") if loss is None else loss,
                                 median=float("nan"), threshold=float("nan")))
             continue
-        recent = history[-window:]
-        if len(recent) >= min_history:
-            med = statistics.median(recent)
-            mad = statistics.median(abs(x - med) for x in recent)
-            threshold = med + k * max(MAD_TO_STD * mad, rel_floor * abs(med))
-            if loss > threshold:
-                spikes.append(Spike(step=rec["step"], loss=loss, median=med, threshold=threshold))
+        got = spike_threshold(history, window=window, k=k, rel_floor=rel_floor, min_history=min_history)
+        if got is not None and loss > got[1]:
+            spikes.append(Spike(step=rec["step"], loss=loss, median=got[0], threshold=got[1]))
         history.append(loss)
     return spikes
 

@@ -34,3 +34,12 @@ def test_disabled_costs_nothing_and_checks_nothing():
     s = FiniteSentinel("x", enabled=False)
     s.check({"a": torch.tensor([math.inf])}, batch_id=0, channel="c")
     assert s.checked == 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_every_kind_of_non_finite_value_is_caught(bad):
+    s = FiniteSentinel("drafter[0]", enabled=True)
+    t = torch.zeros(3, 4, dtype=torch.bfloat16)
+    t[1, 2] = bad
+    with pytest.raises(NonFiniteError, match="tensor x"):
+        s.check({"x": t, "ok": torch.ones(2)}, batch_id=0, channel="c")

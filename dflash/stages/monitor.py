@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 
 import msgspec
 
 import csp
 from dflash.app import RunApp
+from dflash.logs import spike_threshold
 from dflash.messages import StepMetrics
 from dflash.metrics_log import WandbSink, WindowAggregator
 
@@ -23,8 +23,9 @@ class MonitorStage(csp.Process):
     Writes a ``train`` record per fixed window of ``[monitor].window`` steps and a ``skip`` record
     per skipped step to ``RUN_DIR/metrics.jsonl``, logs the same windows to wandb (offline unless
     configured), and refreshes the live display (rich on a terminal, plain lines otherwise) with
-    throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss exceeds
-    ``[monitor].spike_factor`` x the median of the previous windows is flagged in the log.
+    throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss is a spike by
+    :func:`dflash.logs.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
+    is flagged in the record and the log.
     """
 
     inputs = {"metrics": StepMetrics}
@@ -60,12 +61,11 @@ class MonitorStage(csp.Process):
 
     def _emit(self, record: dict) -> None:
         loss = record["loss"]
-        if len(self.losses) >= 5 and loss == loss and loss > self.app.cfg.monitor.spike_factor * statistics.median(
-            self.losses[-20:]
-        ):
+        got = spike_threshold(self.losses, k=self.app.cfg.monitor.spike_k)  # the rule dflash.logs uses
+        if got is not None and loss == loss and loss > got[1]:
             record["spike"] = True
-            log.warning("loss spike at step %d: %.4f (median of recent windows %.4f)",
-                        record["step"], loss, statistics.median(self.losses[-20:]))
+            log.warning("loss spike at step %d: %.4f (median of recent windows %.4f, threshold %.4f)",
+                        record["step"], loss, got[0], got[1])
         if loss == loss:
             self.losses.append(loss)
         self.app.metrics.write(record)
