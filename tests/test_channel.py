@@ -7,7 +7,6 @@ Cancellation atomicity, ordered fan-in and the property test live in test_channe
 from __future__ import annotations
 
 import threading
-import time
 
 import anyio
 import msgspec
@@ -15,28 +14,11 @@ import pytest
 import torch
 
 import csp
+from tests.helpers import joined, start, wait_until
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def wait_until(pred, timeout: float = 5.0) -> None:
-    """Poll ``pred`` until true (a bounded wait for another thread's state, not an ordering sleep)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.0005)
-
-
-def start(fn, *args) -> threading.Thread:
-    t = threading.Thread(target=fn, args=args, daemon=True)
-    t.start()
-    return t
-
-
-def joined(t: threading.Thread) -> None:
-    t.join(5)
-    assert not t.is_alive(), "thread did not finish"
 
 
 class Result:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 
 import anyio
 import pytest
@@ -16,28 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import csp
+from tests.helpers import joined, start, wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def wait_until(pred, timeout: float = 5.0) -> None:
-    """Poll ``pred`` until true (a bounded wait for another thread's state, not an ordering sleep)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.0005)
-
-
-def start(fn, *args) -> threading.Thread:
-    t = threading.Thread(target=fn, args=args, daemon=True)
-    t.start()
-    return t
-
-
-def joined(t: threading.Thread) -> None:
-    t.join(10)
-    assert not t.is_alive(), "thread did not finish"
 
 
 class Result:
