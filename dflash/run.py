@@ -222,7 +222,6 @@ def _main(argv: list[str] | None) -> int:
         _error(exc)
         return 2
     import dflash.stages  # noqa: F401  (registers the dflash.* process kinds)
-    from dflash.data import DataError
 
     if not cfg.run.out_dir.strip():
         _error("run.out_dir is empty; set it to a directory, e.g. runs/my-run")
