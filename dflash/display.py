@@ -2,7 +2,7 @@
 
 The monitor stage calls :meth:`TrainingDisplay.update` once per logged window with the ``train``
 record it wrote to ``metrics.jsonl`` (keys as in ``docs/architecture.md``: ``step``, ``loss``,
-``tau_sim``, ``target_tok_s``, ``drafter_tok_s``, ``lr``, ``skipped_total``, ``time``) and the
+``tau_sim`` (tokens per verify step), ``accepted_sim``, ``target_tok_s``, ``drafter_tok_s``, ``lr``, ``skipped_total``, ``time``) and the
 current :class:`csp.stats.ChannelStatistics` of the graph's channels.
 
 * On a terminal it is a rich ``Live`` view repainted by rich's own thread at ``refresh_per_second``
@@ -11,7 +11,7 @@ current :class:`csp.stats.ChannelStatistics` of the graph's channels.
 * When the output is not a terminal (a log file, a pipe, CI) each update prints one plain line,
   the same line :func:`format_line` returns (``run.log`` uses it too)::
 
-      step 120/1000 12.0% | loss 2.346 tau 3.21 | target 29.8K tok/s drafter 51.2K tok/s | lr 3.0e-04 | eta 1:23:45 | batches 3/8 features 1/4
+      step 120/1000 12.0% | loss 2.346 tau 3.21 (accepted 2.21) | target 29.8K tok/s drafter 51.2K tok/s | lr 3.0e-04 | eta 1:23:45 | batches 3/8 features 1/4
 
 ETA = remaining steps / recent rate, the rate being measured over the last ``rate_window`` updates
 (from the records' ``time``; the display's clock when a record has none), so it follows the
@@ -72,7 +72,7 @@ def format_line(record: Mapping[str, Any], channels: Iterable[Any] = (), *,
         progress += f"/{total_steps} {100 * step / total_steps:.1f}%"
     parts = [progress,
              f"loss {_num(record.get('loss'), '.4g')}{' SPIKE' if record.get('spike') else ''} "
-             f"tau {_num(record.get('tau_sim'), '.3g')}",
+             f"tau {_num(record.get('tau_sim'), '.3g')} (accepted {_num(record.get('accepted_sim'), '.3g')})",
              f"target {_si(record.get('target_tok_s'))} tok/s drafter "
              f"{_si(record.get('drafter_tok_s'))} tok/s",
              f"lr {_num(record.get('lr'), '.1e')}"]
@@ -181,7 +181,8 @@ class TrainingDisplay:
         stats.add_row(
             Text(self.title, style="bold"),
             f"loss {_num(record.get('loss'), '.4g')}",
-            f"accepted length (tau) {_num(record.get('tau_sim'), '.3g')}",
+            f"tau {_num(record.get('tau_sim'), '.3g')} tokens/step "
+            f"(accepted {_num(record.get('accepted_sim'), '.3g')})",
             f"lr {_num(record.get('lr'), '.1e')}",
             f"skipped {record.get('skipped_total', 0)}",
         )

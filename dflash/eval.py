@@ -11,11 +11,14 @@ One step of speculative decoding (greedy; DFlash / speculative decoding, Leviath
    target's features of the anchor and the ``m`` accepted drafts join the context, its cache is
    cropped to the accepted tokens. Output equals plain greedy decoding (tested).
 
-``m`` is the *accepted length* of the step (bonus not counted; tokens per step = m + 1), the
-convention of :mod:`dflash.metrics`. Next to it, the same text is scored teacher-forced: a block at
-every anchor of the generated region, labels = target argmax. Its streak at the anchors the decode
-visited reproduces each measured ``m`` (up to kernel numerics), and its marginal per-position
-accuracies give ``tau_sim`` as printed in training.
+``m`` is the *accepted length* of the step (bonus not counted); the step produces ``tau = m + 1``
+tokens, the figure z-lab's reference decoder and SGLang report (:mod:`dflash.metrics`). Near the
+end of a generation only as many tokens are drafted as remain (``min(bs - 1, remaining)``), and
+the output is cut to exactly ``max_new_tokens``. Next to the measurement, the same text is scored
+teacher-forced: a block at every anchor of the generated region, labels = target argmax. Its streak
+at the anchors the decode visited reproduces each measured ``m`` (up to kernel numerics), and its
+marginal per-position accuracies give the simulated figure printed in training
+(``tau_sim = 1 + sum_j prod_{i<=j} acc_i``).
 
 ``python -m dflash.eval CHECKPOINT [--prompts FILE.jsonl | --data SOURCE] [--num-prompts N]
 [--max-new-tokens N] [--device DEV]``. Prompts are the first N ``{"prompt": str}`` lines of
@@ -49,21 +52,25 @@ from dflash.attention import decode_layout, training_layout
 from dflash.drafter import DFlashDrafter
 from dflash.eval_prompts import (EvalInputError, check_checkpoint, encode_prompt, heldout_prompts,
                                  run_data_config, source_prompts)
-from dflash.metrics import accuracy_per_position, simulated_accepted_length, streak_lengths
+from dflash.metrics import (accuracy_per_position, simulated_accepted_length, streak_lengths,
+                            tau_from_accepted)
 from dflash.target import SharedHead, Target
 
-__all__ = ["DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate",
-           "greedy_decode", "greedy_labels", "speculative_decode", "teacher_forced"]
+__all__ = ["DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate", "explain",
+           "format_result", "greedy_decode", "greedy_labels", "speculative_decode", "teacher_forced"]
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
-    """Per-prompt numbers (accepted lengths exclude the bonus token)."""
+    """Per-prompt numbers; ``tau*`` are tokens per verify step (accepted + 1), the others are
+    accepted drafts per step (bonus token excluded)."""
 
     prompt_len: int
     new_tokens: int
     steps: int
+    tau: float
     mean_accepted: float
     tau_sim: float
+    accepted_sim: float
     streak_all: float
     streak_visited: float
 
@@ -72,30 +79,41 @@ class EvalResult(msgspec.Struct, kw_only=True):
     """Aggregate over prompts.
 
     Attributes:
-        mean_accepted: measured drafted tokens accepted per verify step, over all steps.
-        tokens_per_step: ``mean_accepted + 1`` (the bonus token).
-        streak_visited: teacher-forced streak at the anchors the decode visited (should equal
-            ``mean_accepted`` up to numerics).
+        tau: measured tokens per verify step (accepted + 1), over all steps of all prompts: the
+            figure z-lab's decoder and SGLang report.
+        mean_accepted: measured drafted tokens accepted per verify step (``tau - 1``).
+        tau_sim: simulated tokens per step, ``1 + accepted_sim``.
+        accepted_sim: ``sum_j prod_{i<=j} acc_j`` from teacher-forced accuracies on the generated
+            text (assumes independent errors across block positions).
+        streak_visited: teacher-forced streak (accepted drafts) at the anchors the decode visited
+            (equals ``mean_accepted`` up to kernel numerics).
         streak_all: teacher-forced mean streak over every anchor of the generated text (the
-            simulated accepted length without the independence assumption of ``tau_sim``).
-        tau_sim: ``sum_j prod_{i<=j} acc_j`` from teacher-forced accuracies on the generated text.
+            simulated accepted length without the independence assumption).
         acc_per_pos: ``[bs-1]`` teacher-forced accuracies.
+        block_size: the drafter's block size (tau is at most ``block_size``).
         per_prompt: one :class:`PromptResult` per prompt.
     """
 
+    tau: float
     mean_accepted: float
-    tokens_per_step: float
+    tau_sim: float
+    accepted_sim: float
     streak_visited: float
     streak_all: float
-    tau_sim: float
     acc_per_pos: list[float]
+    block_size: int
     per_prompt: list[PromptResult]
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Alias of :attr:`tau`."""
+        return self.tau
 
 
 class Proposer(Protocol):
     def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """``tokens [n]`` accepted so far (last = anchor), ``features [1, n-1, k*H]`` of all but
-        the anchor -> ``[bs-1]`` drafted token ids."""
+        the anchor -> ``[bs-1]`` drafted token ids (the decoder may use only a prefix)."""
 
 
 class DrafterProposer:
@@ -180,8 +198,8 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     """Greedy draft-and-verify (module docstring).
 
     Returns:
-        ``(tokens [n + >= max_new_tokens], accepted m per step, anchor index per step)``; the last
-        step may overshoot ``max_new_tokens`` (its accepted tokens are kept).
+        ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``: the last
+        step drafts only as many tokens as remain; a bonus token past the end is dropped.
     """
     cache = _new_cache(target)
     feats, g = _target_step(target, prompt, 0, cache)                        # prefill
@@ -189,17 +207,18 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     accepted, anchors = [], []
     while tokens.shape[0] - prompt.shape[0] < max_new_tokens:
         n = tokens.shape[0]
-        draft = proposer.propose(tokens, feats)                              # [bs-1]
+        remaining = max_new_tokens - (n - prompt.shape[0])                   # >= 1
+        draft = proposer.propose(tokens, feats)[: min(block_size - 1, remaining)]  # [<= bs-1]
         block = torch.cat([tokens[-1:], draft])
         f_blk, g = _target_step(target, block, n - 1, cache)                 # g: [bs]
-        match = (draft == g[:-1]).long().cumprod(0)
+        match = (draft == g[: draft.shape[0]]).long().cumprod(0)
         m = int(match.sum())
         tokens = torch.cat([tokens, draft[:m], g[m:m + 1]])
         feats = torch.cat([feats, f_blk[:, : m + 1]], dim=1)
         _crop(cache, n + m)
         accepted.append(m)
         anchors.append(n - 1)
-    return tokens, accepted, anchors
+    return tokens[: prompt.shape[0] + max_new_tokens], accepted, anchors
 
 
 @torch.no_grad()
@@ -209,7 +228,7 @@ def greedy_labels(target: Target, head: SharedHead, tokens: torch.Tensor, anchor
 
     Returns ``(labels [A, bs-1], valid [A, bs-1], features [1, L+1, k*H])``: ``labels[:, j-1]`` is
     the target's argmax for token ``a + j``, read at position ``a + j - 1``; slot ``j`` is valid
-    iff ``a + j - 1 < L`` (that prediction exists).
+    iff ``a + j < L`` (token ``a + j`` is part of the text, so the decode could have drafted it).
     """
     L = tokens.shape[0]
     ext = torch.cat([tokens, tokens[-1:]])[None]          # one dummy token: features stay causal
@@ -217,7 +236,7 @@ def greedy_labels(target: Target, head: SharedHead, tokens: torch.Tensor, anchor
     feats, final = target(ext, pos, torch.zeros_like(pos), need_final=True)
     greedy = head.logits(final[0, :L]).argmax(-1)        # greedy[t] = target's token t + 1
     lab_pos = anchors[:, None] + torch.arange(block_size - 1, device=tokens.device)   # a + j - 1
-    valid = lab_pos < L
+    valid = lab_pos + 1 < L
     return greedy[lab_pos.clamp(max=L - 1)], valid, feats
 
 
@@ -252,9 +271,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         streaks = streak_lengths(correct, valid)
         s_vis = streaks[torch.tensor(visited, device=tokens.device) - n]
         acc = accuracy_per_position(correct, valid)
+        mean_m, sim = sum(acc_m) / len(acc_m), simulated_accepted_length(acc)
         per.append(PromptResult(
             prompt_len=n, new_tokens=tokens.shape[0] - n, steps=len(acc_m),
-            mean_accepted=sum(acc_m) / len(acc_m), tau_sim=simulated_accepted_length(acc),
+            tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+            tau_sim=tau_from_accepted(sim), accepted_sim=sim,
             streak_all=float(streaks.float().mean()), streak_visited=float(s_vis.float().mean())))
         all_m += acc_m
         all_streaks.append(streaks)
@@ -263,11 +284,49 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         valids.append(valid)
     acc = accuracy_per_position(torch.cat(corrects), torch.cat(valids))
     mean_m = sum(all_m) / max(len(all_m), 1)
-    return EvalResult(mean_accepted=mean_m, tokens_per_step=mean_m + 1,
+    sim = simulated_accepted_length(acc)
+    return EvalResult(tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+                      tau_sim=tau_from_accepted(sim), accepted_sim=sim,
                       streak_visited=sum(all_streak) / max(len(all_streak), 1),
                       streak_all=float(torch.cat(all_streaks).float().mean()),
-                      tau_sim=simulated_accepted_length(acc), acc_per_pos=acc.tolist(),
-                      per_prompt=per)
+                      acc_per_pos=acc.tolist(), block_size=bs, per_prompt=per)
+
+
+def explain(res: EvalResult) -> list[str]:
+    """One line per way the measured and simulated figures differ by more than 0.05 tokens/step,
+    saying why (empty when they agree)."""
+    out = []
+    if abs(res.streak_visited - res.mean_accepted) > 0.05:
+        out.append("streak@visited != measured: the decode's cached, block-sized target forwards "
+                   "round differently from the teacher-forced full forward (kernel numerics), so "
+                   "a few near-tied argmaxes flip")
+    if abs(res.streak_all - res.streak_visited) > 0.05:
+        harder = "harder" if res.streak_visited < res.streak_all else "easier"
+        out.append(f"streak@visited vs streak@all: the anchors a decode visits (each one right "
+                   f"after an accepted run) are {harder} than the average anchor of the same text")
+    if abs(res.accepted_sim - res.streak_all) > 0.05:
+        sign = "above" if res.accepted_sim > res.streak_all else "below"
+        out.append(f"tau_sim is {sign} streak@all: tau_sim multiplies per-position accuracies as "
+                   "if errors were independent; in a block they are correlated (a wrong slot "
+                   "makes the next one likelier wrong)" if sign == "above" else
+                   f"tau_sim is {sign} streak@all: correct slots cluster in the same blocks, "
+                   "which the product of marginals undercounts")
+    return out
+
+
+def format_result(res: EvalResult) -> str:
+    """The side-by-side table ``dflash.eval`` prints (tau = tokens per verify step = accepted + 1)."""
+    rows = [("measured: draft-and-verify decode", res.tau, res.mean_accepted),
+            ("teacher-forced streak @ visited anchors", res.streak_visited + 1, res.streak_visited),
+            ("teacher-forced streak @ all anchors", res.streak_all + 1, res.streak_all),
+            ("simulated tau_sim (per-position accuracy)", res.tau_sim, res.accepted_sim)]
+    lines = [f"{'':44s}{'tau (tokens/step)':>18s}{'accepted/step':>15s}"]
+    lines += [f"{name:44s}{t:>18.3f}{a:>15.3f}" for name, t, a in rows]
+    lines.append(f"block size {res.block_size} (tau <= {res.block_size}); plain target decoding "
+                 "has tau = 1")
+    lines.append("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
+    lines += [f"why they differ: {why}" for why in explain(res)]
+    return "\n".join(lines)
 
 
 def _prompts(args, tok) -> list[list[int]]:
@@ -353,12 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for i, r in enumerate(res.per_prompt):
         print(f"prompt {i}: len {r.prompt_len} new {r.new_tokens} steps {r.steps} "
-              f"accepted/step {r.mean_accepted:.3f} streak@visited {r.streak_visited:.3f} "
+              f"tau {r.tau:.3f} (accepted {r.mean_accepted:.3f}) streak@visited {r.streak_visited:.3f} "
               f"streak@all {r.streak_all:.3f} tau_sim {r.tau_sim:.3f}")
-    print(f"measured accepted/step {res.mean_accepted:.3f} (tokens/step {res.tokens_per_step:.3f}) | "
-          f"teacher-forced streak@visited {res.streak_visited:.3f} streak@all {res.streak_all:.3f} | "
-          f"tau_sim {res.tau_sim:.3f}")
-    print("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
+    print(format_result(res))
     return 0
 
 

@@ -116,8 +116,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
         batch_id: global id of the batch trained on.
         loss, ce, kl: total loss and its parts (nan for a skipped step).
         acc_per_pos: accuracy per block position 1..block_size-1 (fraction, length block_size-1).
-        tau_sim: simulated accepted length ``sum_j prod_{i<=j} acc_i`` (+1 for the bonus token is
-            *not* included; see dflash.metrics).
+        accepted_sim: simulated accepted length ``sum_j prod_{i<=j} acc_i``, in drafted tokens per
+            verify step (the bonus token not included; tau = accepted_sim + 1, see dflash.metrics).
         lr: learning rate used for the step.
         grad_norm: global L2 gradient norm before clipping.
         skipped: True when the step was skipped (non-finite loss or gradient).
@@ -136,7 +136,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     ce: float
     kl: float
     acc_per_pos: list[float]
-    tau_sim: float
+    accepted_sim: float
     lr: float
     grad_norm: float
     skipped: bool = False

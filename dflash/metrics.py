@@ -1,9 +1,13 @@
 """Drafter quality metrics: per-position accuracy and accepted length.
 
-Convention used everywhere in dflash (training logs, ``StepMetrics.tau_sim``, ``dflash.eval``):
-the **accepted length** of one draft-and-verify step is the number of *drafted* tokens the target
-accepted (0 .. bs-1). The bonus token the target adds at every step is **not** counted; tokens
-emitted per step = accepted length + 1.
+Conventions used everywhere in dflash (training logs, ``metrics.jsonl``, ``dflash.eval``):
+
+* the **accepted length** ``m`` of one draft-and-verify step is the number of *drafted* tokens the
+  target accepted (0 .. bs-1), the bonus token not counted;
+* **tau** is the number of tokens one verify step produces, ``m + 1`` (the accepted drafts plus the
+  target's bonus token). This is how z-lab's reference DFlash decoder and SGLang report acceptance
+  ("acceptance length"), so a tau printed here compares directly with theirs; plain target decoding
+  has tau = 1. Every output that prints tau prints the accepted-only figure beside it, labelled.
 
 * ``acc_j`` = fraction of trained slots ``j`` whose drafter argmax equals the label
   (``j = 1 .. bs-1``).
@@ -20,7 +24,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accuracy_per_position", "streak_lengths", "simulated_accepted_length"]
+__all__ = ["accuracy_per_position", "streak_lengths", "simulated_accepted_length", "tau_from_accepted"]
+
+
+def tau_from_accepted(accepted: float) -> float:
+    """Tokens per verify step from the accepted length (drafts accepted per step): ``accepted + 1``."""
+    return accepted + 1.0
 
 
 def accuracy_per_position(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

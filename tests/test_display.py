@@ -19,7 +19,7 @@ def _chan(name: str, fill: int, cap: int) -> ChannelStatistics:
 
 
 def _rec(step: int, t: float, **kw) -> dict:
-    rec = {"kind": "train", "step": step, "window": 10, "loss": 2.3456, "tau_sim": 3.214,
+    rec = {"kind": "train", "step": step, "window": 10, "loss": 2.3456, "tau_sim": 3.214, "accepted_sim": 2.214,
            "target_tok_s": 29_800.0, "drafter_tok_s": 51_234.0, "lr": 3e-4, "skipped_total": 0,
            "time": t}
     rec.update(kw)
@@ -36,10 +36,10 @@ def test_plain_lines_when_not_a_terminal():
         d.note("checkpoint step 20 saved (1.2 s)")
     lines = out.getvalue().splitlines()
     assert lines == [
-        "step 10/1000 1.0% | loss 2.346 tau 3.21 | target 29.8K tok/s drafter 51.2K tok/s | "
+        "step 10/1000 1.0% | loss 2.346 tau 3.21 (accepted 2.21) | target 29.8K tok/s drafter 51.2K tok/s | "
         "lr 3.0e-04 | eta ? | batches 3/8 features 1/2",
         # 10 steps in 10 s -> 980 steps left take 980 s
-        "step 20/1000 2.0% | loss 2.346 tau 3.21 | target 29.8K tok/s drafter 51.2K tok/s | "
+        "step 20/1000 2.0% | loss 2.346 tau 3.21 (accepted 2.21) | target 29.8K tok/s drafter 51.2K tok/s | "
         "lr 3.0e-04 | skipped 2 | eta 0:16:20",
         "checkpoint step 20 saved (1.2 s)",
     ]
@@ -76,7 +76,7 @@ def test_make_display_modes_and_mapping_of_channel_stats():
 
 def test_non_finite_and_missing_values_do_not_crash():
     line = format_line({"step": 5, "loss": float("nan"), "target_tok_s": None})
-    assert line.startswith("step 5 | loss nan tau None | target - tok/s")
+    assert line.startswith("step 5 | loss nan tau None (accepted None) | target - tok/s")
 
 
 def test_live_view_renders_and_update_is_cheap():

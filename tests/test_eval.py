@@ -37,9 +37,28 @@ def test_oracle_proposer_is_fully_accepted_and_lossless(models):
     target, _, _ = models
     p = prompt(0)
     tokens, accepted, anchors = speculative_decode(target, OracleProposer(target, BS), p, 12, BS)
-    assert accepted == [BS - 1] * 3                     # 1 prefill token + 3 steps x (3 + bonus)
+    assert accepted == [BS - 1] * 3      # 1 prefill token + 3 steps x (3 + bonus), last bonus cut
     assert anchors == [9, 13, 17]
-    assert torch.equal(tokens, greedy_decode(target, p, 13))
+    assert torch.equal(tokens, greedy_decode(target, p, 12))
+
+
+def test_last_step_drafts_only_what_remains(models):
+    """Invariant (reference-decoder convention): the output is exactly max_new_tokens long and the
+    last verify step drafts at most the tokens that remain, so tau is not inflated by drafts past
+    the end."""
+    target, _, _ = models
+    p = prompt(0)
+    seen = []
+
+    class Counting(OracleProposer):
+        def propose(self, tokens, features):
+            seen.append(tokens.shape[0])
+            return super().propose(tokens, features)
+
+    tokens, accepted, _ = speculative_decode(target, Counting(target, BS), p, 7, BS)
+    # prefill -> 1 token; step 1 drafts 3 (+bonus) -> 5; step 2: 2 remain -> 2 drafts accepted
+    assert accepted == [3, 2] and tokens.shape[0] == 9 + 7
+    assert torch.equal(tokens, greedy_decode(target, p, 7))
 
 
 class _Recorder:
@@ -91,7 +110,7 @@ def test_teacher_forced_streak_equals_measured_acceptance(models):
     tokens, accepted, anchors = speculative_decode(target, Spoiled(), prompt(2), 16, BS)
     assert len(set(accepted)) > 1
     labels, valid, _ = greedy_labels(target, head, tokens, torch.tensor(anchors), BS)
-    assert valid.all()
+    assert valid[:-1].all()              # the last anchor's valid slots = what remained to draft
     from dflash.metrics import streak_lengths
     assert streak_lengths(torch.stack(rec) == labels, valid).tolist() == accepted
 

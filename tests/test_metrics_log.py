@@ -11,7 +11,7 @@ from dflash.metrics_log import MetricsLog, WindowAggregator
 
 def _m(step: int, loss: float = 1.0, skipped: bool = False, t: float = 0.0) -> StepMetrics:
     return StepMetrics(step=step, batch_id=step, loss=math.nan if skipped else loss, ce=loss, kl=0.0,
-                       acc_per_pos=[0.5, 0.25], tau_sim=0.625, lr=1e-3, grad_norm=1.0, skipped=skipped,
+                       acc_per_pos=[0.5, 0.25], accepted_sim=0.625, lr=1e-3, grad_norm=1.0, skipped=skipped,
                        num_tokens=100, num_padding=25, step_s=0.5, target_s=0.25, time=t)
 
 

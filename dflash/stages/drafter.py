@@ -190,7 +190,7 @@ class DrafterStage(csp.Process):
             ce=ce if reason is None else float("nan"),
             kl=kl if reason is None else float("nan"),
             acc_per_pos=acc,
-            tau_sim=simulated_accepted_length(acc),
+            accepted_sim=simulated_accepted_length(acc),
             lr=lr,
             grad_norm=gnorm,
             skipped=reason is not None,

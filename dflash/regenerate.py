@@ -1,0 +1,251 @@
+"""Regenerate a dataset's assistant turns with the target itself: labels that match inference.
+
+At inference a drafter must predict the *target's* continuation, not the dataset's text. This
+command answers each conversation's user turns with the target (greedy by default, or sampled) and
+writes OpenAI-style JSONL that ``[data].source`` reads, as the vLLM speculators project's
+``regenerate_responses`` and SpecForge's data regeneration do::
+
+    python -m dflash.regenerate GRAPH.toml -o responses.jsonl [--max-new-tokens 256] [--temperature 0]
+
+What it reads: ``[data]`` (source, format, max_samples) and ``[target]`` of the graph file (``--set``
+overrides work as in ``dflash.run``). Each conversation keeps its system and user turns; assistant
+turn ``k`` is replaced by the target's answer to the conversation so far (user turns plus the
+answers already regenerated), generated in rounds: round ``k`` answers turn ``k`` of every
+conversation of a chunk in left-padded batches (``transformers``' ``generate`` with a KV cache).
+Generation stops at the tokenizer's end-of-turn token or at ``--max-new-tokens``.
+
+Output lines: ``{"messages": [...], "source_index": i, "finished": bool}``; ``source_index`` is the
+record's index in the source file, ``finished`` False when a turn hit ``--max-new-tokens``.
+
+Resumable: lines are appended and flushed one finished conversation at a time; a second run with
+the same ``-o`` skips the ``source_index`` values already written (a torn last line from a kill is
+cut off first), so an interrupted run loses at most the chunk in flight. The generation settings
+are kept in ``OUT.meta.json``; resuming with different settings is refused.
+
+Counted, never silently dropped: the source's own skip reasons (``malformed_json``...),
+``opens_with_assistant`` (no user turn before the first assistant turn), ``prompt_too_long`` (context longer than ``--max-prompt-tokens`` before some turn; the
+conversation keeps the turns answered so far, or is dropped if none), ``empty_response`` (the
+target answered with nothing; that conversation is dropped, an empty turn cannot be trained).
+
+Exit codes: 0 done, 2 bad arguments, config or data, 130 interrupted (what was written is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+__all__ = ["done_indices", "generation_settings", "main", "regenerate"]
+
+_FORMAT_VERSION = 1
+
+
+def generation_settings(args: argparse.Namespace, source: str) -> dict[str, Any]:
+    """The settings that change the output; a resume must use the same."""
+    return {"version": _FORMAT_VERSION, "source": source, "max_new_tokens": args.max_new_tokens,
+            "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "seed": args.seed}
+
+
+def done_indices(path: Path) -> set[int]:
+    """``source_index`` of every complete line of ``path``; a torn (unparseable) tail is truncated.
+
+    Raises:
+        ValueError: a complete line in the middle of the file is not a regenerate record.
+    """
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1             # bytes after the last newline: a torn final write
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    out = set()
+    for n, line in enumerate(data[:keep].split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            out.add(int(json.loads(line)["source_index"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a dflash.regenerate line ({e}); use another -o") from e
+    return out
+
+
+def _answer(model, tok, contexts: list[list[int]], args, eos: list[int], device) -> list[tuple[list[int], bool]]:
+    """Generate one answer per context (token ids): ``[(answer ids without eos, finished)]``."""
+    import torch
+
+    width = max(len(c) for c in contexts)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(contexts):                        # left padding: answers start aligned
+        ids[i, width - len(c):] = torch.tensor(c)
+        mask[i, width - len(c):] = 1
+    sample = args.temperature > 0
+    kwargs = {"do_sample": sample, "temperature": args.temperature, "top_p": args.top_p} if sample else {
+        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                             pad_token_id=pad, **kwargs)
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in eos), None)
+        answers.append((row if cut is None else row[:cut], cut is not None))
+    return answers
+
+
+def regenerate(conversations: list, source_index: list[int], model, tok, args, out_path: Path,
+               skipped: Counter, device, progress: bool = True) -> int:
+    """Regenerate ``conversations`` (module docstring); append finished ones to ``out_path``.
+
+    Returns the number of conversations written by this call.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    eos = [t for t in {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+           if isinstance(t, int) and t >= 0 and t != tok.unk_token_id]
+    written = 0
+    columns = (TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with open(out_path, "a", encoding="utf-8") as f, \
+            Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+        task = bar.add_task("", total=len(conversations))
+        for start in range(0, len(conversations), args.chunk):
+            chunk = conversations[start: start + args.chunk]
+            state = [{"messages": [], "rest": list(c), "finished": True, "alive": True,
+                      "answered": 0} for c in chunk]
+            while True:
+                # advance each conversation to its next assistant turn (copying system/user turns)
+                todo = []
+                for s in state:
+                    while s["alive"] and s["rest"] and s["rest"][0]["role"] != "assistant":
+                        s["messages"].append(s["rest"].pop(0))
+                    if s["alive"] and s["rest"] and not any(m["role"] == "user" for m in s["messages"]):
+                        skipped["opens_with_assistant"] += 1
+                        s["alive"] = False
+                    if s["alive"] and s["rest"]:
+                        ctx = tok.apply_chat_template(s["messages"], tokenize=False,
+                                                      add_generation_prompt=True)
+                        ids = tok(ctx, add_special_tokens=False)["input_ids"]
+                        if len(ids) > args.max_prompt_tokens:
+                            skipped["prompt_too_long"] += 1
+                            s["alive"] = False
+                        else:
+                            todo.append((s, ids))
+                if not todo:
+                    break
+                todo.sort(key=lambda x: len(x[1]))         # similar lengths share a batch
+                for b in range(0, len(todo), args.batch_size):
+                    part = todo[b: b + args.batch_size]
+                    for (s, _), (ans, fin) in zip(part, _answer(model, tok, [x[1] for x in part], args, eos, device)):
+                        text = tok.decode(ans, skip_special_tokens=True)
+                        s["rest"].pop(0)
+                        if not text.strip():
+                            skipped["empty_response"] += 1
+                            s["alive"], s["answered"] = False, -1
+                            continue
+                        s["messages"].append({"role": "assistant", "content": text})
+                        s["finished"] &= fin
+                        s["answered"] += 1
+            for s, i in zip(state, source_index[start: start + args.chunk]):
+                if s["answered"] > 0:
+                    last = max(j for j, m in enumerate(s["messages"]) if m["role"] == "assistant")
+                    f.write(json.dumps({"messages": s["messages"][: last + 1], "source_index": i,
+                                        "finished": s["finished"]}, ensure_ascii=False) + "\n")
+                    written += 1
+            f.flush()
+            os.fsync(f.fileno())
+            bar.advance(task, len(chunk))
+    return written
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash.regenerate",
+        description="Answer a dataset's prompts with the target itself and write JSONL for "
+                    "[data].source. Exit codes: 0 done, 2 bad arguments/config/data, 130 interrupted.")
+    p.add_argument("graph", help="graph file (TOML); its [data] and [target] tables are used")
+    p.add_argument("-o", "--out", required=True, help="output JSONL (appended to; resumes)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, as in dflash.run")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="longest context answered, in tokens (default 1024)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--batch-size", type=int, default=32, help="answers per generate call (default 32)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="conversations per resumable unit (default 256)")
+    p.add_argument("--num-conversations", type=int, default=None,
+                   help="regenerate at most N conversations of the source (default: data.max_samples)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = p.parse_args(argv)
+    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk) < 1:
+        p.error("--max-new-tokens, --max-prompt-tokens, --batch-size and --chunk must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import msgspec
+    import torch
+
+    from dflash.config import load_config
+    from dflash.data import DataError, load_tokenizer
+    from dflash.data.sources import read_source
+    from dflash.target import load_target
+
+    out = Path(args.out)
+    try:
+        cfg = load_config(args.graph, args.overrides)
+        limit = args.num_conversations or cfg.data.max_samples
+        records = read_source(cfg.data.source, cfg.data.format, limit)
+        tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
+        settings = generation_settings(args, cfg.data.source)
+        meta = out.with_name(out.name + ".meta.json")
+        if meta.exists() and json.loads(meta.read_text())["settings"] != settings:
+            raise DataError(f"{out} was written with other settings ({meta}); use another -o or "
+                            "the same --max-new-tokens/--temperature/--top-p/--seed")
+        done = done_indices(out)
+    except (OSError, ValueError, DataError, msgspec.ValidationError) as e:
+        print(f"dflash.regenerate: {e}", file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"settings": settings, "graph": str(args.graph),
+                                "target": cfg.target.path or cfg.target.preset}, indent=1) + "\n")
+    todo = [(c, i) for c, i in zip(records.conversations, records.source_index) if i not in done]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+    if cfg.target.path is None and cfg.target.vocab_size is None:
+        cfg.target.vocab_size = len(tok)
+    model = load_target(cfg.target, device, cfg.drafter.num_layers, need_final=True).model.eval()
+    print(f"dflash.regenerate: {len(records.conversations)} conversations of {cfg.data.source}, "
+          f"{len(done)} already in {out}, {len(todo)} to answer on {device}", file=sys.stderr)
+    skipped: Counter[str] = Counter(records.skipped)
+    t0 = time.perf_counter()
+    try:
+        written = regenerate([c for c, _ in todo], [i for _, i in todo], model, tok, args, out,
+                             skipped, device, progress=sys.stderr.isatty())
+    except KeyboardInterrupt:
+        print(f"dflash.regenerate: interrupted; {out} keeps every finished chunk, run the same "
+              "command again to continue", file=sys.stderr)
+        return 130
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
+    print(f"dflash.regenerate: wrote {written} conversations to {out} in {time.perf_counter() - t0:.0f}s "
+          f"({len(done) + written} in total); skipped: {counts}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
