@@ -34,6 +34,7 @@ __all__ = [
     "TargetConfig",
     "build_hf_config",
     "default_layer_ids",
+    "document_attention_mask",
     "document_causal_mask",
     "load_shared_head",
     "load_target",
@@ -187,6 +188,34 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     same = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
     diag = torch.eye(T, dtype=torch.bool, device=doc_ids.device)
     return ((same & causal) | diag)[:, None]
+
+
+def document_attention_mask(doc_ids: torch.Tensor, attn_implementation: str,
+                            dtype: torch.dtype = torch.float32):
+    """The document-causal mask in the form ``attn_implementation`` reads it.
+
+    transformers passes a ready 4D mask through unchanged, and each attention path reads it its
+    own way, so the form must match the path:
+
+    * ``"sdpa"``: the bool mask of :func:`document_causal_mask` (True = attend);
+    * ``"eager"``: an additive ``[B, 1, T, T]`` mask in ``dtype``: 0 where allowed and
+      ``finfo(dtype).min`` where not (eager *adds* the mask to the scores, so a bool mask would
+      add +1 to allowed keys and mask nothing);
+    * ``"flex_attention"``: a ``BlockMask`` of the same rule.
+
+    Raises:
+        ValueError: another ``attn_implementation``.
+    """
+    if attn_implementation == "sdpa":
+        return document_causal_mask(doc_ids)
+    if attn_implementation == "eager":
+        allowed = document_causal_mask(doc_ids)
+        return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)
+    if attn_implementation == "flex_attention":
+        return _document_block_mask(doc_ids)
+    raise ValueError(f"target.attn_implementation = {attn_implementation!r}: expected "
+                     "'sdpa', 'flex_attention' or 'eager'")
 
 
 def _document_block_mask(doc_ids: torch.Tensor):
@@ -394,10 +423,8 @@ class Target(nn.Module):
         if need_final and not self.has_final:
             raise RuntimeError("Target was loaded with need_final=False (layers after the last "
                                "captured one dropped); load it with need_final=True")
-        if self.hf_config._attn_implementation == "flex_attention":
-            mask = _document_block_mask(doc_ids)
-        else:
-            mask = document_causal_mask(doc_ids)
+        mask = document_attention_mask(doc_ids, self.hf_config._attn_implementation,
+                                       self.model.model.embed_tokens.weight.dtype)
         out = self.model.model(input_ids=input_ids, position_ids=position_ids,
                                attention_mask=mask, use_cache=False)
         layer_hidden = self.collect()

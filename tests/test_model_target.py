@@ -131,3 +131,51 @@ def test_shared_head_and_target_from_local_dir(tmp_path, tie):
     assert len(short.decoder_layers) == max(short.layer_ids) + 1
     torch.testing.assert_close(short(ids, pos, torch.zeros_like(ids), need_final=False)[0],
                                src(ids, pos, torch.zeros_like(ids))[0])
+
+
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flex_attention"]   # every value TargetConfig accepts
+
+
+def test_every_accepted_attn_implementation_is_tested():
+    """Invariant: the perturbation test below covers each attn_implementation the config accepts."""
+    import typing
+    hint = typing.get_type_hints(TargetConfig)["attn_implementation"]
+    assert set(typing.get_args(hint)) == set(ATTN_IMPLEMENTATIONS)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch-internal import on the flex path
+@pytest.mark.parametrize("attn", ATTN_IMPLEMENTATIONS)
+def test_target_features_never_see_the_future_or_other_documents(attn):
+    """Invariant (every target attn_implementation): a feature at position p depends only on
+    tokens at positions <= p of its own document. Changing later tokens or another packed document
+    changes nothing at positions <= the change; changing earlier tokens of the same document does
+    change position p. (Regression: eager added the bool mask as +1 and masked nothing.)"""
+    tgt = load_target(TargetConfig(**{**_fields(TINY), "attn_implementation": attn}), "cpu",
+                      num_draft_layers=2)
+    ids = _row(20, seed=5)
+    pos = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    doc = torch.tensor([[0] * 12 + [1] * 8])
+
+    def feats(x):
+        f, final = tgt(x, pos, doc)
+        return torch.cat([f, final], dim=-1)
+
+    base = feats(ids)
+    p = 6                                                 # a position inside document 0
+    future = ids.clone()
+    future[:, p + 1:12] = (future[:, p + 1:12] + 1) % 300   # later tokens of doc 0
+    torch.testing.assert_close(feats(future)[:, :p + 1], base[:, :p + 1], atol=1e-6, rtol=0)
+    other = ids.clone()
+    other[:, 12:] = (other[:, 12:] + 1) % 300             # all of document 1
+    torch.testing.assert_close(feats(other)[:, :12], base[:, :12], atol=1e-6, rtol=0)
+    first = ids.clone()
+    first[:, :12] = (first[:, :12] + 1) % 300             # all of document 0
+    torch.testing.assert_close(feats(first)[:, 12:], base[:, 12:], atol=1e-6, rtol=0)
+    past = ids.clone()
+    past[:, p - 3] = (past[:, p - 3] + 1) % 300           # earlier context of the same document
+    changed = feats(past)
+    assert not torch.allclose(changed[:, p], base[:, p], atol=1e-4)
+    torch.testing.assert_close(changed[:, :p - 3], base[:, :p - 3], atol=1e-6, rtol=0)
+    if attn != "sdpa":                                    # and the same numbers as the bool-mask path
+        ref = load_target(TINY, "cpu", num_draft_layers=2)
+        torch.testing.assert_close(base, torch.cat(ref(ids, pos, doc), dim=-1), atol=1e-5, rtol=1e-4)
