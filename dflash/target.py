@@ -140,24 +140,38 @@ def build_hf_config(cfg: TargetConfig):
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash evenly spaced target layers (public ``build_target_layer_ids`` rule).
+    """The DFlash evenly spaced target layers: exactly the public ``build_target_layer_ids`` rule
+    (z-lab dflash, SGLang, vLLM speculators), so an exported drafter matches what they rebuild.
 
-    One layer: ``[L // 2]``. Otherwise ``round(1 + i * (L - 4) / (k - 1))`` for ``i < k``,
-    i.e. evenly spaced over ``[1, L - 3]`` (36 layers, k=5 -> ``[1, 9, 17, 25, 33]``). For a target
-    too shallow for ``k`` distinct layers in ``[1, L - 3]`` the same spacing is taken over
-    ``[0, L - 1]``.
+    One layer: ``[L // 2]``. Otherwise ``int(round(1 + i * (L - 4) / (k - 1)))`` for ``i < k``,
+    i.e. evenly spaced over ``[1, L - 3]`` (36 layers, k=5 -> ``[1, 9, 17, 25, 33]``; 6 layers,
+    k=2 -> ``[1, 3]``). The rule never takes the last layer, whose output feeds the final norm and
+    is not what the public drafters are trained on.
+
+    Where the rule cannot give ``k`` distinct layers short of the last one (``k >= 2`` needs
+    ``L >= k + 3``; ``k = 1`` needs ``L >= 3``), there is no public choice to follow: rather than
+    invent one (an earlier fallback picked ``[0, 2, 3, 5]`` on a 6-layer target, last layer
+    included, which the vLLM speculators converter rejects), this raises.
 
     Raises:
-        ValueError: ``num_draft_layers`` exceeds the target's layer count.
+        ValueError: the target is too shallow for the rule; the message says to set
+            ``target.layer_ids`` or lower ``drafter.num_layers``.
     """
     L, k = num_target_layers, num_draft_layers
-    if k < 1 or k > L:
-        raise ValueError(f"cannot pick {k} distinct target layers from a {L}-layer target; "
-                         "set target.layer_ids or use fewer drafter.num_layers")
+    if k < 1:
+        raise ValueError(f"drafter.num_layers must be >= 1, got {k}")
     if k == 1:
-        return [L // 2]
-    start, end = (1, L - 3) if L - 3 - 1 >= k - 1 else (0, L - 1)
-    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+        ids = [L // 2]
+    else:
+        ids = [int(round(1 + i * (L - 4) / (k - 1))) for i in range(k)]
+    if ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] > L - 2:
+        fix = (f"set drafter.num_layers <= {max(L - 3, 1)} or list target.layer_ids explicitly"
+               if L >= 3 else "list target.layer_ids explicitly")
+        raise ValueError(
+            f"drafter.num_layers = {k}: a {L}-layer target is too shallow for the DFlash default "
+            "target layers ([L//2] for one drafter layer, else k distinct layers evenly spaced in "
+            f"[1, L-3], never the last layer); {fix}")
+    return ids
 
 
 def resolve_layer_ids(cfg: TargetConfig, hf_config, num_draft_layers: int) -> list[int]:

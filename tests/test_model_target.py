@@ -26,12 +26,32 @@ def _row(T=24, seed=0):
     return torch.randint(0, 300, (1, T), generator=g)
 
 
+def _public_rule(num_target_layers, num_draft_layers):
+    """The public build_target_layer_ids (z-lab dflash, SGLang, vLLM speculators), verbatim."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
 def test_default_layer_ids_match_public_rule():
+    """Invariant: the default target layers are exactly the public build_target_layer_ids wherever
+    that rule gives k distinct layers short of the last one; elsewhere a config error (never a
+    home-made choice that may include the last layer, as [0, 2, 3, 5] on a 6-layer target did)."""
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(28, 1) == [14]
     assert default_layer_ids(6, 2) == [1, 3]
-    ids = default_layer_ids(6, 5)                 # too shallow for [1, L-3]: spread over all
-    assert len(set(ids)) == 5 and ids == sorted(ids) and ids[-1] <= 5
+    for L in range(1, 40):
+        for k in range(1, 12):
+            ref = _public_rule(L, k)
+            if ref == sorted(set(ref)) and ref[0] >= 0 and ref[-1] < L - 1:
+                assert default_layer_ids(L, k) == ref, (L, k)
+            else:
+                with pytest.raises(ValueError, match=r"target.layer_ids"):
+                    default_layer_ids(L, k)
+    with pytest.raises(ValueError, match=r"6-layer target is too shallow.*drafter.num_layers <= 3"):
+        default_layer_ids(6, 4)
     with pytest.raises(ValueError, match="num_layers"):
         default_layer_ids(4, 5)
 
