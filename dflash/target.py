@@ -33,6 +33,7 @@ __all__ = [
     "Target",
     "TargetConfig",
     "build_hf_config",
+    "check_overrides",
     "default_layer_ids",
     "document_attention_mask",
     "document_causal_mask",
@@ -81,7 +82,8 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         path: local Hugging Face model directory (never a hub id: nothing is downloaded), or None
             for a ``preset``-shaped model with seeded random weights.
         preset: shape used when ``path`` is None: "tiny" | "qwen3-0.6b" | "qwen3-1.7b" | "qwen3-8b".
-        overrides: transformers config fields applied on top of the preset or the local config.
+        overrides: transformers config fields applied on top of the preset or the local config;
+            a key the config class does not know is an error (:func:`check_overrides`).
         vocab_size: None = from the preset / local config; the run sets it from the tokenizer for
             "tiny".
         seed: random-init seed (only with ``path = None``).
@@ -115,11 +117,56 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def known_config_keys(config_class, loaded=None) -> set[str]:
+    """The keys a transformers config of ``config_class`` understands.
+
+    A key is known if it is a parameter of ``__init__`` of the class or a base class, or a public,
+    non-method attribute of a default instance (this covers what ``PretrainedConfig.__init__``
+    sets and ``attribute_map`` aliases, which ``to_dict()`` leaves out), or of ``loaded`` (a config
+    read from a ``config.json``, which may carry model-specific extras).
+    """
+    import inspect
+
+    keys: set[str] = set()
+    for klass in config_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            keys |= {n for n, p in inspect.signature(init).parameters.items()
+                     if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    keys |= set(getattr(config_class, "attribute_map", {}))
+    for obj in (config_class(), loaded):
+        if obj is not None:
+            keys |= {k for k in dir(obj) if not k.startswith("_")
+                     and not callable(getattr(config_class, k, None))}
+    return keys
+
+
+def check_overrides(overrides: dict[str, Any], config_class, loaded=None) -> None:
+    """Reject ``target.overrides`` keys that ``config_class`` does not know (typos are otherwise
+    set as inert attributes and silently ignored).
+
+    Raises:
+        ValueError: one line naming the first unknown key, the config class, and close matches.
+    """
+    import difflib
+
+    known = known_config_keys(config_class, loaded)
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else \
+                f"see the fields of transformers.{config_class.__name__}"
+            raise ValueError(f"target.overrides: {key!r} is not a {config_class.__name__} field; "
+                             f"{hint}")
+
+
 def build_hf_config(cfg: TargetConfig):
     """The transformers config for ``cfg`` (local ``config.json`` or preset), overrides applied.
 
     Raises:
         FileNotFoundError: ``cfg.path`` has no ``config.json``.
+        ValueError: a ``target.overrides`` key the config class does not know
+            (:func:`check_overrides`).
     """
     from transformers import AutoConfig, Qwen3Config
 
@@ -128,9 +175,11 @@ def build_hf_config(cfg: TargetConfig):
             raise FileNotFoundError(f"target.path = {cfg.path!r} has no config.json; "
                                     "point it at a local Hugging Face model directory")
         hf = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        check_overrides(cfg.overrides, type(hf), hf)
         for key, value in cfg.overrides.items():
             setattr(hf, key, value)
     else:
+        check_overrides(cfg.overrides, Qwen3Config)
         fields = {**PRESETS[cfg.preset], **cfg.overrides}
         hf = Qwen3Config(**fields)
     if cfg.vocab_size is not None:

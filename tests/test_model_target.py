@@ -199,3 +199,28 @@ def test_target_features_never_see_the_future_or_other_documents(attn):
     if attn != "sdpa":                                    # and the same numbers as the bool-mask path
         ref = load_target(TINY, "cpu", num_draft_layers=2)
         torch.testing.assert_close(base, torch.cat(ref(ids, pos, doc), dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_override_typos_are_config_errors(tmp_path):
+    """Invariant: a target.overrides key the transformers config class does not know is a one-line
+    error naming the key and its close matches (it used to be set as an inert attribute and
+    silently ignored), for the preset and a local config.json alike; real fields, including those
+    PretrainedConfig sets outside to_dict() (num_labels, torch_dtype alias), are accepted."""
+    from transformers import Qwen3Config
+
+    from dflash.target import build_hf_config
+
+    bad = TargetConfig(preset="tiny", overrides={"initializer_rnage": 0.1})
+    with pytest.raises(ValueError, match=r"^target.overrides: 'initializer_rnage' is not a "
+                                         r"Qwen3Config field; did you mean 'initializer_range'") as e:
+        build_hf_config(bad)
+    assert "\n" not in str(e.value)
+    ok = build_hf_config(TargetConfig(preset="tiny", overrides={
+        "initializer_range": 0.05, "num_labels": 3, "tie_word_embeddings": True}))
+    assert ok.initializer_range == 0.05 and ok.num_labels == 3 and ok.tie_word_embeddings
+    Qwen3Config(num_hidden_layers=4).save_pretrained(tmp_path)           # a local config.json
+    with pytest.raises(ValueError, match=r"'num_hidden_layer' is not a Qwen3Config field; did you "
+                                         r"mean 'num_hidden_layers'"):
+        build_hf_config(TargetConfig(path=str(tmp_path), overrides={"num_hidden_layer": 2}))
+    assert build_hf_config(TargetConfig(path=str(tmp_path),
+                                        overrides={"num_hidden_layers": 2})).num_hidden_layers == 2
