@@ -448,7 +448,8 @@ def test_self_loop_is_rejected_naming_the_channel():
 def test_cycle_without_a_source_is_rejected_naming_its_channels():
     """Invariant: processes that only feed each other, with no source (a process without inputs)
     upstream, are rejected at validation, naming the cycle's channels and processes (the run
-    would wait forever for a first item); the same cycle fed by a source validates."""
+    would wait forever for a first item); the same cycle fed by a source, or started by a process
+    class that declares sends_first, validates."""
     g = csp.Graph()
     for c in ("ab", "bc", "ca", "side"):
         g.channel(c, capacity=1)
@@ -471,6 +472,14 @@ def test_cycle_without_a_source_is_rejected_naming_its_channels():
     fed.process("b", Relay, inputs={"inp": "ab"}, outputs={"out": "bc"})
     fed.process("c", Relay, inputs={"inp": "bc"}, outputs={"out": "ca"})
     fed.validate()
+    # a process that declares it sends before it receives starts the cycle itself (a handshake)
+    class Starter(Relay):
+        sends_first = True
+
+    shake = csp.Graph().channel("items", capacity=1).channel("acks", capacity=1)
+    shake.process("producer", Starter, inputs={"inp": "acks"}, outputs={"out": "items"})
+    shake.process("consumer", Relay, inputs={"inp": "items"}, outputs={"out": "acks"})
+    shake.validate()
     # downstream of an unfed cycle: the error still names the cycle, not the bystander
     tail = csp.Graph()
     for c in ("ab", "ba", "x"):

@@ -487,7 +487,8 @@ def _check_topology(processes: dict[str, ProcessNode], channels: dict[str, Chann
     * A self-loop: a process receiving from a channel it sends to. That channel closes only when
       its senders do, so its receive loop never ends.
     * A cycle no source feeds: processes whose inputs all come, directly or not, from each other
-      and not from a source (a process with no input ports). Nothing ever sends the first item.
+      and not from a source (a process with no input ports, or one whose class declares
+      ``sends_first = True``: it sends before it receives). Nothing ever sends the first item.
     * An ordered channel fed by more than one process or port. It restores one ``seq`` stream;
       two producers number their items independently and collide. Replicas of one process share
       one stream (they split the items of an upstream channel) and are fine.
@@ -512,7 +513,7 @@ def _check_topology(processes: dict[str, ProcessNode], channels: dict[str, Chann
                 "channel restores one seq stream, so feed it from one process (replicas of it may "
                 "share it) or set ordered = false")
     # processes reachable from a source, following channels downstream
-    reached = {n for n, p in processes.items() if not p.inputs}
+    reached = {n for n, p in processes.items() if not p.inputs or getattr(p.cls, "sends_first", False)}
     frontier = list(reached)
     while frontier:
         p = processes[frontier.pop()]
@@ -538,9 +539,10 @@ def _check_topology(processes: dict[str, ProcessNode], channels: dict[str, Chann
     chans = ", ".join(repr(c) for _, c in cycle)
     flow = repr(cycle[-1][0]) + "".join(f" --{c}--> {p!r}" for p, c in cycle)
     raise GraphError(
-        f"channels {chans} form a cycle ({flow}) that no source feeds: no process "
-        "without inputs reaches it, so nothing would ever send and the run would hang; feed the "
-        "cycle from a source process or break it")
+        f"channels {chans} form a cycle ({flow}) that no source feeds: no process without inputs "
+        "reaches it, so nothing would ever send and the run would hang; feed the cycle from a "
+        "source process, break it, or, if one of its processes sends before it receives, declare "
+        "sends_first = True on that class")
 
 
 def compatible(out_t: Any, in_t: Any) -> bool:
