@@ -150,6 +150,7 @@ class Producer(csp.Process):
     Options = RaceOptions
     inputs = {"acks": int}
     outputs = {"items": Item, "forwards": int}
+    sends_first = True  # starts the items -> acks handshake (csp.graph rejects an unfed cycle)
 
     def run(self, inputs, outputs):
         o, dev = self.options, _device(self.ctx)

@@ -107,6 +107,10 @@ class Process:
         outputs: port name -> item type sent on that port.
         Options: a msgspec Struct decoded from the graph's ``[process.options]`` table (unknown
             keys rejected). The default accepts no keys.
+        sends_first: True if ``run`` sends before its first receive, so the process can start a
+            cycle of channels on its own (a producer waiting for acknowledgements). Graph
+            validation rejects a cycle that neither a source (a process without inputs) nor such
+            a process feeds. Default False.
 
     Instance attributes (set by the runtime): ``options`` (decoded ``Options``), ``ctx``
     (:class:`Context`).
@@ -117,6 +121,7 @@ class Process:
 
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
+    sends_first: ClassVar[bool] = False
 
     def __init__(self, options: Any = None, ctx: Context | None = None) -> None:
         self.options = options if options is not None else type(self).Options()

@@ -11,6 +11,7 @@ owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]`` is
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -25,6 +26,7 @@ from dflash.target import TargetConfig
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class _Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -51,7 +53,8 @@ class TrainSection(_Table):
     """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
 
     lr: Annotated[float, Meta(gt=0.0)] = 6e-4
-    """Peak learning rate (per step), reached after warmup_steps."""
+    """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
+    that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
     warmup_steps: Annotated[int, Meta(ge=0)] = 20
     """Linear warmup length, in steps."""
     min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
@@ -71,6 +74,18 @@ class TrainSection(_Table):
     """Debug: check every tensor crossing a channel for non-finite values and name the first producer."""
     host_staging: bool = False
     """Move features target -> drafter through host memory instead of device to device."""
+
+    def __post_init__(self) -> None:
+        # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
+        # float32: beyond float32's range the step overflows and the drafter crashes at step 1.
+        beta1, beta2 = self.betas
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+            raise ValueError(f"train.betas = {list(self.betas)} must both be in [0, 1)")
+        limit = _FLOAT32_MAX * (1.0 - beta1)
+        if not math.isfinite(self.lr) or self.lr > limit:
+            raise ValueError(f"train.lr = {self.lr:g} is not a usable learning rate: AdamW's first "
+                             f"step lr / (1 - beta1) must fit in float32 (lr <= {limit:.3g}); "
+                             "typical values are 1e-4 .. 1e-3")
 
 
 class CheckpointSection(_Table):

@@ -15,7 +15,11 @@ Public drafters also carry an ``auto_map`` to their own ``dflash.py`` modeling f
 
 The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
 ``meta.json`` or ``train_state.pt``) or the input itself, an output path that is a file, and a
-non-empty output directory unless ``--force``. Written files get the usual ``0o666 & ~umask``
+non-empty output directory unless ``--force``. It warns (a line on stderr; a
+:class:`LastLayerWarning` from :func:`export_drafter`) when the drafter's ``target_layer_ids``
+include the target's last layer: the public rule never takes it (``[1, L-3]``, see
+:func:`dflash.target.default_layer_ids`) and the vLLM speculators converter rejects such a drafter
+(size mismatch on ``fc.weight``). Written files get the usual ``0o666 & ~umask``
 permissions (safetensors alone writes them ``0600``).
 """
 
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,26 @@ from safetensors.torch import load_file, save_file
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.model_io import load_drafter
 
-__all__ = ["check_output", "export_drafter", "hf_config_dict", "load_exported", "main"]
+__all__ = ["LastLayerWarning", "check_output", "export_drafter", "hf_config_dict",
+           "last_layer_problem", "load_exported", "main"]
+
+
+class LastLayerWarning(UserWarning):
+    """The exported drafter is conditioned on the target's last layer (see the module doc)."""
+
+
+def last_layer_problem(cfg: DrafterConfig) -> str | None:
+    """Why ``cfg.target_layer_ids`` may not load where drafters are served, or None if fine.
+
+    None also when the target depth is unknown (``num_target_layers`` unset).
+    """
+    L = cfg.num_target_layers
+    if L is None or not cfg.target_layer_ids or max(cfg.target_layer_ids) < L - 1:
+        return None
+    return (f"target_layer_ids {list(cfg.target_layer_ids)} include the target's last layer "
+            f"({L - 1} of a {L}-layer target); the public DFlash rule uses layers 1..{L - 3} and "
+            "the vLLM speculators converter fails on this drafter (fc.weight size mismatch); "
+            "retrain with target.layer_ids inside [1, L-3] for vLLM")
 
 
 def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -84,7 +108,13 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                    dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed)."""
+    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed).
+
+    Warns :class:`LastLayerWarning` (and still exports) when :func:`last_layer_problem` finds one.
+    """
+    problem = last_layer_problem(drafter.cfg)
+    if problem is not None:
+        warnings.warn(problem, LastLayerWarning, stacklevel=2)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_dict(drafter.cfg, dtype)
@@ -172,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_output(args.checkpoint, args.out, args.force)
         drafter, _, _ = load_drafter(args.checkpoint)
-        out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", LastLayerWarning)
+            out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+        for w in caught:
+            if issubclass(w.category, LastLayerWarning):
+                print(f"dflash.export: warning: {w.message}", file=sys.stderr)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except (FileNotFoundError, ValueError) as e:
         print(f"dflash.export: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ Exit codes:
     0    training finished (``[run].steps`` reached)
     1    a stage failed (the error names it: ``target[1]``, ``drafter[0]`` ...), or a checkpoint or
          data problem was found at run time
-    2    bad graph file, config or data (nothing started)
+    2    bad graph file, config or data (nothing started; config errors, including those across
+         tables such as drafter vs target shapes, come before any data is read or written)
     130  stopped by Ctrl-C: the graph drained and a final checkpoint was written
 """
 
@@ -31,6 +32,7 @@ from dflash.app import RunApp
 from dflash.checkpoint import CheckpointError, load_train_state, read_meta, resolve_resume
 from dflash.config import DFlashFile, config_hash, load_config, to_toml
 from dflash.metrics_log import MetricsLog
+from dflash.preflight import preflight
 
 log = logging.getLogger("dflash.run")
 console = Console(stderr=True)
@@ -228,6 +230,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:  # the whole graph is checked before anything is tokenized, loaded or written
         graph = csp.Graph.from_spec(cfg)
+        for warning in preflight(cfg):  # cross-table checks: drafter vs target, devices, backends
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         drafters = next((p.replicas for p in cfg.process if p.kind == "dflash.drafter"), 1)
         if drafters > 1 and not csp.dist.launched():
             raise csp.GraphError(

@@ -33,7 +33,9 @@ __all__ = [
     "Target",
     "TargetConfig",
     "build_hf_config",
+    "check_overrides",
     "default_layer_ids",
+    "document_attention_mask",
     "document_causal_mask",
     "load_shared_head",
     "load_target",
@@ -80,7 +82,8 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         path: local Hugging Face model directory (never a hub id: nothing is downloaded), or None
             for a ``preset``-shaped model with seeded random weights.
         preset: shape used when ``path`` is None: "tiny" | "qwen3-0.6b" | "qwen3-1.7b" | "qwen3-8b".
-        overrides: transformers config fields applied on top of the preset or the local config.
+        overrides: transformers config fields applied on top of the preset or the local config;
+            a key the config class does not know is an error (:func:`check_overrides`).
         vocab_size: None = from the preset / local config; the run sets it from the tokenizer for
             "tiny".
         seed: random-init seed (only with ``path = None``).
@@ -114,11 +117,56 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def known_config_keys(config_class, loaded=None) -> set[str]:
+    """The keys a transformers config of ``config_class`` understands.
+
+    A key is known if it is a parameter of ``__init__`` of the class or a base class, or a public,
+    non-method attribute of a default instance (this covers what ``PretrainedConfig.__init__``
+    sets and ``attribute_map`` aliases, which ``to_dict()`` leaves out), or of ``loaded`` (a config
+    read from a ``config.json``, which may carry model-specific extras).
+    """
+    import inspect
+
+    keys: set[str] = set()
+    for klass in config_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            keys |= {n for n, p in inspect.signature(init).parameters.items()
+                     if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    keys |= set(getattr(config_class, "attribute_map", {}))
+    for obj in (config_class(), loaded):
+        if obj is not None:
+            keys |= {k for k in dir(obj) if not k.startswith("_")
+                     and not callable(getattr(config_class, k, None))}
+    return keys
+
+
+def check_overrides(overrides: dict[str, Any], config_class, loaded=None) -> None:
+    """Reject ``target.overrides`` keys that ``config_class`` does not know (typos are otherwise
+    set as inert attributes and silently ignored).
+
+    Raises:
+        ValueError: one line naming the first unknown key, the config class, and close matches.
+    """
+    import difflib
+
+    known = known_config_keys(config_class, loaded)
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else \
+                f"see the fields of transformers.{config_class.__name__}"
+            raise ValueError(f"target.overrides: {key!r} is not a {config_class.__name__} field; "
+                             f"{hint}")
+
+
 def build_hf_config(cfg: TargetConfig):
     """The transformers config for ``cfg`` (local ``config.json`` or preset), overrides applied.
 
     Raises:
         FileNotFoundError: ``cfg.path`` has no ``config.json``.
+        ValueError: a ``target.overrides`` key the config class does not know
+            (:func:`check_overrides`).
     """
     from transformers import AutoConfig, Qwen3Config
 
@@ -127,9 +175,11 @@ def build_hf_config(cfg: TargetConfig):
             raise FileNotFoundError(f"target.path = {cfg.path!r} has no config.json; "
                                     "point it at a local Hugging Face model directory")
         hf = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        check_overrides(cfg.overrides, type(hf), hf)
         for key, value in cfg.overrides.items():
             setattr(hf, key, value)
     else:
+        check_overrides(cfg.overrides, Qwen3Config)
         fields = {**PRESETS[cfg.preset], **cfg.overrides}
         hf = Qwen3Config(**fields)
     if cfg.vocab_size is not None:
@@ -139,24 +189,38 @@ def build_hf_config(cfg: TargetConfig):
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash evenly spaced target layers (public ``build_target_layer_ids`` rule).
+    """The DFlash evenly spaced target layers: exactly the public ``build_target_layer_ids`` rule
+    (z-lab dflash, SGLang, vLLM speculators), so an exported drafter matches what they rebuild.
 
-    One layer: ``[L // 2]``. Otherwise ``round(1 + i * (L - 4) / (k - 1))`` for ``i < k``,
-    i.e. evenly spaced over ``[1, L - 3]`` (36 layers, k=5 -> ``[1, 9, 17, 25, 33]``). For a target
-    too shallow for ``k`` distinct layers in ``[1, L - 3]`` the same spacing is taken over
-    ``[0, L - 1]``.
+    One layer: ``[L // 2]``. Otherwise ``int(round(1 + i * (L - 4) / (k - 1)))`` for ``i < k``,
+    i.e. evenly spaced over ``[1, L - 3]`` (36 layers, k=5 -> ``[1, 9, 17, 25, 33]``; 6 layers,
+    k=2 -> ``[1, 3]``). The rule never takes the last layer, whose output feeds the final norm and
+    is not what the public drafters are trained on.
+
+    Where the rule cannot give ``k`` distinct layers short of the last one (``k >= 2`` needs
+    ``L >= k + 3``; ``k = 1`` needs ``L >= 3``), there is no public choice to follow: rather than
+    invent one (an earlier fallback picked ``[0, 2, 3, 5]`` on a 6-layer target, last layer
+    included, which the vLLM speculators converter rejects), this raises.
 
     Raises:
-        ValueError: ``num_draft_layers`` exceeds the target's layer count.
+        ValueError: the target is too shallow for the rule; the message says to set
+            ``target.layer_ids`` or lower ``drafter.num_layers``.
     """
     L, k = num_target_layers, num_draft_layers
-    if k < 1 or k > L:
-        raise ValueError(f"cannot pick {k} distinct target layers from a {L}-layer target; "
-                         "set target.layer_ids or use fewer drafter.num_layers")
+    if k < 1:
+        raise ValueError(f"drafter.num_layers must be >= 1, got {k}")
     if k == 1:
-        return [L // 2]
-    start, end = (1, L - 3) if L - 3 - 1 >= k - 1 else (0, L - 1)
-    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+        ids = [L // 2]
+    else:
+        ids = [int(round(1 + i * (L - 4) / (k - 1))) for i in range(k)]
+    if ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] > L - 2:
+        fix = (f"set drafter.num_layers <= {max(L - 3, 1)} or list target.layer_ids explicitly"
+               if L >= 3 else "list target.layer_ids explicitly")
+        raise ValueError(
+            f"drafter.num_layers = {k}: a {L}-layer target is too shallow for the DFlash default "
+            "target layers ([L//2] for one drafter layer, else k distinct layers evenly spaced in "
+            f"[1, L-3], never the last layer); {fix}")
+    return ids
 
 
 def resolve_layer_ids(cfg: TargetConfig, hf_config, num_draft_layers: int) -> list[int]:
@@ -187,6 +251,34 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     same = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
     diag = torch.eye(T, dtype=torch.bool, device=doc_ids.device)
     return ((same & causal) | diag)[:, None]
+
+
+def document_attention_mask(doc_ids: torch.Tensor, attn_implementation: str,
+                            dtype: torch.dtype = torch.float32):
+    """The document-causal mask in the form ``attn_implementation`` reads it.
+
+    transformers passes a ready 4D mask through unchanged, and each attention path reads it its
+    own way, so the form must match the path:
+
+    * ``"sdpa"``: the bool mask of :func:`document_causal_mask` (True = attend);
+    * ``"eager"``: an additive ``[B, 1, T, T]`` mask in ``dtype``: 0 where allowed and
+      ``finfo(dtype).min`` where not (eager *adds* the mask to the scores, so a bool mask would
+      add +1 to allowed keys and mask nothing);
+    * ``"flex_attention"``: a ``BlockMask`` of the same rule.
+
+    Raises:
+        ValueError: another ``attn_implementation``.
+    """
+    if attn_implementation == "sdpa":
+        return document_causal_mask(doc_ids)
+    if attn_implementation == "eager":
+        allowed = document_causal_mask(doc_ids)
+        return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min)
+    if attn_implementation == "flex_attention":
+        return _document_block_mask(doc_ids)
+    raise ValueError(f"target.attn_implementation = {attn_implementation!r}: expected "
+                     "'sdpa', 'flex_attention' or 'eager'")
 
 
 def _document_block_mask(doc_ids: torch.Tensor):
@@ -394,10 +486,8 @@ class Target(nn.Module):
         if need_final and not self.has_final:
             raise RuntimeError("Target was loaded with need_final=False (layers after the last "
                                "captured one dropped); load it with need_final=True")
-        if self.hf_config._attn_implementation == "flex_attention":
-            mask = _document_block_mask(doc_ids)
-        else:
-            mask = document_causal_mask(doc_ids)
+        mask = document_attention_mask(doc_ids, self.hf_config._attn_implementation,
+                                       self.model.model.embed_tokens.weight.dtype)
         out = self.model.model(input_ids=input_ids, position_ids=position_ids,
                                attention_mask=mask, use_cache=False)
         layer_hidden = self.collect()

@@ -78,11 +78,23 @@ def test_sdpa_and_flex_paths_match(types):
         torch.testing.assert_close(a(feats, emb, lay), b(feats, emb, lay), atol=1e-5, rtol=1e-4)
 
 
+DRAFTER_ATTN = ["sdpa", "flex_attention"]   # every value DrafterConfig accepts
+
+
+def test_every_accepted_drafter_attn_implementation_is_tested():
+    """Invariant: the perturbation test below covers each attn_implementation the config accepts."""
+    import typing
+    hint = typing.get_type_hints(DrafterConfig)["attn_implementation"]
+    assert set(typing.get_args(hint)) == set(DRAFTER_ATTN)
+
+
+@pytest.mark.parametrize("attn", DRAFTER_ATTN)
 @pytest.mark.parametrize("types", [None, ["sliding_attention", "sliding_attention"]])
-def test_no_future_token_changes_a_block(types):
-    """Invariant: block a depends only on context strictly before its anchor in its own
-    document (and, in sliding layers, on earlier slots of its own block)."""
-    d = make_drafter(types)
+def test_no_future_token_changes_a_block(types, attn):
+    """Invariant (every drafter attn_implementation; flex runs its eager forward on CPU): block a
+    depends only on context strictly before its anchor in its own document (and, in sliding
+    layers, on earlier slots of its own block); changing earlier context does change it."""
+    d = make_drafter(types, attn)
     feats, emb, pos, doc, anchors = packed_batch()
     lay = training_layout(pos, doc, anchors, BS)
     with torch.no_grad():

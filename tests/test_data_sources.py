@@ -122,3 +122,35 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
     monkeypatch.delenv("DFLASH_CACHE")
     monkeypatch.chdir(tmp_path)
     assert DataConfig().resolved_cache_dir() == tmp_path / ".cache" / "dflash"
+
+
+def _conv(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": text}]}
+
+
+@pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\u0085"])
+def test_jsonl_rows_are_split_at_newline_only(tmp_path, sep):
+    """Invariant: a JSONL row ends at LF only; characters str.splitlines() also breaks at
+    (U+2028, U+2029, U+0085) are legal raw inside a JSON string and stay in it."""
+    text = f"line one{sep}line two"
+    rows = [json.dumps(_conv(text), ensure_ascii=False), json.dumps(_conv("plain"))]
+    assert sep in rows[0]                               # written raw, not escaped
+    p = tmp_path / "seps.jsonl"
+    p.write_bytes(("\r\n".join(rows) + "\n").encode("utf-8"))   # CRLF line ends are fine too
+    src = read_source(str(p))
+    assert not src.skipped and src.records_read == 2
+    assert src.conversations[0][1]["content"] == text
+    assert src.conversations[1][1]["content"] == "plain"
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "array"])
+def test_utf8_bom_is_not_data(tmp_path, layout):
+    """Invariant: a leading UTF-8 byte-order mark costs neither the first JSONL row nor a JSON
+    array (both read exactly as without the BOM)."""
+    recs = [_conv("first"), _conv("second")]
+    body = "\n".join(map(json.dumps, recs)) if layout == "jsonl" else json.dumps(recs)
+    p = tmp_path / f"bom.{'jsonl' if layout == 'jsonl' else 'json'}"
+    p.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8"))
+    src = read_source(str(p))
+    assert not src.skipped and src.records_read == 2
+    assert [c[1]["content"] for c in src.conversations] == ["first", "second"]

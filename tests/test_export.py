@@ -117,3 +117,29 @@ def test_export_cli_refuses_to_overwrite(tmp_path, capsys):
     os.umask(umask)
     for name in ("model.safetensors", "config.json"):
         assert stat.S_IMODE((full / name).stat().st_mode) == 0o666 & ~umask
+
+
+def test_export_warns_when_the_target_last_layer_is_captured(tmp_path, capsys):
+    """Invariant: exporting a drafter whose target_layer_ids include the target's last layer
+    (which the vLLM speculators converter rejects) warns, naming the ids; the export still
+    happens, and a drafter on the public [1, L-3] layers exports without a warning."""
+    import warnings
+
+    from dflash.export import LastLayerWarning
+
+    dc = DrafterConfig(num_layers=2, block_size=4, mask_token_id=4095)
+    tcfg = TargetConfig(**{**{f: getattr(TCFG, f) for f in TCFG.__struct_fields__}, "layer_ids": [1, 5]})
+    d = DFlashDrafter(resolve_drafter_config(dc, tcfg), seed=3).eval()
+    assert d.cfg.target_layer_ids == [1, 5] and d.cfg.num_target_layers == 6
+    with pytest.warns(LastLayerWarning, match=r"\[1, 5\].*last layer"):
+        export_drafter(d, tmp_path / "api", torch.float32)
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, tcfg)
+    assert export_main([str(ck), "-o", str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dflash.export: warning: target_layer_ids [1, 5]" in err
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_drafter(make(), tmp_path / "ok", torch.float32)      # default layers [1, 3]

