@@ -45,18 +45,21 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
+import math
+
 import msgspec
 import torch
+import torch.nn.functional as F
 
 from dflash.attention import decode_layout, training_layout
-from dflash.drafter import DFlashDrafter
+from dflash.drafter import DFlashDrafter, _rope
 from dflash.eval_prompts import (EvalInputError, check_checkpoint, encode_prompt, heldout_prompts,
                                  run_data_config, source_prompts)
 from dflash.metrics import (accuracy_per_position, simulated_accepted_length, streak_lengths,
                             tau_from_accepted)
 from dflash.target import SharedHead, Target
 
-__all__ = ["DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate", "explain",
+__all__ = ["CachedDrafterProposer", "DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate", "explain",
            "format_result", "greedy_decode", "greedy_labels", "speculative_decode", "teacher_forced"]
 
 
@@ -131,6 +134,71 @@ class DrafterProposer:
         layout = decode_layout(n - 1, n - 1, self.bs, tokens.device)
         hidden = self.drafter(features, self.head.embed(block), layout)      # [1, 1, bs, H]
         return self.head.logits(hidden[0, 0, 1:]).argmax(-1)
+
+
+class CachedDrafterProposer:
+    """Drafts with a :class:`DFlashDrafter` keeping a per-layer KV cache of the context.
+
+    The drafter's context keys/values depend only on the context features (every layer attends to
+    the same ``hidden_norm(fc(features))``), and the context only grows by accepted tokens, so each
+    step projects the new features alone and the block attends to ``cat(cache, block)`` with no
+    mask (full-attention layers: the block sees all context and itself). Same drafts as
+    :class:`DrafterProposer` up to float rounding (tested). Use one instance per generation.
+
+    Raises:
+        ValueError: the drafter has sliding-window layers (use :class:`DrafterProposer`).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head: SharedHead) -> None:
+        if any(t != "full_attention" for t in drafter.cfg.types):
+            raise ValueError("CachedDrafterProposer supports full-attention drafter layers only")
+        self.drafter, self.head = drafter, head
+        self.bs = drafter.cfg.block_size
+        self.keys: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        self.cached = 0
+
+    @torch.no_grad()
+    def _extend(self, features: torch.Tensor) -> None:
+        """Project the features of context positions ``cached..`` into every layer's cache."""
+        d = self.drafter
+        new = features[:, self.cached:]                                      # [1, t, k*H]
+        if new.shape[1] == 0:
+            return
+        ctx = d.hidden_norm(d.fc(new.to(d.fc.weight.dtype)))                 # [1, t, H]
+        pos = torch.arange(self.cached, self.cached + new.shape[1], device=new.device)[None]
+        cos, sin = d._rope_table(pos)
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            k = a.k_norm(a.k_proj(ctx).view(1, -1, a.nkv, a.d)).transpose(1, 2)
+            v = a.v_proj(ctx).view(1, -1, a.nkv, a.d).transpose(1, 2)
+            k = _rope(k, cos, sin)
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
+        self.cached += new.shape[1]
+
+    @torch.no_grad()
+    def propose(self, tokens, features):
+        d = self.drafter
+        self._extend(features)
+        block = torch.full((1, self.bs), d.cfg.mask_token_id, device=tokens.device)
+        block[0, 0] = tokens[-1]
+        x = self.head.embed(block).to(d.fc.weight.dtype)                     # [1, bs, H]
+        qpos = torch.arange(tokens.shape[0] - 1, tokens.shape[0] - 1 + self.bs, device=tokens.device)[None]
+        cos, sin = d._rope_table(qpos)
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rope(a.q_norm(a.q_proj(h).view(1, self.bs, a.nh, a.d)).transpose(1, 2), cos, sin)
+            kb = _rope(a.k_norm(a.k_proj(h).view(1, self.bs, a.nkv, a.d)).transpose(1, 2), cos, sin)
+            vb = a.v_proj(h).view(1, self.bs, a.nkv, a.d).transpose(1, 2)
+            k = torch.cat([self.keys[i], kb], dim=2) if self.keys[i] is not None else kb
+            v = torch.cat([self.values[i], vb], dim=2) if self.values[i] is not None else vb
+            out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(a.d),
+                                                 enable_gqa=a.nh != a.nkv)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(1, self.bs, a.nh * a.d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.head.logits(d.norm(x)[0, 1:]).argmax(-1)
 
 
 class OracleProposer:
@@ -261,9 +329,10 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int) -> EvalResult:
     """Speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text."""
     bs = drafter.cfg.block_size
-    proposer = DrafterProposer(drafter, head)
+    cached = all(t == "full_attention" for t in drafter.cfg.types)
     per, all_m, all_streak, all_streaks, corrects, valids = [], [], [], [], [], []
     for prompt in prompts:
+        proposer = CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
         tokens, acc_m, visited = speculative_decode(target, proposer, prompt, max_new_tokens, bs)
         n = prompt.shape[0]
         region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill

@@ -8,7 +8,8 @@ writes OpenAI-style JSONL that ``[data].source`` reads, as the vLLM speculators 
     python -m dflash.regenerate GRAPH.toml -o responses.jsonl [--max-new-tokens 256] [--temperature 0]
 
 What it reads: ``[data]`` (source, format, max_samples) and ``[target]`` of the graph file (``--set``
-overrides work as in ``dflash.run``). Each conversation keeps its system and user turns; assistant
+overrides work as in ``dflash.run``). Each conversation keeps its system and user turns (up to
+``--max-turns`` assistant turns; the rest of the conversation is cut); assistant
 turn ``k`` is replaced by the target's answer to the conversation so far (user turns plus the
 answers already regenerated), generated in rounds: round ``k`` answers turn ``k`` of every
 conversation of a chunk in left-padded batches (``transformers``' ``generate`` with a KV cache).
@@ -50,7 +51,7 @@ def generation_settings(args: argparse.Namespace, source: str) -> dict[str, Any]
     """The settings that change the output; a resume must use the same."""
     return {"version": _FORMAT_VERSION, "source": source, "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "seed": args.seed}
+            "top_p": args.top_p, "seed": args.seed, "max_turns": args.max_turns}
 
 
 def done_indices(path: Path) -> set[int]:
@@ -126,6 +127,8 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                 # advance each conversation to its next assistant turn (copying system/user turns)
                 todo = []
                 for s in state:
+                    if s["answered"] >= args.max_turns:
+                        s["alive"] = False                   # later turns are not regenerated
                     while s["alive"] and s["rest"] and s["rest"][0]["role"] != "assistant":
                         s["messages"].append(s["rest"].pop(0))
                     if s["alive"] and s["rest"] and not any(m["role"] == "user" for m in s["messages"]):
@@ -181,6 +184,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="longest context answered, in tokens (default 1024)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--max-turns", type=int, default=1_000_000,
+                   help="answer at most N assistant turns per conversation; the rest of it is cut "
+                        "(default: all)")
     p.add_argument("--batch-size", type=int, default=32, help="answers per generate call (default 32)")
     p.add_argument("--chunk", type=int, default=256,
                    help="conversations per resumable unit (default 256)")
@@ -189,8 +195,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
-    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk) < 1:
-        p.error("--max-new-tokens, --max-prompt-tokens, --batch-size and --chunk must be >= 1")
+    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk, args.max_turns) < 1:
+        p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size and --chunk must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args

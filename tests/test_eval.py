@@ -8,6 +8,7 @@ import torch
 
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.eval import (
+    CachedDrafterProposer,
     DrafterProposer,
     OracleProposer,
     evaluate,
@@ -90,6 +91,19 @@ def test_drafter_decode_is_lossless_and_matches_teacher_forcing(models):
         hid = drafter(feats, head.embed(block), training_layout(pos, torch.zeros_like(pos), a, BS))
     tf = head.logits(hid[0, :, 1:]).argmax(-1)
     assert torch.equal(tf, torch.stack(rec.drafts))
+
+
+def test_cached_drafter_proposes_what_the_uncached_one_does(models):
+    """Invariant: the drafter's context KV cache changes speed, not drafts: at every step of a
+    decode the cached proposer's drafted block equals the recomputing proposer's."""
+    target, head, drafter = models
+    p = prompt(5)
+    plain = _Recorder(DrafterProposer(drafter, head))
+    tokens, _, _ = speculative_decode(target, plain, p, 14, BS)
+    cached = _Recorder(CachedDrafterProposer(drafter, head))
+    tokens_c, _, _ = speculative_decode(target, cached, p, 14, BS)
+    assert torch.equal(tokens, tokens_c) and len(plain.drafts) == len(cached.drafts) > 2
+    assert all(torch.equal(a, b) for a, b in zip(plain.drafts, cached.drafts))
 
 
 def test_teacher_forced_streak_equals_measured_acceptance(models):

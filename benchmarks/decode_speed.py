@@ -1,0 +1,97 @@
+"""Wall-clock decode speed: target-only greedy decoding vs DFlash draft-and-verify.
+
+Both loops are this repo's own (``dflash.eval.greedy_decode`` and ``speculative_decode`` with a
+:class:`~dflash.eval.CachedDrafterProposer`): the target keeps a transformers KV cache in both, the
+drafter keeps its context KV cache, batch size 1, greedy, and the outputs are checked equal (a
+speculative decoder that changes the text is not faster, it is wrong). On a GPU every timed
+region ends with ``torch.cuda.synchronize()``; one warm-up prompt is not timed.
+
+    python -m benchmarks.decode_speed CHECKPOINT --data SOURCE [--num-prompts 16] [--max-new-tokens 256]
+        [--out benchmarks/results/decode_h200.json]
+
+Prompts are the run's held-out conversations, as ``dflash.eval --data`` picks them. Reports tokens/s
+of each loop, the speedup, and the measured tau (tokens per verify step) of the timed decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_speed", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--data", required=True, help="the run's data source (held-out prompts)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    args = p.parse_args(argv)
+
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.eval import CachedDrafterProposer, _prompts, greedy_decode, speculative_decode
+    from dflash.model_io import load_drafter
+    from dflash.target import load_target
+
+    device = torch.device(args.device)
+    drafter, dc, tc = load_drafter(args.checkpoint, device)
+    target = load_target(tc, device, dc.num_layers, need_final=True)
+    drafter.to(target.model.dtype)
+    head = target.shared_head()
+    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
+    args.prompts = None
+    ids = _prompts(args, tok)
+    prompts = [torch.tensor(x, device=device) for x in ids]
+    bs = dc.block_size
+
+    def timed(fn):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        return out, time.perf_counter() - t0
+
+    greedy_decode(target, prompts[0], 16)                           # warm-up (kernels, allocator)
+    speculative_decode(target, CachedDrafterProposer(drafter, head), prompts[0], 16, bs)
+    t_plain = t_spec = 0.0
+    steps = accepted = tokens = 0
+    for pr in prompts:
+        ref, dt = timed(lambda: greedy_decode(target, pr, args.max_new_tokens))
+        t_plain += dt
+        (out, acc, _), dt = timed(lambda: speculative_decode(
+            target, CachedDrafterProposer(drafter, head), pr, args.max_new_tokens, bs))
+        t_spec += dt
+        if not torch.equal(out, ref[: out.shape[0]]):
+            print("decode_speed: speculative output differs from greedy decoding", file=sys.stderr)
+            return 1
+        steps, accepted, tokens = steps + len(acc), accepted + sum(acc), tokens + args.max_new_tokens
+    res = {
+        "command": "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "target": tc.path or tc.preset, "block_size": bs, "drafter_layers": dc.num_layers,
+        "prompts": len(prompts), "new_tokens_per_prompt": args.max_new_tokens,
+        "target_only_tok_s": tokens / t_plain, "speculative_tok_s": tokens / t_spec,
+        "speedup": t_plain / t_spec, "tau": 1 + accepted / steps, "accepted_per_step": accepted / steps,
+        "verify_steps": steps, "outputs_equal": True,
+    }
+    print(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
