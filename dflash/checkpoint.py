@@ -517,7 +517,8 @@ def load_train_state(path: Path) -> dict[str, Any]:
     tensor references filled from ``train_state.safetensors``.
 
     Raises:
-        CheckpointError: a file is missing, truncated or unreadable, or a referenced tensor is absent.
+        CheckpointError: a file is missing, truncated or unreadable, or a referenced tensor is absent
+            (the message names the file, not the checkpoint: the caller does).
     """
     from safetensors.torch import load_file
 
@@ -527,7 +528,9 @@ def load_train_state(path: Path) -> dict[str, Any]:
         tensors = load_file(str(big)) if big.is_file() else {}
         return _join_tensors(skeleton, tensors)
     except KeyError as exc:
-        raise CheckpointError(f"cannot read the train state of {path}: tensor {exc} is not in "
+        raise CheckpointError(f"train_state.pt refers to tensor {exc}, which is not in "
                               "train_state.safetensors") from exc
     except Exception as exc:  # noqa: BLE001 - unpickling/safetensors/OS errors: an unusable file
-        raise CheckpointError(f"cannot read the train state of {path}: {exc}") from exc
+        # The first sentence only: torch's zip errors run on for several more.
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise CheckpointError(f"train_state.pt or train_state.safetensors is unreadable ({first})") from exc

@@ -368,7 +368,7 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
         lines.append(f"  {c.name}: step {c.step}, loss {loss}, {health}, complete"
                      + (" <- resume=auto picks this" if c.auto_resume else ""))
     for name, n in rep.archives.items():
-        lines.append(f"  {name}/: {n} checkpoint(s) of an earlier lineage, moved aside (not resumed)")
+        lines.append(f"  {name}/: {n} checkpoint(s) a later start did not continue, moved aside (never resumed)")
     if len(rep.segments) > 1:
         lines.append(f"\nsegments ({len(rep.segments)}; one per dflash.run process):")
         for i, g in enumerate(rep.segments, 1):

@@ -113,7 +113,8 @@ def choose(run_dir: Path, resume: str) -> Resume | None:
             :func:`verify`, or none), or a path to a checkpoint directory.
 
     Returns:
-        The loaded checkpoint, with the newer ones ``auto`` rejected and why; None to start fresh.
+        The loaded checkpoint, with the newer ones ``auto`` rejected and why (each also logged as a
+        ``REJECTED checkpoint PATH: reason`` warning); None to start fresh.
 
     Raises:
         CheckpointError: a given path does not exist or fails :func:`verify`.
@@ -126,12 +127,13 @@ def choose(run_dir: Path, resume: str) -> Resume | None:
             try:
                 got = verify(path)
             except CheckpointError as exc:
+                log.warning("REJECTED checkpoint %s: %s; trying an older one", path, exc)
                 rejected.append((path, str(exc)))
                 continue
             got.rejected = rejected
             return got
         if rejected:
-            log.warning("no usable checkpoint in %s; starting fresh", Path(run_dir) / "checkpoints")
+            log.warning("no usable checkpoint in %s; starting from step 0", Path(run_dir) / "checkpoints")
         return None
     path = Path(resume)
     if not path.is_dir():

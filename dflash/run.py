@@ -179,10 +179,8 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
-    got = choose_resume(run_dir, resume)
-    train_state, start_step, ckpt = None, 0, None
-    for path, why in got.rejected if got is not None else []:
-        log.warning("REJECTED checkpoint %s: %s; falling back to an older one", path, why)
+    got = choose_resume(run_dir, resume)  # logs a REJECTED line for each checkpoint it passes over
+    train_state, start_step, ckpt, changes = None, 0, None, []
     if got is not None:
         ckpt, train_state, start_step = got.path, got.train_state, got.step
         sampler.load_state_dict(train_state["sampler"])
@@ -220,12 +218,12 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations, %s batching: padding waste %.1f%%, %d batches/epoch",
              len(train), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
-    metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step,
+    metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step, "lineage": app.lineage,
                    "data": dataset.summary.to_dict(), "batching": msgspec.to_builtins(stats)})
     if got is not None:
         metrics.write({"kind": "resume", "step": start_step, "path": str(ckpt),
                        "rejected": [{"path": str(p), "reason": r} for p, r in got.rejected],
-                       "config_changes": _config_changes(got, cfg)})
+                       "config_changes": changes})
     return app
 
 

@@ -70,7 +70,7 @@ def _drop_tensor_from_train_state(p):
     (_corrupt_inf_weights, "non-finite weights in model.safetensors (fc.weight)"),
     (_corrupt_nan_moments, "non-finite train state (/optimizer/state/0/exp_avg_sq)"),
     (_delete_train_state_tensors, "train_state.safetensors missing"),
-    (_truncate_train_state_pt, "cannot read the train state"),
+    (_truncate_train_state_pt, "train_state.pt or train_state.safetensors is unreadable"),
     (_drop_tensor_from_train_state, "is not in train_state.safetensors"),
 ])
 def test_auto_falls_back_from_a_corrupted_checkpoint_and_says_why(run_dir, corrupt, reason):
