@@ -27,6 +27,8 @@ class RunApp:
         config_hash: hash of the resolved config (stored in checkpoints).
         drafter_cfg: the drafter config with the dimensions taken from the target.
         channel_stats: returns the live channel statistics (set once the graph is built).
+        resume_weights: the resumed checkpoint's verified ``model.safetensors`` tensors (CPU), or None.
+        lineage: the lineage id written into this run's checkpoints (``dflash.resume``).
     """
 
     cfg: DFlashFile
@@ -39,6 +41,14 @@ class RunApp:
     config_hash: str
     drafter_cfg: Any
     channel_stats: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    resume_weights: dict[str, Any] | None = None
+    lineage: str | None = None
+
+    def step_of(self, seq: int) -> int:
+        """The drafter step (1-based, counted over the whole run) that trains the batch with
+        ``Batch.seq == seq``: data-parallel drafter replicas take one batch each per step."""
+        drafters = next((p.replicas for p in self.cfg.process if p.kind == "dflash.drafter"), 1)
+        return self.start_step + seq // drafters + 1
 
     @property
     def steps_to_run(self) -> int:

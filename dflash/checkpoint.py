@@ -7,7 +7,10 @@ Layout of one checkpoint (see docs/architecture.md)::
         drafter_config.json   target_config.json
         train_state.safetensors  optimizer moments (and any other tensor of the train state)
         train_state.pt        the rest: scheduler, sampler and RNG state, step, references
-        meta.json             {"step", "loss", "config_hash", "healthy", "time", "batch_id", "save_s"}
+        train_config.json     the resolved graph file the run trained with (resume names what changed)
+        meta.json             {"step", "batch_id", "loss", "window_steps", "window_skipped",
+                               "skipped_total", "healthy", "reason", "lineage", "config_hash",
+                               "time", "save_s"}
 
 How a save avoids stalling the pipeline (failure mode 4 of DESIGN.md): the training thread only
 *snapshots* the state — on CUDA a device-to-device clone on a side stream, ordered after the
@@ -17,13 +20,27 @@ before the next optimizer step so that step cannot overwrite parameters the copy
 
 Atomicity: files go to ``.tmp-step_N`` and the directory is renamed to ``step_N`` only after
 ``meta.json`` (written last) is fsynced. A crash or Ctrl-C mid-save leaves a ``.tmp-*`` directory that
-resume ignores and the next save removes. A snapshot with non-finite weights is never written.
+resume ignores and the next save removes. A snapshot with non-finite weights or optimizer state
+is never written.
+
+Health (``meta.json["healthy"]``, decided when the checkpoint is written): a checkpoint is healthy
+when its step was trained (not skipped: no non-finite streak is running when it is saved) and the
+loss of its own window — the mean over the steps trained since the previous checkpoint, skipped
+steps excluded — is finite. Otherwise it is written with ``healthy: false`` and a ``reason``, and
+``resume = "auto"`` passes over it. A run that stops on a non-finite streak which began right after
+a healthy checkpoint marks that checkpoint unhealthy too (:func:`mark_unhealthy`): its weights are
+what every later step failed on. :mod:`dflash.resume` verifies the tensors themselves before a
+resume.
+
+Lineage: every checkpoint records the ``lineage`` id of the run that wrote it (a fresh start makes a
+new id, a resume keeps the checkpoint's). Retention only ever deletes checkpoints of its own lineage.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -88,6 +105,10 @@ class Snapshot(msgspec.Struct, kw_only=True):
     step: int
     batch_id: int
     loss: float
+    window_steps: int = 0
+    window_skipped: int = 0
+    last_skipped: bool = False
+    skipped_total: int = 0
     weights: dict[str, torch.Tensor]
     train_state: dict[str, Any]
     configs: dict[str, Any]
@@ -101,11 +122,13 @@ class Checkpointer:
 
     Args:
         root: the ``checkpoints`` directory of the run.
-        keep_last: how many complete healthy checkpoints to keep (older ones are deleted after a
-            newer one is written).
+        keep_last: how many complete healthy checkpoints of this lineage to keep (older ones are
+            deleted after a newer one is written; see :meth:`_apply_retention`).
         config_hash: hash of the resolved graph file, stored in ``meta.json``.
         on_event: called from the writer thread with a dict for ``metrics.jsonl``
             (``{"kind": "checkpoint", ...}``) after each save attempt.
+        lineage: id of the run's lineage, stored in ``meta.json``; retention never deletes a
+            checkpoint of another lineage (or of none).
     """
 
     def __init__(
@@ -115,8 +138,10 @@ class Checkpointer:
         keep_last: int,
         config_hash: str,
         on_event: Callable[[dict[str, Any]], None] | None = None,
+        lineage: str | None = None,
     ) -> None:
         self.root = Path(root)
+        self.lineage = lineage
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(_TMP_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
@@ -145,8 +170,21 @@ class Checkpointer:
         weights: dict[str, torch.Tensor],
         train_state: dict[str, Any],
         configs: dict[str, Any],
+        window_steps: int = 0,
+        window_skipped: int = 0,
+        last_skipped: bool = False,
+        skipped_total: int = 0,
     ) -> None:
         """Snapshot the state and hand it to the writer thread; returns without waiting for disk.
+
+        Args:
+            step, batch_id: the step just trained and the batch it trained on.
+            loss: mean loss of the checkpoint's window (the steps since the previous checkpoint,
+                skipped ones excluded); nan when every one was skipped.
+            window_steps, window_skipped: steps in that window, and how many were skipped.
+            last_skipped: True when ``step`` itself was skipped (a non-finite streak is running).
+            skipped_total: skipped steps of the whole run so far.
+            weights, train_state, configs: what the files hold (``configs``: file name -> object).
 
         ``weights`` and the tensors inside ``train_state`` may live on a CUDA device: they are
         copied to host memory on a side stream that first waits for the current stream, so the
@@ -177,6 +215,10 @@ class Checkpointer:
             step=step,
             batch_id=batch_id,
             loss=loss,
+            window_steps=window_steps,
+            window_skipped=window_skipped,
+            last_skipped=last_skipped,
+            skipped_total=skipped_total,
             weights=weights,
             train_state=train_state,
             configs=configs,
@@ -283,11 +325,14 @@ class Checkpointer:
             snap.ready.synchronize()  # only this writer thread waits for the snapshot clone
             snap.weights, snap.train_state = self._to_host((snap.weights, snap.train_state), snap.device)
         bad = [k for k, t in snap.weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-        if bad:
-            log.error("not writing checkpoint at step %d: non-finite weights in %s", snap.step, bad[:5])
+        bad_state = nonfinite_tensors(snap.train_state)
+        if bad or bad_state:
+            what = f"non-finite weights in {bad[:5]}" if bad else f"non-finite train state in {bad_state[:5]}"
+            log.error("not writing checkpoint at step %d: %s", snap.step, what)
             self.on_event({"kind": "checkpoint", "step": snap.step, "path": None, "healthy": False,
-                           "reason": f"non-finite weights in {bad[:5]}", "save_s": 0.0, "time": time.time()})
+                           "reason": what, "save_s": 0.0, "time": time.time()})
             return
+        reason = health_reason(snap)
         final = step_dir(self.root, snap.step)
         tmp = self.root / f"{_TMP_PREFIX}{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -305,23 +350,75 @@ class Checkpointer:
             os.fsync(f.fileno())
         save_s = time.perf_counter() - snap.started
         meta = {"step": snap.step, "batch_id": snap.batch_id, "loss": snap.loss,
-                "config_hash": self.config_hash, "healthy": True, "time": time.time(), "save_s": save_s}
+                "window_steps": snap.window_steps, "window_skipped": snap.window_skipped,
+                "skipped_total": snap.skipped_total, "healthy": reason is None, "reason": reason,
+                "lineage": self.lineage, "config_hash": self.config_hash, "time": time.time(),
+                "save_s": save_s}
         _write_json(tmp / "meta.json", meta)
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        self.last_healthy = final
+        if reason is None:
+            self.last_healthy = final
+            log.info("checkpoint step %d written to %s in %.2fs (background)", snap.step, final, save_s)
+        else:
+            log.warning("checkpoint step %d written to %s but marked UNHEALTHY (%s); resume = \"auto\" "
+                        "will not pick it", snap.step, final, reason)
         self._apply_retention()
-        log.info("checkpoint step %d written to %s in %.2fs (background)", snap.step, final, save_s)
-        self.on_event({"kind": "checkpoint", "step": snap.step, "path": str(final), "healthy": True,
-                       "save_s": round(save_s, 4), "time": time.time()})
+        self.on_event({"kind": "checkpoint", "step": snap.step, "path": str(final), "healthy": reason is None,
+                       **({"reason": reason} if reason else {}), "save_s": round(save_s, 4),
+                       "time": time.time()})
 
     def _apply_retention(self) -> None:
-        complete = [p for p in list_checkpoints(self.root) if read_meta(p) is not None]
-        for old in complete[: max(0, len(complete) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the newest ``keep_last`` healthy checkpoints of this lineage and, of its unhealthy
+        ones, at most ``keep_last`` newer than the newest healthy one (for a post-mortem); delete
+        the rest of this lineage. Checkpoints of another lineage are never touched."""
+        ours = [(p, m) for p in list_checkpoints(self.root)
+                if (m := read_meta(p)) is not None and m.get("lineage") == self.lineage]
+        healthy = [p for p, m in ours if m.get("healthy")]
+        newest = healthy[-1].name if healthy else ""
+        unhealthy = [p for p, m in ours if not m.get("healthy") and p.name > newest]
+        keep = set(healthy[-self.keep_last:]) | set(unhealthy[-self.keep_last:])
+        for old, _ in ours:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def health_reason(snap: Snapshot) -> str | None:
+    """Why a snapshot is not a healthy checkpoint (see the module docstring), or None if it is."""
+    if snap.last_skipped:
+        return (f"its step {snap.step} was skipped as non-finite, with {snap.window_skipped} of the "
+                f"{snap.window_steps} steps since the previous checkpoint")
+    if not math.isfinite(snap.loss):
+        return f"the mean loss of the {snap.window_steps} steps since the previous checkpoint is not finite"
+    return None
+
+
+def nonfinite_tensors(tree: Any, path: str = "") -> list[str]:
+    """Paths (``/optimizer/state/0/exp_avg``) of the floating-point tensors in a nested structure
+    that hold a NaN or an Inf."""
+    if isinstance(tree, torch.Tensor):
+        return [path or "tensor"] if tree.is_floating_point() and not torch.isfinite(tree).all() else []
+    if isinstance(tree, dict):
+        return [b for k, v in tree.items() for b in nonfinite_tensors(v, f"{path}/{k}")]
+    if isinstance(tree, (list, tuple)):
+        return [b for i, v in enumerate(tree) for b in nonfinite_tensors(v, f"{path}/{i}")]
+    return []
+
+
+def mark_unhealthy(path: Path, reason: str) -> None:
+    """Rewrite ``meta.json`` of a checkpoint with ``healthy: false`` and ``reason`` (atomically:
+    a temporary file renamed over it). No-op when it has no readable meta.json."""
+    meta = read_meta(path)
+    if meta is None:
+        return
+    meta.update(healthy=False, reason=reason)
+    tmp = path / ".meta.json.tmp"
+    _write_json(tmp, meta)
+    os.replace(tmp, path / "meta.json")
+    _fsync_dir(path)
 
 
 _TENSOR_REF = "__safetensors__:"
@@ -366,67 +463,74 @@ def read_meta(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def is_healthy(path: Path) -> bool:
-    """True if the checkpoint is complete, marked healthy, and its tensor files are readable.
-
-    Cheap: ``meta.json`` plus the safetensors *headers* of ``model.safetensors`` and (when
-    present) ``train_state.safetensors`` (``safe_open`` reads the header and checks that the file
-    is as long as the header says: a truncated copy fails), no tensor data.
-    """
-    meta = read_meta(path)
-    if not (meta and meta.get("healthy")) or not (path / "train_state.pt").is_file():
-        return False
-    state = path / "train_state.safetensors"
-    return _readable_safetensors(path / "model.safetensors") and (
-        not state.exists() or _readable_safetensors(state))
+REQUIRED_FILES = ("meta.json", "model.safetensors", "drafter_config.json", "target_config.json",
+                  "train_state.pt", "train_state.safetensors")
+"""Every file a checkpoint needs to be resumed, evaluated or exported."""
 
 
-def _readable_safetensors(file: Path) -> bool:
-    """The file exists and its safetensors header parses and covers the file (no data read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), "pt"):
-            return True
-    except Exception:  # noqa: BLE001 - SafetensorError, OSError: not a usable file
-        return False
-
-
-def resolve_resume(run_dir: Path, resume: str) -> Path | None:
-    """Which checkpoint to resume from.
-
-    Args:
-        run_dir: the run directory (checkpoints live in ``run_dir/checkpoints``).
-        resume: ``"none"`` (start fresh), ``"auto"`` (the newest *healthy* checkpoint of this run,
-            or none if there is none), or a path to a checkpoint directory.
+def check_files(path: Path) -> dict[str, Any]:
+    """The cheap part of :func:`dflash.resume.verify`: ``meta.json`` marks the checkpoint healthy,
+    every file of :data:`REQUIRED_FILES` is present, the configs parse and the safetensors headers
+    cover their files (no tensor data read). Returns ``meta.json``.
 
     Raises:
-        CheckpointError: a given path does not exist or is not a complete, healthy checkpoint.
+        CheckpointError: the reason it cannot be used.
     """
-    if resume == "none":
-        return None
-    if resume == "auto":
-        healthy = [p for p in list_checkpoints(Path(run_dir) / "checkpoints") if is_healthy(p)]
-        return healthy[-1] if healthy else None
-    path = Path(resume)
-    if not path.is_dir():
-        raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
-    if not is_healthy(path):
-        raise CheckpointError(
-            f"--resume {resume}: not a complete healthy checkpoint (meta.json missing, unhealthy, or files "
-            "missing); pick another one (python -m dflash.logs RUN_DIR lists them) or use --resume auto"
-        )
-    return path
+    from safetensors import safe_open
+
+    path = Path(path)
+    meta = read_meta(path)
+    if meta is None:
+        raise CheckpointError("meta.json is missing or unreadable (an interrupted or damaged save)")
+    if not meta.get("healthy"):
+        raise CheckpointError(f"marked unhealthy ({meta.get('reason') or 'no reason recorded'})")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{', '.join(missing)} missing")
+    for name in ("drafter_config.json", "target_config.json"):
+        try:
+            json.loads((path / name).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{name} is unreadable ({exc})") from exc
+    for name in ("model.safetensors", "train_state.safetensors"):
+        try:
+            with safe_open(str(path / name), "pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: an unusable file
+            raise CheckpointError(f"{name} is unreadable ({exc})") from exc
+    return meta
+
+
+def is_healthy(path: Path) -> bool:
+    """True if :func:`check_files` passes: complete, marked healthy, every file present, configs and
+    safetensors headers readable (``safe_open`` checks that a file is as long as its header says: a
+    truncated copy fails). Cheap: no tensor data is read; :func:`dflash.resume.verify` reads it."""
+    try:
+        check_files(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def load_train_state(path: Path) -> dict[str, Any]:
-    """The ``train_state.pt`` of a checkpoint (optimizer, scheduler, sampler, RNG, counters)."""
+    """The ``train_state.pt`` of a checkpoint (optimizer, scheduler, sampler, RNG, counters), its
+    tensor references filled from ``train_state.safetensors``.
+
+    Raises:
+        CheckpointError: a file is missing, truncated or unreadable, or a referenced tensor is absent
+            (the message names the file, not the checkpoint: the caller does).
+    """
     from safetensors.torch import load_file
 
     try:
         skeleton = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
         big = path / "train_state.safetensors"
         tensors = load_file(str(big)) if big.is_file() else {}
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(f"cannot read the train state of {path}: {exc}") from exc
-    return _join_tensors(skeleton, tensors)
+        return _join_tensors(skeleton, tensors)
+    except KeyError as exc:
+        raise CheckpointError(f"train_state.pt refers to tensor {exc}, which is not in "
+                              "train_state.safetensors") from exc
+    except Exception as exc:  # noqa: BLE001 - unpickling/safetensors/OS errors: an unusable file
+        # The first sentence only: torch's zip errors run on for several more.
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise CheckpointError(f"train_state.pt or train_state.safetensors is unreadable ({first})") from exc

@@ -59,12 +59,19 @@ def _eta(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _partly_averaged(record: Mapping[str, Any]) -> bool:
+    """True when the window's averages leave out some of its steps (skipped ones)."""
+    averaged, window = record.get("steps_averaged"), record.get("window")
+    return isinstance(averaged, int) and isinstance(window, int) and averaged != window
+
+
 def format_line(record: Mapping[str, Any], channels: Iterable[Any] = (), *,
                 total_steps: int | None = None, eta_s: float | None = None) -> str:
     """One plain log line for a train record (see the module docstring for an example).
 
     ``channels`` holds ChannelStatistics (or dicts with ``name``, ``current_fill``, ``capacity``).
-    A record flagged ``"spike": true`` by the monitor gets a ``SPIKE`` mark after the loss.
+    A record flagged ``"spike": true`` by the monitor gets a ``SPIKE`` mark after the loss; one whose
+    ``steps_averaged`` is less than its ``window`` (skipped steps) says ``averaged N/W steps``.
     """
     step = record.get("step", 0)
     progress = f"step {step}"
@@ -78,6 +85,8 @@ def format_line(record: Mapping[str, Any], channels: Iterable[Any] = (), *,
              f"lr {_num(record.get('lr'), '.1e')}"]
     if record.get("skipped_total"):
         parts.append(f"skipped {record['skipped_total']}")
+    if _partly_averaged(record):
+        parts.append(f"averaged {record['steps_averaged']}/{record['window']} steps")
     if total_steps:
         parts.append(f"eta {_eta(eta_s)}")
     fills = " ".join(f"{_get(c, 'name')} {_get(c, 'current_fill')}/{_get(c, 'capacity')}"
@@ -188,6 +197,8 @@ class TrainingDisplay:
         )
         if self.start_step:
             stats.add_row("resumed", f"from step {self.start_step}", "", "", "")
+        if _partly_averaged(record):
+            stats.add_row("window", f"averaged {record['steps_averaged']} of {record['window']} steps", "", "", "")
         stats.add_row("throughput", f"target {_si(record.get('target_tok_s'))} tok/s",
                       f"drafter {_si(record.get('drafter_tok_s'))} tok/s", "", "")
         progress = Table.grid(padding=(0, 2))

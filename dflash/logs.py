@@ -3,20 +3,30 @@
 Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/checkpoints/`` (formats in ``docs/architecture.md``)
 and reports:
 
+* **Segments.** Each ``start`` record (one per ``dflash.run`` process) opens a segment: a fresh
+  start from step 0 or a resume. Spikes and gaps are found within each segment, never across a
+  restart; the segment list says where each began, from what, and how long the run was down.
 * **Loss spikes.** Train record ``i`` is a spike when, with ``m`` the median and ``MAD`` the median
-  absolute deviation of the finite losses of the previous ``window`` train records (at least
-  ``min_history`` of them), ``loss_i > m + k * max(1.4826 * MAD, rel_floor * |m|)``. The factor
-  1.4826 makes the MAD estimate a standard deviation for normal noise (Hampel's identifier; see
-  Rousseeuw & Croux 1993); the floor keeps a perfectly flat loss from flagging noise. A non-finite
-  loss in a train record is always reported. Defaults: window 20, k 5, floor 1 %.
-* **Skipped steps**: every ``skip`` record (step, batch id, reason), and a warning when the last
-  train record's ``skipped_total`` disagrees with the number of skip records.
-* **Gaps in logging**: consecutive train records further apart in time than ``gap_factor`` (3) x
-  the median interval. The cause is a checkpoint whose write ``[time - save_s, time]`` overlaps the
-  gap, a ``resume`` or ``start`` record inside it, else ``stall``.
-* **Checkpoints** with their health: every ``checkpoints/*`` directory; ``meta.json`` gives step,
-  loss and ``healthy``; a directory without ``meta.json`` (including a leftover ``.tmp-*``) is
-  incomplete. The newest complete healthy one is what ``resume = "auto"`` would pick.
+  absolute deviation of the finite losses of the previous ``window`` train records of its segment
+  (at least ``min_history`` of them; the live monitor's history also starts with its process),
+  ``loss_i > m + k * max(1.4826 * MAD, rel_floor * |m|)``. The factor 1.4826 makes the MAD
+  estimate a standard deviation for normal noise (Hampel's identifier; see Rousseeuw & Croux 1993);
+  the floor keeps a perfectly flat loss from flagging noise. A non-finite loss in a train record
+  that averaged steps (``steps_averaged`` > 0) is always reported; a window whose every step was
+  skipped (``steps_averaged`` 0) is not a spike, its steps are listed as skipped. Defaults: window
+  20, k 5, floor 1 %.
+* **Skipped steps**: every ``skip`` record (step, batch id, target replica, reason), and a warning
+  when the last train record's ``skipped_total`` disagrees with the skip records of the steps it
+  descends from (the segments back to the last fresh start, without steps a resume rewound).
+* **Gaps in logging**: consecutive train records of one segment further apart in time than
+  ``gap_factor`` (3) x the median interval. The cause is a checkpoint whose write
+  ``[time - save_s, time]`` overlaps the gap, a ``resume`` record inside it, else ``stall``.
+* **Checkpoints** with their health: every ``checkpoints/step_*`` (and leftover ``.tmp-*``)
+  directory; ``meta.json`` gives step, loss and ``healthy``; a directory without ``meta.json`` is
+  incomplete. ``resume = "auto"``'s rule decides which one it would pick: the newest whose files
+  and tensors pass :func:`dflash.resume.verify` (every newer one is listed with why it was
+  rejected); older ones get the cheap check (files present, headers readable). Directories
+  ``checkpoints/archive-*`` (an earlier lineage moved aside) are counted, not scanned.
 
 Plain text by default; ``--json`` prints one JSON object for scripts. Exit status 2 when
 ``RUN_DIR/metrics.jsonl`` is missing.
@@ -41,12 +51,25 @@ class Spike(msgspec.Struct, frozen=True):
     loss: float
     median: float
     threshold: float
+    steps_averaged: int | None = None
 
 
 class Skip(msgspec.Struct, frozen=True):
     step: int
     batch_id: int | None
     reason: str
+    replica: int | None = None  # the target replica that produced the batch
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """One ``dflash.run`` process's part of the log (from one ``start`` record to the next)."""
+
+    start_step: int | None  # the step it started from (0: fresh start); None before any start record
+    resumed_from: str | None
+    first_step: int | None  # first and last train record steps
+    last_step: int | None
+    end_status: str | None
+    down_s: float | None  # seconds since the previous segment's last record
 
 
 class Gap(msgspec.Struct, frozen=True):
@@ -65,6 +88,7 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
     healthy: bool | None = None
     save_s: float | None = None
     auto_resume: bool = False
+    problem: str | None = None  # why resume = "auto" would not use it (None: usable, or not checked)
 
 
 class LogReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +102,9 @@ class LogReport(msgspec.Struct, frozen=True, kw_only=True):
     skips: list[Skip]
     gaps: list[Gap]
     checkpoints: list[CheckpointInfo]
+    segments: list[Segment] = []
+    archives: dict[str, int] = {}  # checkpoints/archive-* directory -> checkpoints in it
+    descended_skips: int | None = None  # skip records of the steps the last train record descends from
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -123,53 +150,111 @@ def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0
     """Loss spikes among ``train`` records (in file order) by the rule in the module docstring."""
     spikes, history = [], []
     for rec in train:
-        loss = rec.get("loss")
+        loss, averaged = rec.get("loss"), rec.get("steps_averaged")
+        if averaged == 0:
+            continue  # every step of the window was skipped: listed as skips, not a spike
         if not _finite(loss):
             spikes.append(Spike(step=rec.get("step", -1), loss=float("nan") if loss is None else loss,
-                                median=float("nan"), threshold=float("nan")))
+                                median=float("nan"), threshold=float("nan"), steps_averaged=averaged))
             continue
         got = spike_threshold(history, window=window, k=k, rel_floor=rel_floor, min_history=min_history)
         if got is not None and loss > got[1]:
-            spikes.append(Spike(step=rec["step"], loss=loss, median=got[0], threshold=got[1]))
+            spikes.append(Spike(step=rec["step"], loss=loss, median=got[0], threshold=got[1],
+                                steps_averaged=averaged))
         history.append(loss)
     return spikes
 
 
+def split_segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``records`` cut before every ``start`` record (records before the first one form their own
+    segment)."""
+    segments: list[list[dict[str, Any]]] = []
+    for r in records:
+        if r.get("kind") == "start" or not segments:
+            segments.append([])
+        segments[-1].append(r)
+    return segments
+
+
+def describe_segments(records: list[dict[str, Any]]) -> list[Segment]:
+    """One :class:`Segment` per part of the log that one process wrote."""
+    out, prev_end = [], None
+    for seg in split_segments(records):
+        start = seg[0] if seg[0].get("kind") == "start" else None
+        resume = next((r for r in seg if r.get("kind") == "resume"), None)
+        train = [r for r in seg if r.get("kind") == "train"]
+        end = next((r for r in reversed(seg) if r.get("kind") == "end"), None)
+        t0 = seg[0].get("time")
+        out.append(Segment(
+            start_step=start.get("step", 0) if start is not None else None,
+            resumed_from=resume.get("path") if resume is not None else None,
+            first_step=train[0].get("step") if train else None,
+            last_step=train[-1].get("step") if train else None,
+            end_status=end.get("status") if end is not None else None,
+            down_s=t0 - prev_end if _finite(t0) and _finite(prev_end) else None,
+        ))
+        times = [r["time"] for r in seg if _finite(r.get("time"))]
+        prev_end = max(times) if times else prev_end
+    return out
+
+
+def descended_skips(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``skip`` records of the steps the last segment descends from: its own, then, segment by
+    segment back to the last fresh start, those at or before the step the next segment resumed
+    from (a resume from an earlier step discards the later ones)."""
+    out: list[dict[str, Any]] = []
+    upto = math.inf
+    for seg in reversed(split_segments(records)):
+        out += [r for r in seg if r.get("kind") == "skip" and r.get("step", 0) <= upto]
+        start = seg[0] if seg[0].get("kind") == "start" else None
+        if start is None or not start.get("step"):
+            break  # a fresh start (or the log's beginning): nothing before it counts
+        upto = start["step"]
+    return out
+
+
 def find_gaps(records: list[dict[str, Any]], *, gap_factor: float = 3.0) -> list[Gap]:
-    """Intervals between consecutive train records longer than ``gap_factor`` x the median one."""
-    train = [r for r in records if r.get("kind") == "train" and _finite(r.get("time"))]
-    deltas = [b["time"] - a["time"] for a, b in zip(train, train[1:])]
+    """Intervals between consecutive train records of one segment longer than ``gap_factor`` x the
+    median such interval (a restart is a segment boundary, not a gap: see :func:`describe_segments`)."""
+    segments = []
+    for seg in split_segments(records):
+        train = [r for r in seg if r.get("kind") == "train" and _finite(r.get("time"))]
+        segments.append((seg, train, [b["time"] - a["time"] for a, b in zip(train, train[1:])]))
+    deltas = [d for _, _, ds in segments for d in ds]
     if not deltas:
         return []
     typical = statistics.median(deltas)
     gaps = []
-    for (a, b), dt in zip(zip(train, train[1:]), deltas):
-        if dt <= gap_factor * typical:
-            continue
-        t0, t1 = a["time"], b["time"]
-        causes = []
-        for r in records:
-            t = r.get("time")
-            if not _finite(t):
+    for seg, train, ds in segments:
+        for (a, b), dt in zip(zip(train, train[1:]), ds):
+            if dt <= gap_factor * typical:
                 continue
-            if r["kind"] == "checkpoint" and t - (r.get("save_s") or 0.0) < t1 and t > t0:
-                causes.append(f"checkpoint at step {r.get('step')} (save {r.get('save_s', 0.0):.1f} s)")
-            elif r["kind"] == "resume" and t0 < t <= t1:
-                causes.append(f"resume from {r.get('path')} at step {r.get('step')}")
-            elif r["kind"] == "start" and t0 < t <= t1:
-                causes.append("restart")
-        gaps.append(Gap(after_step=a.get("step", -1), before_step=b.get("step", -1), seconds=dt,
-                        typical_s=typical, cause="; ".join(causes) or "stall"))
+            t0, t1 = a["time"], b["time"]
+            causes = []
+            for r in seg:
+                t = r.get("time")
+                if not _finite(t):
+                    continue
+                if r["kind"] == "checkpoint" and t - (r.get("save_s") or 0.0) < t1 and t > t0:
+                    causes.append(f"checkpoint at step {r.get('step')} (save {r.get('save_s', 0.0):.1f} s)")
+                elif r["kind"] == "resume" and t0 < t <= t1:
+                    causes.append(f"resume from {r.get('path')} at step {r.get('step')}")
+            gaps.append(Gap(after_step=a.get("step", -1), before_step=b.get("step", -1), seconds=dt,
+                            typical_s=typical, cause="; ".join(causes) or "stall"))
     return gaps
 
 
 def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
-    """Every directory under ``run_dir/checkpoints``, sorted by name, with its health."""
+    """Every ``step_*`` and ``.tmp-*`` directory under ``run_dir/checkpoints``, sorted by name, with
+    its health and, by resume = "auto"'s rule, which one it would pick (module docstring)."""
+    from dflash.checkpoint import CheckpointError, check_files
+    from dflash.resume import verify
+
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
     out = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(("step_", ".tmp"))):
         meta_path = d / "meta.json"
         meta: dict[str, Any] = {}
         if meta_path.is_file():
@@ -182,12 +267,32 @@ def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
             continue
         out.append(CheckpointInfo(name=d.name, complete=True, step=meta.get("step"),
                                   loss=meta.get("loss"), healthy=meta.get("healthy"),
-                                  save_s=meta.get("save_s")))
-    healthy = [c for c in out if c.complete and c.healthy and c.step is not None]
-    if healthy:
-        best = max(healthy, key=lambda c: c.step)
-        out = [msgspec.structs.replace(c, auto_resume=True) if c is best else c for c in out]
+                                  save_s=meta.get("save_s"),
+                                  problem=None if meta.get("healthy") else meta.get("reason")))
+    picked = False
+    for i in reversed(range(len(out))):
+        c = out[i]
+        if not (c.complete and c.healthy):
+            continue
+        try:
+            if picked:
+                check_files(root / c.name)  # cheap: files and headers
+            else:
+                verify(root / c.name)  # what resume = "auto" does: every tensor read
+                out[i] = msgspec.structs.replace(c, auto_resume=True)
+                picked = True
+        except CheckpointError as exc:
+            out[i] = msgspec.structs.replace(c, problem=str(exc))
     return out
+
+
+def scan_archives(run_dir: Path) -> dict[str, int]:
+    """``{archive directory name: checkpoints in it}`` for ``run_dir/checkpoints/archive-*``."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return {}
+    return {d.name: sum(1 for c in d.iterdir() if c.name.startswith("step_"))
+            for d in sorted(root.glob("archive-*")) if d.is_dir()}
 
 
 def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
@@ -208,11 +313,15 @@ def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
         last_step=train[-1].get("step") if train else None,
         end_status=ends[-1].get("status") if ends else None,
         skipped_total=train[-1].get("skipped_total") if train else None,
-        spikes=find_spikes(train, window=window, k=k),
-        skips=[Skip(step=r.get("step", -1), batch_id=r.get("batch_id"), reason=str(r.get("reason")))
-               for r in records if r["kind"] == "skip"],
+        spikes=[s for seg in split_segments(records)
+                for s in find_spikes([r for r in seg if r["kind"] == "train"], window=window, k=k)],
+        skips=[Skip(step=r.get("step", -1), batch_id=r.get("batch_id"), reason=str(r.get("reason")),
+                    replica=r.get("replica")) for r in records if r["kind"] == "skip"],
         gaps=find_gaps(records, gap_factor=gap_factor),
         checkpoints=scan_checkpoints(run_dir),
+        segments=describe_segments(records),
+        archives=scan_archives(run_dir),
+        descended_skips=len(descended_skips(records)),
     )
 
 
@@ -226,16 +335,21 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
     lines.append(f"\nloss spikes ({len(rep.spikes)}; loss > median + {k:g} x 1.4826 MAD of the "
                  f"previous {window} train records):")
     for s in rep.spikes:
+        averaged = f", mean of {s.steps_averaged} steps" if s.steps_averaged is not None else ""
         if math.isfinite(s.loss):
             lines.append(f"  step {s.step}: loss {s.loss:.4g} (median {s.median:.4g}, "
-                         f"threshold {s.threshold:.4g})")
+                         f"threshold {s.threshold:.4g}{averaged})")
         else:
-            lines.append(f"  step {s.step}: loss {s.loss} (non-finite in a train record)")
+            lines.append(f"  step {s.step}: loss {s.loss} (non-finite in a train record{averaged})")
     lines.append(f"\nskipped steps ({len(rep.skips)}; skipped_total at last train record: "
                  f"{rep.skipped_total}):")
-    lines += [f"  step {s.step} batch {s.batch_id}: {s.reason}" for s in rep.skips]
-    if rep.skipped_total is not None and rep.skipped_total != len(rep.skips):
-        lines.append(f"  warning: skipped_total {rep.skipped_total} != {len(rep.skips)} skip records")
+    lines += [f"  step {s.step} batch {s.batch_id}"
+              + (f" from target[{s.replica}]" if s.replica is not None and s.replica >= 0 else "")
+              + f": {s.reason}" for s in rep.skips]
+    expected = rep.descended_skips if rep.descended_skips is not None else len(rep.skips)
+    if rep.skipped_total is not None and rep.skipped_total != expected:
+        lines.append(f"  warning: skipped_total {rep.skipped_total} != {expected} skip records of the "
+                     "steps it counts")
     lines.append(f"\nlogging gaps ({len(rep.gaps)}; interval > {gap_factor:g} x the median):")
     lines += [f"  steps {g.after_step} -> {g.before_step}: {g.seconds:.1f} s (typical "
               f"{g.typical_s:.1f} s), cause: {g.cause}" for g in rep.gaps]
@@ -244,10 +358,24 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
         if not c.complete:
             lines.append(f"  {c.name}: incomplete (no meta.json)")
             continue
-        health = "healthy" if c.healthy else "UNHEALTHY"
         loss = f"{c.loss:.4g}" if _finite(c.loss) else str(c.loss)
+        if not c.healthy:
+            health = "UNHEALTHY" + (f": {c.problem}" if c.problem else "")
+        elif c.problem:
+            health = f"REJECTED: {c.problem}"
+        else:
+            health = "healthy"
         lines.append(f"  {c.name}: step {c.step}, loss {loss}, {health}, complete"
                      + (" <- resume=auto picks this" if c.auto_resume else ""))
+    for name, n in rep.archives.items():
+        lines.append(f"  {name}/: {n} checkpoint(s) a later start did not continue, moved aside (never resumed)")
+    if len(rep.segments) > 1:
+        lines.append(f"\nsegments ({len(rep.segments)}; one per dflash.run process):")
+        for i, g in enumerate(rep.segments, 1):
+            how = ("fresh start" if not g.start_step else f"resumed at step {g.start_step} from {g.resumed_from}")
+            steps = f"steps {g.first_step}..{g.last_step}" if g.first_step is not None else "no train records"
+            down = f", after {g.down_s:.1f} s down" if g.down_s is not None else ""
+            lines.append(f"  {i}: {how}{down}: {steps}, end: {g.end_status or 'none'}")
     return "\n".join(lines) + "\n"
 
 

@@ -122,6 +122,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
         grad_norm: global L2 gradient norm before clipping.
         skipped: True when the step was skipped (non-finite loss or gradient).
         skip_reason: why it was skipped.
+        replica: the target replica that produced the batch's features (-1: unknown).
         num_tokens: real tokens in the batch (target side).
         num_padding: padding tokens in the batch.
         num_blocks: training blocks (anchors) used.
@@ -141,6 +142,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     grad_norm: float
     skipped: bool = False
     skip_reason: str | None = None
+    replica: int = -1
     num_tokens: int = 0
     num_padding: int = 0
     num_blocks: int = 0

@@ -2,9 +2,11 @@
 
 Failure mode 5 of DESIGN.md: a monitor that averaged "whatever accumulated since I last looked"
 showed phantom loss resets. Here a window is a fixed range of drafter steps ``(S - W, S]``; each
-logged point carries ``step`` (its last step) and ``window`` (how many steps it averages; the last
-window of a run may be shorter and says so). Skipped (non-finite) steps are logged on their own line
-and excluded from the averages.
+logged point carries ``step`` (its last step), ``window`` (how many steps the window spans; the last
+window of a run, or the first after a resume, may be shorter and says so) and ``steps_averaged``
+(how many of them the averages are over: skipped, non-finite steps are logged on their own line and
+excluded, so a window of 5 holding one skip averages 4; 0 when every step was skipped, and the
+averages are then null).
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ class WindowAggregator:
         ``padding_waste``: padding tokens / computed tokens over the window (fraction).
     """
 
-    def __init__(self, window: int, start_time: float | None = None) -> None:
+    def __init__(self, window: int, start_time: float | None = None, skipped_total: int = 0) -> None:
+        """``skipped_total``: skipped steps before the first one added (a resumed run's count)."""
         self.window = window
         self._items: list[StepMetrics] = []
         self._last_time = start_time if start_time is not None else time.time()
-        self.skipped_total = 0
+        self.skipped_total = skipped_total
 
     def add(self, m: StepMetrics) -> dict[str, Any] | None:
         """Add one step; returns the window's record when ``m.step`` closes a window, else None."""
@@ -93,6 +96,7 @@ class WindowAggregator:
             "kind": "train",
             "step": last.step,
             "window": len(items),
+            "steps_averaged": len(ok),
             "loss": _mean([m.loss for m in ok]),
             "ce": _mean([m.ce for m in ok]),
             "kl": _mean([m.kl for m in ok]),

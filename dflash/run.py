@@ -29,10 +29,11 @@ from rich.logging import RichHandler
 import csp
 import csp.dist
 from dflash.app import RunApp
-from dflash.checkpoint import CheckpointError, load_train_state, read_meta, resolve_resume
+from dflash.checkpoint import CheckpointError
 from dflash.config import DFlashFile, config_hash, load_config, to_toml
 from dflash.metrics_log import MetricsLog
 from dflash.preflight import preflight
+from dflash.resume import archive_foreign, choose as choose_resume, config_changes, new_lineage, saved_config
 
 log = logging.getLogger("dflash.run")
 console = Console(stderr=True)
@@ -130,13 +131,24 @@ def acquire_run_lock(run_dir: Path):
 
 
 def keep_previous_observability(run_dir: Path, start_step: int) -> None:
-    """Move an earlier segment's csp stats and trace aside (``stats.before-step-N.jsonl``) so a
-    resumed run does not overwrite them; ``csp.inspect`` reads the current ``stats.jsonl``."""
-    for name in ("stats.jsonl", "trace.json"):
-        old = run_dir / "csp" / name
-        if old.exists():
-            stem, ext = name.split(".", 1)
-            old.rename(old.with_name(f"{stem}.before-step-{start_step}.{ext}"))
+    """Move an earlier segment's csp stats and trace aside so this segment does not overwrite them:
+    ``stats.before-step-N.jsonl`` (N: the step this segment starts from), or
+    ``stats.before-step-N-2.jsonl``, ``-3`` ... when an earlier segment also ended at step N; stats
+    and trace of one segment share the suffix. ``csp.inspect`` reads the current ``stats.jsonl``."""
+    csp_dir = run_dir / "csp"
+    names = [n for n in ("stats.jsonl", "trace.json") if (csp_dir / n).exists()]
+    if not names:
+        return
+
+    def aside(name: str, k: int) -> Path:
+        stem, ext = name.split(".", 1)
+        return csp_dir / f"{stem}.before-step-{start_step}{'' if k == 1 else f'-{k}'}.{ext}"
+
+    k = 1
+    while any(aside(n, k).exists() for n in ("stats.jsonl", "trace.json")):
+        k += 1
+    for name in names:
+        (csp_dir / name).rename(aside(name, k))
 
 
 def prepare(cfg: DFlashFile, resume: str) -> RunApp:
@@ -168,25 +180,29 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         raise DataError(f"{exc}; lower data.holdout") from exc
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
-    ckpt = resolve_resume(run_dir, resume)
-    train_state, start_step = None, 0
-    if ckpt is not None:
-        train_state = load_train_state(ckpt)
-        start_step = int(train_state["step"])
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
+    got = choose_resume(run_dir, resume)  # logs a REJECTED line for each checkpoint it passes over
+    train_state, start_step, ckpt, changes = None, 0, None, []
+    if got is not None:
+        ckpt, train_state, start_step = got.path, got.train_state, got.step
         sampler.load_state_dict(train_state["sampler"])
-        meta = read_meta(ckpt) or {}
-        if meta.get("config_hash") != config_hash(cfg):
-            log.warning("the config differs from the one checkpoint %s was trained with "
-                        "(hash %s, now %s)", ckpt, meta.get("config_hash"), config_hash(cfg))
+        changes = _config_changes(got, cfg)
+        if changes:
+            log.warning("the config differs from the one checkpoint %s was trained with: %s", ckpt,
+                        "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else ""))
         console.rule(f"[bold yellow]RESUMING from step {start_step}: {ckpt}")
         log.warning("RESUMING from step %d: %s", start_step, ckpt)
-    elif (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-        log.warning("%s already holds checkpoints; starting from step 0 (resume=%s)", run_dir, resume)
 
     drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
     if ckpt is not None:
         check_architecture(ckpt, drafter_cfg)
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
+    if rank == 0:  # one lineage per checkpoints/ directory (dflash.resume)
+        archived, moved = archive_foreign(run_dir / "checkpoints", got)
+        if archived is not None:
+            log.warning("moved %d checkpoint(s) this run does not continue (%s) to %s; delete that "
+                        "directory when you no longer need them", len(moved), ", ".join(moved), archived)
+    if got is None and resume != "none":
+        log.info("no checkpoint to resume in %s; starting from step 0", run_dir / "checkpoints")
     metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
     app = RunApp(
         cfg=cfg,
@@ -198,15 +214,33 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         metrics=metrics,
         config_hash=config_hash(cfg),
         drafter_cfg=drafter_cfg,
+        resume_weights=got.weights if got is not None else None,
+        lineage=(got.lineage if got is not None else None) or new_lineage(),
     )
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations, %s batching: padding waste %.1f%%, %d batches/epoch",
              len(train), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
-    metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step,
+    metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step, "lineage": app.lineage,
                    "data": dataset.summary.to_dict(), "batching": msgspec.to_builtins(stats)})
-    if ckpt is not None:
-        metrics.write({"kind": "resume", "step": start_step, "path": str(ckpt)})
+    if got is not None:
+        metrics.write({"kind": "resume", "step": start_step, "path": str(ckpt),
+                       "rejected": [{"path": str(p), "reason": r} for p, r in got.rejected],
+                       "config_changes": changes})
     return app
+
+
+def _config_changes(got, cfg: DFlashFile) -> list[str]:
+    """What differs from the checkpoint's training config (dflash.resume.config_changes); only the
+    hashes when the checkpoint predates train_config.json."""
+    import json
+
+    saved = saved_config(got.path)
+    if saved is not None:
+        return config_changes(saved, json.loads(msgspec.json.encode(cfg)))
+    if got.meta.get("config_hash") not in (None, config_hash(cfg)):
+        return [f"config hash {got.meta.get('config_hash')} -> {config_hash(cfg)} (the checkpoint does not "
+                "record which keys)"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,10 +306,13 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         return 130
     if rank == 0:
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
-        keep_previous_observability(run_dir, app.start_step)
-    if app.steps_to_run == 0:
+    if app.steps_to_run == 0:  # the previous segment's csp stats and trace stay where csp.inspect reads them
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
+        app.metrics.write({"kind": "end", "status": "nothing to do", "exit_code": 0, "seconds": 0.0})
+        app.metrics.close()
         return 0
+    if rank == 0:
+        keep_previous_observability(run_dir, app.start_step)
 
     log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.start_step + 1,
              cfg.run.steps, run_dir)

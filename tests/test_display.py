@@ -95,3 +95,16 @@ def test_live_view_renders_and_update_is_cheap():
     assert "step 200/1000" in text and "batches" in text and "3/8" in text
     assert "checkpoint step 200 saved" in text and "from step 5" in text
     assert threading.active_count() == before
+
+
+def test_a_window_that_averaged_fewer_steps_says_so():
+    """Invariant (issue 14, item 11): a window whose averages leave out skipped steps is labelled
+    with how many it averaged; a full window carries no label."""
+    partly = format_line(_rec(10, 1.0, window=5, steps_averaged=4, skipped_total=1))
+    assert "averaged 4/5 steps" in partly
+    assert "averaged" not in format_line(_rec(10, 1.0, window=5, steps_averaged=5))
+    out = io.StringIO()
+    d = TrainingDisplay(100, file=out, mode="live", refresh_per_second=4)
+    d.update(_rec(10, 1.0, window=5, steps_averaged=4))
+    d.close()
+    assert "averaged 4 of 5 steps" in out.getvalue()

@@ -59,3 +59,21 @@ def test_metrics_log_appends_lines(tmp_path):
     log.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["kind"] for x in lines] == ["start", "train"] and all("time" in x for x in lines)
+
+
+def test_a_window_records_how_many_steps_it_averaged():
+    """Invariant (issue 14, item 11): ``window`` is the span in steps, ``steps_averaged`` the steps
+    its averages are over: a 5-step window holding one skip says 5 and 4; an all-skipped one 0."""
+    agg = WindowAggregator(window=5, start_time=0.0)
+    records = [agg.add(_m(s, loss=1.0, skipped=(s == 3), t=float(s))) for s in range(1, 6)]
+    assert (records[-1]["window"], records[-1]["steps_averaged"]) == (5, 4)
+    for s in range(6, 11):
+        r = agg.add(_m(s, skipped=True, t=float(s)))
+    assert (r["window"], r["steps_averaged"]) == (5, 0) and math.isnan(r["loss"])
+
+
+def test_skipped_total_counts_on_from_a_resumed_run():
+    """Invariant (issue 14, item 9): a resumed run's skipped_total continues from the checkpoint's."""
+    agg = WindowAggregator(window=2, start_time=0.0, skipped_total=3)
+    agg.add(_m(5, skipped=True, t=1.0))
+    assert agg.add(_m(6, t=2.0))["skipped_total"] == 4

@@ -154,7 +154,7 @@ def test_nonfinite_step_is_skipped_counted_and_training_goes_on(tmp_path, cache_
     run = tmp_path / "run"
     assert main(small(run, cache_dir, "process.postprocess.kind=\"tests.nan_features\"", steps=6)) == 0
     skips = records(run, "skip")
-    assert [(s["step"], s["batch_id"]) for s in skips] == [(3, 2)]
+    assert [(s["step"], s["batch_id"], s["replica"]) for s in skips] == [(3, 2, 0)]
     assert "non-finite" in skips[0]["reason"]
     assert records(run, "train")[-1]["skipped_total"] == 1
     per_step = losses(run)
@@ -183,7 +183,7 @@ def test_check_channels_names_the_first_producer_of_a_nan(tmp_path, cache_dir, m
                       "train.check_channels=true", steps=4))
     assert code == 1
     err = capsys.readouterr().err
-    assert "postprocess[0]" in err and "'features'" in err and "batch 1" in err
+    assert "postprocess[0]" in err and "'features'" in err and "step 2, batch 1" in err  # batch 1 trains step 2
 
 
 def test_crash_in_a_stage_stops_cleanly_naming_it(tmp_path, cache_dir, capsys):
@@ -274,3 +274,132 @@ def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir,
     assert main(small(run, cache_dir, "drafter.num_layers=3", steps=6)) == 2
     err = capsys.readouterr().err
     assert "num_layers: checkpoint 2, config 3" in err and "--resume none" in err
+
+
+# -- checkpoints that must not lie, resume that must not change the run (issue 14) -----------------
+
+
+def run_log(run_dir: Path) -> str:
+    return (run_dir / "run.log").read_text()
+
+
+def test_blown_up_weights_never_make_a_healthy_checkpoint(tmp_path, cache_dir, capsys):
+    """Invariant (item 5): with lr = 1e30 the weights blow up (finite, ~1e30) and every later step
+    is skipped; the checkpoints saved during that streak are unhealthy, carry the loss of their own
+    window (not a stale one), and the stop message recommends none of them."""
+    run = tmp_path / "run"
+    code = main(small(run, cache_dir, "train.lr=1e30", "checkpoint.every=2", "train.max_nonfinite_streak=4",
+                      steps=8))
+    assert code == 1
+    assert "No healthy checkpoint was written yet" in capsys.readouterr().err
+    metas = [read_meta(p) for p in list_checkpoints(run / "checkpoints")]
+    assert [(m["step"], m["healthy"]) for m in metas] == [(2, False), (4, False)]
+    assert "was skipped as non-finite" in metas[0]["reason"]
+    assert metas[0]["loss"] == losses(run)[1]  # window 1..2: only step 1 trained
+    assert metas[1]["loss"] is None and metas[1]["window_skipped"] == 2  # window 3..4: nothing trained
+    assert not any(map(is_healthy, list_checkpoints(run / "checkpoints")))
+
+
+def test_a_streak_right_after_a_checkpoint_marks_it_and_names_the_one_before(tmp_path, cache_dir, monkeypatch,
+                                                                             capsys):
+    """Invariant (item 5): when the non-finite streak that stops a run began on the step right after
+    a checkpoint, that checkpoint (whose weights every later step failed on) is marked unhealthy and
+    the stop message names the healthy one before it."""
+    monkeypatch.setenv("DFLASH_TEST_BAD_BATCHES", json.dumps(list(range(4, 100))))  # steps 5.. fail
+    run = tmp_path / "run"
+    code = main(small(run, cache_dir, "process.postprocess.kind=\"tests.nan_features\"", "checkpoint.every=2",
+                      "train.max_nonfinite_streak=2", steps=12))
+    assert code == 1
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "Last healthy checkpoint:" in err and "step_00000002" in err and "step_00000004" not in err
+    step4 = read_meta(run / "checkpoints" / "step_00000004")
+    assert step4["healthy"] is False and "were all non-finite" in step4["reason"]
+    assert is_healthy(run / "checkpoints" / "step_00000002")
+
+
+def test_resume_auto_rejects_a_poisoned_checkpoint_loudly_and_falls_back(tmp_path, cache_dir):
+    """Invariant (item 6): resume = "auto" verifies the tensors it loads: a newest checkpoint marked
+    healthy but holding NaN weights is rejected with a line naming it and why, the run continues from
+    the previous one, and the rejected one is kept aside (archived), not overwritten."""
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir)) == 0
+    bad = run / "checkpoints" / "step_00000008"
+    w = load_file(str(bad / "model.safetensors"))
+    save_file({k: torch.full_like(v, float("nan")) for k, v in w.items()}, str(bad / "model.safetensors"))
+    assert main(small(run, cache_dir, steps=9)) == 0
+    log = run_log(run)
+    assert "REJECTED checkpoint" in log and "step_00000008: non-finite weights in model.safetensors" in log
+    resume = records(run, "resume")[-1]
+    assert resume["step"] == 4 and resume["rejected"][0]["path"].endswith("step_00000008")
+    (archive,) = (run / "checkpoints").glob("archive-*")
+    assert (archive / "step_00000008" / "model.safetensors").is_file()
+    assert is_healthy(run / "checkpoints" / "step_00000008")  # retrained from step 4
+
+
+def test_a_fresh_start_never_loses_its_checkpoints_to_an_old_lineage(tmp_path, cache_dir):
+    """Invariant (item 7): --resume none in a directory holding an older run's higher-step
+    checkpoints moves them to checkpoints/archive-*/ (nothing deleted); retention then keeps the new
+    run's checkpoints, and the next auto resume continues the new run, not the old one."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=8)) == 0  # old lineage: steps 4 and 8
+    fresh = small(run, cache_dir, "checkpoint.every=1", "checkpoint.keep_last=2", steps=3) + ["--resume", "none"]
+    assert main(fresh) == 0
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_00000002", "step_00000003"]
+    (archive,) = (run / "checkpoints").glob("archive-*")
+    assert [p.name for p in list_checkpoints(archive)] == ["step_00000004", "step_00000008"]
+    assert "moved 2 checkpoint(s)" in run_log(run)
+    assert main(small(run, cache_dir, "checkpoint.every=1", "checkpoint.keep_last=2", steps=4)) == 0
+    assert records(run, "resume")[-1]["step"] == 3
+
+
+def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, cache_dir):
+    """Invariant (item 8): re-running a finished run (nothing to do) keeps csp/stats.jsonl and
+    trace.json where csp.inspect reads them, and moves nothing aside."""
+    from csp.inspect import main as inspect_main
+
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=2)) == 0
+    assert main(small(run, cache_dir, steps=2)) == 0
+    assert "nothing to do" in run_log(run)
+    assert (run / "csp" / "stats.jsonl").is_file() and (run / "csp" / "trace.json").is_file()
+    assert not list((run / "csp").glob("*before-step*"))
+    assert inspect_main([str(run)]) == 0
+
+
+def test_resume_counts_skips_on_and_names_what_changed(tmp_path, cache_dir, monkeypatch):
+    """Invariants (items 9, 10, 11, 16): after a resume skipped_total counts on from the
+    checkpoint's; a changed run.steps (which moves the cosine schedule) is named with its effect;
+    the skip record names the target replica and its window says it averaged no step."""
+    monkeypatch.setenv("DFLASH_TEST_BAD_BATCHES", "[1]")
+    run = tmp_path / "run"
+    nan = "process.postprocess.kind=\"tests.nan_features\""
+    assert main(small(run, cache_dir, nan, steps=4)) == 0
+    (skip,) = records(run, "skip")
+    assert (skip["step"], skip["replica"]) == (2, 0)
+    assert {r["step"]: r["steps_averaged"] for r in records(run, "train")}[2] == 0
+    assert main(small(run, cache_dir, nan, steps=6)) == 0
+    assert [r["skipped_total"] for r in records(run, "train") if r["step"] > 4] == [1, 1]
+    assert "run.steps 4 -> 6 (lr schedule: the cosine decay ends at run.steps)" in run_log(run)
+    assert records(run, "resume")[-1]["config_changes"] == [
+        "run.steps 4 -> 6 (lr schedule: the cosine decay ends at run.steps)"]
+
+
+def test_earlier_segments_keep_distinct_names_when_they_end_at_the_same_step(tmp_path):
+    """Invariant (item 8): a segment's csp stats and trace moved aside never overwrite an earlier
+    segment's, even when both segments were followed by a start from the same step (two fresh
+    starts, or two resumes from one checkpoint); stats and trace of one segment share a name."""
+    from dflash.run import keep_previous_observability
+
+    csp_dir = tmp_path / "csp"
+    csp_dir.mkdir()
+    for segment in ("a", "b", "c"):
+        (csp_dir / "stats.jsonl").write_text(segment)
+        (csp_dir / "trace.json").write_text(segment)
+        keep_previous_observability(tmp_path, 0)
+    assert sorted(p.name for p in csp_dir.iterdir()) == [
+        "stats.before-step-0-2.jsonl", "stats.before-step-0-3.jsonl", "stats.before-step-0.jsonl",
+        "trace.before-step-0-2.json", "trace.before-step-0-3.json", "trace.before-step-0.json"]
+    assert (csp_dir / "stats.before-step-0.jsonl").read_text() == "a"
+    assert (csp_dir / "trace.before-step-0-3.json").read_text() == "c"

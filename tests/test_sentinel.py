@@ -20,14 +20,17 @@ def test_finds_nested_floating_tensors_only():
 
 
 def test_names_producer_channel_batch_and_tensor():
+    """Invariant (DESIGN failure mode 2; issue 14, item 16): the error names the producer replica,
+    the channel, the training step the batch was for, the batch and the tensor."""
     s = FiniteSentinel("target[1]", enabled=True)
     h = torch.zeros(1, 4, 6)
     s.check(TargetOutput(batch=make_batch(), layer_hidden=h, final_hidden=None, replica=1), batch_id=3,
             channel="hidden")
     h[0, 2, 1] = math.nan
-    with pytest.raises(NonFiniteError, match=r"target\[1\] on channel 'hidden' \(batch 7, tensor layer_hidden\)"):
+    with pytest.raises(NonFiniteError,
+                       match=r"target\[1\] on channel 'hidden' \(step 12, batch 7, tensor layer_hidden\)"):
         s.check(TargetOutput(batch=make_batch(), layer_hidden=h, final_hidden=None, replica=1), batch_id=7,
-                channel="hidden")
+                channel="hidden", step=12)
 
 
 def test_disabled_costs_nothing_and_checks_nothing():

@@ -8,7 +8,10 @@ One step, top to bottom (:meth:`DrafterStage.train_step`):
 4. non-finite loss or gradient: the update is skipped, counted and reported with the batch id;
    ``[train].max_nonfinite_streak`` consecutive skips stop the run, naming the last healthy checkpoint;
 5. otherwise AdamW step, scheduler step;
-6. every ``[checkpoint].every`` steps a background checkpoint (:mod:`dflash.checkpoint`).
+6. every ``[checkpoint].every`` steps a background checkpoint (:mod:`dflash.checkpoint`); its
+   ``meta.json`` carries the mean loss of the steps since the previous checkpoint, and a checkpoint
+   saved while a non-finite streak runs is marked unhealthy. A streak that stops the run and began
+   right after a checkpoint marks that checkpoint unhealthy too, and the message names the one before.
 
 When the input ends (the data is exhausted, or a graceful stop drained the graph) a final checkpoint
 is written and waited for.
@@ -26,11 +29,12 @@ from safetensors.torch import load_file
 import csp
 from dflash import parallel
 from dflash.app import RunApp
-from dflash.checkpoint import Checkpointer
+from dflash.checkpoint import Checkpointer, is_healthy, list_checkpoints, mark_unhealthy, read_meta
 from dflash.messages import DrafterInput, StepMetrics
 from dflash.metrics import simulated_accepted_length
 from dflash.model_io import config_files
 from dflash.objective import compute_loss
+from dflash.resume import TRAIN_CONFIG
 from dflash.sentinel import NonFiniteError
 
 
@@ -85,6 +89,7 @@ class DrafterStage(csp.Process):
             keep_last=cfg.checkpoint.keep_last,
             config_hash=app.config_hash,
             on_event=app.metrics.write,
+            lineage=app.lineage,
         )
         self.ckpt.last_healthy = app.resume_path
         if self.cuda and parallel.is_writer(self.ctx):
@@ -93,7 +98,8 @@ class DrafterStage(csp.Process):
                     for i, p in enumerate(self.params)}
             self.ckpt.reserve(dict(self.drafter.state_dict()), {"optimizer": {"state": like}})
         self.last_sampler_state: dict = {}
-        self.last_loss = float("nan")
+        self.window_losses: list[float] = []  # finite losses since the last checkpoint
+        self.window_skipped = 0
         self.last_batch_id = -1
         self.saved_step = -1
 
@@ -101,7 +107,11 @@ class DrafterStage(csp.Process):
         path, state = self.app.resume_path, self.app.train_state
         if self.distributed:  # each data-parallel replica restores its own optimizer/RNG state
             state = parallel.load_rank_state(path.parent, self.app.start_step, self.ctx) or state
-        self.drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(self.device)))
+        weights = self.app.resume_weights  # verified by dflash.resume
+        if weights is None:
+            weights = load_file(str(path / "model.safetensors"), device=str(self.device))
+        self.drafter.load_state_dict(weights)
+        self.app.resume_weights = None  # the parameters hold them now
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -173,16 +183,17 @@ class DrafterStage(csp.Process):
         self.last_batch_id = b.batch_id
         self.last_sampler_state = b.sampler_state
         if reason is None:
-            self.last_loss = loss
-        elif self.streak >= cfg.train.max_nonfinite_streak:
-            last = self.ckpt.last_healthy
-            raise NonFiniteError(
-                f"{self.streak} consecutive non-finite steps (last: step {self.step}, batch {b.batch_id}, "
-                f"{reason}); stopping. Last healthy checkpoint: {last if last else 'none'} "
-                f"(resume with --resume {last})" if last else
-                f"{self.streak} consecutive non-finite steps (last: step {self.step}, batch {b.batch_id}, "
-                f"{reason}); stopping. No healthy checkpoint was written yet."
-            )
+            self.window_losses.append(loss)
+        else:
+            self.window_skipped += 1
+            if self.streak >= cfg.train.max_nonfinite_streak:
+                last = self._last_trusted_checkpoint()
+                raise NonFiniteError(
+                    f"{self.streak} consecutive non-finite steps (last: step {self.step}, batch {b.batch_id} "
+                    f"from target[{inp.replica}], {reason}); stopping. "
+                    + (f"Last healthy checkpoint: {last} (resume with --resume {last})" if last else
+                       "No healthy checkpoint was written yet.")
+                )
         return StepMetrics(
             step=self.step,
             batch_id=b.batch_id,
@@ -195,6 +206,7 @@ class DrafterStage(csp.Process):
             grad_norm=gnorm,
             skipped=reason is not None,
             skip_reason=reason,
+            replica=inp.replica,
             num_tokens=b.num_tokens,
             num_padding=b.num_padding,
             num_blocks=int(out.num_blocks),
@@ -203,8 +215,33 @@ class DrafterStage(csp.Process):
             time=time.time(),
         )
 
+    def _last_trusted_checkpoint(self):
+        """The newest healthy checkpoint to recommend when a non-finite streak stops the run.
+
+        When the streak began right after the last healthy checkpoint, that checkpoint's weights are
+        what every later step failed on: it is marked unhealthy (if it is one of this run's) and the
+        healthy one before it is named instead.
+        """
+        self.ckpt.wait()  # the last save's meta.json is on disk
+        last = self.ckpt.last_healthy
+        meta = read_meta(last) if last is not None else None
+        first_bad = self.step - self.streak + 1
+        if meta is None or meta.get("step") != first_bad - 1:
+            return last
+        if last.parent.resolve() != self.ckpt.root.resolve():
+            return last  # another run's checkpoint (an explicit --resume PATH): not ours to mark
+        if parallel.is_writer(self.ctx):
+            mark_unhealthy(last, f"the {self.streak} steps after it ({first_bad}..{self.step}) were all "
+                                 "non-finite: its weights are suspect")
+        older = [p for p in list_checkpoints(self.ckpt.root) if p.name < last.name and is_healthy(p)
+                 and (read_meta(p) or {}).get("lineage") == self.ckpt.lineage]
+        return older[-1] if older else None
+
     def save(self) -> None:
         """Background checkpoint of the state after ``self.step`` (returns before the disk write)."""
+        window_losses, window_skipped = self.window_losses, self.window_skipped
+        self.window_losses, self.window_skipped = [], 0
+        window_steps = self.step - max(self.saved_step, self.app.start_step)
         self.saved_step = self.step
         sampler_state = self.last_sampler_state
         if self.distributed:
@@ -225,10 +262,14 @@ class DrafterStage(csp.Process):
                 self.ckpt.save(
                     step=self.step,
                     batch_id=self.last_batch_id,
-                    loss=self.last_loss,
+                    loss=sum(window_losses) / len(window_losses) if window_losses else float("nan"),
+                    window_steps=window_steps,
+                    window_skipped=window_skipped,
+                    last_skipped=self.streak > 0,
+                    skipped_total=self.skipped_total,
                     weights=dict(self.drafter.state_dict()),
                     train_state=train_state,
-                    configs=config_files(self.app.drafter_cfg, self.app.cfg.target),
+                    configs={**config_files(self.app.drafter_cfg, self.app.cfg.target), TRAIN_CONFIG: self.app.cfg},
                 )
             if self.distributed:  # every replica's own state, then a barrier across replicas
                 parallel.save_rank_state(self.app.run_dir / "checkpoints", self.step, self.ctx, train_state)

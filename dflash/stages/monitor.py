@@ -21,8 +21,9 @@ class MonitorStage(csp.Process):
     """Sink stage. Input ``metrics``: :class:`StepMetrics`, one per drafter step.
 
     Writes a ``train`` record per fixed window of ``[monitor].window`` steps and a ``skip`` record
-    per skipped step to ``RUN_DIR/metrics.jsonl``, logs the same windows to wandb (offline unless
-    configured), and refreshes the live display (rich on a terminal, plain lines otherwise) with
+    per skipped step (step, batch id, the target replica that produced the batch, reason) to
+    ``RUN_DIR/metrics.jsonl``, logs the same windows to wandb (offline unless configured), and
+    refreshes the live display (rich on a terminal, plain lines otherwise) with
     throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss is a spike by
     :func:`dflash.logs.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
     is flagged in the record and the log.
@@ -36,7 +37,9 @@ class MonitorStage(csp.Process):
 
         app: RunApp = self.ctx.app
         self.app, cfg = app, app.cfg
-        self.windows = WindowAggregator(cfg.monitor.window, start_time=time.time())
+        # A resumed run counts on from the checkpoint's skipped_total, as the drafter does.
+        skipped = int((app.train_state or {}).get("skipped_total", 0))
+        self.windows = WindowAggregator(cfg.monitor.window, start_time=time.time(), skipped_total=skipped)
         self.wandb = WandbSink(
             cfg.monitor.wandb, cfg.monitor.wandb_project, cfg.run.name, app.run_dir, msgspec.to_builtins(cfg)
         )
@@ -48,10 +51,10 @@ class MonitorStage(csp.Process):
     def run(self, inputs, outputs) -> None:
         for m in inputs["metrics"]:
             if m.skipped:
-                self.app.metrics.write(
-                    {"kind": "skip", "step": m.step, "batch_id": m.batch_id, "reason": m.skip_reason, "time": m.time}
-                )
-                log.warning("step %d skipped (%s, batch %d)", m.step, m.skip_reason, m.batch_id)
+                self.app.metrics.write({"kind": "skip", "step": m.step, "batch_id": m.batch_id, "replica": m.replica,
+                                        "reason": m.skip_reason, "time": m.time})
+                log.warning("step %d skipped (%s, batch %d from target[%d])", m.step, m.skip_reason, m.batch_id,
+                            m.replica)
             record = self.windows.add(m)
             if record is not None:
                 self._emit(record)

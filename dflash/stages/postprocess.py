@@ -61,6 +61,7 @@ class PostprocessStage(csp.Process):
 
     def setup(self) -> None:
         app: RunApp = self.ctx.app
+        self.app = app
         self.train = app.cfg.train
         self.seed = app.cfg.run.seed
         self.device = self.ctx.device or torch.device("cpu")
@@ -76,6 +77,7 @@ class PostprocessStage(csp.Process):
         out_ch = outputs["features"]
         for out in inputs["hidden"]:
             item = self.process(out)
-            self.sentinel.check(item, batch_id=item.batch.batch_id, channel="features")
+            self.sentinel.check(item, batch_id=item.batch.batch_id, channel="features",
+                                step=self.app.step_of(item.batch.seq))
             out_ch.send(item)
         self.sentinel.flush()

@@ -60,5 +60,5 @@ class PrefetchStage(csp.Process):
                 batch = msgspec.structs.replace(batch, seq=seq, anchors=anchors)
                 if self.pin:
                     batch = batch.pin_memory()
-            self.sentinel.check(batch, batch_id=batch.batch_id, channel="batches")
+            self.sentinel.check(batch, batch_id=batch.batch_id, channel="batches", step=self.app.step_of(seq))
             out.send(batch)

@@ -31,6 +31,7 @@ class TargetStage(csp.Process):
 
     def setup(self) -> None:
         app: RunApp = self.ctx.app
+        self.app = app
         self.device = self.ctx.device or torch.device("cpu")
         self.need_final = needs_final_hidden(app.cfg.loss)
         self.target = load_target(
@@ -63,6 +64,6 @@ class TargetStage(csp.Process):
         out = outputs["hidden"]
         for batch in inputs["batches"]:
             item = self.forward(batch)
-            self.sentinel.check(item, batch_id=batch.batch_id, channel="hidden")
+            self.sentinel.check(item, batch_id=batch.batch_id, channel="hidden", step=self.app.step_of(batch.seq))
             out.send(item, seq=batch.seq)
         self.sentinel.flush()
