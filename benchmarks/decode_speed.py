@@ -32,7 +32,9 @@ def _sync(device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode_speed", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint")
-    p.add_argument("--data", required=True, help="the run's data source (held-out prompts)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="the run's data source (its held-out prompts, as dflash.eval)")
+    src.add_argument("--prompts", help='JSONL of {"prompt": str}, as dflash.eval --prompts')
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
@@ -51,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     drafter.to(target.model.dtype)
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
-    args.prompts = None
     ids = _prompts(args, tok)
     prompts = [torch.tensor(x, device=device) for x in ids]
     bs = dc.block_size

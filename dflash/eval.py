@@ -401,7 +401,7 @@ def format_result(res: EvalResult) -> str:
 def _prompts(args, tok) -> list[list[int]]:
     """Token ids of the CLI's prompts (module docstring says which conversations)."""
     if args.prompts:
-        lines = Path(args.prompts).read_text().splitlines()
+        lines = Path(args.prompts).read_text(encoding="utf-8-sig").split("\n")  # not splitlines: U+2028 is JSON text
         convs = [[{"role": "user", "content": json.loads(x)["prompt"]}] for x in lines if x.strip()]
         return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
     data_cfg = run_data_config(Path(args.checkpoint))

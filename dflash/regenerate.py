@@ -24,8 +24,10 @@ cut off first), so an interrupted run loses at most the chunk in flight. The gen
 are kept in ``OUT.meta.json``; resuming with different settings is refused.
 
 Counted, never silently dropped: the source's own skip reasons (``malformed_json``...),
-``opens_with_assistant`` (no user turn before the first assistant turn), ``prompt_too_long`` (context longer than ``--max-prompt-tokens`` before some turn; the
-conversation keeps the turns answered so far, or is dropped if none), ``empty_response`` (the
+``leading_assistant_turns_dropped`` (assistant turns before the first user turn are dropped, the
+rest of the conversation kept; counted, not a skip), ``prompt_too_long`` (context longer than ``--max-prompt-tokens`` before some turn; the
+conversation keeps the turns answered so far, or is dropped if none), ``no_user_turn`` (nothing
+to answer), ``empty_response`` (the
 target answered with nothing; that conversation is dropped, an empty turn cannot be trained).
 
 Exit codes: 0 done, 2 bad arguments, config or data, 130 interrupted (what was written is kept).
@@ -121,8 +123,15 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
         task = bar.add_task("", total=len(conversations))
         for start in range(0, len(conversations), args.chunk):
             chunk = conversations[start: start + args.chunk]
-            state = [{"messages": [], "rest": list(c), "finished": True, "alive": True,
-                      "answered": 0} for c in chunk]
+            state = []
+            for c in chunk:
+                first_user = next((j for j, m in enumerate(c) if m["role"] == "user"), len(c))
+                lead = [m for m in c[:first_user] if m["role"] == "assistant"]
+                if lead:        # an answer to no question: drop it, keep the rest of the conversation
+                    skipped["leading_assistant_turns_dropped"] += 1
+                rest = [m for m in c[:first_user] if m["role"] != "assistant"] + list(c[first_user:])
+                state.append({"messages": [], "rest": rest, "finished": True, "alive": True,
+                              "answered": 0})
             while True:
                 # advance each conversation to its next assistant turn (copying system/user turns)
                 todo = []
@@ -131,14 +140,13 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                         s["alive"] = False                   # later turns are not regenerated
                     while s["alive"] and s["rest"] and s["rest"][0]["role"] != "assistant":
                         s["messages"].append(s["rest"].pop(0))
-                    if s["alive"] and s["rest"] and not any(m["role"] == "user" for m in s["messages"]):
-                        skipped["opens_with_assistant"] += 1
-                        s["alive"] = False
                     if s["alive"] and s["rest"]:
                         ctx = tok.apply_chat_template(s["messages"], tokenize=False,
                                                       add_generation_prompt=True)
                         ids = tok(ctx, add_special_tokens=False)["input_ids"]
                         if len(ids) > args.max_prompt_tokens:
+                            if s["answered"] == 0:
+                                s["answered"] = -1           # nothing answered: counted, dropped
                             skipped["prompt_too_long"] += 1
                             s["alive"] = False
                         else:
@@ -159,6 +167,8 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                         s["finished"] &= fin
                         s["answered"] += 1
             for s, i in zip(state, source_index[start: start + args.chunk]):
+                if s["answered"] == 0:
+                    skipped["no_user_turn"] += 1
                 if s["answered"] > 0:
                     last = max(j for j, m in enumerate(s["messages"]) if m["role"] == "assistant")
                     f.write(json.dumps({"messages": s["messages"][: last + 1], "source_index": i,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The H200 quality run of benchmarks/RESULTS.md ("Proven drafters"): three label strategies, same
+# steps, same held-out prompts, against the shipped target. Two phases (one device call each):
+#
+#   bash benchmarks/quality/h200.sh phase1 OUT   # regenerate 8000 conversations; train "data" and "target_argmax"
+#   bash benchmarks/quality/h200.sh phase2 OUT   # train on the regenerated data; eval all; decode speed
+#
+# Every run: examples/sharegpt-target-h200.toml (block 16, 3 drafter layers), the first 8000
+# ShareGPT conversations (regenerated: the same 8000 answered by the target), STEPS steps.
+# Prompts: benchmarks/quality/prompts.py (held out of the target's pretraining and of every run).
+set -euo pipefail
+PHASE=$1; OUT=$2; STEPS=${STEPS:-3000}; N=${N:-8000}; R=${R:-/tmp/quality}
+mkdir -p "$R" "$OUT"
+export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
+G=examples/sharegpt-target-h200.toml
+COMMON=(--set monitor.wandb=\"disabled\" --set run.steps=$STEPS --set data.max_samples=$N --resume none)
+# EXTRA: more --set arguments, word-split (a CPU smoke test: see tests/test_quality_script.py)
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"; COMMON+=("${EXTRA_ARGS[@]}")
+NEW=${NEW:-256}; NP=${NP:-32}
+train() {  # name, extra --set args...
+  local name=$1; shift
+  # SIGTERM after TRAIN_S seconds: a graceful stop with a final checkpoint (exit 130), steps logged
+  timeout -s TERM ${TRAIN_S:-400} python3 -m dflash.run $G "${COMMON[@]}" --set run.out_dir=\"$R/$name\" "$@" \
+    > "$R/$name.log" 2>&1 || true
+}
+evaluate() {  # name
+  local ck; ck=$(ls -d "$R/$1"/checkpoints/step_* | sort | tail -1)
+  python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW --json \
+    > "$OUT/eval-$1.json" 2> "$R/eval-$1.err" || { tail -5 "$R/eval-$1.err"; return 1; }
+  python3 -c "import json; d = json.load(open('$OUT/eval-$1.json')); print('$1', '$ck', {k: d[k] for k in
+    ('tau', 'mean_accepted', 'tau_sim', 'streak_visited', 'streak_all')}, [a if a is None else round(a, 2) for a in d['acc_per_pos']])"
+}
+python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $N --num $NP
+case $PHASE in
+phase1)
+  python3 -m dflash.regenerate $G -o "$R/regenerated.jsonl" --set data.max_samples=$N --max-turns 2 \
+      --max-new-tokens $NEW --max-prompt-tokens 768 --batch-size 512 --chunk 2048 > "$R/regen.log" 2>&1 &
+  REGEN=$!
+  train data --set loss.label=\"data\" &
+  A=$!
+  sleep ${WAIT_S:-45}   # let the first run write the tokenized cache; the second reuses it
+  train target_argmax --set loss.label=\"target_argmax\" &
+  B=$!
+  wait $REGEN; tail -2 "$R/regen.log"
+  wait $A; wait $B
+  for n in data target_argmax; do tail -3 "$R/$n.log"; evaluate $n; cp "$R/$n/metrics.jsonl" "$OUT/metrics-$n.jsonl"; done
+  gzip -c "$R/regenerated.jsonl" > "$OUT/regenerated.jsonl.gz"; cp "$R/regen.log" "$OUT/";;
+phase2)
+  gunzip -c "${REGEN_GZ:-.quality/regenerated.jsonl.gz}" > "$R/regenerated.jsonl"
+  train regenerated --set data.source=\"$R/regenerated.jsonl\" --set loss.label=\"target_argmax\"
+  tail -3 "$R/regenerated.log"; evaluate regenerated; cp "$R/regenerated/metrics.jsonl" "$OUT/metrics-regenerated.jsonl"
+  ck=$(ls -d "$R/regenerated"/checkpoints/step_* | sort | tail -1)
+  python3 -m benchmarks.decode_speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+    --out "$OUT/decode.json" 2>&1 | tail -20;;
+esac
+ls -la "$OUT"
