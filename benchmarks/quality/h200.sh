@@ -3,7 +3,7 @@
 # steps, same held-out prompts, against the shipped target. Two phases (one device call each):
 #
 #   bash benchmarks/quality/h200.sh phase1 OUT   # regenerate 8000 conversations; train "data" and "target_argmax"
-#   bash benchmarks/quality/h200.sh phase2 OUT   # train on the regenerated data; eval all; decode speed
+#   bash benchmarks/quality/h200.sh phase2 OUT   # train on the regenerated data (STEPS, and LONG); eval; decode speed
 #
 # Every run: examples/sharegpt-target-h200.toml (block 16, 3 drafter layers), the first 8000
 # ShareGPT conversations (regenerated: the same 8000 answered by the target), STEPS steps.
@@ -47,9 +47,18 @@ phase1)
   gzip -c "$R/regenerated.jsonl" > "$OUT/regenerated.jsonl.gz"; cp "$R/regen.log" "$OUT/";;
 phase2)
   gunzip -c "${REGEN_GZ:-.quality/regenerated.jsonl.gz}" > "$R/regenerated.jsonl"
-  train regenerated --set data.source=\"$R/regenerated.jsonl\" --set loss.label=\"target_argmax\"
-  tail -3 "$R/regenerated.log"; evaluate regenerated; cp "$R/regenerated/metrics.jsonl" "$OUT/metrics-regenerated.jsonl"
-  ck=$(ls -d "$R/regenerated"/checkpoints/step_* | sort | tail -1)
+  # the same STEPS as phase 1, and (concurrently) a LONG run: what more steps buy
+  train regenerated --set data.source=\"$R/regenerated.jsonl\" --set loss.label=\"target_argmax\" &
+  A=$!
+  sleep ${WAIT_S:-20}
+  train regenerated_long --set data.source=\"$R/regenerated.jsonl\" --set loss.label=\"target_argmax\" \
+    --set run.steps=${LONG:-9000} &
+  B=$!
+  wait $A; wait $B
+  for n in regenerated regenerated_long; do
+    tail -3 "$R/$n.log"; evaluate $n; cp "$R/$n/metrics.jsonl" "$OUT/metrics-$n.jsonl"
+  done
+  ck=$(ls -d "$R/regenerated_long"/checkpoints/step_* | sort | tail -1)
   python3 -m benchmarks.decode_speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
     --out "$OUT/decode.json" 2>&1 | tail -20;;
 esac
