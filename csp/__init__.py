@@ -14,6 +14,7 @@ from csp.errors import (
     GraphError,
     PeerGone,
     ProcessFailed,
+    ProcessStuck,
     WouldBlock,
 )
 from csp.stats import ChannelStatistics, ProcessStatistics
@@ -29,6 +30,7 @@ __all__ = [
     "PeerGone",
     "ProcessFailed",
     "ProcessStatistics",
+    "ProcessStuck",
     "Receiver",
     "Sender",
     "WouldBlock",
