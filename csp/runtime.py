@@ -244,7 +244,7 @@ class Runtime:
         if stuck:
             raise ProcessStuck(f"process {', '.join(stuck)} did not stop within {self.join_timeout_s:g} s "
                                "after the abort (stuck outside any channel call: a sleep, a hung "
-                               "collective, a blocking read); its thread was abandoned and its stack "
+                               "collective, a blocking read); its thread was abandoned; its stack is "
                                "logged", stuck, self.join_timeout_s)
         return RunResult(status=status, exit_code=exit_code, duration_s=perf_counter() - t0,
                          stopped_by=None if status == "completed" else self._stopped_by)

@@ -285,7 +285,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         _error(exc)
         error = str(exc)
     except csp.ProcessStuck as exc:  # issue 14: one line naming it, exit 3 (the stack is in run.log)
-        status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc}; its stack is in {run_dir / 'run.log'}"
+        status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
         _error(error)
     finally:
         app.metrics.write({"kind": "end", "status": status, "exit_code": code, "seconds": time.time() - t0})
