@@ -163,10 +163,23 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.export", description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a dflash checkpoint directory (model.safetensors + configs)")
-    p.add_argument("-o", "--out", required=True, help="output directory (public DFlash layout)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    from csp.cli import make_parser
+
+    p = make_parser(
+        "python -m dflash.export", "Export a trained drafter checkpoint to the public DFlash Hugging Face "
+        "layout (config.json + model.safetensors).",
+        details="The output loads where DFlash drafters are served (architectures = [\"DFlashDraftModel\"], "
+                "the public\nparameter names) and back with dflash.export.load_exported. Files are "
+                "written with the usual\npermissions (0644 under umask 022).",
+        exit_codes={0: "exported", 1: "an unexpected error (traceback)",
+                    2: "bad input: no such checkpoint, the output is a checkpoint, the input itself, a file, "
+                       "or a non-empty directory without --force"},
+        examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
+                  "python -m dflash.export CKPT -o OUT --dtype float32 --force"])
+    p.add_argument("checkpoint", help="a dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     args = p.parse_args(argv)
     try:
