@@ -301,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m dflash.eval", formatter_class=HelpFormatter,
-        description="Measure a drafter's accepted length by real draft-and-verify decoding against its "
-                    "target,\nnext to the teacher-forced simulation of the same text.\n\n"
+        description="Measure a drafter's accepted length by real draft-and-verify decoding against its target.\n\n"
+                    "Next to it, the same generated text is scored teacher-forced (the simulation training "
+                    "reports).\n"
                     "Output columns (per prompt, then over all prompts; greedy decoding):\n"
                     "  accepted/step   drafted tokens the target accepted per verify step, measured "
                     "(bonus token not counted)\n"
