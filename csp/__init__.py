@@ -3,6 +3,12 @@
 The public surface is ``__all__``; everything else is private.
 """
 
+from pathlib import Path as _Path
+
+from csp._guard import check as _check_owner
+
+_check_owner("csp", _Path(__file__).parent)  # another 'csp' distribution here: one line, exit 1
+
 from csp.channel import Receiver, Sender, channel
 from csp.cuda import item_nbytes
 from csp.errors import (

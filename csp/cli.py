@@ -11,7 +11,12 @@ Importing this module imports only :mod:`argparse`, so ``--help`` stays fast (no
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Iterable, Mapping
+
+from csp._guard import check as _check_owner
+
+_check_owner("csp", Path(__file__).parent)  # every csp CLI imports this module
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

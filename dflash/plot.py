@@ -24,7 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from csp._guard import check as _check_owner
 from csp.cli import make_parser
+
+_check_owner("dflash", Path(__file__).parent)  # under another distribution's dflash (csp._guard)
 
 EXIT_CODES = {0: "the PNG was written",
               2: "no metrics.jsonl or no train record in RUN_DIR, or matplotlib is not installed"}

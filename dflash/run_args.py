@@ -4,8 +4,13 @@ answers at once)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from csp._guard import check as _check_owner
 from csp.cli import make_parser
+
+# Under another distribution's dflash/__init__ (an editable install still finds this module):
+_check_owner("dflash", Path(__file__).parent)
 
 EXIT_CODES = {
     0: "training finished ([run].steps reached), or nothing to do (the checkpoint is already there)",
