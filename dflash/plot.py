@@ -219,8 +219,9 @@ def _mark_events(axes: Any, records: list[dict[str, Any]], find_gaps: Any) -> li
     ckpts = [(r["step"], bool(r.get("healthy", True))) for r in records
              if r.get("kind") == "checkpoint" and _finite(r.get("step"))]
     resumes = [r["step"] for r in records if r.get("kind") == "resume" and _finite(r.get("step"))]
-    try:  # a gap across a restart is the resume line itself, not a band
-        gaps = [(g.after_step, g.before_step) for g in find_gaps(records) if g.after_step < g.before_step]
+    try:  # a gap across a stop and resume is the resume line itself, not a band
+        gaps = [(g.after_step, g.before_step) for g in find_gaps(records)
+                if g.after_step < g.before_step and not ({"resume", "restart"} & set(str(g.cause).split()))]
     except Exception:  # noqa: BLE001 - a plot never fails on a log it cannot analyse
         gaps = []
     style = {"checkpoint": dict(color="#7f7f7f", ls=":", lw=1.2),
