@@ -9,9 +9,10 @@
 * ``model.safetensors``: the drafter weights under the public names (``fc.weight``,
   ``hidden_norm.weight``, ``layers.N.self_attn.q_proj.weight``, ...; no embedding / LM head).
 
-Public drafters also carry an ``auto_map`` to their own ``dflash.py`` modeling file for
-``trust_remote_code``; that file is z-lab's and is not written here, so no ``auto_map`` is set
-(serving engines select the drafter by ``architectures``).
+* ``modeling_dflash.py``: this project's transformers model of the drafter (a copy of
+  :mod:`dflash.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
+  ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` loads it with no other package.
+  Serving engines select the drafter by ``architectures`` and ignore it.
 
 The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
 ``meta.json`` or ``train_state.pt``) or the input itself, an output path that is a file, and a
@@ -34,7 +35,9 @@ from safetensors.torch import load_file, save_file
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.model_io import load_drafter
 
-__all__ = ["check_output", "export_drafter", "hf_config_dict", "load_exported", "main"]
+__all__ = ["MODELING_FILE", "check_output", "export_drafter", "hf_config_dict", "load_exported", "main"]
+
+MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 
 
 def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
@@ -79,21 +82,24 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
         "initializer_range": 0.02,
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
+        "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"},
     }
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                    dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed)."""
+    """Write ``config.json``, ``model.safetensors`` and ``modeling_dflash.py`` into ``out_dir``
+    (created if needed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_dict(drafter.cfg, dtype)
     weights = {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / MODELING_FILE).write_bytes((Path(__file__).parent / MODELING_FILE).read_bytes())
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("model.safetensors", "config.json"):
+    for name in ("model.safetensors", "config.json", MODELING_FILE):
         os.chmod(out / name, 0o666 & ~umask)
     return out
 
@@ -118,7 +124,7 @@ def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = Fals
                          "its weights; give a new directory")
     if any(out.iterdir()) and not force:
         raise ValueError(f"-o {out_dir} is not empty; give an empty or new directory, or --force "
-                         "to overwrite config.json and model.safetensors there")
+                         f"to overwrite config.json, model.safetensors and {MODELING_FILE} there")
 
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
