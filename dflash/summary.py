@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash import runlog
-from dflash.checkpoint import read_meta, resolve_resume
+from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
 from dflash.logs import read_metrics
 
 STATUS_TEXT = {
@@ -50,6 +50,13 @@ def _si(x: float) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.1f}{unit}"
     return f"{x:.0f}"
+
+
+def last_healthy(run_dir: Path) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that passes :func:`dflash.checkpoint.is_healthy` (the
+    cheap check: no tensor data read; a resume verifies the tensors too), or None."""
+    healthy = [p for p in list_checkpoints(Path(run_dir) / "checkpoints") if is_healthy(p)]
+    return healthy[-1] if healthy else None
 
 
 def segment(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -149,7 +156,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     row("skipped", skipped)
 
     try:
-        ckpt = resolve_resume(run_dir, "auto")
+        ckpt = last_healthy(run_dir)
     except Exception:  # noqa: BLE001 - a summary never fails the run's exit
         ckpt = None
     ckpt_step = (read_meta(ckpt) or {}).get("step") if ckpt is not None else None
@@ -224,4 +231,4 @@ def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps:
     return text
 
 
-__all__ = ["closing_summary", "report_end", "resume_command", "segment"]
+__all__ = ["closing_summary", "last_healthy", "report_end", "resume_command", "segment"]

@@ -34,7 +34,7 @@ def ckpt(monkeypatch, tmp_path):
     """Stand-in for the checkpoint rule (dflash.checkpoint owns it and has its own tests): the
     newest healthy checkpoint is whatever the test sets."""
     state: dict = {"path": None, "step": None}
-    monkeypatch.setattr(summary_mod, "resolve_resume", lambda run_dir, how: state["path"])
+    monkeypatch.setattr(summary_mod, "last_healthy", lambda run_dir: state["path"])
     monkeypatch.setattr(summary_mod, "read_meta", lambda p: {"step": state["step"]})
     return state
 
@@ -188,3 +188,23 @@ def test_terminal_handler_skips_file_only_records_and_stacks(tmp_path, capsys):
     assert [line.split(" ", 2)[2] for line in err.splitlines()] == [long]
     logged = (tmp_path / "run.log").read_text()
     assert long in logged and "step 2/8 | loss 1" in logged and "stack of the stuck process thread x" in logged
+
+
+def test_last_healthy_is_the_newest_checkpoint_that_passes_the_health_check(tmp_path):
+    """Invariant: the summary names the newest checkpoint whose files pass
+    dflash.checkpoint.is_healthy, skipping a newer one with a truncated weights file."""
+    import torch
+
+    from dflash.checkpoint import Checkpointer, step_dir
+
+    ck = Checkpointer(tmp_path / "checkpoints", keep_last=5, config_hash="h")
+    for step in (2, 4):
+        ck.save(step=step, batch_id=step - 1, loss=1.0, weights={"fc.weight": torch.ones(2, 2)},
+                train_state={"step": step, "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}},
+                configs={"drafter_config.json": {"block_size": 4}, "target_config.json": {"preset": "tiny"}})
+    ck.close()
+    assert summary_mod.last_healthy(tmp_path) == step_dir(tmp_path / "checkpoints", 4)
+    weights = step_dir(tmp_path / "checkpoints", 4) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # truncated: its header no longer covers the file
+    assert summary_mod.last_healthy(tmp_path) == step_dir(tmp_path / "checkpoints", 2)
+    assert summary_mod.last_healthy(tmp_path / "nowhere") is None
