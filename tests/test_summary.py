@@ -208,3 +208,31 @@ def test_last_healthy_is_the_newest_checkpoint_that_passes_the_health_check(tmp_
     weights.write_bytes(weights.read_bytes()[:-8])  # truncated: its header no longer covers the file
     assert summary_mod.last_healthy(tmp_path) == step_dir(tmp_path / "checkpoints", 2)
     assert summary_mod.last_healthy(tmp_path / "nowhere") is None
+
+
+def test_log_lines_and_the_live_view_share_one_console(tmp_path, monkeypatch):
+    """Regression (issue 14 item 15): in a terminal the live view repainted over the "graceful stop
+    requested" and "checkpoint written" lines while it drained, because the log handler wrote to
+    its own console. rich keeps printed lines above a Live only when both use one console.
+    Invariant: on a terminal the log handler and the default TrainingDisplay use the same console,
+    and a line logged while the view is live is printed through it."""
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from dflash.display import TrainingDisplay
+
+    out = io.StringIO()
+    monkeypatch.setattr(runlog, "make_console", lambda file=None: Console(file=out, force_terminal=True, width=120))
+    runlog.setup(tmp_path)
+    try:
+        handlers = [h for h in logging.getLogger().handlers if isinstance(h, RichHandler)]
+        assert len(handlers) == 1 and handlers[0].console is runlog.console()
+        display = TrainingDisplay(10, mode="live", refresh_per_second=20)
+        try:
+            assert display.console is runlog.console()
+            logging.getLogger("csp.runtime").warning("SIGTERM: graceful stop requested")
+        finally:
+            display.close()
+    finally:
+        runlog.close()
+    assert "SIGTERM: graceful stop requested" in out.getvalue()
