@@ -3,6 +3,12 @@
 The public surface is ``__all__``; everything else is private.
 """
 
+from pathlib import Path as _Path
+
+from csp._guard import check as _check_owner
+
+_check_owner("csp", _Path(__file__).parent)  # another 'csp' distribution here: one line, exit 1
+
 from csp.channel import Receiver, Sender, channel
 from csp.cuda import item_nbytes
 from csp.errors import (
@@ -14,6 +20,7 @@ from csp.errors import (
     GraphError,
     PeerGone,
     ProcessFailed,
+    ProcessStuck,
     WouldBlock,
 )
 from csp.stats import ChannelStatistics, ProcessStatistics
@@ -29,6 +36,7 @@ __all__ = [
     "PeerGone",
     "ProcessFailed",
     "ProcessStatistics",
+    "ProcessStuck",
     "Receiver",
     "Sender",
     "WouldBlock",

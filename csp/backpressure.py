@@ -31,6 +31,20 @@ waits) and a slow sink (everyone upstream blocked) are judged on the evidence th
 the winner, a replica whose busy fraction exceeds its siblings' median by 0.25, or whose output
 rate is below half of theirs, is named as the slow replica (``target[2]``). If the best stage is
 busy less than half the time, no stage is clearly the bottleneck and the verdict says so.
+
+Head-of-line blocking (:func:`head_of_line`): an *ordered* channel delivers items in sequence, so
+its receivers can wait while later items sit in its buffer: the next item in sequence is late, and
+every stage around it waits for the one replica that holds it. An unordered channel cannot do
+that (a receiver waits only on an empty buffer). Its evidence is ``head_of_line_frac``, the
+fraction of samples in which the channel had a waiting receiver *and* buffered items. When the
+samples do not show it (a receiver that is an async task is rarely caught parked), the averages
+bound it from below: receivers waited ``receive_wait_frac`` of the time and the buffer was
+non-empty at least ``fill_avg / capacity`` of it, so both held at least
+``receive_wait_frac + fill_avg / capacity - 1`` of it. An ordered channel whose sampled fraction
+reaches ``HOL_FLOOR`` (0.2) is the verdict, ahead of the stage rule; one whose bound reaches it is
+the verdict when no stage is clearly busy, or when the busy stage is the channel's writer. The verdict names the channel, and the writer replica
+that holds the sequence when one stands out by the slow-replica rule above (it is the bottleneck
+then); otherwise it says the late item moves between the writer's replicas.
 """
 
 from __future__ import annotations
@@ -42,10 +56,12 @@ from typing import Any
 import msgspec
 
 from csp.stats import ChannelStatistics, ProcessStatistics
+from csp.units import rate
 
 BUSY_FLOOR = 0.5  # below this busy fraction no stage is called the bottleneck
 REPLICA_BUSY_MARGIN = 0.25  # a replica this much busier than its siblings' median is "the slow one"
 REPLICA_RATE_RATIO = 0.5  # ... or one whose items_out rate is below this fraction of theirs
+HOL_FLOOR = 0.2  # head-of-line evidence (fraction of the time) that makes an ordered channel the verdict
 
 
 class StatsFormatError(ValueError):
@@ -190,6 +206,10 @@ class ChannelSummary(msgspec.Struct, frozen=True, kw_only=True):
     receive_wait_frac: float
     items_per_s: float
     bytes_per_s: float
+    ordered: bool = False
+    head_of_line_frac: float = 0.0
+    """Fraction of the window's samples with a waiting receiver and buffered items (only an
+    ordered channel can show it: the next item in sequence is late)."""
 
 
 class ReplicaSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -220,12 +240,14 @@ class ProcessSummary(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
-    """``text`` starts with ``bottleneck:``; ``stage`` is None when no stage is clearly the cause."""
+    """``text`` starts with ``bottleneck:``; ``stage`` is None when no stage is clearly the cause;
+    ``channel`` names an ordered channel found head-of-line blocked."""
 
     text: str
     stage: str | None = None
     replica: str | None = None
     score: float = 0.0
+    channel: str | None = None
 
 
 class Summary(msgspec.Struct, frozen=True, kw_only=True):
@@ -269,6 +291,7 @@ def summarize(log: StatsLog, window_s: float | None = None) -> Summary:
     channels = []
     names = [c.name for c in graph.channels] + sorted(set(end.channels) - {c.name for c in graph.channels})
     capacities = {c.name: c.capacity for c in graph.channels}
+    ordered = {c.name for c in graph.channels if c.ordered}
     for name in names:
         now = end.channels.get(name)
         if now is None:
@@ -277,7 +300,9 @@ def summarize(log: StatsLog, window_s: float | None = None) -> Summary:
         writers, readers = graph.writers(name), graph.readers(name)
         n_send = _ends(writers) or max(s.channels[name].open_send_ends for s in window if name in s.channels) or 1
         n_recv = _ends(readers) or max(s.channels[name].open_receive_ends for s in window if name in s.channels) or 1
-        fills = [s.channels[name].current_fill for s in window if name in s.channels]
+        snaps = [s.channels[name] for s in window if name in s.channels] or [now]
+        fills = [c.current_fill for c in snaps]
+        hol = sum(1 for c in snaps if c.waiting_receivers > 0 and c.current_fill > 0) / len(snaps)
         channels.append(ChannelSummary(
             name=name, capacity=capacities.get(name, now.capacity),
             writers=[p.name for p in writers], readers=[p.name for p in readers],
@@ -288,6 +313,7 @@ def summarize(log: StatsLog, window_s: float | None = None) -> Summary:
             receive_wait_frac=_frac(now.receive_wait_s - (b.receive_wait_s if b else 0.0), dt * n_recv),
             items_per_s=(now.items_moved - (b.items_moved if b else 0)) / dt if dt > 0 else 0.0,
             bytes_per_s=(now.bytes_moved - (b.bytes_moved if b else 0)) / dt if dt > 0 else 0.0,
+            ordered=name in ordered, head_of_line_frac=hol,
         ))
 
     order = [p.name for p in graph.processes]
@@ -344,13 +370,59 @@ def _slow_replica(proc: ProcessSummary) -> tuple[ReplicaSummary, str] | None:
         others = [r for r in proc.replicas if r is not rep]
         rate_med = statistics.median(r.items_out_per_s for r in others)
         if rate_med > 0 and rep.items_out_per_s < REPLICA_RATE_RATIO * rate_med:
-            return rep, (f"{rep.items_out_per_s:.3g} items/s out vs {rate_med:.3g} median of "
+            return rep, (f"{rate(rep.items_out_per_s)} out vs {rate(rate_med)} median of "
                          f"{len(others)} siblings")
     return None
 
 
+def head_of_line(summary: Summary, stage: str | None = None) -> tuple[ChannelSummary, float] | None:
+    """The ordered channel with the most head-of-line evidence, if it reaches ``HOL_FLOOR``.
+
+    The sampled fraction always counts; the lower bound from the averages (module docstring)
+    counts when ``stage`` (the stage rule's bottleneck) is None or one of the channel's writers."""
+    best: tuple[ChannelSummary, float] | None = None
+    for c in summary.channels:
+        if not c.ordered or c.capacity <= 0:
+            continue
+        evidence = c.head_of_line_frac
+        if stage is None or stage in c.writers:
+            evidence = max(evidence, c.receive_wait_frac + min(c.fill_avg / c.capacity, 1.0) - 1.0)
+        if evidence >= HOL_FLOOR and (best is None or evidence > best[1]):
+            best = (c, evidence)
+    return best
+
+
+def _hol_verdict(chan: ChannelSummary, evidence: float, procs: dict[str, ProcessSummary],
+                 stage_verdict: Verdict) -> Verdict:
+    readers = "+".join(chan.readers) or "the receiver"
+    why = (f"head-of-line on ordered channel '{chan.name}': the next item in sequence is late; "
+           f"{readers} waits {_pct(chan.receive_wait_frac)} of the time while it holds "
+           f"{chan.fill_avg:.0f}/{chan.capacity} items on average (both at once >= {_pct(evidence)})")
+    if chan.send_blocked_frac >= REPLICA_BUSY_MARGIN:
+        why += f"; {'+'.join(chan.writers) or '?'} blocked {_pct(chan.send_blocked_frac)} sending items ahead of it"
+    for writer in chan.writers:
+        slow = _slow_replica(procs[writer]) if writer in procs else None
+        if slow:
+            return Verdict(text=f"bottleneck: {slow[0].qualname} (slow replica of {writer}: {slow[1]}; "
+                                f"it holds the sequence of '{chan.name}': {why})",
+                           stage=writer, replica=slow[0].qualname, score=evidence, channel=chan.name)
+    writers = "+".join(chan.writers) or "its writers"
+    spread = (f"no single replica of {writers} is slower: the late item moves between them"
+              if any(len(procs[w].replicas) > 1 for w in chan.writers if w in procs) else f"{writers} is late")
+    return Verdict(text=f"bottleneck: ordered channel '{chan.name}' holds everyone back ({why}; {spread})",
+                   score=evidence, channel=chan.name)
+
+
 def find_bottleneck(summary: Summary, graph: GraphInfo) -> Verdict:
     """Apply the bottleneck rule of the module docstring to ``summary``; never raises."""
+    procs = {p.name: p for p in summary.processes}
+    verdict = _stage_verdict(summary, graph)
+    hol = head_of_line(summary, verdict.stage) if procs else None
+    return _hol_verdict(*hol, procs, verdict) if hol else verdict
+
+
+def _stage_verdict(summary: Summary, graph: GraphInfo) -> Verdict:
+    """The stage rule alone (no head-of-line check)."""
     procs = {p.name: p for p in summary.processes}
     chans = {c.name: c for c in summary.channels}
     if not procs:
@@ -392,6 +464,6 @@ def find_bottleneck(summary: Summary, graph: GraphInfo) -> Verdict:
 
 __all__ = [
     "ChannelInfo", "ChannelSummary", "GraphInfo", "ProcessInfo", "ProcessSummary", "ReplicaSummary",
-    "Sample", "StatsFormatError", "StatsLog", "Summary", "Verdict", "find_bottleneck", "read_stats",
+    "Sample", "StatsFormatError", "StatsLog", "Summary", "Verdict", "find_bottleneck", "head_of_line", "read_stats",
     "stats_path", "summarize",
 ]

@@ -1,4 +1,4 @@
-"""Draw a graph file: processes as nodes, channels as edges; DOT, Mermaid or (with Graphviz) SVG.
+"""Draw a graph file: processes as nodes, channels as edges; SVG, PNG, DOT or Mermaid.
 
 ``python -m csp.graph GRAPH.toml -o graph.svg`` (also ``python -m csp.draw``)::
 
@@ -18,8 +18,11 @@ than ``channel``, ``process``, ``trace`` and ``plugins`` are ignored, while thos
 strict schema (a typo in ``[[channel]]`` is still an error). Plugins are not imported: drawing needs
 no process class.
 
-SVG/PNG/PDF need Graphviz's ``dot`` program on PATH (``apt-get install graphviz``); without it the
-DOT text is written next to the requested file and the command says how to finish (exit status 1).
+SVG is drawn in pure Python (:mod:`csp.svg`: a layered layout from networkx, SVG written here), so
+``-o graph.svg`` works after ``pip install``; Graphviz's ``dot`` is used instead when it is on PATH
+(``--engine dot`` to insist, ``--engine python`` to skip it). PNG and PDF come from ``dot``, or from
+the Python SVG through cairosvg when that is importable (``pip install cairosvg``); with neither,
+the SVG is written next to the requested file and the command says how to finish (exit status 1).
 Exit status 2 on a bad graph file or run directory.
 """
 
@@ -36,7 +39,11 @@ from csp.backpressure import ChannelSummary, ProcessSummary, Summary
 from csp.errors import GraphError
 from csp.graph import GraphSpec, ProcessSpec, load_spec
 
-DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program
+DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.svg, + cairosvg)
+EXIT_CODES = {0: "the file was written (or DOT/Mermaid printed)",
+              1: "PNG/PDF asked for, but neither Graphviz's dot nor cairosvg is installed (the SVG was "
+                 "written instead), or dot failed",
+              2: "bad graph file, --set value or run directory"}
 
 
 class DrawingSpec(GraphSpec, forbid_unknown_fields=False):
@@ -184,21 +191,60 @@ def _format(output: str | None, explicit: str | None) -> str:
     return {"gv": "dot", "mmd": "mermaid", "mermaid": "mermaid", "md": "mermaid"}.get(suffix, suffix)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m csp.graph", description=__doc__.split("\n")[0])
+def build_parser():
+    """The command line of ``python -m csp.graph`` (see ``--help``)."""
+    from csp.cli import make_parser
+
+    parser = make_parser(
+        "python -m csp.graph", "Draw a csp graph file: processes as boxes, channels as arrows (SVG, PNG, "
+        "PDF, DOT or Mermaid).",
+        details="A box shows the process name, kind, replicas and devices; an arrow the channel name and "
+                "capacity.\nWith --run RUN_DIR the measured fill, blocked/wait shares and busy split are "
+                "added, and the\nbottleneck is drawn in red. SVG needs no Graphviz (pure Python); dot is "
+                "used when installed.",
+        exit_codes=EXIT_CODES,
+        examples=["python -m csp.graph examples/dflash-tiny.toml -o graph.svg",
+                  "python -m csp.graph examples/dflash-tiny.toml -o graph.svg --run runs/dflash-tiny",
+                  "python -m csp.graph examples/dflash-tiny.toml -o graph.mmd",
+                  "python -m csp.graph GRAPH.toml --set process.target.replicas=4     # DOT on stdout"])
     parser.add_argument("graph", help="graph TOML file (an application file with extra tables is fine)")
-    parser.add_argument("-o", "--output", help="output file: .svg/.png/.pdf (needs Graphviz), "
-                        ".dot/.gv, .mmd; default: DOT on stdout")
+    parser.add_argument("-o", "--output", metavar="FILE",
+                        help="output file; its suffix picks the format: .svg, .png, .pdf, .dot/.gv, .mmd "
+                             "(default: DOT text on stdout)")
     parser.add_argument("--format", choices=["dot", "mermaid", *sorted(DOT_FORMATS)],
                         help="override the format implied by the output suffix")
-    parser.add_argument("--run", help="a run directory: annotate with its measured statistics")
+    parser.add_argument("--engine", choices=["auto", "dot", "python"], default="auto",
+                        help="who draws SVG/PNG/PDF: auto = Graphviz's dot when on PATH, else pure Python; "
+                             "dot = Graphviz only; python = csp.svg (+ cairosvg for PNG/PDF)")
+    parser.add_argument("--run", metavar="RUN_DIR", help="a run directory: annotate with its measured statistics")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a graph value, as for dflash.run (repeatable)")
+    return parser
+
+
+def render_python(spec: GraphSpec, summary: Summary | None, fmt: str) -> bytes:
+    """SVG (or PNG/PDF through cairosvg) drawn by :mod:`csp.svg`. Raises ImportError for PNG/PDF
+    without cairosvg."""
+    from csp.svg import graph_svg
+
+    svg = graph_svg(spec, summary, _node_lines, _edge_lines, _edges)
+    if fmt == "svg":
+        return svg.encode()
+    import cairosvg  # optional: pip install cairosvg (needs the cairo library)
+
+    convert = {"png": cairosvg.svg2png, "pdf": cairosvg.svg2pdf}[fmt]
+    return convert(bytestring=svg.encode(), scale=2.0 if fmt == "png" else 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     fmt = _format(args.output, args.format)
     if fmt not in {"dot", "mermaid", *DOT_FORMATS}:
         parser.error(f"cannot tell the format from {args.output!r}: use .svg, .png, .pdf, .dot or "
                      ".mmd, or pass --format")
+    if fmt in DOT_FORMATS and not args.output:
+        parser.error(f"--format {fmt} needs -o FILE")
     try:
         spec = load_for_drawing(args.graph, args.set)
         summary = None
@@ -215,15 +261,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = to_mermaid(spec, summary) if fmt == "mermaid" else to_dot(spec, summary)
     if fmt in DOT_FORMATS:
+        use_dot = args.engine == "dot" or (args.engine == "auto" and shutil.which("dot") is not None)
         try:
-            data = render_dot(text, fmt)
+            data = render_dot(text, fmt) if use_dot else render_python(spec, summary, fmt)
         except DotNotFound:
             fallback = Path(args.output).with_suffix(".dot")
             fallback.write_text(text)
-            print(f"csp.graph: {fmt.upper()} needs Graphviz's `dot` program, which is not installed "
+            print(f"csp.graph: --engine dot needs Graphviz's `dot` program, which is not installed "
                   f"(apt-get install graphviz, or brew install graphviz). Wrote the DOT text to "
                   f"{fallback} instead; render it later with: dot -T{fmt} {fallback} -o "
-                  f"{args.output}", file=sys.stderr)
+                  f"{args.output} (or drop --engine dot)", file=sys.stderr)
+            return 1
+        except ImportError:
+            fallback = Path(args.output).with_suffix(".svg")
+            fallback.write_bytes(render_python(spec, summary, "svg"))
+            print(f"csp.graph: {fmt.upper()} needs Graphviz's `dot` or the cairosvg package, and neither "
+                  f"is installed (pip install cairosvg, or apt-get install graphviz). Wrote the SVG to "
+                  f"{fallback} instead", file=sys.stderr)
             return 1
         except subprocess.CalledProcessError as e:
             print(f"csp.graph: dot failed: {e.stderr.decode(errors='replace')}", file=sys.stderr)

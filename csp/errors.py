@@ -84,6 +84,23 @@ class ProcessFailed(CspError):
         self.replica = replica
 
 
+class ProcessStuck(CspError):
+    """After an abort (or a failure elsewhere) a process thread did not return within the runtime's
+    ``join_timeout_s``: it is stuck outside any channel call (a ``time.sleep``, a hung collective,
+    a blocking read) where the abort cannot reach it. Its thread is abandoned (daemon); its stack
+    is logged by the ``csp.runtime.stack`` logger.
+
+    Attributes:
+        processes: qualnames of the threads still running, e.g. ``["drafter[0]"]``.
+        timeout_s: the join timeout that expired (seconds).
+    """
+
+    def __init__(self, message: str, processes: list[str], timeout_s: float) -> None:
+        super().__init__(message)
+        self.processes = list(processes)
+        self.timeout_s = timeout_s
+
+
 __all__ = [
     "ChannelAborted",
     "ChannelClosed",
@@ -93,5 +110,6 @@ __all__ = [
     "GraphError",
     "PeerGone",
     "ProcessFailed",
+    "ProcessStuck",
     "WouldBlock",
 ]

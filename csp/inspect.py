@@ -16,7 +16,8 @@ Usage::
 
 On a terminal the report is a rich table (a rich Live view with ``--follow``); when stdout is not a
 terminal it is plain text, and ``--follow`` prints one verdict line per refresh, then the report.
-Exit status: 0, or 2 when the stats log is missing or malformed.
+Exit status: 0, or 2 when the stats log is missing or malformed (or an option is bad, e.g.
+``--window 0``). Rates are human-readable (``37K`` items/s, ``1.2 GB/s``, :mod:`csp.units`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from csp.backpressure import StatsFormatError, StatsLog, Summary, read_stats, stats_path, summarize
+from csp.backpressure import (ChannelSummary, StatsFormatError, StatsLog, Summary, read_stats, stats_path,
+                              summarize)
+from csp.cli import make_parser, positive_float
+from csp.units import bytes_rate, count
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.3g} {unit}/s"
-        n /= 1000
-    return f"{n:.3g} TB/s"
+def _bytes(c: ChannelSummary) -> str:
+    # csp counts tensor bytes only (csp.item_nbytes): items without tensors carry "-", not "0 B/s"
+    return "-" if c.bytes_per_s == 0 and c.items_per_s > 0 else bytes_rate(c.bytes_per_s)
 
 
 def _pct(x: float) -> str:
@@ -60,24 +61,23 @@ def _channel_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
     head = ["channel", "capacity", "fill now", "fill avg", "fill peak", "send blocked",
             "recv waiting", "items/s", "bytes/s"]
     rows = [[c.name, str(c.capacity), str(c.fill_now), f"{c.fill_avg:.1f}", str(c.fill_peak),
-             _pct(c.send_blocked_frac), _pct(c.receive_wait_frac), f"{c.items_per_s:.3g}",
-             _bytes(c.bytes_per_s)] for c in summary.channels]
+             _pct(c.send_blocked_frac), _pct(c.receive_wait_frac), count(c.items_per_s),
+             _bytes(c)] for c in summary.channels]
     return head, rows
 
 
 def _process_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
-    head = ["process", "state", "busy", "waiting input", "blocked output", "in/s", "out/s"]
+    head = ["process", "state", "busy", "waiting input", "blocked output", "items in/s", "items out/s"]
     rows = []
     for p in summary.processes:
         states = sorted({r.state for r in p.replicas})
         label = p.name if len(p.replicas) == 1 else f"{p.name} (all {len(p.replicas)})"
         rows.append([label, ",".join(states), _pct(p.busy_frac), _pct(p.wait_input_frac),
-                     _pct(p.blocked_output_frac), f"{p.items_in_per_s:.3g}",
-                     f"{p.items_out_per_s:.3g}"])
+                     _pct(p.blocked_output_frac), count(p.items_in_per_s), count(p.items_out_per_s)])
         if len(p.replicas) > 1:
             rows += [[f"  {r.qualname}", r.state, _pct(r.busy_frac), _pct(r.wait_input_frac),
-                      _pct(r.blocked_output_frac), f"{r.items_in_per_s:.3g}",
-                      f"{r.items_out_per_s:.3g}"] for r in p.replicas]
+                      _pct(r.blocked_output_frac), count(r.items_in_per_s),
+                      count(r.items_out_per_s)] for r in p.replicas]
     return head, rows
 
 
@@ -101,7 +101,8 @@ def render_plain(summary: Summary, source: str = "run") -> str:
 def render_rich(summary: Summary, source: str = "run") -> Group:
     """The report as rich renderables (tables with the verdict on top)."""
     items: list = [Text(_header_line(summary, source), style="dim"),
-                   Text(summary.verdict.text, style="bold yellow" if summary.verdict.stage else "bold")]
+                   Text(summary.verdict.text,
+                        style="bold yellow" if summary.verdict.stage or summary.verdict.channel else "bold")]
     for (head, rows), title in ((_channel_rows(summary), "channels"),
                                 (_process_rows(summary), "processes")):
         if not rows:
@@ -175,15 +176,36 @@ def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = N
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m csp.inspect", description=__doc__.split("\n")[0])
+EXIT_CODES = {0: "the report was printed (or --follow ended at the run's final record, or on Ctrl-C)",
+              2: "no stats log in RUN (csp/stats.jsonl), a malformed one, or a bad option"}
+
+
+def build_parser():
+    """The command line of ``python -m csp.inspect`` (see ``--help``)."""
+    parser = make_parser(
+        "python -m csp.inspect", "Where is the backpressure in a csp run, and which stage is the bottleneck?",
+        details="Reads RUN/csp/stats.jsonl and prints a verdict line (bottleneck: ...), then per channel its "
+                "fill\n(now, average, peak of capacity), the share of time its senders were blocked and its "
+                "receivers\nwaited, and its items/s and bytes/s (tensor bytes only; '-' when the items carry "
+                "no tensors);\nper process replica the share of its time busy, waiting for input and blocked "
+                "on output.\nThe rule behind the verdict: docs/inspect.md.",
+        exit_codes=EXIT_CODES,
+        examples=["python -m csp.inspect runs/dflash-tiny", "python -m csp.inspect runs/dflash-tiny --window 30",
+                  "python -m csp.inspect runs/dflash-tiny --follow", "python -m csp.inspect runs/dflash-tiny --json"])
     parser.add_argument("run", help="run directory (with csp/stats.jsonl) or a stats.jsonl file")
-    parser.add_argument("--follow", "-f", action="store_true", help="tail a live run")
-    parser.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds")
-    parser.add_argument("--window", type=float, default=None,
-                        help="analyse only the last WINDOW seconds of the log (default: all)")
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    args = parser.parse_args(argv)
+    parser.add_argument("--follow", "-f", action="store_true",
+                        help="tail a live run: refresh until its final record (Ctrl-C to leave)")
+    parser.add_argument("--interval", type=positive_float, default=1.0, metavar="SECONDS",
+                        help="refresh period of --follow, in seconds")
+    parser.add_argument("--window", type=positive_float, default=None, metavar="SECONDS",
+                        help="analyse only the last SECONDS of the log, > 0 (default: the whole run)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (JSON lines with --follow) for scripts")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     console = Console()
     try:
         if args.follow:

@@ -3,7 +3,7 @@
 Reads and validates the file (``plugins`` are imported so their kinds register), builds the graph,
 runs it, prints how it ended and a per-process summary, and exits with the run's exit code:
 0 completed, 130 stopped by Ctrl-C or SIGTERM (graceful drain; a second signal aborts), 1 a process failed,
-2 bad graph or config. Statistics and the trace go to ``RUN_DIR/csp/`` (default
+2 bad graph or config, 3 a process did not stop after an abort (``EXIT_CODES``). Statistics and the trace go to ``RUN_DIR/csp/`` (default
 ``runs/<graph file stem>``; ``--no-run-dir`` writes nothing).
 
 Examples::
@@ -20,28 +20,50 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from csp.errors import GraphError, ProcessFailed
+from csp.cli import make_parser
+from csp.errors import GraphError, ProcessFailed, ProcessStuck
 from csp.graph import Graph, load_spec
-from csp.runtime import EXIT_BAD_GRAPH, EXIT_FAILED, Runtime
+from csp.runtime import EXIT_BAD_GRAPH, EXIT_FAILED, EXIT_STUCK, Runtime
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m csp.run", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("graph", type=Path, help="graph TOML file")
+EXIT_CODES = {
+    0: "completed",
+    1: "a process failed (the error line names it, e.g. tokenize[1])",
+    2: "bad graph file, --set value or plugin (nothing started)",
+    3: "a process did not stop within 10 s of an abort (stuck outside a channel call); the line names it",
+    130: "stopped by Ctrl-C or SIGTERM (graceful drain), or aborted by a second signal",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m csp.run`` (see ``--help``)."""
+    ap = make_parser(
+        "python -m csp.run", "Run any csp graph file, then print how it ended and a per-process summary.",
+        details="Statistics and the trace go to RUN_DIR/csp/ (read them with python -m csp.inspect RUN_DIR).\n"
+                "The first Ctrl-C (or SIGTERM) stops the sources and drains the items in flight; a second "
+                "one aborts.",
+        exit_codes=EXIT_CODES,
+        examples=["python -m csp.run examples/text_pipeline.toml",
+                  "python -m csp.run examples/text_pipeline.toml --set process.tokenize.replicas=1 "
+                  "--set trace.flows=true"])
+    ap.add_argument("graph", type=Path, help="graph file (TOML)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a value, e.g. process.tokenize.replicas=1 (repeatable)")
-    ap.add_argument("--run-dir", type=Path, default=None,
-                    help="where csp/stats.jsonl and csp/trace.json go (default runs/<graph stem>)")
+                    help="override a graph value, e.g. process.tokenize.replicas=1 (repeatable)")
+    ap.add_argument("--run-dir", type=Path, default=None, metavar="DIR",
+                    help="where csp/stats.jsonl and csp/trace.json go (default: runs/<graph file stem>)")
     ap.add_argument("--no-run-dir", action="store_true", help="write no statistics or trace")
     ap.add_argument("--allow-imports", action="store_true",
                     help="accept 'module:Class' import strings as process kinds")
-    ap.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
-    return ap.parse_args(argv)
+    ap.add_argument("-q", "--quiet", action="store_true", help="log only warnings and errors")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit code (see the module doc)."""
+    """Entry point; returns the exit code (see ``EXIT_CODES``)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -64,7 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProcessFailed as exc:
         print(f"error: {exc} (traceback above; cause: {exc.__cause__!r})", file=sys.stderr)
         return EXIT_FAILED
-    print(f"{result.status} in {result.duration_s:.2f} s (exit code {result.exit_code})")
+    except ProcessStuck as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_STUCK
+    how = f"{result.status} by {result.stopped_by}" if result.stopped_by else result.status
+    print(f"{how} in {result.duration_s:.2f} s (exit code {result.exit_code})")
     for q, st in runtime.statistics()["processes"].items():
         print(f"  {q:<20} busy {st.busy_s:7.3f} s  wait_input {st.wait_input_s:7.3f} s  "
               f"blocked_output {st.blocked_output_s:7.3f} s  in {st.items_in:>7}  out {st.items_out:>7}")

@@ -28,10 +28,15 @@ Exit codes (``RunResult.exit_code``; ``python -m csp.run`` exits with it):
       also gives 130, not the shell's 143, so callers test one code for "stopped, drained"
 1     a process failed (``run()`` raises ProcessFailed; the CLI exits 1)
 2     bad graph or config (GraphError before anything starts; set by the CLI)
+3     a process did not stop: after an abort a thread was still running ``join_timeout_s`` later
+      (``run()`` raises ProcessStuck naming it; the CLI prints one line and exits 3)
 ====  ==========================================================================
 
-No thread is left behind: after the loop ends every process thread is joined; one still alive
-after ``join_timeout_s`` is logged with its stack and ``run()`` raises :class:`csp.CspError`.
+No thread is left behind silently: after the loop ends every process thread is joined; one still
+alive after ``join_timeout_s`` (stuck outside any channel call, where an abort cannot reach it:
+a ``time.sleep``, a hung collective) is logged with its stack (logger ``csp.runtime.stack``) and
+``run()`` raises :class:`csp.ProcessStuck` naming it (or, after a failure, ProcessFailed whose
+message names it too).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import anyio
 import msgspec
 
 from csp.channel import channel
-from csp.errors import ChannelAborted, CspError, EndOfStream, ProcessFailed
+from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck
 from csp.graph import Graph, ProcessNode, TraceSpec
 from csp.process import Context, is_async
 from csp.stats import ChannelStatistics, ProcessStatistics
@@ -60,18 +65,23 @@ from csp.statslog import StatsLog
 from csp.trace import FlowTap, Tracer
 
 log = logging.getLogger("csp.runtime")
+stack_log = logging.getLogger("csp.runtime.stack")  # stacks of stuck threads (long, multi-line)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_STUCK, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+JOIN_TIMEOUT_S = 10.0  # default Runtime.join_timeout_s (seconds)
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     """How a run ended: ``status`` ("completed" | "stopped" | "failed" | "aborted"),
-    ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``)."""
+    ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``), and
+    ``stopped_by``: what stopped or aborted it ("SIGINT", "SIGTERM", "request_stop", "abort";
+    for an abort by a second signal, the second signal), None when it completed."""
 
     status: str
     exit_code: int
     duration_s: float
+    stopped_by: str | None = None
 
 
 class _Worker:
@@ -122,7 +132,8 @@ class Runtime:
         app: any object handed to every process as ``ctx.app``.
         trace: None follows ``graph.trace``; a bool switches ``trace.json`` on/off; a TraceSpec
             replaces ``graph.trace``.
-        join_timeout_s: after a failure or abort, how long to wait for process threads to stop.
+        join_timeout_s: after a failure or abort, how long to wait for process threads to stop
+            (seconds; None: :data:`JOIN_TIMEOUT_S`, 10 s).
         instances: run only these ``(process name, replica)`` instances (``csp.dist`` runs each
             rank's share of the graph this way); None runs every instance.
         channel_factory: ``f(item_type=, capacity=, name=, ordered=) -> (Sender, Receiver)`` used
@@ -131,7 +142,7 @@ class Runtime:
     """
 
     def __init__(self, graph: Graph, *, run_dir: Path | str | None = None, app: Any = None,
-                 trace: bool | TraceSpec | None = None, join_timeout_s: float = 10.0,
+                 trace: bool | TraceSpec | None = None, join_timeout_s: float | None = None,
                  instances: Any = None, channel_factory: Any = None) -> None:
         self.graph = graph
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -140,7 +151,7 @@ class Runtime:
         if isinstance(trace, bool):
             spec = msgspec.structs.replace(spec, perfetto=trace)
         self.trace_spec = spec
-        self.join_timeout_s = join_timeout_s
+        self.join_timeout_s = JOIN_TIMEOUT_S if join_timeout_s is None else join_timeout_s
         self.instances = None if instances is None else set(instances)
         self.channel_factory = channel_factory if channel_factory is not None else channel
         self.tracer: Tracer | None = None
@@ -151,6 +162,7 @@ class Runtime:
         self._shutting_down = False
         self._failure: tuple[_Worker, BaseException] | None = None
         self._signals = 0
+        self._stopped_by: str | None = None
         self._signals_installed = False
         self._workers: list[_Worker] = []
         self._channels: dict[str, tuple[Any, Any]] = {}
@@ -162,12 +174,15 @@ class Runtime:
     # -- public control -----------------------------------------------------------------------
     def request_stop(self) -> None:
         """Graceful stop (thread-safe, idempotent): sources see ``ctx.stopping()``; items drain."""
+        self._stopped_by = self._stopped_by or "request_stop"
         self._stop.set()
 
     def abort(self) -> None:
         """Immediate stop (thread-safe): abort every channel and cancel every task."""
         with self._lock:
             self._aborted = True
+            if self._signals < 2:
+                self._stopped_by = "abort"
         self._shutdown("run aborted")
 
     def statistics(self) -> dict[str, dict[str, Any]]:
@@ -184,7 +199,7 @@ class Runtime:
         Raises:
             GraphError: the graph is invalid (nothing started).
             ProcessFailed: a process raised; ``__cause__`` is its exception.
-            CspError: a process thread did not stop within ``join_timeout_s``.
+            ProcessStuck: after an abort, a process thread did not stop within ``join_timeout_s``.
             RuntimeError: ``run()`` was called twice.
         """
         if self._started:
@@ -227,9 +242,12 @@ class Runtime:
             raise ProcessFailed(f"process {w.qualname} failed: {type(exc).__name__}: {exc}{stuck_note}",
                                 process=w.node.name, replica=w.replica) from exc
         if stuck:
-            raise CspError(f"process threads did not stop within {self.join_timeout_s} s after the "
-                           f"run was aborted: {', '.join(stuck)} (stacks logged by csp.runtime)")
-        return RunResult(status=status, exit_code=exit_code, duration_s=perf_counter() - t0)
+            raise ProcessStuck(f"process {', '.join(stuck)} did not stop within {self.join_timeout_s:g} s "
+                               "after the abort (stuck outside any channel call: a sleep, a hung "
+                               "collective, a blocking read); its thread was abandoned; its stack is "
+                               "logged", stuck, self.join_timeout_s)
+        return RunResult(status=status, exit_code=exit_code, duration_s=perf_counter() - t0,
+                         stopped_by=None if status == "completed" else self._stopped_by)
 
     def _build(self) -> None:
         g = self.graph
@@ -433,8 +451,9 @@ class Runtime:
         for w in stuck:
             frame = frames.get(w.thread.ident)  # type: ignore[union-attr, arg-type]
             stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
-            log.error("process thread %s did not stop within %.1f s; it is left running "
-                      "(daemon). Its stack:\n%s", w.qualname, self.join_timeout_s, stack)
+            log.error("process thread %s did not stop within %.1f s; it is left running (daemon)",
+                      w.qualname, self.join_timeout_s)
+            stack_log.error("stack of the stuck process thread %s:\n%s", w.qualname, stack)
         return [w.qualname for w in stuck]
 
     # -- signals ------------------------------------------------------------------------------
@@ -453,9 +472,13 @@ class Runtime:
         if self._signals == 1:
             log.warning("%s: graceful stop requested (sources stop, items drain); "
                         "press Ctrl-C (or send SIGTERM) again to abort", name)
+            self._stopped_by = name
             self.request_stop()
         else:
-            log.warning("second stop signal (%s): aborting the run", name)
+            running = [w.qualname for w in self._workers if w.state in ("setup", "running")]
+            self._stopped_by = name
+            log.warning("second stop signal (%s): aborting the run%s", name,
+                        f" (still running: {', '.join(running)})" if running else "")
             loop = self._loop
             if loop is not None:
                 loop.call_soon_threadsafe(self.abort)

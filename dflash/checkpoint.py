@@ -92,6 +92,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``os.umask`` sets it, and
+    a thread creating a file meanwhile would get mode 0666)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _usual_mode(*files: Path) -> None:
+    """Give files the mode ``open()`` would (``0o666 & ~umask``, 0644 under umask 022):
+    safetensors writes them 0600, unreadable by the user's group."""
+    mode = 0o666 & ~_current_umask()
+    for f in files:
+        os.chmod(f, mode)
+
+
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "wb") as f:
         f.write(msgspec.json.format(msgspec.json.encode(obj), indent=2))
@@ -355,6 +377,7 @@ class Checkpointer:
                 "lineage": self.lineage, "config_hash": self.config_hash, "time": time.time(),
                 "save_s": save_s}
         _write_json(tmp / "meta.json", meta)
+        _usual_mode(tmp / "model.safetensors", tmp / "train_state.safetensors")
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)

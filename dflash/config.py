@@ -109,6 +109,9 @@ class MonitorSection(_Table):
     spike_k: Annotated[float, Meta(gt=0.0)] = 5.0
     """A window whose loss exceeds the median of the last 20 windows by spike_k robust standard
     deviations (1.4826 x MAD) is flagged as a spike (the rule of python -m dflash.logs)."""
+    plot: bool = True
+    """At the end of the run write RUN_DIR/plot.png (python -m dflash.plot) when matplotlib is
+    importable; without it one line says how to get it."""
 
 
 class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):

@@ -9,7 +9,8 @@ current :class:`csp.stats.ChannelStatistics` of the graph's channels.
   (default 4 Hz). ``update`` only swaps the renderable (no repaint, no I/O), so it costs
   microseconds and never waits on the terminal: the display cannot stall training.
 * When the output is not a terminal (a log file, a pipe, CI) each update prints one plain line,
-  the same line :func:`format_line` returns (``run.log`` uses it too)::
+  the same line :func:`format_line` returns (``run.log`` gets it too, through the
+  ``dflash.display`` logger, see :mod:`dflash.runlog`)::
 
       step 120/1000 12.0% | loss 2.346 tau 3.21 (accepted 2.21) | target 29.8K tok/s drafter 51.2K tok/s | lr 3.0e-04 | eta 1:23:45 | batches 3/8 features 1/4
 
@@ -20,6 +21,7 @@ current speed rather than the average since start (which a resume or a stall wou
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -31,6 +33,9 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from dflash import runlog
+
+_window_log = logging.getLogger("dflash.display")
 
 MODES = ("auto", "live", "plain", "off")
 
@@ -103,7 +108,8 @@ class TrainingDisplay:
         total_steps: steps the run will make (for the progress bar and ETA); None if unknown.
         mode: "auto" (a rich Live view iff ``file`` is a terminal, else plain lines), "live",
             "plain", or "off" (nothing printed; ``log_file`` still gets the lines).
-        file: where to write (default stdout).
+        file: where to write (default: the run's console, :func:`dflash.runlog.console`, on
+            stderr, the console the log lines use, so they show above the live view).
         refresh_per_second: repaint rate of the Live view (Hz).
         log_file: an open text file that also receives every plain line (e.g. run.log), or None.
         rate_window: updates over which the step rate (for the ETA) is measured.
@@ -128,7 +134,7 @@ class TrainingDisplay:
         self.title = title
         self.start_step = start_step
         self.mode = mode
-        self.console = Console(file=file)
+        self.console = Console(file=file) if file is not None else runlog.console()
         self.log_file = log_file
         self._clock = clock
         self._points: deque[tuple[float, int]] = deque(maxlen=max(rate_window, 2))
@@ -163,6 +169,7 @@ class TrainingDisplay:
         eta = self.eta_s()
         line = format_line(record, channels, total_steps=self.total_steps, eta_s=eta)
         self.last_line = line
+        _window_log.info(line, extra=runlog.FILE_ONLY)  # run.log (the terminal shows it below)
         if self.log_file is not None:
             self.log_file.write(line + "\n")
             self.log_file.flush()
@@ -175,6 +182,7 @@ class TrainingDisplay:
 
     def note(self, text: str) -> None:
         """An event line (checkpoint saved, step skipped, resume): printed above the live view."""
+        _window_log.info(text, extra=runlog.FILE_ONLY)
         if self.log_file is not None:
             self.log_file.write(text + "\n")
             self.log_file.flush()

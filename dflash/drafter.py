@@ -31,7 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from csp._guard import check as _check_owner
 from dflash.attention import BlockLayout, flex_block_mask, sdpa_mask
+
+_check_owner("dflash", __file__.rsplit("/", 1)[0])  # eval/export under another 'dflash' (csp._guard)
 
 __all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config", "rope_theta_of"]
 

@@ -9,9 +9,10 @@
 * ``model.safetensors``: the drafter weights under the public names (``fc.weight``,
   ``hidden_norm.weight``, ``layers.N.self_attn.q_proj.weight``, ...; no embedding / LM head).
 
-Public drafters also carry an ``auto_map`` to their own ``dflash.py`` modeling file for
-``trust_remote_code``; that file is z-lab's and is not written here, so no ``auto_map`` is set
-(serving engines select the drafter by ``architectures``).
+* ``modeling_dflash.py``: this project's transformers model of the drafter (a copy of
+  :mod:`dflash.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
+  ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` loads it with no other package.
+  Serving engines select the drafter by ``architectures`` and ignore it.
 
 The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
 ``meta.json`` or ``train_state.pt``) or the input itself, an output path that is a file, and a
@@ -39,8 +40,10 @@ from safetensors.torch import load_file, save_file
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.model_io import load_drafter
 
-__all__ = ["LastLayerWarning", "check_output", "export_drafter", "hf_config_dict",
+__all__ = ["MODELING_FILE", "LastLayerWarning", "check_output", "export_drafter", "hf_config_dict",
            "last_layer_problem", "load_exported", "main"]
+
+MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 
 
 class LastLayerWarning(UserWarning):
@@ -103,12 +106,14 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
         "initializer_range": 0.02,
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
+        "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"},
     }
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                    dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` (created if needed).
+    """Write ``config.json``, ``model.safetensors`` and ``modeling_dflash.py`` into ``out_dir``
+    (created if needed).
 
     Warns :class:`LastLayerWarning` (and still exports) when :func:`last_layer_problem` finds one.
     """
@@ -121,9 +126,10 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
     weights = {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / MODELING_FILE).write_bytes((Path(__file__).parent / MODELING_FILE).read_bytes())
     umask = os.umask(0)
     os.umask(umask)
-    for name in ("model.safetensors", "config.json"):
+    for name in ("model.safetensors", "config.json", MODELING_FILE):
         os.chmod(out / name, 0o666 & ~umask)
     return out
 
@@ -148,7 +154,7 @@ def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = Fals
                          "its weights; give a new directory")
     if any(out.iterdir()) and not force:
         raise ValueError(f"-o {out_dir} is not empty; give an empty or new directory, or --force "
-                         "to overwrite config.json and model.safetensors there")
+                         f"to overwrite config.json, model.safetensors and {MODELING_FILE} there")
 
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
@@ -193,10 +199,23 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash.export", description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a dflash checkpoint directory (model.safetensors + configs)")
-    p.add_argument("-o", "--out", required=True, help="output directory (public DFlash layout)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    from csp.cli import make_parser
+
+    p = make_parser(
+        "python -m dflash.export", "Export a trained drafter checkpoint to the public DFlash Hugging Face "
+        "layout (config.json + model.safetensors).",
+        details="The output loads where DFlash drafters are served (architectures = [\"DFlashDraftModel\"], "
+                "the public\nparameter names) and back with dflash.export.load_exported. Files are "
+                "written with the usual\npermissions (0644 under umask 022).",
+        exit_codes={0: "exported", 1: "an unexpected error (traceback)",
+                    2: "bad input: no such checkpoint, the output is a checkpoint, the input itself, a file, "
+                       "or a non-empty directory without --force"},
+        examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
+                  "python -m dflash.export CKPT -o OUT --dtype float32 --force"])
+    p.add_argument("checkpoint", help="a dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     args = p.parse_args(argv)
     try:

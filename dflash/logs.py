@@ -380,12 +380,26 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash.logs", description=__doc__.split("\n")[0])
+    from csp.cli import make_parser
+
+    parser = make_parser(
+        "python -m dflash.logs", "What happened in a dflash training run: loss spikes, skipped steps, "
+        "logging gaps, checkpoint health.",
+        details="Reads RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/ only (works on a finished, stopped or "
+                "crashed run).\nA spike: loss > median + K x 1.4826 MAD of the previous WINDOW train "
+                "records. A gap: an interval\nbetween train records > GAP_FACTOR x the median interval, "
+                "with its cause (checkpoint, resume, restart, stall).\nThe checkpoint that resume = "
+                "\"auto\" would pick is marked.",
+        exit_codes={0: "the report was printed", 2: "no metrics.jsonl in RUN_DIR"},
+        examples=["python -m dflash.logs runs/dflash-tiny", "python -m dflash.logs runs/dflash-tiny --json"])
     parser.add_argument("run_dir", help="a dflash run directory (with metrics.jsonl)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--window", type=int, default=20, help="spike rule: train records of history")
-    parser.add_argument("-k", type=float, default=5.0, help="spike rule: robust deviations above median")
-    parser.add_argument("--gap-factor", type=float, default=3.0, help="gap rule: x median interval")
+    parser.add_argument("--json", action="store_true", help="print one JSON object for scripts")
+    parser.add_argument("--window", type=int, default=20, metavar="N",
+                        help="spike rule: how many previous train records form the baseline")
+    parser.add_argument("-k", type=float, default=5.0, metavar="K",
+                        help="spike rule: robust standard deviations (1.4826 x MAD) above the median")
+    parser.add_argument("--gap-factor", type=float, default=3.0, metavar="X",
+                        help="gap rule: an interval longer than X times the median interval is a gap")
     args = parser.parse_args(argv)
     try:
         rep = analyse(args.run_dir, window=args.window, k=args.k, gap_factor=args.gap_factor)

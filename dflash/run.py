@@ -9,7 +9,12 @@ Exit codes:
          data problem was found at run time
     2    bad graph file, config or data (nothing started; config errors, including those across
          tables such as drafter vs target shapes, come before any data is read or written)
-    130  stopped by Ctrl-C: the graph drained and a final checkpoint was written
+    3    a stage did not stop within 10 s of an abort (one line names it)
+    130  stopped by Ctrl-C or SIGTERM: the graph drained and a final checkpoint was written
+
+However it ends, a closing summary (:mod:`dflash.summary`) says what was done and saved and what to
+run next, and the curves are plotted to ``RUN_DIR/plot.png`` (:mod:`dflash.plot`) when matplotlib
+is importable. Output: :mod:`dflash.runlog`.
 """
 
 from __future__ import annotations
@@ -21,65 +26,43 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-import torch
-from rich.console import Console
-from rich.logging import RichHandler
+from dflash.run_args import build_parser
 
-import csp
-import csp.dist
-from dflash.app import RunApp
-from dflash.checkpoint import CheckpointError
-from dflash.config import DFlashFile, config_hash, load_config, to_toml
-from dflash.metrics_log import MetricsLog
-from dflash.preflight import preflight
-from dflash.resume import archive_foreign, choose as choose_resume, config_changes, new_lineage, saved_config
+if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~3 s)
+    build_parser().parse_args()
+
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+import csp  # noqa: E402
+import csp.dist  # noqa: E402
+from dflash import runlog  # noqa: E402
+from dflash.app import RunApp  # noqa: E402
+from dflash.checkpoint import CheckpointError  # noqa: E402
+from dflash.config import DFlashFile, config_hash, load_config, to_toml  # noqa: E402
+from dflash.metrics_log import MetricsLog  # noqa: E402
+from dflash.preflight import preflight  # noqa: E402
+from dflash.resume import (archive_foreign, choose as choose_resume, config_changes,  # noqa: E402
+                           new_lineage, saved_config)
 
 log = logging.getLogger("dflash.run")
-console = Console(stderr=True)
 
 
-def _error(exc: BaseException) -> None:
-    """One plain, unwrapped line on stderr (greppable in logs and CI)."""
+def _error(exc: BaseException | str) -> None:
+    """One plain, unwrapped line on stderr (greppable in logs and CI), and in run.log."""
     print(f"error: {exc}", file=sys.stderr, flush=True)
-    for h in logging.getLogger().handlers:
-        if getattr(h, "_dflash", False) and isinstance(h, logging.FileHandler):
-            h.emit(logging.makeLogRecord({"name": "dflash.run", "levelname": "ERROR", "levelno": logging.ERROR,
-                                          "msg": f"error: {exc}"}))
+    for h in runlog.file_handlers():
+        h.emit(logging.makeLogRecord({"name": "dflash.run", "levelname": "ERROR", "levelno": logging.ERROR,
+                                      "msg": f"error: {exc}"}))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dflash.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("graph", help="graph file (TOML), e.g. examples/dflash-tiny.toml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set run.steps=50 --set process.target.replicas=1")
-    p.add_argument("--resume", default=None, help="auto (newest healthy checkpoint) | PATH | none; "
-                   "overrides [run].resume")
-    return p.parse_args(argv)
+    """The command line (:mod:`dflash.run_args`; ``--help`` lists options and exit codes)."""
+    return build_parser().parse_args(argv)
 
 
-def setup_logging(run_dir: Path) -> None:
-    """Log to the terminal (rich) and to RUN_DIR/run.log (plain)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    close_logging()
-    term = RichHandler(console=console, show_path=False, rich_tracebacks=False)
-    term.setLevel(logging.INFO)
-    file = logging.FileHandler(run_dir / "run.log")
-    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for h in (term, file):
-        h._dflash = True  # type: ignore[attr-defined]
-        root.addHandler(h)
-    root.setLevel(logging.INFO)
-
-
-def close_logging() -> None:
-    """Remove and close the handlers :func:`setup_logging` added."""
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_dflash", False):
-            root.removeHandler(h)
-            h.close()
+setup_logging = runlog.setup  # terminal + RUN_DIR/run.log (dflash.runlog)
+close_logging = runlog.close
 
 
 _SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -173,7 +156,9 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         cfg.drafter.mask_token_id = info.mask_token_id
     cfg.data.block_size = cfg.drafter.block_size
 
-    dataset = load_dataset(cfg.data, tok, console=console)
+    dataset = load_dataset(cfg.data, tok, console=runlog.console())
+    if dataset.summary is not None:
+        log.info(runlog.data_line(dataset.summary), extra=runlog.FILE_ONLY)  # the terminal got the table
     try:
         train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
     except ValueError as exc:
@@ -190,7 +175,8 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
         if changes:
             log.warning("the config differs from the one checkpoint %s was trained with: %s", ckpt,
                         "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else ""))
-        console.rule(f"[bold yellow]RESUMING from step {start_step}: {ckpt}")
+        if runlog.console().is_terminal:
+            runlog.console().rule(f"[bold yellow]RESUMING from step {start_step}: {ckpt}")
         log.warning("RESUMING from step %d: %s", start_step, ckpt)
 
     drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
@@ -252,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command in the summary
     try:
         cfg = load_config(args.graph, args.overrides)
     except csp.GraphError as exc:
@@ -324,28 +311,40 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         app.metrics.write({"kind": "end", "status": status, "exit_code": code, "rank": result.rank,
                            "seconds": time.time() - t0})
         app.metrics.close()
+        if rank == 0:
+            _summary(cfg, args, run_dir, status, code, None, result.error, time.time() - t0)
         if result.error is not None:
             print(f"rank {result.rank}: error: {result.error}", file=sys.stderr)
             csp.dist.hard_exit(code)
         return code
     runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
     app.channel_stats = lambda: runtime.statistics()["channels"]
+    stopped_by, error = None, None
     try:
         result = runtime.run()
-        status, code = result.status, result.exit_code
+        status, code, stopped_by = result.status, result.exit_code, result.stopped_by
     except csp.ProcessFailed as exc:
         _error(exc)
+        error = str(exc)
+    except csp.ProcessStuck as exc:  # issue 14: one line naming it, exit 3 (the stack is in run.log)
+        status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
+        _error(error)
     finally:
         app.metrics.write({"kind": "end", "status": status, "exit_code": code, "seconds": time.time() - t0})
         app.metrics.close()
-    if status == "aborted":
-        log.warning("aborted (second Ctrl-C): no final checkpoint was written; --resume auto continues "
-                    "from the last periodic one")
-    elif code == 130:
-        log.warning("stopped by Ctrl-C after draining; the final checkpoint is in %s", run_dir / "checkpoints")
-    elif code == 0:
-        log.info("done in %.1fs; metrics: %s", time.time() - t0, run_dir / "metrics.jsonl")
+    _summary(cfg, args, run_dir, status, code, stopped_by, error, time.time() - t0)
     return code
+
+
+def _summary(cfg: DFlashFile, args: argparse.Namespace, run_dir: Path, status: str, code: int,
+             stopped_by: str | None, error: str | None, seconds: float) -> None:
+    """The closing summary and the plot (dflash.summary); never raises."""
+    from dflash.summary import report_end
+
+    report_end(run_dir, status=status, exit_code=code, total_steps=cfg.run.steps,
+               argv=getattr(args, "argv", ()), seconds=seconds, stopped_by=stopped_by, error=error,
+               data_source=cfg.data.source if isinstance(cfg.data.source, str) else None,
+               plot=cfg.monitor.plot, logger=log)
 
 
 if __name__ == "__main__":

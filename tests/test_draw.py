@@ -4,7 +4,9 @@ marked to skip without it."""
 
 from __future__ import annotations
 
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,13 +115,124 @@ def test_cli_writes_dot_and_mermaid(graph_file, tmp_path, capsys):
     assert "batches [cap 16]" in capsys.readouterr().out
 
 
-def test_svg_without_graphviz_writes_dot_and_says_how(graph_file, tmp_path, monkeypatch, capsys):
+def _svg_geometry(svg: str):
+    """(width, height, texts as (x, y, text)) of an SVG written by csp.svg, in picture coordinates."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(svg)  # well-formed XML, or this raises
+    ns = "{http://www.w3.org/2000/svg}"
+    width, height = float(root.get("width")), float(root.get("height"))
+    texts = []
+
+    def walk(el, dy):
+        t = el.get("transform", "")
+        if t.startswith("translate(0,"):
+            dy += float(t[len("translate(0,"):-1])
+        if el.tag == ns + "text":
+            texts.append((float(el.get("x")), float(el.get("y")) + dy, el.text or ""))
+        for child in el:
+            walk(child, dy)
+
+    walk(root, 0.0)
+    return width, height, texts
+
+
+def test_svg_without_graphviz_is_drawn_in_python(graph_file, tmp_path, monkeypatch, capsys):
+    """Regression (issue 16): ``-o graph.svg`` failed without Graphviz's dot, which pip cannot
+    install. Invariant: without dot the SVG is drawn in pure Python, well-formed, with every
+    process and channel labelled and every label inside the picture."""
+    from csp.svg import CW
+
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    assert main([str(graph_file), "-o", str(tmp_path / "g.svg")]) == 1
+    assert main([str(graph_file), "-o", str(tmp_path / "g.svg")]) == 0
+    svg = (tmp_path / "g.svg").read_text()
+    width, height, texts = _svg_geometry(svg)
+    words = [t for _, _, t in texts]
+    for label in ("source", "work", "t.work", "3 replicas, cuda:0..2", "x3", "sink", "tap", "batches [cap 4]"):
+        assert label in words, label
+    assert words.count("out [cap 2, ordered]") == 2  # fan-out: one arrow per reader
+    assert all(0 <= x and x + len(t) * CW <= width + 1 and 0 < y <= height for x, y, t in texts)
+
+
+def test_svg_with_a_run_marks_the_bottleneck_the_fill_and_each_replica(graph_file, tmp_path, monkeypatch):
+    """Invariant: with --run the picture carries the verdict as its title, fill and blocked/wait
+    numbers on the arrows, one busy bar per replica, and the bottleneck box in red."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert main([str(graph_file), "-o", str(tmp_path / "g.svg"), "--run", str(FIXTURES / "pipeline")]) == 0
+    svg = (tmp_path / "g.svg").read_text()
+    _, _, texts = _svg_geometry(svg)
+    words = [t for _, _, t in texts]
+    assert words[0].startswith("bottleneck: work (busy 90%")
+    assert "fill avg 3.0 peak 4" in words and "send blocked 75%, recv wait 5%" in words
+    assert svg.count("<title>work[") == 4  # 2 replicas: a bar and its fill each
+    red_boxes = [line for line in svg.splitlines()
+                 if 'rx="6" fill="#fde0dd" stroke="#d62728" stroke-width="2.5"' in line]
+    assert len(red_boxes) == 1  # the front card of work's stack (the cards behind are thinner)
+
+
+def test_head_of_line_channel_is_drawn_red():
+    """Invariant: a verdict that names an ordered channel (head-of-line) colours its arrows red."""
+    import msgspec
+
+    from csp.backpressure import Verdict
+    from csp.draw import _edge_lines, _edges, _node_lines
+    from csp.svg import RED, graph_svg
+
+    spec = load_for_drawing_text(GRAPH)
+    summary = summarize(read_stats(FIXTURES / "pipeline"))
+    summary = msgspec.structs.replace(summary, verdict=Verdict(text="bottleneck: ordered channel 'out' ...",
+                                                               channel="out"))
+    svg = graph_svg(spec, summary, _node_lines, _edge_lines, _edges)
+    red_paths = [line for line in svg.splitlines() if line.startswith("<path") and f'stroke="{RED}"' in line]
+    assert len(red_paths) == 2  # work -> sink and work -> tap
+
+
+def load_for_drawing_text(text: str):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "g.toml"
+        path.write_text(text)
+        return load_for_drawing(path)
+
+
+def test_six_replicas_read_well(tmp_path, monkeypatch):
+    """Issue 16: a graph with 6 target replicas must still read well. Invariant: one stacked box
+    with a x6 badge and its devices, no process boxes overlapping, every label inside the picture."""
+    from csp.svg import CW
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    graph = Path(__file__).resolve().parent.parent / "examples" / "qwen3-8b-h200x8-6to1.toml"
+    assert main([str(graph), "-o", str(tmp_path / "g.svg")]) == 0
+    svg = (tmp_path / "g.svg").read_text()
+    width, height, texts = _svg_geometry(svg)
+    words = [t for _, _, t in texts]
+    assert "x6" in words and "6 replicas, cuda:0..5" in words and words.count("target") == 1
+    assert all(0 <= x and x + len(t) * CW <= width + 1 and 0 < y <= height for x, y, t in texts)
+    boxes = [tuple(float(v) for v in re.findall(r'(?:x|y|width|height)="([\d.]+)"', line)[:4])
+             for line in svg.splitlines() if line.startswith("<rect") and 'rx="6"' in line and "stroke-width=\"1.2\"" in line]
+    for i, (x1, y1, w1, h1) in enumerate(boxes):
+        for x2, y2, w2, h2 in boxes[i + 1:]:
+            assert x1 + w1 <= x2 or x2 + w2 <= x1 or y1 + h1 <= y2 or y2 + h2 <= y1, "boxes overlap"
+
+
+def test_engine_dot_without_graphviz_writes_dot_and_says_how(graph_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert main([str(graph_file), "-o", str(tmp_path / "g.svg"), "--engine", "dot"]) == 1
     err = capsys.readouterr().err
     assert "apt-get install graphviz" in err and "dot -Tsvg" in err
     assert not (tmp_path / "g.svg").exists()
     assert (tmp_path / "g.dot").read_text().startswith("digraph csp {")
+
+
+def test_png_without_dot_or_cairosvg_writes_the_svg_and_says_how(graph_file, tmp_path, monkeypatch, capsys):
+    """Invariant: PNG needs dot or cairosvg; with neither, the SVG is written and one line says how."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "cairosvg", None)
+    assert main([str(graph_file), "-o", str(tmp_path / "g.png")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "pip install cairosvg" in err and err.count("\n") == 0
+    assert (tmp_path / "g.svg").read_text().startswith("<svg") and not (tmp_path / "g.png").exists()
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")

@@ -157,10 +157,13 @@ N_ITEMS = 60
 class _Opts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     delay_s: float = 0.0
     slow_replica: int = -1  # only this replica is slow (-1: all replicas use delay_s)
+    slow_every: int = 0  # > 0: only items i with i % slow_every == 0 are slow, whichever replica gets them
     ordered: bool = False
 
 
-def _work(opts: _Opts, replica: int) -> None:
+def _work(opts: _Opts, replica: int, item: int = 0) -> None:
+    if opts.slow_every and item % opts.slow_every:
+        return
     if opts.delay_s and opts.slow_replica in (-1, replica):
         time.sleep(opts.delay_s)
 
@@ -182,7 +185,7 @@ class Middle(csp.Process):
 
     def run(self, inputs, outputs):
         for i in inputs["inp"]:
-            _work(self.options, self.ctx.replica)
+            _work(self.options, self.ctx.replica, i)
             outputs["out"].send(i, seq=i if self.options.ordered else None)
 
 
@@ -196,12 +199,13 @@ class Sink(csp.Process):
 
 
 def _run_pipeline(tmp_path: Path, *, source: float = 0.0, middle: float = 0.0, sink: float = 0.0,
-                  replicas: int = 1, slow_replica: int = -1, ordered: bool = False):
+                  replicas: int = 1, slow_replica: int = -1, ordered: bool = False, slow_every: int = 0):
     graph = csp.Graph(trace=csp.TraceSpec(stats_interval_s=0.05, perfetto=False))
     graph.channel("a", capacity=4).channel("b", capacity=4, ordered=ordered)
     graph.process("source", Source, outputs={"out": "a"}, options={"delay_s": source})
     graph.process("middle", Middle, inputs={"inp": "a"}, outputs={"out": "b"}, replicas=replicas,
-                  options={"delay_s": middle, "slow_replica": slow_replica, "ordered": ordered})
+                  options={"delay_s": middle, "slow_replica": slow_replica, "ordered": ordered,
+                           "slow_every": slow_every})
     graph.process("sink", Sink, inputs={"inp": "b"}, options={"delay_s": sink})
     result = csp.Runtime(graph, run_dir=tmp_path).run()
     assert result.status == "completed"
@@ -236,6 +240,63 @@ def test_one_slow_replica_is_named(tmp_path):
     assert s.verdict.text.startswith("bottleneck: middle[1] (slow replica of middle")
 
 
+def test_late_item_in_an_ordered_channel_is_head_of_line_blocking(tmp_path):
+    """Issue 16: head-of-line blocking gave "bottleneck: none clear". Invariant: when every 4th item
+    is slow, whichever of 3 replicas gets it, the sink waits on the ordered channel 'b' while later
+    items sit in it; the verdict names 'b' as holding everyone back, not a stage."""
+    s = _run_pipeline(tmp_path, middle=0.05, replicas=3, ordered=True, slow_every=4)
+    b = s.channels[1]
+    assert b.ordered and b.head_of_line_frac >= 0.2, b
+    assert s.verdict.channel == "b", s.verdict.text
+    assert "head-of-line on ordered channel 'b': the next item in sequence is late; sink waits" in s.verdict.text
+
+
+def test_head_of_line_verdict_from_averages_when_no_stage_is_busy():
+    """Issue 16, the numbers of examples/text_pipeline.toml on a slower machine: 'tokens' (ordered) 53/64
+    full, senders blocked 72%, receivers waiting 50%, no stage busy half the time. Receivers waited
+    50% and the buffer was non-empty >= 83% of the time, so both held >= 33%: only an ordered channel
+    can do that. Invariant: the verdict names 'tokens' instead of "none clear"; with a slow replica
+    among its writers, it names that replica."""
+    from csp.backpressure import (ChannelSummary, GraphInfo, ProcessSummary, ReplicaSummary, Summary,
+                                  find_bottleneck)
+
+    def rep(name, r, busy, wait, blocked, out=100.0):
+        return ReplicaSummary(qualname=f"{name}[{r}]", name=name, replica=r, state="done", alive_s=1.0,
+                              busy_frac=busy, wait_input_frac=wait, blocked_output_frac=blocked,
+                              items_in_per_s=out, items_out_per_s=out)
+
+    def proc(name, reps):
+        return ProcessSummary(name=name, replicas=reps, busy_frac=max(r.busy_frac for r in reps),
+                              wait_input_frac=0.0, blocked_output_frac=0.0, items_in_per_s=0.0,
+                              items_out_per_s=sum(r.items_out_per_s for r in reps))
+
+    def chan(name, w, r, cap, fill, blocked, wait, ordered=False):
+        return ChannelSummary(name=name, capacity=cap, writers=[w], readers=[r], fill_now=0, fill_avg=fill,
+                              fill_peak=cap, send_blocked_frac=blocked, receive_wait_frac=wait,
+                              items_per_s=1.0, bytes_per_s=0.0, ordered=ordered)
+
+    def verdict(tokenize):
+        channels = [chan("lines", "read", "tokenize", 64, 40.0, 0.6, 0.05),
+                    chan("tokens", "tokenize", "count", 64, 53.0, 0.72, 0.50, ordered=True),
+                    chan("counts", "count", "merge", 4, 0.0, 0.0, 0.97)]
+        procs = [proc("read", [rep("read", 0, 0.2, 0.0, 0.8)]), proc("tokenize", tokenize),
+                 proc("count", [rep("count", 0, 0.45, 0.55, 0.0)]), proc("merge", [rep("merge", 0, 0.0, 1.0, 0.0)])]
+        s = Summary(t_start=0.0, t_end=1.0, elapsed_s=1.0, samples=10, status="completed", exit_code=0,
+                    channels=channels, processes=procs, verdict=None)
+        return find_bottleneck(s, GraphInfo())
+
+    v = verdict([rep("tokenize", 0, 0.1, 0.1, 0.8), rep("tokenize", 1, 0.12, 0.1, 0.78)])
+    assert (v.channel, v.stage, v.replica) == ("tokens", None, None)
+    assert v.text.startswith("bottleneck: ordered channel 'tokens' holds everyone back (head-of-line")
+    assert "count waits 50% of the time while it holds 53/64 items" in v.text
+    assert "tokenize blocked 72% sending items ahead of it" in v.text
+    assert "no single replica of tokenize is slower" in v.text
+    v = verdict([rep("tokenize", 0, 0.1, 0.1, 0.8), rep("tokenize", 1, 0.9, 0.1, 0.0, out=20.0),
+                 rep("tokenize", 2, 0.12, 0.1, 0.78)])
+    assert (v.channel, v.stage, v.replica) == ("tokens", "tokenize", "tokenize[1]")
+    assert v.text.startswith("bottleneck: tokenize[1] (slow replica of tokenize: busy 90%")
+
+
 def test_follow_a_live_run(tmp_path):
     """--follow on a graph that is running right now: verdict lines while it runs, and it returns
     by itself once the runtime writes the final record (polling every 20 ms)."""
@@ -267,3 +328,33 @@ def test_threads_not_leaked_by_follow(tmp_path):
     before = threading.active_count()
     follow(tmp_path / "run", out=io.StringIO(), sleep=lambda s: pytest.fail("should not sleep"))
     assert threading.active_count() == before
+
+
+def test_window_zero_is_a_usage_error_not_a_traceback(capsys):
+    """Regression (issue 14 item 15): ``--window 0`` gave ZeroDivisionError. Invariant: a window
+    that is not > 0 is a one-line usage error, exit 2; summarize() itself never divides by an
+    empty window."""
+    with pytest.raises(SystemExit) as info:
+        main([str(FIXTURES / "pipeline"), "--window", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "python -m csp.inspect: error: argument --window: 0 must be > 0"
+    s = summarize(read_stats(FIXTURES / "pipeline"), 0.0)
+    assert s.samples == 0 and s.channels[0].fill_avg == s.channels[0].fill_now
+
+
+def test_rates_are_human_readable(capsys):
+    """Issue 16: rates read ``3.7e+04`` items/s. Invariant: SI prefixes (37K items/s, 1.2 GB/s), a
+    decimal only below 10, and "-" for bytes of items without tensors instead of "0 B/s"."""
+    from csp.units import bytes_rate, count, rate
+
+    assert [count(x) for x in (0, 0.05, 9.5, 41.3, 999.97, 3700, 37_400, 374_000, 1.2e6)] == \
+        ["0", "0.05", "9.5", "41", "1.0K", "3.7K", "37K", "374K", "1.2M"]
+    assert rate(37_000) == "37K items/s" and rate(2.5, "steps") == "2.5 steps/s"
+    assert [bytes_rate(x) for x in (0, 12, 1234, 374e3, 1.2e9)] == \
+        ["0 B/s", "12 B/s", "1.2 kB/s", "374 kB/s", "1.2 GB/s"]
+    assert main([str(FIXTURES / "pipeline")]) == 0
+    out = capsys.readouterr().out
+    assert "1.0 kB/s" in out and "e+" not in out
+    batches = next(line for line in out.splitlines() if line.startswith("batches"))
+    assert batches.split()[-3:] == ["10", "1.0", "kB/s"]

@@ -53,6 +53,7 @@ def small(run_dir: Path, cache_dir: Path, *extra: str, steps: int = 8) -> list[s
         "monitor.window=1",
         "monitor.wandb=disabled",
         "monitor.display=plain",
+        "monitor.plot=false",
         "trace.stats_interval_s=0.2",
         "process.target.replicas=1",
         *extra,
@@ -231,6 +232,8 @@ def test_ctrl_c_drains_writes_a_final_checkpoint_and_exits_130(tmp_path, cache_d
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, out
+    assert "run summary: stopped by SIGINT after draining (exit 130)" in out  # names the signal
+    assert "--resume auto" in out and "Ctrl-C" not in out.split("run summary:")[1]
     ckpts = list_checkpoints(run / "checkpoints")
     assert len(ckpts) == 1 and is_healthy(ckpts[0])
     stopped_at = read_meta(ckpts[0])["step"]

@@ -296,6 +296,100 @@ def test_stuck_thread_is_reported_loudly(caplog):
                 t.join(10)
 
 
+def test_stuck_thread_after_abort_raises_process_stuck_naming_it(caplog):
+    """Regression (issue 14 item 12): a process stuck outside any channel call made run() die with
+    a bare CspError. Invariant: after an abort, a thread still alive join_timeout_s later gives
+    ProcessStuck whose one-line message and ``processes`` name it; its stack goes to the
+    csp.runtime.stack logger, not into the message."""
+    h = Harness()
+    g = csp.Graph().channel("a", capacity=4)
+    g.process("src", Source, outputs={"out": "a"})
+    g.process("stub", Stubborn, inputs={"inp": "a"})
+    rt = csp.Runtime(g, app=h, join_timeout_s=0.2)
+    driver = in_thread(lambda: (h.full.wait(20), rt.abort()))
+    try:
+        with pytest.raises(csp.ProcessStuck) as info:
+            rt.run()
+        assert info.value.processes == ["stub[0]"] and info.value.timeout_s == 0.2
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("process stub[0] did not stop within 0.2 s")
+        stacks = [r for r in caplog.records if r.name == "csp.runtime.stack"]
+        assert len(stacks) == 1 and "release.wait" in stacks[0].getMessage()  # where it is stuck
+    finally:
+        h.release.set()
+        driver.join(10)
+        for t in threading.enumerate():
+            if t.name == "stub[0]":
+                t.join(10)
+
+
+CLI_RELEASE = threading.Event()  # lets CliStuck return (set by the test)
+CLI_STUCK = threading.Event()  # CliStuck is inside its wait
+CLI_SAW_STOP = threading.Event()  # CliTicker saw the graceful stop
+
+
+class CliTicker(csp.Process):
+    """Sends until stopped; for the csp.run CLI, which passes no app."""
+
+    outputs = {"out": int}
+
+    def run(self, inputs, outputs):
+        i = 0
+        while not self.ctx.stopping():
+            try:
+                outputs["out"].send_nowait(i)
+                i += 1
+            except csp.WouldBlock:
+                CLI_STUCK.wait(0.001)  # the sink reads nothing: poll stopping() (bounded, not ordering)
+        CLI_SAW_STOP.set()
+
+
+class CliStuck(csp.Process):
+    """Waits outside any channel call (as a user stage in time.sleep or a hung collective)."""
+
+    inputs = {"inp": int}
+
+    def run(self, inputs, outputs):
+        CLI_STUCK.set()
+        assert CLI_RELEASE.wait(30)
+
+
+def test_csp_run_cli_stuck_process_is_one_line_and_exit_3(tmp_path, capsys, monkeypatch):
+    """Regression (issue 14 item 12): Ctrl-C starts a drain the stuck process never finishes, the
+    second Ctrl-C aborts, and after the join timeout csp.run died with an uncaught CspError
+    traceback, exit 1. Invariant: one 'error:' line naming the process, exit code 3 (EXIT_STUCK,
+    documented in --help)."""
+    import csp.run
+    import csp.runtime
+
+    monkeypatch.setattr(csp.runtime, "JOIN_TIMEOUT_S", 0.2)
+    graph = tmp_path / "g.toml"
+    graph.write_text('[[channel]]\nname = "a"\ncapacity = 2\n\n'
+                     '[[process]]\nname = "tick"\nkind = "tests.test_runtime:CliTicker"\noutputs = { out = "a" }\n\n'
+                     '[[process]]\nname = "stuck"\nkind = "tests.test_runtime:CliStuck"\ninputs = { inp = "a" }\n')
+    CLI_RELEASE.clear(), CLI_STUCK.clear(), CLI_SAW_STOP.clear()
+
+    def driver():
+        assert CLI_STUCK.wait(20)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert CLI_SAW_STOP.wait(20)  # the first signal was handled; the drain cannot finish...
+        os.kill(os.getpid(), signal.SIGINT)  # ...so the second one aborts
+
+    t = in_thread(driver)
+    try:
+        code = csp.run.main([str(graph), "--allow-imports", "--no-run-dir"])
+    finally:
+        CLI_RELEASE.set()
+        t.join(10)
+        for th in threading.enumerate():
+            if th.name == "stuck[0]":
+                th.join(10)
+    assert code == csp.runtime.EXIT_STUCK == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "process stuck[0] did not stop within 0.2 s" in err[0]
+    assert "3    a process did not stop" in csp.run.build_parser().format_help()
+
+
 # -- graceful stop and abort ------------------------------------------------------------------
 
 @pytest.mark.parametrize("relay_cls", [Relay, AsyncRelay])
@@ -375,7 +469,7 @@ def test_sigterm_drains_then_restores_handler():
     t = in_thread(driver)
     result = rt.run()
     t.join(10)
-    assert (result.status, result.exit_code) == ("stopped", 130)
+    assert (result.status, result.exit_code, result.stopped_by) == ("stopped", 130, "SIGTERM")
     assert sorted(h.received) == list(range(len(h.sent))) and len(h.sent) >= 4
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -395,6 +489,7 @@ def test_sigterm_then_sigint_aborts():
     result = rt.run()
     t.join(10)
     assert (result.status, result.exit_code) == ("aborted", 130)
+    assert result.stopped_by == "SIGINT"  # RunResult says which signal ended the run
     assert sorted(h.torn_down) == sorted(ALL)
 
 
@@ -410,6 +505,7 @@ def test_abort_from_another_thread():
     result = rt.run()
     t.join(10)
     assert (result.status, result.exit_code) == ("aborted", 130)
+    assert result.stopped_by == "abort"  # Runtime.abort(), not a signal
     assert sorted(h.torn_down) == sorted(ALL)
 
 

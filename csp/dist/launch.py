@@ -36,7 +36,7 @@ from csp.dist.bridge import Hub
 from csp.dist.control import Control
 from csp.dist.placement import Placement, place
 from csp.dist.wire import LaneReader, LaneWriter
-from csp.errors import ProcessFailed
+from csp.errors import ProcessFailed, ProcessStuck
 from csp.graph import Graph
 from csp.runtime import EXIT_FAILED, Runtime
 
@@ -216,7 +216,7 @@ def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, tra
     try:
         result = rt.run()
         status, code = result.status, result.exit_code
-    except ProcessFailed as exc:
+    except (ProcessFailed, ProcessStuck) as exc:  # a stuck thread is reported like a failure
         control.report(f"rank {rank}: {exc}")
         hub.abort(str(exc))
     if control.seen is None and status != "failed":

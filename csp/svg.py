@@ -1,0 +1,283 @@
+"""Draw a graph file as SVG in pure Python: no Graphviz needed (``python -m csp.graph G.toml -o g.svg``).
+
+Layout: processes are boxes in layers, left to right. The layers are networkx's topological
+generations of the graph's condensation (a cycle shares one layer), so every channel points
+right except those that close a cycle, which are routed below the picture. Within a layer, boxes
+are ordered by the mean position of their writers (the barycenter heuristic, two sweeps), which
+keeps fan-out/fan-in edges from crossing in pipelines.
+
+Drawing: a box lists the process name, kind, replicas and devices (the lines of
+:func:`csp.draw.node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
+badge. A channel is an arrow labelled with its name, capacity and ``ordered``; a fan-out or fan-in
+draws one arrow per writer/reader pair. With a run summary (``--run RUN_DIR``): arrows carry the
+average/peak fill as a bar and the blocked/wait percentages, boxes their busy/waiting/blocked
+split and one busy bar per replica, the verdict is the title, and the bottleneck box (and a
+head-of-line blocked channel, and the slow replica's bar) is red.
+
+Text is set in a monospace font so its width is known without a font library (0.6 em per
+character), which keeps every label inside its box in any viewer.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+from xml.sax.saxutils import escape
+
+from csp.backpressure import ChannelSummary, ProcessSummary, Summary
+
+FONT = 12.0  # px
+CW = FONT * 0.6  # px per character (monospace)
+LH = FONT * 1.35  # px per text line
+PAD = 8.0  # px inside boxes and labels
+MARGIN = 20.0
+RED, RED_FILL, GREY = "#d62728", "#fde0dd", "#555555"
+
+
+def _w(lines: list[str]) -> float:
+    return max((len(s) for s in lines), default=0) * CW + 2 * PAD
+
+
+def _layers(nodes: list[str], edges: list[tuple[str, str]]) -> dict[str, int]:
+    """Layer index per node: topological generations of the condensation (networkx)."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(nodes)
+    g.add_edges_from(edges)
+    cond = nx.condensation(g)
+    layer: dict[str, int] = {}
+    for i, gen in enumerate(nx.topological_generations(cond)):
+        for scc in gen:
+            for n in cond.nodes[scc]["members"]:
+                layer[n] = i
+    return layer
+
+
+def _order(layers: dict[str, int], nodes: list[str], edges: list[tuple[str, str]]) -> list[list[str]]:
+    """Nodes per layer, ordered by the barycenter of their neighbours in the previous layer."""
+    cols: list[list[str]] = [[] for _ in range(max(layers.values(), default=-1) + 1)]
+    for n in nodes:  # file order first: stable for ties
+        cols[layers[n]].append(n)
+    for _ in range(2):
+        for i in range(1, len(cols)):
+            pos = {n: k for k, n in enumerate(cols[i - 1])}
+            here = {n: k for k, n in enumerate(cols[i])}
+            bary = {}
+            for n in cols[i]:
+                ps = [pos[w] for w, r in edges if r == n and w in pos]
+                bary[n] = sum(ps) / len(ps) if ps else float(here[n])
+            cols[i].sort(key=bary.__getitem__)
+    return cols
+
+
+def _fill_color(frac: float) -> str:
+    return "#2ca02c" if frac < 0.5 else "#ff7f0e" if frac < 0.85 else RED
+
+
+def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], title: str | None = None) -> str:
+    """The SVG text of a graph.
+
+    Args:
+        nodes: ``name -> {"lines": [str], "replicas": int, "red": bool, "point": bool,
+            "replica_busy": [(qualname, busy_frac, red)]}``; a ``point`` is a channel end with
+            no process (drawn as a dot).
+        edges: ``{"src", "dst", "lines": [str], "fill": float | None, "red": bool}`` in draw order.
+        title: a line (wrapped to the picture's width) above the graph, or None.
+    """
+    names = list(nodes)
+    pairs = [(e["src"], e["dst"]) for e in edges]
+    layer = _layers(names, pairs)
+    cols = _order(layer, names, pairs)
+
+    size: dict[str, tuple[float, float]] = {}
+    for n, spec in nodes.items():
+        if spec.get("point"):
+            size[n] = (10.0, 10.0)
+            continue
+        h = len(spec["lines"]) * LH + 2 * PAD
+        if spec.get("replica_busy"):
+            h += 30.0
+        stack = 8.0 if spec.get("replicas", 1) > 1 else 0.0
+        size[n] = (max(_w(spec["lines"]), 14 * CW + 2 * PAD) + stack, h + stack)
+    label_size = [(_w(e["lines"]), len(e["lines"]) * LH + 2 * PAD + (10 if e.get("fill") is not None else 0))
+                  for e in edges]
+
+    # columns: width of the widest box, then a gap wide enough for the widest label leaving it
+    x, xs, gaps = MARGIN, [], []
+    for i, col in enumerate(cols):
+        xs.append(x)
+        width = max(size[n][0] for n in col)
+        out = [label_size[k][0] for k, e in enumerate(edges) if layer[e["src"]] == i and layer[e["dst"]] > i]
+        loops = [label_size[k][0] + 80 for k, e in enumerate(edges) if layer[e["src"]] == layer[e["dst"]] == i]
+        gap = max([80.0] + [w + 40 for w in out] + loops)
+        gaps.append(gap)
+        x += width + gap
+    total_w = x - gaps[-1] + MARGIN if cols else 2 * MARGIN
+
+    head: list[str] = []
+    if title:
+        head = textwrap.wrap(title, max(int((total_w - 2 * MARGIN) / (CW * 1.1)), 40))
+    top = MARGIN + len(head) * LH * 1.1 + (10 if head else 0)
+    col_h = [sum(size[n][1] for n in col) + 30 * (len(col) - 1) for col in cols]
+    body_h = max(col_h, default=0)
+    pos: dict[str, tuple[float, float]] = {}  # top-left corner
+    for i, col in enumerate(cols):
+        y = top + (body_h - col_h[i]) / 2
+        width = max(size[n][0] for n in col)
+        for n in col:
+            pos[n] = (xs[i] + (width - size[n][0]) / 2, y)
+            y += size[n][1] + 30
+
+    parts: list[str] = []
+    back_y = top + body_h + 30
+    label_boxes: list[tuple[float, float, float, float]] = []
+    out_count: dict[str, int] = {}
+    in_count: dict[str, int] = {}
+    for e in edges:
+        out_count[e["src"]] = out_count.get(e["src"], 0) + 1
+        in_count[e["dst"]] = in_count.get(e["dst"], 0) + 1
+    out_seen: dict[str, int] = {}
+    in_seen: dict[str, int] = {}
+    for k, e in enumerate(edges):
+        s, d = e["src"], e["dst"]
+        (sx, sy), (sw, sh) = pos[s], size[s]
+        (dx, dy), (dw, dh) = pos[d], size[d]
+        i_out, i_in = out_seen.get(s, 0), in_seen.get(d, 0)
+        out_seen[s], in_seen[d] = i_out + 1, i_in + 1
+        y1 = sy + sh * (i_out + 1) / (out_count[s] + 1)
+        y2 = dy + dh * (i_in + 1) / (in_count[d] + 1)
+        color = RED if e.get("red") else GREY
+        width = 2.5 if e.get("red") else 1.4
+        if layer[d] > layer[s]:
+            x1, x2 = sx + sw, dx
+            mx = (x1 + x2) / 2
+            path = f"M{x1:.1f},{y1:.1f} C{mx:.1f},{y1:.1f} {mx:.1f},{y2:.1f} {x2 - 6:.1f},{y2:.1f}"
+            lx, ly = mx, (y1 + y2) / 2
+            arrow = (x2, y2, 0.0)
+        elif layer[d] == layer[s]:  # a cycle inside one layer: a loop out to the right of the column
+            x1, x2 = sx + sw, dx + dw
+            y1, y2 = sy + sh / 2, dy + dh / 2
+            bulge = max(x1, x2) + 60
+            path = f"M{x1:.1f},{y1:.1f} C{bulge:.1f},{y1:.1f} {bulge:.1f},{y2:.1f} {x2 + 6:.1f},{y2:.1f}"
+            lx, ly = bulge + label_size[k][0] / 2 - 10, (y1 + y2) / 2 + label_size[k][1] / 2
+            arrow = (x2, y2, 180.0)
+        else:  # closes a cycle back to an earlier layer: under the picture, right to left
+            x1, x2 = sx + sw / 2, dx + dw / 2
+            path = (f"M{x1:.1f},{sy + sh:.1f} C{x1:.1f},{back_y:.1f} {x2:.1f},{back_y:.1f} "
+                    f"{x2:.1f},{dy + dh + 6:.1f}")
+            lx, ly = (x1 + x2) / 2, back_y - 10
+            arrow = (x2, dy + dh, -90.0)
+            back_y += label_size[k][1] + 10
+        parts.append(f'<path d="{path}" fill="none" stroke="{color}" stroke-width="{width}"/>')
+        ax, ay, rot = arrow
+        parts.append(f'<path d="M0,0 L-9,-4.5 L-9,4.5 Z" fill="{color}" '
+                     f'transform="translate({ax:.1f},{ay:.1f}) rotate({rot:.0f})"/>')
+        lw, lh = label_size[k]
+        bx, by = lx - lw / 2, ly - lh - 3  # above the arrow, which stays visible
+        while any(bx < x2_ and bx + lw > x1_ and by < y2_ and by + lh > y1_
+                  for x1_, y1_, x2_, y2_ in label_boxes):  # stacked labels in one gap: move up
+            by -= 4
+        label_boxes.append((bx, by, bx + lw, by + lh))
+        parts.append(f'<rect x="{bx:.1f}" y="{by:.1f}" width="{lw:.1f}" height="{lh:.1f}" rx="4" '
+                     f'fill="white" fill-opacity="0.85"{f" stroke={chr(34)}{RED}{chr(34)}" if e.get("red") else ""}/>')
+        parts += _text(e["lines"], bx + PAD, by + PAD, bold_first=True)
+        if e.get("fill") is not None:
+            frac = min(max(e["fill"], 0.0), 1.0)
+            fy = by + lh - PAD - 6
+            parts.append(f'<rect x="{bx + PAD:.1f}" y="{fy:.1f}" width="{lw - 2 * PAD:.1f}" height="6" '
+                         f'fill="#eeeeee" stroke="#bbbbbb" stroke-width="0.5"/>')
+            parts.append(f'<rect x="{bx + PAD:.1f}" y="{fy:.1f}" width="{(lw - 2 * PAD) * frac:.1f}" '
+                         f'height="6" fill="{_fill_color(frac)}"/>')
+
+    for n, spec in nodes.items():
+        (x0, y0), (w, h) = pos[n], size[n]
+        if spec.get("point"):
+            parts.append(f'<circle cx="{x0 + 5:.1f}" cy="{y0 + 5:.1f}" r="4" fill="{GREY}"/>')
+            continue
+        red = spec.get("red")
+        stroke, fill, sw = (RED, RED_FILL, 2.5) if red else (GREY, "#f5f5f5", 1.2)
+        reps = spec.get("replicas", 1)
+        if reps > 1:
+            w, h = w - 8, h - 8
+            for off in (8, 4):
+                parts.append(f'<rect x="{x0 + off:.1f}" y="{y0 + off:.1f}" width="{w:.1f}" height="{h:.1f}" '
+                             f'rx="6" fill="{fill}" stroke="{stroke}" stroke-width="{sw * 0.6:.2f}"/>')
+        parts.append(f'<rect x="{x0:.1f}" y="{y0:.1f}" width="{w:.1f}" height="{h:.1f}" rx="6" '
+                     f'fill="{fill}" stroke="{stroke}" stroke-width="{sw}"/>')
+        if reps > 1:
+            badge = f"x{reps}"
+            bw = len(badge) * CW + 8
+            parts.append(f'<rect x="{x0 + w - bw - 4:.1f}" y="{y0 + 4:.1f}" width="{bw:.1f}" height="{LH:.1f}" '
+                         f'rx="{LH / 2:.1f}" fill="{stroke}"/>')
+            parts.append(f'<text x="{x0 + w - bw / 2 - 4:.1f}" y="{y0 + 4 + LH * 0.78:.1f}" fill="white" '
+                         f'text-anchor="middle" font-weight="bold">{escape(badge)}</text>')
+        parts += _text(spec["lines"], x0 + PAD, y0 + PAD, bold_first=True)
+        bars = spec.get("replica_busy") or []
+        if bars:
+            by = y0 + PAD + len(spec["lines"]) * LH + 4
+            parts.append(f'<text x="{x0 + PAD:.1f}" y="{by + 16:.1f}" fill="#666666">busy/replica</text>')
+            bx = x0 + PAD + 13 * CW
+            bw = min(10.0, (w - (bx - x0) - PAD) / max(len(bars), 1) - 2)
+            for qualname, busy, slow in bars:
+                frac = min(max(busy, 0.0), 1.0)
+                parts.append(f'<rect x="{bx:.1f}" y="{by:.1f}" width="{bw:.1f}" height="20" fill="#eeeeee" '
+                             f'stroke="#bbbbbb" stroke-width="0.5"><title>{escape(qualname)}</title></rect>')
+                parts.append(f'<rect x="{bx:.1f}" y="{by + 20 * (1 - frac):.1f}" width="{bw:.1f}" '
+                             f'height="{20 * frac:.1f}" fill="{RED if slow else "#1f77b4"}">'
+                             f'<title>{escape(qualname)}: busy {100 * busy:.0f}%</title></rect>')
+                bx += bw + 2
+
+    total_h = back_y + MARGIN if any(layer[e["dst"]] <= layer[e["src"]] for e in edges) else top + body_h + MARGIN
+    shift = max(0.0, top - min((b[1] for b in label_boxes), default=top))  # labels above the top row
+    total_h += shift
+    title_svg = _text(head, MARGIN, MARGIN, bold_first=False, weight="bold", size=FONT * 1.1) if head else []
+    return "\n".join([
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w:.0f}" height="{total_h:.0f}" '
+        f'viewBox="0 0 {total_w:.0f} {total_h:.0f}" font-family="DejaVu Sans Mono, Menlo, Consolas, monospace" '
+        f'font-size="{FONT:g}px">',
+        '<rect width="100%" height="100%" fill="white"/>',
+        *title_svg, f'<g transform="translate(0,{shift:.1f})">', *parts, "</g>", "</svg>", ""])
+
+
+def _text(lines: list[str], x: float, y: float, *, bold_first: bool, weight: str = "normal",
+          size: float = FONT) -> list[str]:
+    out = []
+    lh = LH * size / FONT
+    for i, line in enumerate(lines):
+        w = "bold" if (bold_first and i == 0) else weight
+        out.append(f'<text x="{x:.1f}" y="{y + lh * (i + 0.78):.1f}" font-weight="{w}"'
+                   f'{f" font-size={chr(34)}{size:g}px{chr(34)}" if size != FONT else ""} '
+                   f'xml:space="preserve">{escape(line)}</text>')
+    return out
+
+
+def graph_svg(spec: Any, summary: Summary | None, node_lines: Any, edge_lines: Any, edge_pairs: Any) -> str:
+    """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.draw` for the line builders and pairs)."""
+    chans: dict[str, ChannelSummary] = {c.name: c for c in summary.channels} if summary else {}
+    procs: dict[str, ProcessSummary] = {p.name: p for p in summary.processes} if summary else {}
+    verdict = summary.verdict if summary else None
+    nodes: dict[str, dict[str, Any]] = {}
+    for p in spec.process:
+        st = procs.get(p.name)
+        bars = ([(r.qualname, r.busy_frac, verdict is not None and r.qualname == verdict.replica)
+                 for r in st.replicas] if st is not None and len(st.replicas) > 1 else [])
+        nodes[p.name] = {"lines": node_lines(p, st), "replicas": p.replicas, "replica_busy": bars,
+                         "red": verdict is not None and verdict.stage == p.name}
+    caps = {c.name: c for c in spec.channel}
+    edges = []
+    for i, (w, r, name) in enumerate(edge_pairs(spec)):
+        ends = []
+        for end, role in ((w, "from"), (r, "to")):
+            if end is None:
+                end = f"__{role}_{name}_{i}"
+                nodes[end] = {"point": True, "lines": []}
+            ends.append(end)
+        c, st = caps[name], chans.get(name)
+        edges.append({"src": ends[0], "dst": ends[1], "lines": edge_lines(name, c.capacity, c.ordered, st),
+                      "fill": (st.fill_avg / c.capacity if st is not None and c.capacity else None),
+                      "red": verdict is not None and verdict.channel == name})
+    return render_svg(nodes, edges, verdict.text if verdict else None)
+
+
+__all__ = ["graph_svg", "render_svg"]

@@ -1,0 +1,110 @@
+"""Where ``dflash.run`` output goes: one console for the terminal, ``RUN_DIR/run.log`` for the record.
+
+* **The terminal** (stderr) gets log lines, the data table, the live training view and the closing
+  summary, all through one rich :class:`~rich.console.Console` (:func:`console`). Sharing it is what
+  keeps log lines (a graceful-stop notice, "checkpoint written") visible above the live view: rich
+  prints them above a ``Live`` only when both use the same console.
+* **Piped or redirected output** (CI, ``| tee``, nohup) is plain text: one unwrapped line per log
+  record (no 80-column wrapping, no ``…`` cutting a path), no colour, no repainting.
+* **run.log** holds the whole story, one unwrapped timestamped line per record: the data summary,
+  every window line, checkpoints, skips, resume and stop messages, the closing summary. Records
+  the terminal already shows in another form (the window lines of the display, the data table)
+  are logged with ``extra=FILE_ONLY`` and skipped by the terminal handler; the long stacks of
+  stuck threads (logger ``csp.runtime.stack``) go to run.log only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+FILE_ONLY = {"file_only": True}  # logging ``extra=``: run.log only, not the terminal
+PIPE_WIDTH = 10_000  # columns of a non-terminal console: rich never wraps or cuts at 80
+_FILE_ONLY_LOGGERS = ("csp.runtime.stack",)
+_MARK = "_dflash_runlog"
+
+_console: Console | None = None
+
+
+def make_console(file: Any = None) -> Console:
+    """A console on ``file`` (default: stderr) that never wraps or truncates when not a terminal."""
+    probe = Console(file=file, stderr=file is None)
+    if probe.is_terminal:
+        return probe
+    return Console(file=file, stderr=file is None, width=PIPE_WIDTH, soft_wrap=True,
+                   no_color=True, highlight=False)
+
+
+def console() -> Console:
+    """The console of the current run (created by :func:`setup`, or on first use)."""
+    global _console
+    if _console is None:
+        _console = make_console()
+    return _console
+
+
+class _TerminalFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False) and not record.name.startswith(_FILE_ONLY_LOGGERS)
+
+
+def setup(run_dir: Path) -> Console:
+    """Log INFO and above to the terminal and to ``RUN_DIR/run.log`` (appended); returns the console.
+
+    A terminal gets rich log lines; anything else gets plain ``HH:MM:SS LEVEL message`` lines.
+    """
+    global _console
+    close()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _console = make_console()
+    if _console.is_terminal:
+        from rich.logging import RichHandler
+
+        term: logging.Handler = RichHandler(console=_console, show_path=False, rich_tracebacks=False,
+                                            markup=False)
+    else:
+        term = logging.StreamHandler(sys.stderr)
+        term.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    term.addFilter(_TerminalFilter())
+    term.setLevel(logging.INFO)
+    file = logging.FileHandler(run_dir / "run.log")
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in (term, file):
+        setattr(h, _MARK, True)
+        root.addHandler(h)
+    root.setLevel(logging.INFO)
+    return _console
+
+
+def close() -> None:
+    """Remove and close the handlers :func:`setup` added (idempotent)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, _MARK, False):
+            root.removeHandler(h)
+            h.close()
+
+
+def file_handlers() -> list[logging.FileHandler]:
+    """The run.log handlers :func:`setup` installed (empty outside a run)."""
+    return [h for h in logging.getLogger().handlers
+            if getattr(h, _MARK, False) and isinstance(h, logging.FileHandler)]
+
+
+def data_line(summary: Any) -> str:
+    """The data summary (a :class:`dflash.data.DataSummary`) as one line for run.log."""
+    skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(summary.skipped.items())) or "none"
+    how = "cache hit" if summary.from_cache else f"tokenized in {summary.seconds:.1f} s"
+    return (f"data: {summary.source} ({how}): {summary.records_read:,} records read, "
+            f"{summary.conversations:,} conversations kept, {summary.num_tokens:,} tokens "
+            f"({summary.num_loss_tokens:,} with loss), {summary.truncated:,} truncated to max_length; "
+            f"skipped: {skipped}; cache {summary.cache_path}")
+
+
+__all__ = ["FILE_ONLY", "PIPE_WIDTH", "close", "console", "data_line", "file_handlers", "make_console",
+           "setup"]

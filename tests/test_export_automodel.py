@@ -1,0 +1,77 @@
+"""An exported drafter loads through transformers alone: ``AutoModel.from_pretrained(DIR,
+trust_remote_code=True)`` in a fresh process builds the shipped modeling_dflash.DFlashDraftModel
+with no missing or unexpected keys, imports no dflash module, and drafts what
+dflash.export.load_exported drafts (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.attention import decode_layout
+from dflash.export import MODELING_FILE, export_drafter, load_exported
+from tests.test_export import make
+
+CHILD = r"""
+import json, sys
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel
+
+d, io = sys.argv[1], sys.argv[2]
+model, info = AutoModel.from_pretrained(d, trust_remote_code=True, output_loading_info=True, dtype=torch.float32)
+inp = load_file(io + "/in.safetensors")
+with torch.no_grad():
+    out = model(target_hidden=inp["feats"], noise_embedding=inp["emb"]).last_hidden_state
+save_file({"out": out.contiguous()}, io + "/out.safetensors")
+print(json.dumps({"class": type(model).__name__, "module": type(model).__module__,
+                  "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+                  "dflash_imported": sorted(m for m in sys.modules if m == "dflash" or m.startswith("dflash."))}))
+"""
+
+
+@pytest.mark.parametrize("types", [None, ["sliding_attention", "full_attention"]])
+def test_automodel_loads_the_export_and_drafts_the_same(tmp_path, types):
+    """Invariant: AutoModel + trust_remote_code on an export gives our DFlashDraftModel, every
+    weight used (no missing/unexpected keys), no dflash import, and the same block hidden states
+    as load_exported's drafter (full and sliding-window layers; context longer than the window)."""
+    drafter = make(types)
+    out_dir = tmp_path / "export"
+    export_drafter(drafter, out_dir, torch.float32)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert (out_dir / MODELING_FILE).is_file()
+
+    T, bs, H = 12, 4, 128
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(1, T, 2 * H, generator=g)
+    emb = torch.randn(1, 1, bs, H, generator=g)
+    save_file({"feats": feats, "emb": emb.reshape(1, bs, H).contiguous()}, str(tmp_path / "in.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(out_dir), str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["class"] == "DFlashDraftModel" and got["module"].endswith("modeling_dflash")
+    assert got["missing"] == [] and got["unexpected"] == [] and got["dflash_imported"] == []
+
+    ours, _ = load_exported(out_dir)
+    with torch.no_grad():
+        want = ours(feats, emb, decode_layout(T, T, bs, "cpu")).reshape(1, bs, H)
+    torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["out"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_modeling_file_imports_no_dflash_module():
+    """Invariant: the shipped modeling file needs torch and transformers only."""
+    text = (Path(__file__).resolve().parent.parent / "dflash" / MODELING_FILE).read_text()
+    imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+    assert imports and all(line.split()[1].split(".")[0] in {"__future__", "math", "torch", "transformers"}
+                           for line in imports), imports

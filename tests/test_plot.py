@@ -1,0 +1,123 @@
+"""dflash.plot: the PNG of a run's curves, with skips, checkpoints, resumes and gaps marked, from
+metrics.jsonl alone; tolerant of either tau convention being absent."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.plot import PlotUnavailable, main, make_figure, plot_run
+
+pytest.importorskip("matplotlib", reason="dflash.plot needs matplotlib (the test extra installs it)")
+
+
+def _train(step: int, t: float, loss: float, **kw) -> dict:
+    rec = {"kind": "train", "step": step, "window": 2, "loss": loss, "ce": loss, "kl": 0.0,
+           "acc": [0.5 - 0.05 * j for j in range(7)], "lr": 1e-3 * min(step / 10, 1), "grad_norm": 2.0,
+           "tok_s": 9000.0, "target_tok_s": 20000.0, "drafter_tok_s": 12000.0, "skipped_total": 0, "time": t}
+    rec.update(kw)
+    return rec
+
+
+def history(tau_keys: tuple[str, ...] = ("tau", "accepted")) -> list[dict]:
+    """Two segments: steps 2..20 (a skip at 7, checkpoints at 10 (healthy) and 20 (unhealthy), a
+    logging gap between 14 and 16, a spike at 12), then a resume from step 10 redoing 12..20."""
+    recs: list[dict] = [{"kind": "start", "step": 0, "time": 0.0}]
+    t = 0.0
+    for step in range(2, 22, 2):
+        t += 1.0 if step != 16 else 30.0  # the gap
+        kw = {k: (2.0 + step / 20 if k == "tau" else 1.0 + step / 20) for k in tau_keys}
+        if step == 12:
+            kw["spike"] = True
+        if step == 8:
+            recs.append({"kind": "skip", "step": 7, "batch_id": 6, "reason": "non-finite loss", "time": t})
+            kw["skipped_total"] = 1
+        recs.append(_train(step, t, 9.0 - step / 10 + (2.0 if step == 12 else 0.0), **kw))
+        if step in (10, 20):
+            recs.append({"kind": "checkpoint", "step": step, "healthy": step == 10, "save_s": 0.1, "time": t})
+    recs += [{"kind": "end", "status": "stopped", "exit_code": 130, "time": t},
+             {"kind": "start", "step": 10, "time": t + 5}, {"kind": "resume", "step": 10, "path": "ck", "time": t + 5}]
+    for step in range(12, 22, 2):
+        t += 1.0
+        recs.append(_train(step, t + 5, 8.0 - step / 10, **{k: 2.5 for k in tau_keys}))
+    return recs
+
+
+def write(run: Path, recs: list[dict]) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run
+
+
+def _labels(fig) -> set[str]:
+    """Every legend entry: the panels' (data lines) and the figure's (event markers)."""
+    return ({h for ax in fig.axes for h in ax.get_legend_handles_labels()[1]}
+            | {t.get_text() for leg in fig.legends for t in leg.get_texts()})
+
+
+def test_png_written_with_every_panel_and_every_event_marked(tmp_path):
+    """Invariant: the plot shows loss, per-position accuracy, tau (both conventions), lr, grad norm and
+    tok/s, and marks skipped steps, checkpoints (healthy or not), resumes, logging gaps and spikes."""
+    run = write(tmp_path / "run", history())
+    out = plot_run(run)
+    assert out == run / "plot.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = make_figure(history(), "run")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["loss (window mean)", "accuracy per block position", "accepted length (simulated)",
+                      "learning rate", "gradient norm (before clipping)", "throughput (tokens/s)"]
+    labels = _labels(fig)
+    assert {"skipped step (1)", "checkpoint", "unhealthy checkpoint", "resume", "logging gap", "spike",
+            "tau (tokens / verify step)", "accepted (tokens accepted)", "pos 1", "pos 7",
+            "overall", "target", "drafter"} <= labels
+    loss_lines = [ln for ln in fig.axes[0].get_lines() if ln.get_label() in ("loss", "_child0", "_child1")
+                  or ln.get_color() == "#1f77b4"]
+    xs = [list(ln.get_xdata()) for ln in loss_lines if len(ln.get_xdata()) > 1]
+    assert [2, 4, 6, 8, 10, 12, 14, 16, 18, 20] in xs and [12, 14, 16, 18, 20] in xs  # one line per segment
+
+
+@pytest.mark.parametrize("keys, expect", [(("tau_sim",), "accepted (tau_sim, simulated)"),
+                                          (("tau",), "tau (tokens / verify step)"),
+                                          (("accepted",), "accepted (tokens accepted)")])
+def test_either_tau_convention_may_be_absent(keys, expect):
+    """Invariant: old logs (tau_sim only) and new ones (tau and/or accepted) both plot; absent keys are
+    simply not drawn."""
+    fig = make_figure(history(keys))
+    labels = _labels(fig)
+    assert expect in labels
+    assert not ({"tau (tokens / verify step)", "accepted (tokens accepted)", "accepted (tau_sim, simulated)"}
+                - {expect}) & labels
+
+
+def test_no_tau_at_all_and_null_losses_still_plot():
+    recs = [_train(s, float(s), float("nan") if s == 4 else 3.0) for s in (2, 4, 6)]
+    for r in recs:
+        r["loss"] = None if not math.isfinite(r["loss"]) else r["loss"]
+    fig = make_figure(recs)
+    assert fig.axes[2].get_title() == "accepted length: not in the log"
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """Invariant: a missing log, an empty log, or no matplotlib: one line on stderr, exit 2."""
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    write(tmp_path, [{"kind": "start", "step": 0}])
+    assert main([str(tmp_path)]) == 2
+    assert "no train record yet" in capsys.readouterr().err
+    write(tmp_path, history())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(PlotUnavailable, match="pip install matplotlib"):
+        plot_run(tmp_path)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash.plot: matplotlib is not installed: pip install") and "\n" not in err
+
+
+def test_cli_writes_the_named_file(tmp_path, capsys):
+    write(tmp_path / "run", history())
+    assert main([str(tmp_path / "run"), "-o", str(tmp_path / "x" / "curves.png"), "--dpi", "40"]) == 0
+    assert (tmp_path / "x" / "curves.png").stat().st_size > 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'x' / 'curves.png'}"
