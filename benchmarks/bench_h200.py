@@ -205,10 +205,6 @@ class Bench:
         self.run["data"] = data_summary(self.app)
         self.batches = make_batches(self.app, n, pin=self.dev0.type == "cuda")
         self.save()
-        import dflash.run
-
-        dflash.run.console.quiet = True  # the data summary table was printed once; not again per run
-
         size = 256 if self.mode == "cpu" else (2048 if self.tiny else 8192)
         mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=size))
         self.peak = mm["tflops"] if mm else float("nan")

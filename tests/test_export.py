@@ -83,7 +83,7 @@ def test_eval_cli_on_a_checkpoint(tmp_path, capsys):
     assert eval_main([str(tmp_path), "--prompts", str(prompts), "--max-new-tokens", "6",
                       "--device", "cpu", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert len(res["per_prompt"]) == 2 and res["tokens_per_step"] == pytest.approx(res["mean_accepted"] + 1)
+    assert len(res["per_prompt"]) == 2 and res["tau"] == pytest.approx(res["mean_accepted"] + 1)
 
 
 def test_export_cli_refuses_to_overwrite(tmp_path, capsys):
