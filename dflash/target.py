@@ -19,6 +19,7 @@ Layer ids are 0-based decoder layer indices; the captured tensor is that layer's
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from pathlib import Path
 from typing import Any, Literal
@@ -73,6 +74,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": {**_QWEN3_COMMON, "hidden_size": 4096, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "intermediate_size": 12288, "tie_word_embeddings": False},
 }
+
+
+_BUILD_LOCK = threading.Lock()
 
 
 class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -522,16 +526,20 @@ def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers:
         if getattr(build_cfg, "layer_types", None) is not None:
             build_cfg.layer_types = list(hf.layer_types[: layer_ids[-1] + 1])
         build_cfg._attn_implementation = cfg.attn_implementation
-    if cfg.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, config=build_cfg, dtype=dtype, local_files_only=True,
-            attn_implementation=cfg.attn_implementation)
-        model.to(device)
-    else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(build_cfg, dtype=dtype,
-                                                     attn_implementation=cfg.attn_implementation)
-        _random_init_(model, hf, cfg.seed)
+    # One model build at a time per process: transformers builds on the meta device through
+    # process-global patches, and two replicas' threads loading at once left one with meta
+    # tensors ("Cannot copy out of meta tensor" in target[0]).
+    with _BUILD_LOCK:
+        if cfg.path is not None:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path, config=build_cfg, dtype=dtype, local_files_only=True,
+                attn_implementation=cfg.attn_implementation)
+            model.to(device)
+        else:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(build_cfg, dtype=dtype,
+                                                         attn_implementation=cfg.attn_implementation)
+            _random_init_(model, hf, cfg.seed)
     if not need_final:
         model.lm_head = None  # the features never need the LM head; free its [V, H] weight
     model.eval().requires_grad_(False)

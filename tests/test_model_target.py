@@ -224,3 +224,32 @@ def test_override_typos_are_config_errors(tmp_path):
         build_hf_config(TargetConfig(path=str(tmp_path), overrides={"num_hidden_layer": 2}))
     assert build_hf_config(TargetConfig(path=str(tmp_path),
                                         overrides={"num_hidden_layers": 2})).num_hidden_layers == 2
+
+
+def test_replicas_loading_at_once_get_real_weights():
+    """Regression (target[0] failed with "Cannot copy out of meta tensor" when two replicas'
+    threads loaded a local checkpoint at the same time): concurrent load_target calls each get
+    a model with materialised weights, equal to a model loaded alone."""
+    import threading
+
+    from dflash.target import TargetConfig, load_target
+
+    cfg = TargetConfig(path="dflash/assets/target-sharegpt-7m")
+    models, errors = [None] * 4, []
+
+    def load(i):
+        try:
+            models[i] = load_target(cfg, "cpu", 2, need_final=i % 2 == 0)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    ref = load_target(cfg, "cpu", 2, need_final=True).model.state_dict()
+    for m in models:
+        for name, p in m.model.state_dict().items():
+            assert p.device.type == "cpu" and torch.equal(p, ref[name]), name
