@@ -172,3 +172,21 @@ def test_threads_and_chunks_give_identical_arrays(toks, tmp_path, monkeypatch):
         np.testing.assert_array_equal(whole.tokens, other.tokens)
         np.testing.assert_array_equal(whole.loss_mask, other.loss_mask)
         np.testing.assert_array_equal(whole.offsets, other.offsets)
+
+
+def test_a_failing_chunk_stops_tokenization_promptly(toks, tmp_path, monkeypatch):
+    """Invariant: in-process tokenization keeps at most THREADS chunks in flight, so an error (or
+    Ctrl-C) in one chunk is raised after those finish, not after the whole source."""
+    calls = []
+
+    def encode_many(self, conversations):
+        calls.append(conversations[0][0]["content"])
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tokenize_mod, "CHUNK", 1)
+    monkeypatch.setattr(tokenize_mod, "THREADS", 2)
+    monkeypatch.setattr(ChatEncoder, "encode_many", encode_many)
+    cfg = DataConfig(source=str(FIX / "data_sharegpt.jsonl"), cache_dir=str(tmp_path), block_size=2, num_workers=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        load_dataset(cfg, toks["tiny"], progress=False, quiet=True)
+    assert 1 <= len(calls) <= 2  # of 4 chunks

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from itertools import chain, islice
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -226,8 +227,9 @@ class ChatEncoder:
         sk = self._skeleton(key, conv)
         if isinstance(sk, str):
             return sk
-        real = self._render(key, [self._message(m, m["content"], m.get("reasoning_content") if keep else None)
-                                  for m in conv])
+        messages = conv if not reasoned else [  # as given, like apply_chat_template(conv)
+            self._message(m, m["content"], m.get("reasoning_content") if keep else None) for m in conv]
+        real = self._render(key, messages)
         pieces = sk.pieces
         if not real.startswith(pieces[0]):
             return _MISMATCH
@@ -241,11 +243,14 @@ class ChatEncoder:
         for (kind, i), after in zip(sk.segments, pieces[1:]):
             m = conv[i]
             text = m["content"] if kind == "c" else m["reasoning_content"]
-            for form in _forms(text):
-                if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
-                    break
+            if real.startswith(text, pos) and real.startswith(after, pos + len(text)):
+                form = text  # the common case, without building the stripped variants
             else:
-                return _MISMATCH
+                for form in _forms(text):
+                    if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
+                        break
+                else:
+                    return _MISMATCH
             forms.append(form)
             pos += len(form) + len(after)
             on = i in trained_msgs and (kind == "c" or self.reasoning == "train")
@@ -307,24 +312,34 @@ class ChatEncoder:
                         nxt.append(a)
             active = nxt
             k += 1
-        for a, (j, p, piece_ids) in enumerate(plans):
-            seq, n = seqs[a], np.asarray(lens[a])
-            values = np.zeros(len(n), np.uint8)  # per run: piece 0, segment 0, piece 1, ...
-            values[1::2] = p.trained[: len(n) // 2]
-            values[2::2] = p.glued[: len(n) // 2]
-            mask = np.repeat(values, n)
-            ends = [2 * s + 2 for s in range(len(n) // 2)
-                    if p.ended[s] and piece_ids[s + 1] and piece_ids[s + 1][0] in self._special]
-            if ends:  # the end-of-turn token: first token of the piece after a trained content
-                mask[(np.cumsum(n) - n)[ends]] = 1
-            size = min(len(seq), limit)
-            mask_a = mask[:size]
-            if int(mask_a.sum()) < max(self.min_loss_tokens, 1):
+        if not plans:
+            return out  # type: ignore[return-value]
+        # assemble all conversations at once: flat ids and mask, then one view per conversation
+        runs = np.fromiter(chain.from_iterable(lens), np.int64)
+        values = np.fromiter(chain.from_iterable(_run_values(p, len(n)) for (_, p, _), n in zip(plans, lens)),
+                             np.uint8, len(runs))
+        mask = np.repeat(values, runs)
+        run_start = np.cumsum(runs) - runs
+        first_run = np.cumsum([0] + [len(n) for n in lens[:-1]])
+        ends = [first_run[a] + 2 * s + 2 for a, ((_, p, piece_ids), n) in enumerate(zip(plans, lens))
+                for s in range(len(n) // 2)
+                if p.ended[s] and piece_ids[s + 1] and piece_ids[s + 1][0] in self._special]
+        mask[run_start[ends]] = 1  # the end-of-turn token: first token of the piece after a trained content
+        sizes = np.fromiter((len(x) for x in seqs), np.int64, len(seqs))
+        starts = np.cumsum(sizes) - sizes
+        kept = np.minimum(sizes, limit)
+        ids = np.fromiter(chain.from_iterable(seqs), np.int32, int(sizes.sum()))
+        bounds = np.stack([starts, starts + kept], 1).ravel()  # [start, end) of each kept span
+        loss = np.add.reduceat(np.append(mask, np.uint8(0)), bounds, dtype=np.int64)[::2]
+        loss[kept == 0] = 0
+        need = max(self.min_loss_tokens, 1)
+        for a, (j, p, _) in enumerate(plans):
+            if loss[a] < need:
                 out[j] = "too_few_loss_tokens"
-            else:
-                ids_a = np.fromiter(seq, np.int32, size)
-                out[j] = Encoded(ids_a, mask_a, cut[a] or len(seq) > limit, p.reasoning_turns,
-                                 p.reasoning_dropped)
+                continue
+            s0, s1 = int(starts[a]), int(starts[a] + kept[a])
+            out[j] = Encoded(ids[s0:s1], mask[s0:s1], cut[a] or bool(sizes[a] > limit), p.reasoning_turns,
+                             p.reasoning_dropped)
         return out  # type: ignore[return-value]
 
     def encode(self, conversation: Conversation) -> Encoded | str:
@@ -338,6 +353,14 @@ class ChatEncoder:
         if isinstance(e, str):
             return e
         return e.ids[: int(np.argmax(e.mask))]
+
+
+def _run_values(plan: _Plan, runs: int) -> Iterator[int]:
+    """Mask value of each run (piece 0, segment 0, piece 1, ...) of the first ``runs`` runs."""
+    yield 0
+    for trained, glued in islice(zip(plan.trained, plan.glued), runs // 2):
+        yield trained
+        yield glued
 
 
 def _compiled_renderer(tokenizer: Any):

@@ -21,8 +21,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,16 @@ def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], 
         task = bar.add_task(Path(records.name).name, total=len(convs))
         if workers <= 1 or len(jobs) <= 1:
             encoder = ChatEncoder(tokenizer, **kwargs)
+            # at most THREADS chunks in flight: an error or Ctrl-C waits for those only
             with ThreadPoolExecutor(THREADS, thread_name_prefix="dflash-tokenize") as pool:
-                for (i, chunk), encoded in zip(jobs, pool.map(encoder.encode_many, [c for _, c in jobs])):
-                    results[i] = encoded
-                    bar.advance(task, len(chunk))
+                todo = iter(jobs)
+                pending = deque((i, len(c), pool.submit(encoder.encode_many, c)) for i, c in islice(todo, THREADS))
+                while pending:
+                    i, n, future = pending.popleft()
+                    results[i] = future.result()
+                    bar.advance(task, n)
+                    for j, c in islice(todo, 1):
+                        pending.append((j, len(c), pool.submit(encoder.encode_many, c)))
         else:
             ctx = mp.get_context("spawn")
             with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, kwargs)) as pool:
