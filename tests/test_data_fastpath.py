@@ -190,3 +190,14 @@ def test_a_failing_chunk_stops_tokenization_promptly(toks, tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="boom"):
         load_dataset(cfg, toks["tiny"], progress=False, quiet=True)
     assert 1 <= len(calls) <= 2  # of 4 chunks
+
+
+def test_a_template_that_raises_is_a_counted_skip(toks):
+    """Regression: a template that raises on some role orders (Llama-2 / Mistral style "roles must
+    alternate") crashed the whole load; those conversations are skipped as template_error."""
+    tok = load_tokenizer(TINY_TOKENIZER)
+    tok.chat_template = ("{%- if messages[0].role != 'user' %}{{ raise_exception('must start with user') }}{%- endif %}"
+                         + toks["tiny"].chat_template)
+    convs = read_source(str(FIX / "data_sharegpt.jsonl")).conversations  # 2nd opens with system, 3rd assistant
+    got = ChatEncoder(tok, max_length=4096).encode_many(convs)
+    assert [e if isinstance(e, str) else "ok" for e in got] == ["ok", "template_error", "template_error", "ok"]

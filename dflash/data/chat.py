@@ -12,7 +12,7 @@ Llama 3):
 2. *Check*, per conversation: render the real conversation and walk it against the skeleton's
    pieces; this tells how the template wrote each segment (verbatim or stripped) and proves the
    split exact. A template that rewrites a segment any other way gives the skip reason
-   ``template_mismatch``.
+   ``template_mismatch``; one that raises (e.g. on a role order it rejects), ``template_error``.
 3. *Tokenize* segment by segment, batched over many conversations with ``encode_batch`` (Rust,
    every core): template pieces with special tokens recognised, contents and reasoning with
    special tokens encoded as plain text (a user who writes ``<|im_end|>`` cannot inject a control
@@ -53,6 +53,7 @@ from itertools import chain, islice
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+from jinja2 import TemplateError
 
 from dflash.data.sources import THINK_CLOSE, THINK_OPEN, Conversation
 from dflash.data.tokenizer import check_tokenizer, special_token_ids
@@ -62,6 +63,7 @@ Reasoning = Literal["train", "context", "drop"]
 _SENTINEL = "\ue000{}\ue001"
 _SPLIT = re.compile("\ue000([cr]\\d+)\ue001")
 _MISMATCH = "template_mismatch"
+_TEMPLATE_ERROR = "template_error"
 
 
 class Encoded(NamedTuple):
@@ -198,7 +200,11 @@ class ChatEncoder:
             return sk
         messages = [self._message(m, _SENTINEL.format(f"c{i}"), _SENTINEL.format(f"r{i}") if r else None)
                     for i, (m, (_, r)) in enumerate(zip(conv, key))]
-        parts = _SPLIT.split(self._slow_render(messages))
+        try:
+            parts = _SPLIT.split(self._slow_render(messages))
+        except TemplateError:  # e.g. "roles must alternate user/assistant"
+            self._skeletons[key] = _TEMPLATE_ERROR
+            return _TEMPLATE_ERROR
         names = parts[1::2]
         segments: list[tuple[str, int]] = []
         expect = [(("r", i),) * r + (("c", i),) for i, (_, r) in enumerate(key)]
@@ -229,7 +235,10 @@ class ChatEncoder:
             return sk
         messages = conv if not reasoned else [  # as given, like apply_chat_template(conv)
             self._message(m, m["content"], m.get("reasoning_content") if keep else None) for m in conv]
-        real = self._render(key, messages)
+        try:
+            real = self._render(key, messages)
+        except TemplateError:
+            return _TEMPLATE_ERROR
         pieces = sk.pieces
         if not real.startswith(pieces[0]):
             return _MISMATCH
@@ -274,7 +283,8 @@ class ChatEncoder:
 
     def encode_many(self, conversations: list[Conversation]) -> list[Encoded | str]:
         """Encode each conversation; a string in the output is that conversation's skip reason
-        (``template_mismatch`` or ``too_few_loss_tokens``). Segments that start after
+        (``template_mismatch``, ``template_error``: the template raised, e.g. on a role order it
+        rejects, or ``too_few_loss_tokens``). Segments that start after
         ``max_length`` tokens are not tokenized at all.
 
         The segments of all conversations are tokenized in rounds (round ``k``: the ``k``-th
