@@ -201,3 +201,11 @@ def test_a_template_that_raises_is_a_counted_skip(toks):
     convs = read_source(str(FIX / "data_sharegpt.jsonl")).conversations  # 2nd opens with system, 3rd assistant
     got = ChatEncoder(tok, max_length=4096).encode_many(convs)
     assert [e if isinstance(e, str) else "ok" for e in got] == ["ok", "template_error", "template_error", "ok"]
+
+
+def test_default_tokenizes_in_this_process(monkeypatch):
+    """Invariant: with data.num_workers unset, tokenization runs in this process (its
+    encode_batch already uses every core; a spawned process costs ~2 s of start-up), whatever
+    the CPU count."""
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    assert DataConfig().resolved_workers() == 1 and DataConfig(num_workers=8).resolved_workers() == 8

@@ -213,9 +213,9 @@ def split_reasoning(role: str, content: str, reasoning: Any = None) -> Message |
     if reasoning is not None and not isinstance(reasoning, str):
         return "non_string_reasoning"
     if role == "assistant" and THINK_CLOSE in content:
-        head, sep, answer = content.partition(THINK_CLOSE)
+        head, _, answer = content.partition(THINK_CLOSE)
         before, _, inline = head.rpartition(THINK_OPEN)
-        if reasoning is not None or THINK_CLOSE in answer or before.strip() or THINK_OPEN in before:
+        if (reasoning and reasoning.strip()) or THINK_CLOSE in answer or before.strip() or THINK_OPEN in before:
             return "malformed_reasoning"
         reasoning, content = inline, answer.lstrip("\n")
         if not content.strip():
