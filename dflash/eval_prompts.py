@@ -5,6 +5,13 @@ names SOURCE as ``data.source``, the prompts are the run's held-out conversation
 (:func:`heldout_prompts`: ``dataset.split(data.holdout, data.seed)[1]``, the part dflash.run does
 not train on). Otherwise they are the last usable conversations of SOURCE (:func:`source_prompts`).
 A conversation that opens with an assistant turn has no prompt and is skipped in both cases.
+
+Every prompt is built exactly as training builds contexts: the tokens that
+:class:`~dflash.data.ChatEncoder` (with the run's ``[data]`` settings) puts before an assistant
+turn's first trained token, chat template included. So the thinking mode matches training: with a
+Qwen3 template a turn without reasoning opens ``assistant\n<think>\n\n</think>\n\n`` (the
+non-thinking generation prompt) in both, and a trained reasoning turn opens
+``assistant\n<think>\n``.
 """
 
 from __future__ import annotations
@@ -46,13 +53,37 @@ def run_data_config(checkpoint: Path):
         raise EvalInputError(f"{path}: cannot read its [data] table: {exc}") from None
 
 
-def _min_prompt_tokens(tok) -> int:
-    """Tokens of the shortest real prompt: a one-character user turn plus the generation prompt.
-    A tokenized training prompt shorter than this holds no user text (the conversation opened
-    with an assistant turn), so eval skips it."""
-    conv = [{"role": "user", "content": "x"}]
-    return len(tok(tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False)["input_ids"])
+_PLACEHOLDER = {"role": "assistant", "content": "x"}
+
+
+def _prompt_encoder(tok, data_cfg=None, **override):
+    """The training encoder of ``data_cfg`` (default ``DataConfig()``), without a length limit."""
+    from dflash.data import ChatEncoder, DataConfig
+    from dflash.data.tokenize import encoder_kwargs
+
+    kwargs = {**encoder_kwargs(data_cfg or DataConfig()), "max_length": 1 << 40, "min_loss_tokens": 0}
+    return ChatEncoder(tok, **{**kwargs, **override})
+
+
+def _context(encoder, conv: list[dict]) -> list[int]:
+    from dflash.data import DataError
+
+    ids = encoder.context(conv)
+    if isinstance(ids, str):
+        raise DataError(f"cannot build an eval prompt with this tokenizer's chat template ({ids}): "
+                        f"{[m['role'] for m in conv]}")
+    return ids.tolist()
+
+
+def _min_prompt_tokens(tok, data_cfg=None) -> int:
+    """Tokens of the shortest real prompt: a one-character user turn and the header of the
+    assistant turn after it, as training renders it (first turn of two, or the only turn: a
+    Qwen3 template heads them differently). A tokenized training prompt shorter than this holds
+    no user text (the conversation opened with an assistant turn), so eval skips it."""
+    enc = _prompt_encoder(tok, data_cfg, last_turn_only=False)
+    user = {"role": "user", "content": "x"}
+    return min(len(_context(enc, [user, _PLACEHOLDER])),
+               len(_context(enc, [user, _PLACEHOLDER, user, _PLACEHOLDER])))
 
 
 def heldout_prompts(data_cfg, tok, num: int, max_tokens: int) -> list[list[int]]:
@@ -69,7 +100,7 @@ def heldout_prompts(data_cfg, tok, num: int, max_tokens: int) -> list[list[int]]
 
     ds = load_dataset(data_cfg, tok, progress=False, quiet=True)
     _, held = ds.split(data_cfg.holdout, data_cfg.seed)
-    shortest = _min_prompt_tokens(tok)
+    shortest = _min_prompt_tokens(tok, data_cfg)
     out = []
     for i in range(len(held)):
         ids = held.prompt(i)
@@ -80,35 +111,42 @@ def heldout_prompts(data_cfg, tok, num: int, max_tokens: int) -> list[list[int]]
     return out
 
 
-def source_prompts(source: str, tok, num: int, max_tokens: int) -> list[list[int]]:
+def source_prompts(source: str, tok, num: int, max_tokens: int, data_cfg=None) -> list[list[int]]:
     """Prompt ids of the *last* ``num`` usable conversations of a dflash.data source (file order).
 
-    A conversation's prompt is its turns before the first assistant turn (chat template with the
-    generation prompt), cut to its last ``max_tokens`` tokens; conversations with no such turn
-    (they open with an assistant turn) are skipped and earlier ones taken instead.
+    A conversation's prompt is the context training gives its first trained assistant turn (the
+    turns before it, chat template included; ``data_cfg`` gives the training settings, default
+    ``DataConfig()``), cut to its last ``max_tokens`` tokens. Conversations with no user turn
+    before their first assistant turn are skipped and earlier ones taken instead.
 
     Raises:
-        DataError: unknown source or no usable conversation in it.
+        DataError: unknown source, no usable conversation in it, or a chat template the data path
+            cannot split.
     """
     from dflash.data.sources import read_source
 
     picked = []
     for conv in reversed(read_source(source).conversations):
-        head = []
-        for msg in conv:
-            if msg["role"] == "assistant":
-                break
-            head.append(msg)
-        if any(m["role"] == "user" for m in head):
-            picked.append(head)
+        first = next(i for i, m in enumerate(conv) if m["role"] == "assistant")
+        if any(m["role"] == "user" for m in conv[:first]):
+            picked.append(conv)
         if len(picked) == num:
             break
-    return [encode_prompt(tok, conv, max_tokens) for conv in reversed(picked)]
+    enc = _prompt_encoder(tok, data_cfg)
+    return [_context(enc, conv)[-max_tokens:] for conv in reversed(picked)]
 
 
-def encode_prompt(tok, conv: list[dict], max_tokens: int) -> list[int]:
-    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"][-max_tokens:]
+def encode_prompt(tok, conv: list[dict], max_tokens: int, data_cfg=None) -> list[int]:
+    """Prompt ids for an assistant reply to ``conv`` (messages ``{"role", "content"}``), cut to
+    the last ``max_tokens``: the context training gives an assistant turn that follows ``conv``
+    (``data_cfg``: the training settings, default ``DataConfig()``), so the generation prompt and
+    its thinking mode are the ones the drafter was trained behind.
+
+    Raises:
+        DataError: the chat template cannot be split by the data path.
+    """
+    enc = _prompt_encoder(tok, data_cfg, last_turn_only=True)  # conv's own turns are all context
+    return _context(enc, [*conv, _PLACEHOLDER])[-max_tokens:]
 
 
 def check_checkpoint(path: str) -> Path:

@@ -140,6 +140,8 @@ def test_qwen_like_template_think_header_is_not_trained(qwen_tok):
 
 
 def test_template_that_rewrites_content_is_skipped(qwen_tok):
+    """Invariant: a template that rewrites a segment (here inline think handed to the encoder
+    raw; dflash.data.sources splits it out first) gives template_mismatch, never a wrong mask."""
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>hmm</think>Answer."}]
     assert ChatEncoder(qwen_tok, max_length=4096).encode(conv) == "template_mismatch"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped whenever the tokenization code changes what it produces; part of every key."""
 
 ARRAYS = ("tokens", "loss_mask", "offsets", "source_index")

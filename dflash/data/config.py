@@ -18,6 +18,7 @@ class DataError(ValueError):
 
 
 Strategy = Literal["sorted", "random", "bucketed", "packed"]
+Reasoning = Literal["train", "context", "drop"]
 Format = Literal["auto", "sharegpt", "openai", "prompt_completion"]
 
 
@@ -43,6 +44,12 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             the drafter config.
         last_turn_only: train on the last assistant turn only (earlier assistant turns become
             context, their loss mask is False).
+        reasoning: what to do with an assistant turn's reasoning (``reasoning_content``, or
+            ``<think>...</think>`` inline, see :mod:`dflash.data.sources`): "train" (in the tokens
+            and the loss mask), "context" (in the tokens, not trained: the answer is) or "drop"
+            (removed). Turns whose reasoning is not in the tokens (by "drop", or because the chat
+            template shows only the reasoning after the last user turn, as Qwen3's does) are
+            counted in the data summary.
         strategy: batching strategy: "sorted" (by length), "random" (padded), "bucketed"
             (length buckets, interleaved), "packed" (token budget, no padding across documents).
         batch_size: rows per batch for the padded strategies (sorted, random, bucketed).
@@ -54,7 +61,10 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             more rows = less padding, slightly less random order.
         cache_dir: directory of the tokenized-data cache (default: $DFLASH_CACHE or
             ./.cache/dflash).
-        num_workers: tokenizer processes; None = os.cpu_count(). 1 = tokenize in this process.
+        num_workers: tokenizer processes. None or 1 = tokenize in this process, where the Rust
+            tokenizer already runs on every core (``encode_batch``); more processes only help when
+            the Python side (template rendering, mask assembly) is the limit, and each costs a
+            process start (about 2 s).
         holdout: conversations held out for evaluation (chosen by ``seed``), in conversations.
         seed: seed of the holdout choice and the batch order (the order is a pure function of
             (seed, epoch)).
@@ -66,6 +76,7 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_length: Annotated[int, Meta(ge=8)] = 2048
     block_size: Annotated[int, Meta(ge=1)] = 16
     last_turn_only: bool = False
+    reasoning: Reasoning = "train"
     strategy: Strategy = "packed"
     batch_size: Annotated[int, Meta(ge=1)] = 8
     tokens_per_batch: Annotated[int, Meta(ge=8)] = 16384
@@ -94,5 +105,5 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return Path(self.cache_dir or default_cache_dir()).expanduser()
 
     def resolved_workers(self) -> int:
-        """``num_workers`` or the number of CPUs."""
-        return self.num_workers or os.cpu_count() or 1
+        """``num_workers`` or 1 (this process)."""
+        return self.num_workers or 1

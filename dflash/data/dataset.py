@@ -32,6 +32,9 @@ class DataSummary(msgspec.Struct, kw_only=True):
         truncated: kept conversations cut to max_length (counted, not skipped).
         num_tokens: tokens kept, in tokens.
         num_loss_tokens: trained tokens kept, in tokens.
+        reasoning_turns: assistant turns with reasoning in the kept conversations.
+        reasoning_dropped: of those, turns whose reasoning is not in the tokens (data.reasoning =
+            "drop", or left out by the chat template).
         seconds: wall time of this load (tokenization or cache reload), in seconds.
     """
 
@@ -45,6 +48,8 @@ class DataSummary(msgspec.Struct, kw_only=True):
     truncated: int
     num_tokens: int
     num_loss_tokens: int
+    reasoning_turns: int = 0
+    reasoning_dropped: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -64,6 +69,9 @@ def print_summary(summary: DataSummary, console=None) -> None:
     table.add_row("conversations kept", f"{summary.conversations:,}")
     table.add_row("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}")
     table.add_row("truncated to max_length (kept)", f"{summary.truncated:,}")
+    if summary.reasoning_turns:
+        table.add_row("turns with reasoning / reasoning not in tokens",
+                      f"{summary.reasoning_turns:,} / {summary.reasoning_dropped:,}")
     for reason, n in sorted(summary.skipped.items()):
         table.add_row(f"skipped: {reason}", f"{n:,}")
     table.add_row("cache", summary.cache_path)

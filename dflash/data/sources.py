@@ -1,7 +1,16 @@
 """Conversation sources: ShareGPT (installed package), JSON/JSONL chat files, prompt/completion.
 
 Every source is reduced to the same shape, a list of *conversations*, each a list of messages
-``{"role": "system" | "user" | "assistant", "content": str}`` ready for a chat template.
+``{"role": "system" | "user" | "assistant", "content": str}`` ready for a chat template. An
+assistant message may also carry ``"reasoning_content": str`` (its thinking), the field Qwen3-style
+chat templates read.
+
+Reasoning is taken from a turn's ``reasoning_content`` (aliases ``reasoning``, ``thinking``, as in
+transformers) or from its content written inline, ``[<think>]reasoning</think>answer`` (the form
+Qwen3 and DeepSeek-R1 generate; the opening tag is optional, whitespace before it is allowed). It is
+split out the way the Qwen3 template splits it (reasoning stripped of newlines, answer of leading
+newlines); an empty reasoning counts as none. Whether it is trained is ``data.reasoning``
+(:mod:`dflash.data.chat`).
 
 Accepted record shapes (``format = "auto"`` picks per record, by key):
 
@@ -20,8 +29,12 @@ the broken tail as ``malformed_json``.
 Skip reasons counted here (a skipped record never reaches the tokenizer):
 ``malformed_json``, ``unrecognised_shape`` (not an object, or none of the keys above),
 ``missing_role``, ``unknown_role``, ``non_string_content``, ``empty_turn`` (empty or
-whitespace-only content), ``no_assistant_turn``. Turns after the last assistant turn are dropped
-(they carry no loss) without counting.
+whitespace-only content, or answer, once reasoning is split out), ``no_assistant_turn``,
+``non_string_reasoning`` (a reasoning field that is neither a string nor null),
+``malformed_reasoning`` (reasoning that cannot be split without losing or inventing text: more than
+one ``</think>``, text before ``<think>``, a reasoning field *and* inline reasoning, or reasoning on
+a non-assistant turn). Turns after the last assistant turn are dropped (they carry no loss) without
+counting.
 """
 
 from __future__ import annotations
@@ -48,6 +61,9 @@ _SHAREGPT_ROLES = {
 }
 _OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _SEPARATORS = re.compile(r"[\s,]*")
+_REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""Where a turn may carry its reasoning, in the order transformers reads them."""
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class SourceRecords:
@@ -180,11 +196,38 @@ def normalise_record(record: Any, fmt: str = "auto") -> Conversation | str:
             return "non_string_content"
         if not content.strip():
             return "empty_turn"
-        messages.append({"role": role, "content": content})
+        message = split_reasoning(role, content, next((turn[k] for k in _REASONING_KEYS
+                                                       if turn.get(k) is not None), None))
+        if isinstance(message, str):
+            return message
+        messages.append(message)
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     if last < 0:
         return "no_assistant_turn"
     return messages[: last + 1]
+
+
+def split_reasoning(role: str, content: str, reasoning: Any = None) -> Message | str:
+    """The message ``{"role", "content"[, "reasoning_content"]}`` of one turn, or a skip reason.
+
+    ``reasoning`` is the turn's reasoning field (None when absent); inline reasoning is split out
+    of an assistant ``content`` as the module docstring says. Raises nothing.
+    """
+    if reasoning is not None and not isinstance(reasoning, str):
+        return "non_string_reasoning"
+    if role == "assistant" and THINK_CLOSE in content:
+        head, _, answer = content.partition(THINK_CLOSE)
+        before, _, inline = head.rpartition(THINK_OPEN)
+        if (reasoning and reasoning.strip()) or THINK_CLOSE in answer or before.strip() or THINK_OPEN in before:
+            return "malformed_reasoning"
+        reasoning, content = inline, answer.lstrip("\n")
+        if not content.strip():
+            return "empty_turn"
+    if reasoning is None or not reasoning.strip():
+        return {"role": role, "content": content}
+    if role != "assistant":
+        return "malformed_reasoning"
+    return {"role": role, "content": content, "reasoning_content": reasoning.strip("\n")}
 
 
 def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) -> SourceRecords:

@@ -2,13 +2,18 @@
 
 The cache key covers everything that changes the arrays: the data file's identity (resolved path,
 size, mtime), data.format, the tokenizer fingerprint (vocab, merges, specials, chat template),
-max_length, last_turn_only, max_samples and the loss-token threshold ``2 * block_size``. A second
-load with the same key memory-maps the stored arrays and never reads the source file.
+max_length, last_turn_only, reasoning, max_samples and the loss-token threshold
+``2 * block_size``. A second load with the same key memory-maps the stored arrays and never reads
+the source file.
 
-Parallelism: conversations are cut into chunks of ``CHUNK`` and encoded by ``num_workers``
-``spawn`` processes (no ``fork`` of a process that may hold threads), each holding its own
-:class:`~dflash.data.chat.ChatEncoder`; results are reassembled in file order, so the arrays do
-not depend on the worker count. A rich progress bar counts conversations.
+Parallelism: conversations are cut into chunks of ``CHUNK``. In this process (``num_workers`` 1,
+the default) two threads encode alternate chunks: each chunk's segments go through the Rust
+tokenizer's ``encode_batch`` on every core with the GIL released, so one thread's template
+rendering and mask assembly overlap the other's tokenization. With ``num_workers > 1`` the
+chunks go to that many ``spawn`` processes (no ``fork`` of a process that may hold threads), each
+holding its own :class:`~dflash.data.chat.ChatEncoder` and tokenizing on one core. Results are
+reassembled in file order, so the arrays depend on neither. A rich progress bar counts
+conversations.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +36,10 @@ from dflash.data.dataset import DataSummary, TokenizedDataset, print_summary
 from dflash.data.sources import SourceRecords, no_usable_rows, read_source, resolve_source
 from dflash.data.tokenizer import tokenizer_fingerprint
 
-CHUNK = 256
-"""Conversations per work item sent to a tokenizer process."""
+CHUNK = 512
+"""Conversations per work item (one ``encode_many`` call)."""
+THREADS = 2
+"""Threads encoding chunks in this process (their ``encode_batch`` calls release the GIL)."""
 
 _ENCODER: ChatEncoder | None = None
 
@@ -62,9 +71,16 @@ def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], 
         task = bar.add_task(Path(records.name).name, total=len(convs))
         if workers <= 1 or len(jobs) <= 1:
             encoder = ChatEncoder(tokenizer, **kwargs)
-            for i, chunk in jobs:
-                results[i] = encoder.encode_many(chunk)
-                bar.advance(task, len(chunk))
+            # at most THREADS chunks in flight: an error or Ctrl-C waits for those only
+            with ThreadPoolExecutor(THREADS, thread_name_prefix="dflash-tokenize") as pool:
+                todo = iter(jobs)
+                pending = deque((i, len(c), pool.submit(encoder.encode_many, c)) for i, c in islice(todo, THREADS))
+                while pending:
+                    i, n, future = pending.popleft()
+                    results[i] = future.result()
+                    bar.advance(task, n)
+                    for j, c in islice(todo, 1):
+                        pending.append((j, len(c), pool.submit(encoder.encode_many, c)))
         else:
             ctx = mp.get_context("spawn")
             with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, kwargs)) as pool:
@@ -72,6 +88,13 @@ def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], 
                     results[i] = encoded
                     bar.advance(task, len(encoded))
     return [e for i in range(len(jobs)) for e in results[i]]
+
+
+def encoder_kwargs(cfg: DataConfig) -> dict[str, Any]:
+    """The :class:`~dflash.data.chat.ChatEncoder` arguments training uses for ``cfg`` (eval builds
+    its prompts with the same ones)."""
+    return {"max_length": cfg.max_length, "last_turn_only": cfg.last_turn_only,
+            "min_loss_tokens": 2 * cfg.block_size, "reasoning": cfg.reasoning}
 
 
 def _key_parts(cfg: DataConfig, tokenizer: Any) -> tuple[Path, dict[str, Any]]:
@@ -82,6 +105,7 @@ def _key_parts(cfg: DataConfig, tokenizer: Any) -> tuple[Path, dict[str, Any]]:
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_length": cfg.max_length,
         "last_turn_only": cfg.last_turn_only,
+        "reasoning": cfg.reasoning,
         "max_samples": cfg.max_samples,
         "min_loss_tokens": 2 * cfg.block_size,
     }
@@ -131,8 +155,7 @@ def load_dataset(cfg: DataConfig, tokenizer: Any, *, progress: bool = True, cons
 def _tokenize(cfg: DataConfig, tokenizer: Any, parts: dict[str, Any], path: Path, entry: Path,
               progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
     records = read_source(cfg.source, cfg.format, cfg.max_samples)
-    kwargs = {"max_length": cfg.max_length, "last_turn_only": cfg.last_turn_only,
-              "min_loss_tokens": 2 * cfg.block_size}
+    kwargs = encoder_kwargs(cfg)
     encoded = _encode_all(records, tokenizer, kwargs, cfg.resolved_workers(), progress)
     skipped: Counter[str] = Counter(records.skipped)
     kept = [(e, records.source_index[i]) for i, e in enumerate(encoded) if not isinstance(e, str)]
@@ -154,6 +177,8 @@ def _tokenize(cfg: DataConfig, tokenizer: Any, parts: dict[str, Any], path: Path
         records_read=records.records_read, conversations=len(kept), skipped=dict(sorted(skipped.items())),
         truncated=sum(e.truncated for e, _ in kept), num_tokens=int(offsets[-1]),
         num_loss_tokens=int(arrays["loss_mask"].sum(dtype=np.int64)),
+        reasoning_turns=sum(e.reasoning_turns for e, _ in kept),
+        reasoning_dropped=sum(e.reasoning_dropped for e, _ in kept),
     )
     save_entry(entry, arrays, {"key_parts": parts, "summary": summary.to_dict()})
     return arrays, summary
