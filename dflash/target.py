@@ -498,6 +498,33 @@ class Target(nn.Module):
         return layer_hidden, (out.last_hidden_state if need_final else None)
 
 
+def _build(cfg: TargetConfig, device, num_draft_layers: int, need_final: bool):
+    """The transformers model of :func:`load_target` (called under ``_BUILD_LOCK``)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = build_hf_config(cfg)
+    layer_ids = resolve_layer_ids(cfg, hf, num_draft_layers)
+    dtype = resolve_dtype(cfg.dtype, device)
+    build_cfg = hf
+    if not need_final:
+        build_cfg = hf.__class__.from_dict(hf.to_dict())
+        build_cfg.num_hidden_layers = layer_ids[-1] + 1
+        if getattr(build_cfg, "layer_types", None) is not None:
+            build_cfg.layer_types = list(hf.layer_types[: layer_ids[-1] + 1])
+        build_cfg._attn_implementation = cfg.attn_implementation
+    if cfg.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, config=build_cfg, dtype=dtype, local_files_only=True,
+            attn_implementation=cfg.attn_implementation)
+        model.to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(build_cfg, dtype=dtype,
+                                                     attn_implementation=cfg.attn_implementation)
+        _random_init_(model, hf, cfg.seed)
+    return model, hf, layer_ids
+
+
 def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers: int,
                 need_final: bool = True) -> Target:
     """Build the frozen target on ``device``.
@@ -514,32 +541,11 @@ def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers:
     Raises:
         ValueError: a ``layer_ids`` entry is out of range.
     """
-    from transformers import AutoModelForCausalLM
-
-    hf = build_hf_config(cfg)
-    layer_ids = resolve_layer_ids(cfg, hf, num_draft_layers)
-    dtype = resolve_dtype(cfg.dtype, device)
-    build_cfg = hf
-    if not need_final:
-        build_cfg = hf.__class__.from_dict(hf.to_dict())
-        build_cfg.num_hidden_layers = layer_ids[-1] + 1
-        if getattr(build_cfg, "layer_types", None) is not None:
-            build_cfg.layer_types = list(hf.layer_types[: layer_ids[-1] + 1])
-        build_cfg._attn_implementation = cfg.attn_implementation
-    # One model build at a time per process: transformers builds on the meta device through
-    # process-global patches, and two replicas' threads loading at once left one with meta
-    # tensors ("Cannot copy out of meta tensor" in target[0]).
+    # One build at a time per process: transformers imports lazily and builds on the meta device
+    # through process-global patches; two replicas' threads loading at once failed the import or
+    # left one model with meta tensors ("Cannot copy out of meta tensor" in target[0]).
     with _BUILD_LOCK:
-        if cfg.path is not None:
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.path, config=build_cfg, dtype=dtype, local_files_only=True,
-                attn_implementation=cfg.attn_implementation)
-            model.to(device)
-        else:
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(build_cfg, dtype=dtype,
-                                                         attn_implementation=cfg.attn_implementation)
-            _random_init_(model, hf, cfg.seed)
+        model, hf, layer_ids = _build(cfg, device, num_draft_layers, need_final)
     if not need_final:
         model.lm_head = None  # the features never need the LM head; free its [V, H] weight
     model.eval().requires_grad_(False)

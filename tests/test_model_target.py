@@ -234,7 +234,9 @@ def test_replicas_loading_at_once_get_real_weights():
 
     from dflash.target import TargetConfig, load_target
 
-    cfg = TargetConfig(path="dflash/assets/target-sharegpt-7m")
+    from pathlib import Path
+
+    cfg = TargetConfig(path=str(Path(__file__).resolve().parents[1] / "dflash/assets/target-sharegpt-7m"))
     models, errors = [None] * 4, []
 
     def load(i):
