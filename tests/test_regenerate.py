@@ -1,0 +1,108 @@
+"""dflash.regenerate: target-answered data that resumes without loss and counts every drop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dflash.regenerate as regen
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPH = str(ROOT / "examples" / "dflash-tiny.toml")
+TARGET = str(ROOT / "dflash" / "assets" / "target-sharegpt-7m")
+
+
+def _source(tmp_path: Path) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"question {i}?"},
+                          {"role": "assistant", "content": "old answer"},
+                          {"role": "user", "content": "and then?"},
+                          {"role": "assistant", "content": "old again"}]} for i in range(5)]
+    rows.insert(1, {"messages": [{"role": "assistant", "content": "hello"},          # leading answer
+                                 {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "old"}]})
+    rows.insert(3, {"messages": [{"role": "user", "content": "word " * 400},          # too long
+                                 {"role": "assistant", "content": "old"}]})
+    lines = [json.dumps(r) for r in rows] + ['{"messages": [', json.dumps({"messages": [
+        {"role": "user", "content": "no answer"}]})]                                    # 2 bad rows
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _args(src: Path, out: Path, *extra: str) -> list[str]:
+    return [GRAPH, "-o", str(out), "--set", f'data.source="{src}"', "--set", f'target.path="{TARGET}"',
+            "--max-new-tokens", "3", "--max-prompt-tokens", "200", "--chunk", "2", "--batch-size", "2",
+            "--device", "cpu", *extra]
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+
+
+def test_regenerated_turns_are_the_targets_and_drops_are_counted(tmp_path, capsys):
+    """Invariant: every assistant turn written is the target's own answer (never the dataset's),
+    the turns before the first user turn are dropped but the rest kept, and each record that is
+    not written is counted under its reason."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    assert regen.main(_args(src, out)) == 0
+    err = capsys.readouterr().err
+    rows = _lines(out)
+    assert sorted(r["source_index"] for r in rows) == [0, 1, 2, 4, 5, 6]      # 3 is too long
+    for r in rows:
+        answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert answers and not {"old answer", "old again", "old"} & set(answers)
+        assert r["messages"][0]["role"] == "user"
+    assert len([m for m in rows[0]["messages"] if m["role"] == "assistant"]) == 2  # both turns
+    for reason in ("prompt_too_long 1", "leading_assistant_turns_dropped 1", "malformed_json 1",
+                   "no_assistant_turn 1"):
+        assert reason in err, err
+
+
+def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch, capsys):
+    """Invariant (resumable): after an interruption, and a torn last line, the same command
+    continues where it stopped: every conversation is written exactly once, and what was written
+    before the interruption is kept unchanged."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    real, calls = regen._answer, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:                 # inside the second chunk
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(regen, "_answer", flaky)
+    assert regen.main(_args(src, out)) == 130
+    first = out.read_text()
+    assert len(_lines(out)) == 2            # the first chunk (2 conversations) was kept
+    with open(out, "a") as f:
+        f.write('{"messages": [{"role": "user", "con')  # a kill in the middle of a write
+    monkeypatch.setattr(regen, "_answer", real)
+    assert regen.main(_args(src, out)) == 0
+    rows = _lines(out)
+    idx = [r["source_index"] for r in rows]
+    assert sorted(idx) == [0, 1, 2, 4, 5, 6] and len(idx) == len(set(idx))
+    assert out.read_text().startswith(first)
+    assert "2 already in" in capsys.readouterr().err
+
+
+def test_resuming_with_other_generation_settings_is_refused(tmp_path, capsys):
+    """Invariant: one output file holds one generation setting; a resume that changes it is a
+    one-line error (exit 2), and the file is left as it was."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    assert regen.main(_args(src, out, "--num-conversations", "2")) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    assert regen.main(_args(src, out, "--temperature", "0.7")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings" in err[0]
+    assert out.read_text() == before
+
+
+@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--top-p", "0"]])
+def test_bad_arguments_are_usage_errors(tmp_path, bad):
+    with pytest.raises(SystemExit) as e:
+        regen.main(_args(tmp_path / "x.jsonl", tmp_path / "o.jsonl", *bad))
+    assert e.value.code == 2
