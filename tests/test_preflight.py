@@ -29,9 +29,9 @@ def no_data_work(monkeypatch):
 
 
 CASES = [
-    ("drafter.num_layers=9", r"drafter.num_layers = 9: a 6-layer target is too shallow"),
-    ("target.layer_ids=[99]", r"target.layer_ids = \[99\] must be distinct ids in \[0, 5\]"),
-    ("drafter.hidden_size=64", r"drafter.hidden_size = 64 must equal the target's hidden size 128"),
+    ("drafter.num_layers=9", r"drafter.num_layers = 9: a 8-layer target is too shallow"),
+    ("target.layer_ids=[99]", r"target.layer_ids = \[99\] must be distinct ids in \[0, 7\]"),
+    ("drafter.hidden_size=64", r"drafter.hidden_size = 64 must equal the target's hidden size 256"),
     ("drafter.attn_implementation=\"flex_attention\"",
      r"drafter.attn_implementation = \"flex_attention\" needs a CUDA drafter, but process 'drafter' "
      r"runs on cpu"),

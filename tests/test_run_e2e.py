@@ -276,7 +276,7 @@ def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir,
     capsys.readouterr()
     assert main(small(run, cache_dir, "drafter.num_layers=3", steps=6)) == 2
     err = capsys.readouterr().err
-    assert "num_layers: checkpoint 2, config 3" in err and "--resume none" in err
+    assert "num_layers: checkpoint 1, config 3" in err and "--resume none" in err
 
 
 # -- checkpoints that must not lie, resume that must not change the run (issue 14) -----------------
