@@ -27,7 +27,6 @@ Usage (one H200: about 10 minutes; see ``dflash/assets/README.md`` for the shipp
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -123,11 +122,17 @@ def _snapshot(model) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dflash.pretrain",
-        description="Pretrain a small Qwen3-architecture target LM on ShareGPT and save it as a "
-                    "local Hugging Face directory. Exit codes: 0 done, 2 bad arguments.")
-    p.add_argument("-o", "--out", required=True, help="output model directory")
+    from csp.cli import make_parser
+
+    p = make_parser(
+        "python -m dflash.pretrain",
+        "Pretrain a small Qwen3-architecture target LM on ShareGPT and save it as a local Hugging Face directory.",
+        details="Keeps the weights of the best held-out loss; training.json records the command, "
+                "config and curve,\nheldout.json the held-out conversations.",
+        exit_codes={0: "done", 2: "bad arguments"},
+        examples=["python -m dflash.pretrain -o dflash/assets/target-sharegpt-7m --hidden 256 --layers 8 "
+                  "--minutes 7 --steps 20000 --lr 3e-3"])
+    p.add_argument("-o", "--out", required=True, help="output model directory (created)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (multiple of 64; default 256)")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="15MB",
                    help="safetensors shard size limit (default 15MB)")
     p.add_argument("--seed", type=int, default=0, help="split and init seed (default 0)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", default=None, help="where to train (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
     if args.hidden % 64 or args.hidden < 64 or args.layers < 1 or args.steps < 1:
         p.error("--hidden must be a positive multiple of 64; --layers and --steps >= 1")

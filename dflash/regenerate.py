@@ -181,10 +181,18 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m dflash.regenerate",
-        description="Answer a dataset's prompts with the target itself and write JSONL for "
-                    "[data].source. Exit codes: 0 done, 2 bad arguments/config/data, 130 interrupted.")
+    from csp.cli import make_parser
+
+    p = make_parser(
+        "python -m dflash.regenerate",
+        "Answer a dataset's user turns with the target itself and write JSONL that [data].source reads.",
+        details="Each assistant turn is replaced by the target's answer to the conversation so far "
+                "(greedy unless --temperature > 0).\nResumable: run the same command again after an "
+                "interruption; finished conversations are never redone.",
+        exit_codes={0: "done", 2: "bad arguments, config or data (nothing generated)",
+                    130: "interrupted (everything finished so far is kept)"},
+        examples=["python -m dflash.regenerate examples/dflash-tiny.toml -o runs/regenerated.jsonl",
+                  "python -m dflash.regenerate G.toml -o out.jsonl --temperature 0.7 --max-turns 2"])
     p.add_argument("graph", help="graph file (TOML); its [data] and [target] tables are used")
     p.add_argument("-o", "--out", required=True, help="output JSONL (appended to; resumes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -201,9 +209,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=256,
                    help="conversations per resumable unit (default 256)")
     p.add_argument("--num-conversations", type=int, default=None,
-                   help="regenerate at most N conversations of the source (default: data.max_samples)")
+                   help="regenerate at most N conversations of the source (default: the graph's data.max_samples)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
     if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk, args.max_turns) < 1:
         p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size and --chunk must be >= 1")

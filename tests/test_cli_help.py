@@ -8,8 +8,8 @@ import importlib
 
 import pytest
 
-CLIS = ["dflash.run", "dflash.eval", "dflash.export", "dflash.logs", "dflash.plot", "csp.run", "csp.inspect",
-        "csp.draw"]
+CLIS = ["dflash.run", "dflash.eval", "dflash.export", "dflash.logs", "dflash.plot", "dflash.regenerate",
+        "dflash.pretrain", "csp.run", "csp.inspect", "csp.draw"]
 
 
 class _Captured(Exception):
