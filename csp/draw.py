@@ -28,7 +28,6 @@ Exit status 2 on a bad graph file or run directory.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys

@@ -22,7 +22,6 @@ Exit status: 0, or 2 when the stats log is missing or malformed (or an option is
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path

@@ -26,7 +26,6 @@ permissions (safetensors alone writes them ``0600``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys

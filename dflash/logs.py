@@ -34,7 +34,6 @@ Plain text by default; ``--json`` prints one JSON object for scripts. Exit statu
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
