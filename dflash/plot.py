@@ -2,8 +2,9 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (every segment: a resumed run continues the same file) and draws,
 against the training step, six panels: loss, per-position accuracy (one line per block position),
-accepted length (``tau`` = tokens per verify step = accepted + 1, and the accepted-only figure
-``accepted``, or ``tau_sim`` in older logs: whichever the records carry), learning rate, gradient
+accepted length (``tau_sim`` = simulated tokens per verify step = accepted + 1, and the
+accepted-only ``accepted_sim``; in logs older than that convention ``tau_sim`` alone, the accepted
+length), learning rate, gradient
 norm, and tokens/s (overall, target, drafter). Every panel marks:
 
 * skipped steps (red ticks along the bottom; a ``skip`` record each),
@@ -151,10 +152,11 @@ def make_figure(records: list[dict[str, Any]], name: str = "run") -> Any:
     ax.set_title("accuracy per block position")
 
     ax = axes[2]
-    got = lines(ax, "tau", "tau (tokens / verify step)", colors[0], lw=1.6)
-    got |= lines(ax, "accepted", "accepted (tokens accepted)", colors[1], lw=1.4)
-    if not any("accepted" in r for r in train):
-        got |= lines(ax, "tau_sim", "accepted (tau_sim, simulated)", colors[1], lw=1.4)
+    if any("accepted_sim" in r for r in train):  # tau_sim = tokens per verify step, accepted_sim = tau - 1
+        got = lines(ax, "tau_sim", "tau (tokens / verify step)", colors[0], lw=1.6)
+        got |= lines(ax, "accepted_sim", "accepted (drafts accepted / step)", colors[1], lw=1.4)
+    else:  # logs written before tau meant tokens per step: their tau_sim is the accepted length
+        got = lines(ax, "tau_sim", "accepted (tau_sim of an older log)", colors[1], lw=1.4)
     ax.set_title("accepted length (simulated)" if got else "accepted length: not in the log")
 
     ax = axes[3]

@@ -83,9 +83,12 @@ def resume_command(argv: Sequence[str]) -> str:
 
 def _tau_text(rec: dict[str, Any]) -> str:
     parts = []
-    if rec.get("tau") is not None:
-        parts.append(f"tau {_num(rec['tau'])} tokens/verify step")
-    accepted = rec.get("accepted", rec.get("tau_sim"))
+    if "accepted_sim" in rec:  # tau_sim: simulated tokens per verify step (accepted + 1)
+        if rec.get("tau_sim") is not None:
+            parts.append(f"tau {_num(rec['tau_sim'])} tokens/verify step")
+        accepted = rec.get("accepted_sim")
+    else:                      # a log older than that convention: tau_sim was the accepted length
+        accepted = rec.get("tau_sim")
     if accepted is not None:
         parts.append(f"accepted {_num(accepted)}")
     return ", ".join(parts)

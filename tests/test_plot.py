@@ -23,14 +23,15 @@ def _train(step: int, t: float, loss: float, **kw) -> dict:
     return rec
 
 
-def history(tau_keys: tuple[str, ...] = ("tau", "accepted")) -> list[dict]:
+def history(tau_keys: tuple[str, ...] = ("tau_sim", "accepted_sim")) -> list[dict]:
     """Two segments: steps 2..20 (a skip at 7, checkpoints at 10 (healthy) and 20 (unhealthy), a
     logging gap between 14 and 16, a spike at 12), then a resume from step 10 redoing 12..20."""
     recs: list[dict] = [{"kind": "start", "step": 0, "time": 0.0}]
     t = 0.0
     for step in range(2, 22, 2):
         t += 1.0 if step != 16 else 30.0  # the gap
-        kw = {k: (2.0 + step / 20 if k == "tau" else 1.0 + step / 20) for k in tau_keys}
+        kw = {k: (2.0 + step / 20 if k == "tau_sim" and "accepted_sim" in tau_keys else 1.0 + step / 20)
+              for k in tau_keys}
         if step == 12:
             kw["spike"] = True
         if step == 8:
@@ -71,7 +72,7 @@ def test_png_written_with_every_panel_and_every_event_marked(tmp_path):
                       "learning rate", "gradient norm (before clipping)", "throughput (tokens/s)"]
     labels = _labels(fig)
     assert {"skipped step (1)", "checkpoint", "unhealthy checkpoint", "resume", "logging gap", "spike",
-            "tau (tokens / verify step)", "accepted (tokens accepted)", "pos 1", "pos 7",
+            "tau (tokens / verify step)", "accepted (drafts accepted / step)", "pos 1", "pos 7",
             "overall", "target", "drafter"} <= labels
     loss_lines = [ln for ln in fig.axes[0].get_lines() if ln.get_label() in ("loss", "_child0", "_child1")
                   or ln.get_color() == "#1f77b4"]
@@ -79,17 +80,16 @@ def test_png_written_with_every_panel_and_every_event_marked(tmp_path):
     assert [2, 4, 6, 8, 10, 12, 14, 16, 18, 20] in xs and [12, 14, 16, 18, 20] in xs  # one line per segment
 
 
-@pytest.mark.parametrize("keys, expect", [(("tau_sim",), "accepted (tau_sim, simulated)"),
-                                          (("tau",), "tau (tokens / verify step)"),
-                                          (("accepted",), "accepted (tokens accepted)")])
-def test_either_tau_convention_may_be_absent(keys, expect):
-    """Invariant: old logs (tau_sim only) and new ones (tau and/or accepted) both plot; absent keys are
-    simply not drawn."""
+@pytest.mark.parametrize("keys, expect", [
+    (("tau_sim",), {"accepted (tau_sim of an older log)"}),
+    (("tau_sim", "accepted_sim"), {"tau (tokens / verify step)", "accepted (drafts accepted / step)"})])
+def test_either_tau_convention_plots_under_its_meaning(keys, expect):
+    """Invariant: a log from before tau meant tokens per verify step (tau_sim alone: the accepted
+    length) plots as accepted; a new one (tau_sim = accepted_sim + 1) plots both, labelled."""
     fig = make_figure(history(keys))
     labels = _labels(fig)
-    assert expect in labels
-    assert not ({"tau (tokens / verify step)", "accepted (tokens accepted)", "accepted (tau_sim, simulated)"}
-                - {expect}) & labels
+    every = {"tau (tokens / verify step)", "accepted (drafts accepted / step)", "accepted (tau_sim of an older log)"}
+    assert expect <= labels and not (every - expect) & labels
 
 
 def test_no_tau_at_all_and_null_losses_still_plot():

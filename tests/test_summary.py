@@ -44,7 +44,7 @@ def test_completed_run_reports_steps_loss_tau_throughput_checkpoint_and_next_com
     conventions, tokens/s, skips, the checkpoint, the run dir, and the inspect/eval/export/plot
     commands pointing at that checkpoint."""
     run = tmp_path / "run"
-    _write(run, [{"kind": "start", "step": 0}, _train(2, tau=2.5, accepted=1.5), _train(4, tau=3.0, accepted=2.0),
+    _write(run, [{"kind": "start", "step": 0}, _train(2, tau_sim=2.5, accepted_sim=1.5), _train(4, tau_sim=3.0, accepted_sim=2.0),
                  {"kind": "end", "status": "completed"}])
     ckpt.update(path=run / "checkpoints" / "step_00000004", step=4)
     text = closing_summary(run, status="completed", exit_code=0, total_steps=4, argv=ARGV, seconds=12.3,
