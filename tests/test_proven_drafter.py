@@ -21,6 +21,9 @@ from dflash.loss import LossConfig
 from dflash.objective import compute_loss
 from dflash.target import TargetConfig, load_target
 
+# ~15 s on 2 idle cores (two small trainings); the margin is for a loaded machine
+pytestmark = pytest.mark.timeout(300)
+
 V, BS, T = 48, 4, 64
 WORDS = [[4 + (7 * w + 3 * i) % (V - 4) for i in range(3 + w % 3)] for w in range(10)]
 
