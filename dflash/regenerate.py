@@ -36,6 +36,7 @@ Exit codes: 0 done, 2 bad arguments, config or data, 130 interrupted (what was w
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -57,26 +58,36 @@ def generation_settings(args: argparse.Namespace, source: str) -> dict[str, Any]
 
 
 def done_indices(path: Path) -> set[int]:
-    """``source_index`` of every complete line of ``path``; a torn (unparseable) tail is truncated.
+    """``source_index`` of every complete line of ``path``; a torn last line is cut off.
+
+    The last line is torn when it has no newline (a kill in the middle of a write) or does not
+    parse (a kill, then an editor or ``echo`` added the newline): it is truncated away.
 
     Raises:
-        ValueError: a complete line in the middle of the file is not a regenerate record.
+        ValueError: a line before the last one is not a regenerate record.
     """
     if not path.exists():
         return set()
     data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1             # bytes after the last newline: a torn final write
+    lines = data.split(b"\n")
+    keep, out = 0, set()
+    for n, line in enumerate(lines, 1):
+        last = all(not x.strip() for x in lines[n:])
+        if line.strip():
+            try:
+                index = int(json.loads(line)["source_index"])
+            except (ValueError, KeyError, TypeError) as e:
+                if last:
+                    break                           # the torn tail: cut below
+                raise ValueError(f"{path}:{n}: not a dflash.regenerate line ({e}); use another -o") from e
+            if last and n == len(lines):
+                break                               # parses, but no newline: the write was cut
+            out.add(index)
+        keep += len(line) + 1
+    keep = min(keep, len(data))
     if keep < len(data):
         with open(path, "r+b") as f:
             f.truncate(keep)
-    out = set()
-    for n, line in enumerate(data[:keep].split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            out.add(int(json.loads(line)["source_index"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not a dflash.regenerate line ({e}); use another -o") from e
     return out
 
 
@@ -206,15 +217,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="answer at most N assistant turns per conversation; the rest of it is cut "
                         "(default: all)")
     p.add_argument("--batch-size", type=int, default=32, help="answers per generate call (default 32)")
-    p.add_argument("--chunk", type=int, default=256,
-                   help="conversations per resumable unit (default 256)")
+    p.add_argument("--chunk", type=int, default=64,
+                   help="conversations per resumable unit: written together, lost together on a kill (default 64)")
     p.add_argument("--num-conversations", type=int, default=None,
                    help="regenerate at most N conversations of the source (default: the graph's data.max_samples)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
-    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk, args.max_turns) < 1:
-        p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size and --chunk must be >= 1")
+    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk, args.max_turns) < 1 \
+            or (args.num_conversations is not None and args.num_conversations < 1):
+        p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size, --chunk and "
+                "--num-conversations must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args
@@ -222,6 +235,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    locks: list = []
+    try:
+        return _main(args, locks)
+    finally:
+        for f in locks:
+            f.close()                                  # releases the output's lock
+
+
+def _main(args: argparse.Namespace, locks: list) -> int:
     import msgspec
     import torch
 
@@ -238,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
         settings = generation_settings(args, cfg.data.source)
         meta = out.with_name(out.name + ".meta.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.with_name(out.name + ".lock"), "a+")  # held until main returns
+        locks.append(lock)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise DataError(f"{out} is being written by another dflash.regenerate (lock "
+                            f"{lock.name}); wait for it or use another -o") from None
         if meta.exists() and json.loads(meta.read_text())["settings"] != settings:
             raise DataError(f"{out} was written with other settings ({meta}); use another -o or "
                             "the same --max-new-tokens/--temperature/--top-p/--seed")
@@ -262,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         written = regenerate([c for c, _ in todo], [i for _, i in todo], model, tok, args, out,
                              skipped, device, progress=sys.stderr.isatty())
     except KeyboardInterrupt:
-        print(f"dflash.regenerate: interrupted; {out} keeps every finished chunk, run the same "
-              "command again to continue", file=sys.stderr)
+        kept = len(done_indices(out))
+        print(f"dflash.regenerate: interrupted; {out} holds {kept} finished conversations (the chunk "
+              f"in flight, up to --chunk {args.chunk}, is redone); run the same command again to "
+              "continue", file=sys.stderr)
         return 130
     counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
     print(f"dflash.regenerate: wrote {written} conversations to {out} in {time.perf_counter() - t0:.0f}s "

@@ -78,7 +78,7 @@ def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeyp
     first = out.read_text()
     assert len(_lines(out)) == 2            # the first chunk (2 conversations) was kept
     with open(out, "a") as f:
-        f.write('{"messages": [{"role": "user", "con')  # a kill in the middle of a write
+        f.write('{"messages": [{"role": "user", "con\n')  # a cut write, then a newline (echo, editor)
     monkeypatch.setattr(regen, "_answer", real)
     assert regen.main(_args(src, out)) == 0
     rows = _lines(out)
@@ -101,7 +101,24 @@ def test_resuming_with_other_generation_settings_is_refused(tmp_path, capsys):
     assert out.read_text() == before
 
 
-@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--top-p", "0"]])
+def test_a_second_writer_of_the_same_output_is_refused(tmp_path, capsys):
+    """Invariant: two regenerate processes never append to one file (each would write every
+    conversation once more): the second is a one-line error while the first holds the lock."""
+    import fcntl
+
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    with open(tmp_path / "out.jsonl.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        import subprocess
+        import sys
+
+        proc = subprocess.run([sys.executable, "-m", "dflash.regenerate", *_args(src, out)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "another dflash.regenerate" in proc.stderr
+    assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--top-p", "0"], ["--num-conversations", "0"]])
 def test_bad_arguments_are_usage_errors(tmp_path, bad):
     with pytest.raises(SystemExit) as e:
         regen.main(_args(tmp_path / "x.jsonl", tmp_path / "o.jsonl", *bad))
