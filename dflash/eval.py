@@ -405,7 +405,18 @@ def _prompts(args, tok) -> list[list[int]]:
     """Token ids of the CLI's prompts (module docstring says which conversations)."""
     if args.prompts:
         lines = Path(args.prompts).read_text(encoding="utf-8-sig").split("\n")  # not splitlines: U+2028 is JSON text
-        convs = [[{"role": "user", "content": json.loads(x)["prompt"]}] for x in lines if x.strip()]
+        convs = []
+        for n, x in enumerate(lines, 1):
+            if not x.strip():
+                continue
+            try:
+                prompt = json.loads(x)["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError("not a string")
+            except (ValueError, KeyError, TypeError) as e:
+                raise EvalInputError(f"--prompts {args.prompts}:{n}: expected a JSON object with a string "
+                                     f'"prompt" ({type(e).__name__}: {e})') from None
+            convs.append([{"role": "user", "content": prompt}])
         return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
     data_cfg = run_data_config(Path(args.checkpoint))
     if data_cfg is None:
@@ -475,6 +486,14 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.data.sources import resolve_source
 
     try:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise EvalInputError(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+        if device.type == "cuda" and (not torch.cuda.is_available()
+                                      or (device.index or 0) >= torch.cuda.device_count()):
+            raise EvalInputError(f"--device {args.device}: this machine has {torch.cuda.device_count()} "
+                                 "CUDA device(s); use --device cpu")
         check_checkpoint(args.checkpoint)
         if args.prompts and not Path(args.prompts).is_file():
             raise EvalInputError(f"--prompts {args.prompts}: no such file")

@@ -217,3 +217,32 @@ def test_eval_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     want = {"missing": "no such checkpoint", "run_dir": "step_00000005",
             "not_ckpt": "not a drafter checkpoint", "bad_data": "no-such-source.jsonl"}[case]
     assert want in err
+
+
+@pytest.mark.parametrize("bad, says", [
+    ('{"conversations": []}', ':1: expected a JSON object with a string "prompt"'),
+    ('{"prompt": "ok"}\nnot json', ':2: expected a JSON object with a string "prompt"')])
+def test_bad_prompt_lines_name_the_file_and_line(tmp_path, bad, says, capsys):
+    """Invariant: a malformed --prompts file is a one-line error naming the line, not a bare
+    KeyError or a JSON message without a location."""
+    from dflash.eval import _prompts
+    from dflash.eval_prompts import EvalInputError
+
+    f = tmp_path / "p.jsonl"
+    f.write_text(bad + "\n")
+    args = type("A", (), {"prompts": str(f), "num_prompts": 8, "max_prompt_tokens": 64})()
+    with pytest.raises(EvalInputError, match=says.replace("(", r"\(")):
+        _prompts(args, None)
+
+
+def test_a_device_this_machine_lacks_is_a_one_line_error(tmp_path, capsys):
+    """Invariant: --device cuda on a CPU-only machine (or a typo like gpu) exits 2 with one line,
+    before any model is loaded."""
+    import dflash.eval as ev
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA: the check is for a missing device")
+    for dev in ("cuda", "gpu"):
+        assert ev.main([str(tmp_path), "--prompts", str(tmp_path), "--device", dev]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("dflash.eval: --device ") for line in err)
