@@ -406,3 +406,23 @@ def test_earlier_segments_keep_distinct_names_when_they_end_at_the_same_step(tmp
         "trace.before-step-0-2.json", "trace.before-step-0-3.json", "trace.before-step-0.json"]
     assert (csp_dir / "stats.before-step-0.jsonl").read_text() == "a"
     assert (csp_dir / "trace.before-step-0-3.json").read_text() == "c"
+
+
+def test_a_changed_lr_on_resume_takes_effect(tmp_path, cache_dir):
+    """Regression (the warning named `train.lr 0.001 -> 3e-05` yet the old schedule went on): the
+    resumed run trains with its own [train].lr: every later step's lr is the new peak times the
+    schedule, i.e. 100x lower here than the uninterrupted run's at the same step."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, "train.lr=1e-3", "train.warmup_steps=2", steps=4)) == 0
+    assert main(small(run, cache_dir, "train.lr=1e-5", "train.warmup_steps=2", steps=8)) == 0
+    ref = tmp_path / "ref"
+    assert main(small(ref, cache_dir, "train.lr=1e-3", "train.warmup_steps=2", steps=8)) == 0
+
+    def lrs(d):
+        return {r["step"]: r["lr"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                if r.get("kind") == "train"}
+
+    got, want = lrs(run), lrs(ref)
+    assert got[2] == want[2]                                 # before the resume: the same run
+    for step in (5, 6, 7, 8):
+        assert got[step] == pytest.approx(want[step] / 100, rel=1e-6), step

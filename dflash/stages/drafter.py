@@ -114,6 +114,15 @@ class DrafterStage(csp.Process):
         self.app.resume_weights = None  # the parameters hold them now
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
+        # The optimizer and scheduler states carry the lr, betas and weight decay they were saved
+        # with; the run follows its own [train] table (a changed key is named at start-up), so an
+        # unchanged config restores the same values and a changed one takes effect.
+        t = self.app.cfg.train
+        self.sched.base_lrs = [t.lr for _ in self.opt.param_groups]
+        for g, lam in zip(self.opt.param_groups, self.sched.lr_lambdas):
+            g.update(initial_lr=t.lr, lr=t.lr * lam(self.sched.last_epoch), betas=t.betas,
+                     weight_decay=t.weight_decay)
+        self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]  # what get_last_lr() reports
         torch.set_rng_state(state["rng"]["torch"])
         self.skipped_total = state.get("skipped_total", 0)
 
@@ -165,7 +174,7 @@ class DrafterStage(csp.Process):
                  out.acc_per_pos.float()]
             ).tolist()
             loss, gnorm, ce, kl, acc = vals[0], vals[1], vals[2], vals[3], vals[4:]
-            lr = self.sched.get_last_lr()[0]
+            lr = self.opt.param_groups[0]["lr"]  # the lr this step uses
             reason = None
             if not math.isfinite(loss):
                 reason = "non-finite loss"
