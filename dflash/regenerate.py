@@ -70,17 +70,17 @@ def done_indices(path: Path) -> set[int]:
         return set()
     data = path.read_bytes()
     lines = data.split(b"\n")
+    final = max((n for n, line in enumerate(lines) if line.strip()), default=-1)  # last non-blank
     keep, out = 0, set()
-    for n, line in enumerate(lines, 1):
-        last = all(not x.strip() for x in lines[n:])
+    for n, line in enumerate(lines):
         if line.strip():
             try:
                 index = int(json.loads(line)["source_index"])
             except (ValueError, KeyError, TypeError) as e:
-                if last:
+                if n == final:
                     break                           # the torn tail: cut below
-                raise ValueError(f"{path}:{n}: not a dflash.regenerate line ({e}); use another -o") from e
-            if last and n == len(lines):
+                raise ValueError(f"{path}:{n + 1}: not a dflash.regenerate line ({e}); use another -o") from e
+            if n == final == len(lines) - 1:
                 break                               # parses, but no newline: the write was cut
             out.add(index)
         keep += len(line) + 1
