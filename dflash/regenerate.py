@@ -28,7 +28,9 @@ Counted, never silently dropped: the source's own skip reasons (``malformed_json
 rest of the conversation kept; counted, not a skip), ``prompt_too_long`` (context longer than ``--max-prompt-tokens`` before some turn; the
 conversation keeps the turns answered so far, or is dropped if none), ``no_user_turn`` (nothing
 to answer), ``empty_response`` (the
-target answered with nothing; that conversation is dropped, an empty turn cannot be trained).
+target answered with nothing; that conversation is dropped, an empty turn cannot be trained),
+``excluded`` (its ``source_index`` is listed in ``--exclude``: e.g. the eval prompts, so a
+drafter trained on the output never sees them).
 
 Exit codes: 0 done, 2 bad arguments, config or data, 130 interrupted (what was written is kept).
 """
@@ -45,7 +47,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["done_indices", "generation_settings", "main", "regenerate"]
+__all__ = ["done_indices", "excluded_indices", "generation_settings", "main", "regenerate"]
 
 _FORMAT_VERSION = 1
 
@@ -55,6 +57,30 @@ def generation_settings(args: argparse.Namespace, source: str) -> dict[str, Any]
     return {"version": _FORMAT_VERSION, "source": source, "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "seed": args.seed, "max_turns": args.max_turns}
+
+
+def excluded_indices(path: Path) -> set[int]:
+    """``source_index`` of every line of the JSONL ``path`` (``--exclude``).
+
+    Raises:
+        OSError: ``path`` cannot be read.
+        DataError: a line is not a JSON object with an integer ``source_index``.
+    """
+    from dflash.data import DataError
+
+    out: set[int] = set()
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            index = json.loads(line)["source_index"]
+        except (ValueError, TypeError, KeyError):
+            index = None
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise DataError(f"--exclude {path} line {n}: expected a JSON object with an integer "
+                            f"\"source_index\", got {line[:80]!r}")
+        out.add(index)
+    return out
 
 
 def done_indices(path: Path) -> set[int]:
@@ -221,6 +247,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="conversations per resumable unit: written together, lost together on a kill (default 64)")
     p.add_argument("--num-conversations", type=int, default=None,
                    help="regenerate at most N conversations of the source (default: the graph's data.max_samples)")
+    p.add_argument("--exclude", default=None, metavar="FILE",
+                   help="JSONL whose lines carry a source_index (e.g. eval prompts): those conversations "
+                        "are not answered (counted as 'excluded')")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
@@ -272,13 +301,15 @@ def _main(args: argparse.Namespace, locks: list) -> int:
             raise DataError(f"{out} was written with other settings ({meta}); use another -o or "
                             "the same --max-new-tokens/--temperature/--top-p/--seed")
         done = done_indices(out)
+        excluded = excluded_indices(Path(args.exclude)) if args.exclude else set()
     except (OSError, ValueError, DataError, msgspec.ValidationError) as e:
         print(f"dflash.regenerate: {e}", file=sys.stderr)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)
     meta.write_text(json.dumps({"settings": settings, "graph": str(args.graph),
                                 "target": cfg.target.path or cfg.target.preset}, indent=1) + "\n")
-    todo = [(c, i) for c, i in zip(records.conversations, records.source_index) if i not in done]
+    todo = [(c, i) for c, i in zip(records.conversations, records.source_index)
+            if i not in done and i not in excluded]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
     if cfg.target.path is None and cfg.target.vocab_size is None:
@@ -287,6 +318,8 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     print(f"dflash.regenerate: {len(records.conversations)} conversations of {cfg.data.source}, "
           f"{len(done)} already in {out}, {len(todo)} to answer on {device}", file=sys.stderr)
     skipped: Counter[str] = Counter(records.skipped)
+    if n_excluded := sum(i in excluded for i in records.source_index):
+        skipped["excluded"] = n_excluded
     t0 = time.perf_counter()
     try:
         written = regenerate([c for c, _ in todo], [i for _, i in todo], model, tok, args, out,

@@ -123,3 +123,22 @@ def test_bad_arguments_are_usage_errors(tmp_path, bad):
     with pytest.raises(SystemExit) as e:
         regen.main(_args(tmp_path / "x.jsonl", tmp_path / "o.jsonl", *bad))
     assert e.value.code == 2
+
+
+def test_excluded_conversations_are_never_answered_and_are_counted(tmp_path, capsys):
+    """Invariant: a source_index listed in --exclude (e.g. the eval prompts) is not in the output,
+    and the drop is counted; a malformed --exclude file is one line, exit 2, nothing written."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    held = tmp_path / "prompts.jsonl"
+    held.write_text(json.dumps({"prompt": "question 0?", "source_index": 0}) + "\n"
+                    + json.dumps({"prompt": "x", "source_index": 4}) + "\n\n")
+    assert regen.main(_args(src, out, "--exclude", str(held))) == 0
+    assert sorted(r["source_index"] for r in _lines(out)) == [1, 2, 5, 6]
+    assert "excluded 2" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no index"}\n')
+    out2 = tmp_path / "out2.jsonl"
+    assert regen.main(_args(src, out2, "--exclude", str(bad))) == 2
+    err = capsys.readouterr().err
+    assert "line 1" in err and "source_index" in err and len(err.strip().splitlines()) == 1
+    assert not out2.exists()

@@ -4,15 +4,19 @@
 #
 #   bash benchmarks/quality/h200.sh phase1 OUT   # regenerate 8000 conversations; train "data" and "target_argmax"
 #   bash benchmarks/quality/h200.sh phase2 OUT   # train on the regenerated data (STEPS, and LONG); eval; decode speed
+#   N=16000 bash benchmarks/quality/h200.sh extend OUT  # answer conversations up to N (resumes REGEN_GZ)
+#   N=16000 bash benchmarks/quality/h200.sh long OUT    # one LONG run on that data alone; eval; decode speed
 #
 # Every run: examples/sharegpt-target-h200.toml (block 16, 3 drafter layers), the first 8000
 # ShareGPT conversations (regenerated: the same 8000 answered by the target), STEPS steps.
-# Prompts: benchmarks/quality/prompts.py (held out of the target's pretraining and of every run).
+# Prompts: benchmarks/quality/prompts.py (held out of the target's pretraining and of every run):
+# the first NP held-out records from P_FROM on (default 8000: the same prompts in every phase; extend
+# regenerates past them, so it excludes them by source_index).
 set -euo pipefail
 PHASE=$1; OUT=$2; STEPS=${STEPS:-3000}; N=${N:-8000}; R=${R:-/tmp/quality}
 mkdir -p "$R" "$OUT"
 export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
-G=examples/sharegpt-target-h200.toml
+G=${G:-examples/sharegpt-target-h200.toml}
 COMMON=(--set monitor.wandb=\"disabled\" --set run.steps=$STEPS --set data.max_samples=$N --resume none)
 # EXTRA: more --set arguments, word-split (a CPU smoke test: see tests/test_quality_script.py)
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"; COMMON+=("${EXTRA_ARGS[@]}")
@@ -30,7 +34,13 @@ evaluate() {  # name
   python3 -c "import json; d = json.load(open('$OUT/eval-$1.json')); print('$1', '$ck', {k: d[k] for k in
     ('tau', 'mean_accepted', 'tau_sim', 'streak_visited', 'streak_all')}, [a if a is None else round(a, 2) for a in d['acc_per_pos']])"
 }
-python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $N --num $NP
+P_FROM=${P_FROM:-8000}
+python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $P_FROM --num $NP
+decode() {  # name: target-only greedy vs draft-and-verify with its last checkpoint
+  local ck; ck=$(ls -d "$R/$1"/checkpoints/step_* | sort | tail -1)
+  python3 -m benchmarks.decode_speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+    --out "$OUT/decode.json" 2>&1 | tail -20
+}
 case $PHASE in
 phase1)
   python3 -m dflash.regenerate $G -o "$R/regenerated.jsonl" --set data.max_samples=$N --max-turns 2 \
@@ -58,8 +68,21 @@ phase2)
   for n in regenerated regenerated_long; do
     tail -3 "$R/$n.log"; evaluate $n; cp "$R/$n/metrics.jsonl" "$OUT/metrics-$n.jsonl"
   done
-  ck=$(ls -d "$R/regenerated_long"/checkpoints/step_* | sort | tail -1)
-  python3 -m benchmarks.decode_speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
-    --out "$OUT/decode.json" 2>&1 | tail -20;;
+  decode regenerated_long;;
+extend)
+  [ -f "$R/regenerated.jsonl" ] || gunzip -c "${REGEN_GZ:-.quality/regenerated.jsonl.gz}" > "$R/regenerated.jsonl"
+  python3 -m dflash.regenerate $G -o "$R/regenerated.jsonl" --set data.max_samples=$N --max-turns 2 \
+      --max-new-tokens $NEW --max-prompt-tokens 768 --batch-size 512 --chunk 2048 \
+      --exclude "$R/prompts.jsonl" > "$R/regen.log" 2>&1
+  tail -2 "$R/regen.log"; cp "$R/regen.log" "$OUT/regen-extend.log"
+  gzip -c "$R/regenerated.jsonl" > "$OUT/regenerated.jsonl.gz";;
+long)
+  [ -f "$R/regenerated.jsonl" ] || gunzip -c "${REGEN_GZ:-.quality/regenerated.jsonl.gz}" > "$R/regenerated.jsonl"
+  train regenerated_long --set data.source=\"$R/regenerated.jsonl\" --set loss.label=\"target_argmax\" \
+    --set run.steps=${LONG:-9000}
+  tail -3 "$R/regenerated_long.log"; evaluate regenerated_long
+  cp "$R/regenerated_long/metrics.jsonl" "$OUT/metrics-regenerated_long.jsonl"
+  cp "$R/regenerated_long.log" "$OUT/"
+  decode regenerated_long;;
 esac
 ls -la "$OUT"
