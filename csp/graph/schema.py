@@ -1,0 +1,97 @@
+"""The graph file's TOML schema: ``[[channel]]``, ``[[process]]``, ``[trace]`` and ``plugins``.
+
+msgspec Structs with unknown keys forbidden and limits in the types, so a typo or a bad value is a
+``msgspec.ValidationError`` with its path (``$.channel[0].capacity``); :func:`csp.graph.load_spec`
+turns it into a :class:`csp.GraphError` naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+Name = Annotated[str, Meta(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")]
+
+
+class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[channel]]``: a bounded, typed channel.
+
+    Attributes:
+        name: unique channel name; ports refer to it.
+        capacity: buffer size in items; 0 is a rendezvous. Required: there is no unbounded channel.
+        ordered: deliver items in ``seq`` order (ordered fan-in after replicas). One process
+            (any number of its replicas) and one port may send to it: it restores one seq stream.
+        rank_local: under torch.distributed (``csp.dist``), every rank gets its own copy of this
+            channel: items never leave the rank they were sent on. Ignored in a single process.
+    """
+
+    name: Name
+    capacity: Annotated[int, Meta(ge=0)]
+    ordered: bool = False
+    rank_local: bool = False
+
+
+class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[process]]``: a process kind, its replicas, devices and port wiring.
+
+    Attributes:
+        name: unique process name (replicas are ``name[0]``, ``name[1]``, ...).
+        kind: registry kind of the Process class.
+        replicas: number of instances.
+        device: one device for every replica ("cpu" or "cuda:N"); omitted = no device (CPU).
+        devices: one device per replica; exclusive with ``device``.
+        inputs: port name -> channel name.
+        outputs: port name -> channel name.
+        options: decoded by the kind's ``Options`` Struct (unknown keys rejected).
+        ranks: under torch.distributed (``csp.dist``), the rank of each replica (one per replica);
+            omitted = the default placement (docs/distributed.md). Ignored in a single process.
+    """
+
+    name: Name
+    kind: Annotated[str, Meta(min_length=1)]
+    replicas: Annotated[int, Meta(ge=1)] = 1
+    device: str | None = None
+    devices: list[str] | None = None
+    inputs: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+    options: dict[str, Any] = {}
+    ranks: list[Annotated[int, Meta(ge=0)]] | None = None
+
+
+class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[trace]``: observability knobs.
+
+    Attributes:
+        stats_interval_s: period of ``RUN_DIR/csp/stats.jsonl`` snapshots and trace counters, in s.
+        perfetto: write ``RUN_DIR/csp/trace.json`` (process spans, channel fill counters).
+        flows: add flow arrows following sampled items across the graph.
+        flow_every: with ``flows``, follow every N-th item sent by each source replica.
+        max_events: cap on buffered trace events; later events are dropped and counted.
+    """
+
+    stats_interval_s: Annotated[float, Meta(gt=0)] = 1.0
+    perfetto: bool = True
+    flows: bool = False
+    flow_every: Annotated[int, Meta(ge=1)] = 100
+    max_events: Annotated[int, Meta(ge=0)] = 1_000_000
+
+
+class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A whole graph file. Applications subclass it to add their own tables.
+
+    Attributes:
+        plugins: modules imported before kinds are resolved (their ``@csp.register`` runs).
+        channel: the ``[[channel]]`` tables.
+        process: the ``[[process]]`` tables.
+        trace: the ``[trace]`` table.
+    """
+
+    plugins: list[str] = []
+    channel: list[ChannelSpec] = []
+    process: list[ProcessSpec] = []
+    trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
+
+
+__all__ = ["ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "TraceSpec"]
