@@ -297,6 +297,8 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
         app.metrics.write({"kind": "end", "status": "nothing to do", "exit_code": 0, "seconds": 0.0})
         app.metrics.close()
+        if rank == 0:  # the short summary: where the checkpoint is and what to run next (no plot, no wandb)
+            _summary(cfg, args, run_dir, "nothing to do", 0, None, None, None, plot=False, wandb_ran=False)
         return 0
     if rank == 0:
         keep_previous_observability(run_dir, app.start_step)
@@ -337,14 +339,17 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
 
 
 def _summary(cfg: DFlashFile, args: argparse.Namespace, run_dir: Path, status: str, code: int,
-             stopped_by: str | None, error: str | None, seconds: float) -> None:
-    """The closing summary and the plot (dflash.summary); never raises."""
+             stopped_by: str | None, error: str | None, seconds: float | None, *, plot: bool | None = None,
+             wandb_ran: bool | None = None) -> None:
+    """The closing summary and the plot (dflash.summary); never raises. The wandb commands are
+    suggested only when this segment ran wandb (``[monitor].wandb`` not "disabled")."""
     from dflash.summary import report_end
 
     report_end(run_dir, status=status, exit_code=code, total_steps=cfg.run.steps,
                argv=getattr(args, "argv", ()), seconds=seconds, stopped_by=stopped_by, error=error,
                data_source=cfg.data.source if isinstance(cfg.data.source, str) else None,
-               plot=cfg.monitor.plot, logger=log)
+               plot=cfg.monitor.plot if plot is None else plot,
+               wandb_ran=cfg.monitor.wandb != "disabled" if wandb_ran is None else wandb_ran, logger=log)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,35 @@ def test_failed_run_gives_the_error_and_only_this_segments_numbers(tmp_path, ckp
     assert "mean of this run's 1 windows" in text
 
 
+def test_nothing_to_do_names_the_checkpoint_and_offers_no_resume(tmp_path, ckpt):
+    """Regression (issue 16): a re-run of a run already at its last step printed no summary.
+    Invariant: the "nothing to do" summary says so, names the final checkpoint and the eval/export
+    commands, and offers no resume (there is nothing left to train)."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(4), {"kind": "end", "status": "completed"},
+                 {"kind": "start", "step": 4}, {"kind": "end", "status": "nothing to do"}])
+    ckpt.update(path=run / "checkpoints" / "step_00000004", step=4)
+    text = closing_summary(run, status="nothing to do", exit_code=0, total_steps=4, argv=ARGV)
+    assert text.splitlines()[0] == "run summary: nothing to do: the run is already at its last step (exit 0)"
+    assert "  steps        4/4 (no step finished in this run)" in text
+    assert f"  checkpoint   {run}/checkpoints/step_00000004 (step 4, healthy)" in text
+    assert f"python -m dflash.export {run}/checkpoints/step_00000004" in text
+    assert "dflash.run" not in text
+
+
+def test_wandb_commands_only_when_wandb_ran(tmp_path, ckpt):
+    """Regression (issue 16): after a resume with monitor.wandb = "disabled" the summary still
+    suggested `wandb leet` / `wandb sync` for an earlier segment's offline run. Invariant: the
+    wandb commands appear only when this segment ran wandb."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(2)])
+    (run / "wandb" / "offline-run-20260101_000000-abc").mkdir(parents=True)
+    ran = closing_summary(run, status="completed", exit_code=0, total_steps=2, wandb_ran=True)
+    assert "wandb leet" in ran and f"wandb sync {run}/wandb/offline-run-20260101_000000-abc" in ran
+    off = closing_summary(run, status="completed", exit_code=0, total_steps=2, wandb_ran=False)
+    assert "wandb" not in off.replace(f"{run}", "")
+
+
 def test_no_metrics_at_all_still_summarises(tmp_path, ckpt):
     text = closing_summary(tmp_path / "nothing", status="failed", exit_code=1, total_steps=5)
     assert "  steps        0/5 (no step finished in this run)" in text
