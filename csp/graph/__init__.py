@@ -72,8 +72,10 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: unique process name (replicas are ``name[0]``, ``name[1]``, ...).
         kind: registry kind of the Process class.
         replicas: number of instances.
-        device: one device for every replica ("cpu" or "cuda:N"); omitted = no device (CPU).
-        devices: one device per replica; exclusive with ``device``.
+        device: one device for every replica ("cpu", "cuda:N", or "cuda", which means "cuda:0" and
+            is accepted for a single replica only: for several, write "cuda:0" to put them all on
+            GPU 0, or ``devices``); omitted = no device (CPU).
+        devices: one device per replica ("cuda" = "cuda:0"); exclusive with ``device``.
         inputs: port name -> channel name.
         outputs: port name -> channel name.
         options: decoded by the kind's ``Options`` Struct (unknown keys rejected).
@@ -373,8 +375,12 @@ class Graph:
 
         Raises:
             GraphError: duplicate name, bad replicas, both ``device`` and ``devices`` given,
-                ``len(devices) != replicas``, ``len(ranks) != replicas``, or options that do
+                ``len(devices) != replicas``, ``len(ranks) != replicas``, ``device = "cuda"``
+                for several replicas (ambiguous: one GPU or one each?), or options that do
                 not decode.
+
+        A device ``"cuda"`` is stored as ``"cuda:0"`` (what ``torch.device("cuda")`` means in a
+        process that never called ``torch.cuda.set_device``), so every later check sees "cuda:N".
         """
         index = len(self.processes) if _index is None else _index
         where = f"process {name!r}"
@@ -394,7 +400,13 @@ class Graph:
                     "replica or set replicas to match"
                 )
         else:
+            if device == "cuda" and replicas > 1:
+                raise GraphError(
+                    f"{where}: device = \"cuda\" for {replicas} replicas is ambiguous; write "
+                    f"device = \"cuda:0\" (every replica on GPU 0) or devices = [\"cuda:0\", \"cuda:1\", ...] "
+                    "(one per replica)")
             devs = [device] * replicas
+        devs = ["cuda:0" if d == "cuda" else d for d in devs]
         rank_list = None if ranks is None else [int(r) for r in ranks]
         if rank_list is not None and len(rank_list) != replicas:
             raise GraphError(f"{where}: {len(rank_list)} ranks for {replicas} replicas; give one "
@@ -584,7 +596,7 @@ def _check_device(where: str, dev: str | None) -> None:
         return
     kind, _, index = dev.partition(":")
     if kind != "cuda" or not index.isdigit():
-        raise GraphError(f"{where}: device {dev!r} is not 'cpu' or 'cuda:N'")
+        raise GraphError(f"{where}: device {dev!r} is not 'cpu', 'cuda' or 'cuda:N'")
     try:
         import torch
     except ImportError:
