@@ -134,6 +134,27 @@ def keep_previous_observability(run_dir: Path, start_step: int) -> None:
         (csp_dir / name).rename(aside(name, k))
 
 
+def interrupted_before_training(run_dir: Path, resume: str) -> str:
+    """The Ctrl-C line for an interrupt before the graph started (tokenizing, loading, choosing
+    the checkpoint): no step ran and no checkpoint was written, what ``run_dir`` does hold (run.log
+    and .lock at least; the data cache keeps complete entries only), and what a re-run does."""
+    from dflash.summary import last_healthy
+
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+        ckpt = last_healthy(run_dir) if resume == "auto" else None
+    except OSError:
+        names, ckpt = [], None
+    if resume not in ("auto", "none"):
+        after = f"a re-run resumes from {resume}"
+    elif ckpt is not None:
+        after = f"a re-run resumes from {ckpt}"
+    else:
+        after = "a re-run starts from step 0"
+    return (f"interrupted before training started: no step ran and no checkpoint was written; {run_dir} "
+            f"holds {', '.join(names) or 'nothing'} (the data cache keeps complete entries only); {after}")
+
+
 def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     """Everything that must exist before the graph starts: tokenizer, data, resume state.
 
@@ -289,7 +310,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         _error(exc)
         return 2
     except KeyboardInterrupt:
-        _error("interrupted before training started; nothing was written")
+        _error(interrupted_before_training(run_dir, args.resume or cfg.run.resume))
         return 130
     if rank == 0:
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
