@@ -52,6 +52,9 @@ def test_run_log_holds_the_whole_story_and_the_run_ends_with_a_summary_and_a_plo
     err = capfd.readouterr().err
     assert f"checkpoint step 8 written to {run}/checkpoints/step_00000008" in err  # one line, whole path
     assert "…" not in err and "\x1b[" not in err
+    assert "Loading weights" not in err and "\r" not in err  # issue 16: no transformers tqdm bar in a pipe
+    assert not set("┌┐└┘│├┤") & set(err)  # issue 16: the data table is plain lines in a pipe
+    assert re.search(r"^  conversations kept +[\d,]+$", err, re.M)
     assert err.count("run summary: completed (exit 0)") == 1 and f"  plot         {run}/plot.png" in err
     assert all(f"step {s}/8 " in err for s in range(1, 9))
 
