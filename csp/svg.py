@@ -8,11 +8,13 @@ keeps fan-out/fan-in edges from crossing in pipelines.
 
 Drawing: a box lists the process name, kind, replicas and devices (the lines of
 :func:`csp.draw.node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
-badge. A channel is an arrow labelled with its name, capacity and ``ordered``; a fan-out or fan-in
-draws one arrow per writer/reader pair. With a run summary (``--run RUN_DIR``): arrows carry the
+badge, its replicas listed one per row inside it (``target[3]  cuda:3``), so many replicas make
+the box taller, not the picture wider (a 6-replica target once drew one long device line). A
+channel is an arrow labelled with its name, capacity and ``ordered``; a fan-out or fan-in draws
+one arrow per writer/reader pair. With a run summary (``--run RUN_DIR``): arrows carry the
 average/peak fill as a bar and the blocked/wait percentages, boxes their busy/waiting/blocked
-split and one busy bar per replica, the verdict is the title, and the bottleneck box (and a
-head-of-line blocked channel, and the slow replica's bar) is red.
+split and each replica row its busy bar and percentage, the verdict is the title, and the
+bottleneck box (and a head-of-line blocked channel, and the slow replica's row) is red.
 
 Text is set in a monospace font so its width is known without a font library (0.6 em per
 character), which keeps every label inside its box in any viewer.
@@ -31,6 +33,7 @@ CW = FONT * 0.6  # px per character (monospace)
 LH = FONT * 1.35  # px per text line
 PAD = 8.0  # px inside boxes and labels
 MARGIN = 20.0
+BAR_W = 60.0  # px, a replica row's busy bar
 RED, RED_FILL, GREY = "#d62728", "#fde0dd", "#555555"
 
 
@@ -80,8 +83,10 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
 
     Args:
         nodes: ``name -> {"lines": [str], "replicas": int, "red": bool, "point": bool,
-            "replica_busy": [(qualname, busy_frac, red)]}``; a ``point`` is a channel end with
-            no process (drawn as a dot).
+            "replica_rows": [(label, busy_frac | None, red)]}``; a ``point`` is a channel end
+            with no process (drawn as a dot); ``replica_rows`` are drawn one per line under
+            ``lines`` (``label`` starts with the replica's qualname, e.g. "target[2]  cuda:2"),
+            with a busy bar when ``busy_frac`` is given.
         edges: ``{"src", "dst", "lines": [str], "fill": float | None, "red": bool}`` in draw order.
         title: a line (wrapped to the picture's width) above the graph, or None.
     """
@@ -95,11 +100,11 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
         if spec.get("point"):
             size[n] = (10.0, 10.0)
             continue
-        h = len(spec["lines"]) * LH + 2 * PAD
-        if spec.get("replica_busy"):
-            h += 30.0
+        rows = spec.get("replica_rows") or []
+        h = (len(spec["lines"]) + len(rows)) * LH + 2 * PAD + (4.0 if rows else 0.0)
+        row_w = _row_w(rows)
         stack = 8.0 if spec.get("replicas", 1) > 1 else 0.0
-        size[n] = (max(_w(spec["lines"]), 14 * CW + 2 * PAD) + stack, h + stack)
+        size[n] = (max(_w(spec["lines"]), row_w, 14 * CW + 2 * PAD) + stack, h + stack)
     label_size = [(_w(e["lines"]), len(e["lines"]) * LH + 2 * PAD + (10 if e.get("fill") is not None else 0))
                   for e in edges]
 
@@ -213,20 +218,7 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
             parts.append(f'<text x="{x0 + w - bw / 2 - 4:.1f}" y="{y0 + 4 + LH * 0.78:.1f}" fill="white" '
                          f'text-anchor="middle" font-weight="bold">{escape(badge)}</text>')
         parts += _text(spec["lines"], x0 + PAD, y0 + PAD, bold_first=True)
-        bars = spec.get("replica_busy") or []
-        if bars:
-            by = y0 + PAD + len(spec["lines"]) * LH + 4
-            parts.append(f'<text x="{x0 + PAD:.1f}" y="{by + 16:.1f}" fill="#666666">busy/replica</text>')
-            bx = x0 + PAD + 13 * CW
-            bw = min(10.0, (w - (bx - x0) - PAD) / max(len(bars), 1) - 2)
-            for qualname, busy, slow in bars:
-                frac = min(max(busy, 0.0), 1.0)
-                parts.append(f'<rect x="{bx:.1f}" y="{by:.1f}" width="{bw:.1f}" height="20" fill="#eeeeee" '
-                             f'stroke="#bbbbbb" stroke-width="0.5"><title>{escape(qualname)}</title></rect>')
-                parts.append(f'<rect x="{bx:.1f}" y="{by + 20 * (1 - frac):.1f}" width="{bw:.1f}" '
-                             f'height="{20 * frac:.1f}" fill="{RED if slow else "#1f77b4"}">'
-                             f'<title>{escape(qualname)}: busy {100 * busy:.0f}%</title></rect>')
-                bx += bw + 2
+        parts += _replica_rows(spec.get("replica_rows") or [], x0 + PAD, y0 + PAD + len(spec["lines"]) * LH + 4)
 
     total_h = back_y + MARGIN if any(layer[e["dst"]] <= layer[e["src"]] for e in edges) else top + body_h + MARGIN
     shift = max(0.0, top - min((b[1] for b in label_boxes), default=top))  # labels above the top row
@@ -238,6 +230,36 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
         f'font-size="{FONT:g}px">',
         '<rect width="100%" height="100%" fill="white"/>',
         *title_svg, f'<g transform="translate(0,{shift:.1f})">', *parts, "</g>", "</svg>", ""])
+
+
+def _row_w(rows: list[tuple[str, float | None, bool]]) -> float:
+    """Width (px) of replica rows: the longest label, then a busy bar and "100%" when measured."""
+    if not rows:
+        return 0.0
+    bar = 8 + BAR_W + 6 + 4 * CW if any(busy is not None for _, busy, _ in rows) else 0.0
+    return max(len(label) for label, _, _ in rows) * CW + bar + 2 * PAD
+
+
+def _replica_rows(rows: list[tuple[str, float | None, bool]], x: float, y: float) -> list[str]:
+    """One line per replica from (x, y): its label, and its busy bar and percentage if measured
+    (red for the slow replica the verdict names)."""
+    out: list[str] = []
+    label_w = max((len(label) for label, _, _ in rows), default=0) * CW
+    for i, (label, busy, slow) in enumerate(rows):
+        ry = y + i * LH
+        color = RED if slow else "#333333"
+        out.append(f'<text x="{x:.1f}" y="{ry + LH * 0.78:.1f}" fill="{color}" xml:space="preserve">'
+                   f'{escape(label)}</text>')
+        if busy is None:
+            continue
+        frac = min(max(busy, 0.0), 1.0)
+        bx, qual = x + label_w + 8, escape(label.split()[0])
+        out.append(f'<rect x="{bx:.1f}" y="{ry + 3:.1f}" width="{BAR_W:.1f}" height="{LH - 6:.1f}" fill="#eeeeee" '
+                   f'stroke="#bbbbbb" stroke-width="0.5"><title>{qual}</title></rect>')
+        out.append(f'<rect x="{bx:.1f}" y="{ry + 3:.1f}" width="{BAR_W * frac:.1f}" height="{LH - 6:.1f}" '
+                   f'fill="{RED if slow else "#1f77b4"}"><title>{qual}: busy {100 * busy:.0f}%</title></rect>')
+        out.append(f'<text x="{bx + BAR_W + 6:.1f}" y="{ry + LH * 0.78:.1f}" fill="{color}">{100 * frac:.0f}%</text>')
+    return out
 
 
 def _text(lines: list[str], x: float, y: float, *, bold_first: bool, weight: str = "normal",
@@ -260,9 +282,16 @@ def graph_svg(spec: Any, summary: Summary | None, node_lines: Any, edge_lines: A
     nodes: dict[str, dict[str, Any]] = {}
     for p in spec.process:
         st = procs.get(p.name)
-        bars = ([(r.qualname, r.busy_frac, verdict is not None and r.qualname == verdict.replica)
-                 for r in st.replicas] if st is not None and len(st.replicas) > 1 else [])
-        nodes[p.name] = {"lines": node_lines(p, st), "replicas": p.replicas, "replica_busy": bars,
+        lines, rows = node_lines(p, st), []
+        if p.replicas > 1:  # the devices go on the replica rows, not on one long line
+            lines = [f"{p.replicas} replicas" if k == 2 else line for k, line in enumerate(lines)]
+            devs = p.devices or [p.device] * p.replicas
+            busy = {r.qualname: r.busy_frac for r in st.replicas} if st is not None else {}
+            names = [f"{p.name}[{i}]" for i in range(p.replicas)]
+            width = max(len(q) for q in names)
+            rows = [(f"{q:<{width}}  {d}" if d else q, busy.get(q),
+                     verdict is not None and verdict.replica == q) for q, d in zip(names, devs)]
+        nodes[p.name] = {"lines": lines, "replicas": p.replicas, "replica_rows": rows,
                          "red": verdict is not None and verdict.stage == p.name}
     caps = {c.name: c for c in spec.channel}
     edges = []

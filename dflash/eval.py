@@ -505,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from dflash.data.tokenizer import load_tokenizer
     from dflash.model_io import load_drafter
+    from dflash.runlog import quiet_progress_bars_when_piped
     from dflash.target import load_target
 
+    quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
     drafter, dc, tc = load_drafter(args.checkpoint, args.device)
     target = load_target(tc, args.device, dc.num_layers, need_final=True)
     if target.layer_ids != list(dc.target_layer_ids):

@@ -279,8 +279,10 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     from dflash.config import load_config
     from dflash.data import DataError, load_tokenizer
     from dflash.data.sources import read_source
+    from dflash.runlog import quiet_progress_bars_when_piped
     from dflash.target import load_target
 
+    quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
     out = Path(args.out)
     try:
         cfg = load_config(args.graph, args.overrides)

@@ -134,6 +134,27 @@ def keep_previous_observability(run_dir: Path, start_step: int) -> None:
         (csp_dir / name).rename(aside(name, k))
 
 
+def interrupted_before_training(run_dir: Path, resume: str) -> str:
+    """The Ctrl-C line for an interrupt before the graph started (tokenizing, loading, choosing
+    the checkpoint): no step ran and no checkpoint was written, what ``run_dir`` does hold (run.log
+    and .lock at least; the data cache keeps complete entries only), and what a re-run does."""
+    from dflash.summary import last_healthy
+
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+        ckpt = last_healthy(run_dir) if resume == "auto" else None
+    except OSError:
+        names, ckpt = [], None
+    if resume not in ("auto", "none"):
+        after = f"a re-run resumes from {resume}"
+    elif ckpt is not None:
+        after = f"a re-run resumes from {ckpt}"
+    else:
+        after = "a re-run starts from step 0"
+    return (f"interrupted before training started: no step ran and no checkpoint was written; {run_dir} "
+            f"holds {', '.join(names) or 'nothing'} (the data cache keeps complete entries only); {after}")
+
+
 def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     """Everything that must exist before the graph starts: tokenizer, data, resume state.
 
@@ -289,7 +310,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         _error(exc)
         return 2
     except KeyboardInterrupt:
-        _error("interrupted before training started; nothing was written")
+        _error(interrupted_before_training(run_dir, args.resume or cfg.run.resume))
         return 130
     if rank == 0:
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
@@ -297,6 +318,8 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
         app.metrics.write({"kind": "end", "status": "nothing to do", "exit_code": 0, "seconds": 0.0})
         app.metrics.close()
+        if rank == 0:  # the short summary: where the checkpoint is and what to run next (no plot, no wandb)
+            _summary(cfg, args, run_dir, "nothing to do", 0, None, None, None, plot=False, wandb_ran=False)
         return 0
     if rank == 0:
         keep_previous_observability(run_dir, app.start_step)
@@ -337,14 +360,17 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
 
 
 def _summary(cfg: DFlashFile, args: argparse.Namespace, run_dir: Path, status: str, code: int,
-             stopped_by: str | None, error: str | None, seconds: float) -> None:
-    """The closing summary and the plot (dflash.summary); never raises."""
+             stopped_by: str | None, error: str | None, seconds: float | None, *, plot: bool | None = None,
+             wandb_ran: bool | None = None) -> None:
+    """The closing summary and the plot (dflash.summary); never raises. The wandb commands are
+    suggested only when this segment ran wandb (``[monitor].wandb`` not "disabled")."""
     from dflash.summary import report_end
 
     report_end(run_dir, status=status, exit_code=code, total_steps=cfg.run.steps,
                argv=getattr(args, "argv", ()), seconds=seconds, stopped_by=stopped_by, error=error,
                data_source=cfg.data.source if isinstance(cfg.data.source, str) else None,
-               plot=cfg.monitor.plot, logger=log)
+               plot=cfg.monitor.plot if plot is None else plot,
+               wandb_ran=cfg.monitor.wandb != "disabled" if wandb_ran is None else wandb_ran, logger=log)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@
   keeps log lines (a graceful-stop notice, "checkpoint written") visible above the live view: rich
   prints them above a ``Live`` only when both use the same console.
 * **Piped or redirected output** (CI, ``| tee``, nohup) is plain text: one unwrapped line per log
-  record (no 80-column wrapping, no ``…`` cutting a path), no colour, no repainting.
+  record (no 80-column wrapping, no ``…`` cutting a path), no colour, no repainting, no box
+  drawing (the data table is aligned lines), and no tqdm bars from transformers ("Loading
+  weights", repainted with carriage returns, which a log file keeps as one long line):
+  :func:`quiet_progress_bars_when_piped`.
 * **run.log** holds the whole story, one unwrapped timestamped line per record: the data summary,
   every window line, checkpoints, skips, resume and stop messages, the closing summary. Records
   the terminal already shows in another form (the window lines of the display, the data table)
@@ -39,6 +42,22 @@ def make_console(file: Any = None) -> Console:
                    no_color=True, highlight=False)
 
 
+def quiet_progress_bars_when_piped(stream: Any = None) -> bool:
+    """Turn off transformers' (and huggingface_hub's) progress bars when ``stream`` (default:
+    stderr) is not a terminal, through transformers' own switch
+    (``transformers.utils.logging.disable_progress_bar``). A terminal keeps them. Returns True
+    when they were turned off. Never raises (transformers missing: nothing to turn off)."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        if stream.isatty():
+            return False
+        from transformers.utils import logging as hf_logging
+    except (AttributeError, ValueError, ImportError):  # a closed or odd stream; no transformers
+        return False
+    hf_logging.disable_progress_bar()
+    return True
+
+
 def console() -> Console:
     """The console of the current run (created by :func:`setup`, or on first use)."""
     global _console
@@ -61,6 +80,7 @@ def setup(run_dir: Path) -> Console:
     close()
     run_dir.mkdir(parents=True, exist_ok=True)
     _console = make_console()
+    quiet_progress_bars_when_piped()
     if _console.is_terminal:
         from rich.logging import RichHandler
 
@@ -107,4 +127,4 @@ def data_line(summary: Any) -> str:
 
 
 __all__ = ["FILE_ONLY", "PIPE_WIDTH", "close", "console", "data_line", "file_handlers", "make_console",
-           "setup"]
+           "quiet_progress_bars_when_piped", "setup"]

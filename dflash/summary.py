@@ -38,7 +38,9 @@ STATUS_TEXT = {
     "aborted": "aborted (second stop signal): no final checkpoint was written",
     "failed": "failed",
     "stuck": "abandoned: a process did not stop",
+    "nothing to do": "nothing to do: the run is already at its last step",
 }
+FINISHED = ("completed", "nothing to do")  # statuses with nothing left to resume
 
 
 def _num(x: Any, fmt: str = ".4g") -> str:
@@ -97,7 +99,8 @@ def _tau_text(rec: dict[str, Any]) -> str:
 def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_steps: int,
                     argv: Sequence[str] = (), seconds: float | None = None,
                     stopped_by: str | None = None, error: str | None = None,
-                    data_source: str | None = None, plot: str | None = None) -> str:
+                    data_source: str | None = None, plot: str | None = None,
+                    wandb_ran: bool = True) -> str:
     """The summary block (plain text, lines indented under a title line; no markup).
 
     Args:
@@ -112,6 +115,8 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         error: the one-line error of a failed run.
         data_source: ``[data].source`` (for the eval command).
         plot: the plot file written at the end, or a line saying why none was.
+        wandb_ran: wandb logged this segment (``[monitor].wandb`` other than "disabled", and steps
+            ran); only then are the wandb viewer and sync commands suggested.
     """
     run_dir = Path(run_dir)
     try:
@@ -163,11 +168,12 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     except Exception:  # noqa: BLE001 - a summary never fails the run's exit
         ckpt = None
     ckpt_step = (read_meta(ckpt) or {}).get("step") if ckpt is not None else None
-    label = "checkpoint" if status == "completed" else "saved"
+    finished = status in FINISHED
+    label = "checkpoint" if finished else "saved"
     if ckpt is None:
         row(label, "no healthy checkpoint: the next run starts from step 0")
-    elif status == "completed" or ckpt_step == done:
-        row(label, f"{ckpt} (step {ckpt_step}, healthy{'' if status == 'completed' else ', the final one'})")
+    elif finished or ckpt_step == done:
+        row(label, f"{ckpt} (step {ckpt_step}, healthy{'' if finished else ', the final one'})")
     else:
         redo = f"; steps {ckpt_step + 1}..{done} are redone on resume" if isinstance(ckpt_step, int) else ""
         row(label, f"{ckpt} (step {ckpt_step}, the last healthy checkpoint{redo})")
@@ -176,9 +182,9 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         row("plot", plot)
 
     nxt: list[tuple[str, str]] = []
-    if status != "completed" and ckpt is not None and (ckpt_step or 0) < total_steps:
+    if not finished and ckpt is not None and (ckpt_step or 0) < total_steps:
         nxt.append((resume_command(argv), f"resume from step {ckpt_step}"))
-    elif status != "completed" and ckpt is None:
+    elif not finished and ckpt is None:
         nxt.append((resume_command(argv), "start again (no checkpoint to resume)"))
     nxt.append((f"python -m dflash.logs {shlex.quote(str(run_dir))}", "spikes, skips, gaps, checkpoint health"))
     nxt.append((f"python -m dflash.plot {shlex.quote(str(run_dir))}",
@@ -190,7 +196,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         nxt.append((f"python -m dflash.eval {q} {src}", "measured accepted length (draft and verify)"))
         nxt.append((f"python -m dflash.export {q} -o {shlex.quote(str(run_dir / 'export'))}",
                     "the public DFlash Hugging Face layout"))
-    offline = sorted((run_dir / "wandb").glob("offline-run-*")) if (run_dir / "wandb").is_dir() else []
+    offline = sorted((run_dir / "wandb").glob("offline-run-*")) if wandb_ran and (run_dir / "wandb").is_dir() else []
     if offline:
         nxt.append((f"wandb leet {shlex.quote(str(run_dir / 'wandb'))}", "wandb's offline viewer (terminal)"))
         nxt.append((f"wandb sync {shlex.quote(str(offline[-1]))}", "upload the offline wandb run"))
@@ -204,9 +210,9 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
 def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps: int,
                argv: Sequence[str] = (), seconds: float | None = None, stopped_by: str | None = None,
                error: str | None = None, data_source: str | None = None, plot: bool = True,
-               logger: logging.Logger | None = None) -> str:
+               wandb_ran: bool = True, logger: logging.Logger | None = None) -> str:
     """Plot the curves (when ``plot`` and matplotlib is importable), print the closing summary on
-    the run's console and log it to run.log (INFO for a completed run, WARNING otherwise). Never
+    the run's console and log it to run.log (INFO for a finished run, WARNING otherwise). Never
     raises: a summary must not change how a run exits. Returns the summary text."""
     logger = logger or logging.getLogger("dflash.run")
     run_dir = Path(run_dir)
@@ -223,10 +229,10 @@ def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps:
     try:
         text = closing_summary(run_dir, status=status, exit_code=exit_code, total_steps=total_steps,
                                argv=argv, seconds=seconds, stopped_by=stopped_by, error=error,
-                               data_source=data_source, plot=note)
+                               data_source=data_source, plot=note, wandb_ran=wandb_ran)
     except Exception as exc:  # noqa: BLE001
         text = f"run summary: {status} (exit {exit_code}); the summary failed: {exc!r}"
-    logger.log(logging.INFO if status == "completed" else logging.WARNING, text, extra=runlog.FILE_ONLY)
+    logger.log(logging.INFO if status in FINISHED else logging.WARNING, text, extra=runlog.FILE_ONLY)
     try:  # the terminal: as written (a log handler would indent and re-wrap the block)
         runlog.console().print(text, markup=False, highlight=False, soft_wrap=True)
     except Exception:  # noqa: BLE001 - a closed stderr must not change the exit code

@@ -143,13 +143,16 @@ def build_hf_config(cfg: TargetConfig):
     """The transformers config for ``cfg`` (local ``config.json`` or preset), overrides applied.
 
     Raises:
-        FileNotFoundError: ``cfg.path`` has no ``config.json``.
+        FileNotFoundError: ``cfg.path`` is not a directory, or has no ``config.json``.
         ValueError: a ``target.overrides`` key the config class does not know
             (:func:`check_overrides`).
     """
     from transformers import AutoConfig, Qwen3Config
 
     if cfg.path is not None:
+        if not Path(cfg.path).is_dir():
+            raise FileNotFoundError(f"target.path = {cfg.path!r} does not exist (or is not a directory); "
+                                    "point it at a local Hugging Face model directory")
         if not (Path(cfg.path) / "config.json").is_file():
             raise FileNotFoundError(f"target.path = {cfg.path!r} has no config.json; "
                                     "point it at a local Hugging Face model directory")

@@ -175,6 +175,11 @@ def test_cache_hit_does_not_retokenize(tok, tmp_path, monkeypatch):
     np.testing.assert_array_equal(second.loss_mask, first.loss_mask)
     np.testing.assert_array_equal(second.offsets, first.offsets)
     assert second.summary.skipped == first.summary.skipped
+    import shutil
+
+    shutil.copytree(tmp_path / first.key, tmp_path / "copy" / first.key)  # a copied cache names itself
+    third = load_dataset(cfg_for(FIX / "data_bad.jsonl", tmp_path / "copy"), tok, progress=False, quiet=True)
+    assert third.summary.from_cache and third.summary.cache_path == str(tmp_path / "copy" / first.key)
 
 
 @pytest.mark.parametrize("change", ["max_length", "last_turn_only", "max_samples", "block_size",

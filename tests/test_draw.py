@@ -148,7 +148,8 @@ def test_svg_without_graphviz_is_drawn_in_python(graph_file, tmp_path, monkeypat
     svg = (tmp_path / "g.svg").read_text()
     width, height, texts = _svg_geometry(svg)
     words = [t for _, _, t in texts]
-    for label in ("source", "work", "t.work", "3 replicas, cuda:0..2", "x3", "sink", "tap", "batches [cap 4]"):
+    for label in ("source", "work", "t.work", "3 replicas", "work[0]  cuda:0", "work[2]  cuda:2", "x3", "sink",
+                  "tap", "batches [cap 4]"):
         assert label in words, label
     assert words.count("out [cap 2, ordered]") == 2  # fan-out: one arrow per reader
     assert all(0 <= x and x + len(t) * CW <= width + 1 and 0 < y <= height for x, y, t in texts)
@@ -196,21 +197,40 @@ def load_for_drawing_text(text: str):
         return load_for_drawing(path)
 
 
-def test_six_replicas_read_well(tmp_path, monkeypatch):
-    """Issue 16: a graph with 6 target replicas must still read well. Invariant: one stacked box
-    with a x6 badge and its devices, no process boxes overlapping, every label inside the picture."""
+def _front_boxes(svg: str) -> list[tuple[float, float, float, float]]:
+    """(x, y, width, height) of every process box's front card (grey stroke 1.2)."""
+    return [tuple(float(v) for v in re.findall(r'(?:x|y|width|height)="([\d.]+)"', line)[:4])
+            for line in svg.splitlines() if line.startswith("<rect") and 'rx="6"' in line and 'stroke-width="1.2"' in line]
+
+
+@pytest.mark.parametrize("devices", [None, '["cuda:0","cuda:0","cuda:0","cuda:1","cuda:1","cuda:1"]'])
+def test_six_replicas_read_well(tmp_path, monkeypatch, devices):
+    """Regression (issue 16): a graph with 6 target replicas drew a strip 13-15 times as wide as
+    tall (all devices on one line). Invariant: one stacked box with a x6 badge whose replicas are
+    listed one per row inside it, so the picture is about as wide as with one replica and under 8
+    times as wide as tall; no process boxes overlap; every label lies inside the picture."""
     from csp.svg import CW
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     graph = Path(__file__).resolve().parent.parent / "examples" / "qwen3-8b-h200x8-6to1.toml"
-    assert main([str(graph), "-o", str(tmp_path / "g.svg")]) == 0
+    sets = ["--set", f"process.target.devices={devices}"] if devices else []
+    assert main([str(graph), "-o", str(tmp_path / "g.svg"), *sets]) == 0
+    one = ["--set", "process.target.replicas=1", "--set", 'process.target.devices=["cuda:0"]']
+    assert main([str(graph), "-o", str(tmp_path / "one.svg"), *one]) == 0
     svg = (tmp_path / "g.svg").read_text()
     width, height, texts = _svg_geometry(svg)
     words = [t for _, _, t in texts]
-    assert "x6" in words and "6 replicas, cuda:0..5" in words and words.count("target") == 1
+    assert "x6" in words and "6 replicas" in words and words.count("target") == 1
+    devs = [f"cuda:{i}" for i in range(6)] if devices is None else ["cuda:0"] * 3 + ["cuda:1"] * 3
+    rows = [(x, y) for x, y, t in texts if t.startswith("target[")]
+    assert [t for _, _, t in texts if t.startswith("target[")] == [f"target[{i}]  {d}" for i, d in enumerate(devs)]
+    assert len({x for x, _ in rows}) == 1 and all(b[1] - a[1] > 12 for a, b in zip(rows, rows[1:]))  # stacked
+    one_width = _svg_geometry((tmp_path / "one.svg").read_text())[0]
+    assert width <= one_width + 40 and width / height < 8, (width, height, one_width)  # 40: the cards behind
     assert all(0 <= x and x + len(t) * CW <= width + 1 and 0 < y <= height for x, y, t in texts)
-    boxes = [tuple(float(v) for v in re.findall(r'(?:x|y|width|height)="([\d.]+)"', line)[:4])
-             for line in svg.splitlines() if line.startswith("<rect") and 'rx="6"' in line and "stroke-width=\"1.2\"" in line]
+    boxes = _front_boxes(svg)
+    target_box = next(b for b in boxes if b[0] < rows[0][0] < b[0] + b[2] and b[1] < rows[0][1] < b[1] + b[3])
+    assert all(target_box[1] < y <= target_box[1] + target_box[3] for _, y in rows)  # rows inside their box
     for i, (x1, y1, w1, h1) in enumerate(boxes):
         for x2, y2, w2, h2 in boxes[i + 1:]:
             assert x1 + w1 <= x2 or x2 + w2 <= x1 or y1 + h1 <= y2 or y2 + h2 <= y1, "boxes overlap"

@@ -353,13 +353,28 @@ def test_builder_graph_validates():
      r"process 'take': device 'cuda:99' does not exist"),
     (lambda g: g.channel("items", capacity=1).process("emit", Emit, outputs={"out": "items"})
         .process("take", Take, inputs={"inp": "items"}, device="gpu0"),
-     r"process 'take': device 'gpu0' is not 'cpu' or 'cuda:N'"),
+     r"process 'take': device 'gpu0' is not 'cpu', 'cuda' or 'cuda:N'"),
 ])
 def test_validation_errors(make, message):
     g = csp.Graph()
     make(g)
     with pytest.raises(csp.GraphError, match=message):
         g.validate()
+
+
+def test_cuda_means_cuda_0_and_is_ambiguous_for_several_replicas():
+    """Regression (issue 16): ``device = "cuda"`` was rejected, needing "cuda:N". Invariant: "cuda"
+    is stored as "cuda:0" (torch's meaning without set_device) for one replica and in a
+    ``devices`` list; ``device = "cuda"`` for several replicas is one error saying what to write
+    (all on GPU 0, or one GPU each), since either reading is plausible."""
+    g = csp.Graph().channel("items", capacity=1)
+    g.process("take", Take, inputs={"inp": "items"}, device="cuda")
+    g.process("pair", Take, inputs={"inp": "items"}, replicas=2, devices=["cuda", "cuda:1"])
+    assert g.processes["take"].devices == ["cuda:0"]
+    assert g.processes["pair"].devices == ["cuda:0", "cuda:1"]
+    with pytest.raises(csp.GraphError, match=r"process 'many': device = \"cuda\" for 3 replicas is ambiguous; "
+                       r"write device = \"cuda:0\" \(every replica on GPU 0\) or devices = "):
+        g.process("many", Take, inputs={"inp": "items"}, replicas=3, device="cuda")
 
 
 def test_builder_errors_name_the_node():

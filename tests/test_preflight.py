@@ -40,6 +40,11 @@ CASES = [
     ("target.overrides={initializer_rnage=0.1}",
      r"target.overrides: 'initializer_rnage' is not a Qwen3Config field; did you mean "
      r"'initializer_range'"),
+    # issue 16: a missing directory said "has no config.json"
+    ("target.path=\"/nonexistent/dflash-target\"",
+     r"target.path = '/nonexistent/dflash-target' does not exist \(or is not a directory\); point it at"),
+    (f"target.path=\"{Path(__file__).parent}\"",
+     rf"target.path = '{Path(__file__).parent}' has no config.json; point it at"),
 ]
 
 
@@ -48,7 +53,8 @@ def test_cross_table_errors_are_one_line_exit_2_before_any_data_work(
         tmp_path, capsys, no_data_work, override, message):
     """Invariant: a config whose tables disagree (drafter vs target depth/width, layer ids out of
     range, flex attention on a CPU drafter, an lr AdamW cannot represent, a typo in
-    target.overrides) exits 2 with one plain line on stderr naming the key, before any
+    target.overrides, a target.path that is missing or holds no config.json) exits 2 with one
+    plain line on stderr naming the key, before any
     tokenization: no data cache and no run directory are written."""
     import re
 

@@ -357,15 +357,20 @@ def test_a_fresh_start_never_loses_its_checkpoints_to_an_old_lineage(tmp_path, c
     assert records(run, "resume")[-1]["step"] == 3
 
 
-def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, cache_dir):
+def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, cache_dir, capfd):
     """Invariant (item 8): re-running a finished run (nothing to do) keeps csp/stats.jsonl and
-    trace.json where csp.inspect reads them, and moves nothing aside."""
+    trace.json where csp.inspect reads them, and moves nothing aside. Regression (issue 16): that
+    re-run printed no closing summary; it prints the short one (the checkpoint, what to run next)."""
     from csp.inspect import main as inspect_main
 
     run = tmp_path / "run"
     assert main(small(run, cache_dir, steps=2)) == 0
+    capfd.readouterr()
     assert main(small(run, cache_dir, steps=2)) == 0
     assert "nothing to do" in run_log(run)
+    err = capfd.readouterr().err
+    assert err.count("run summary: nothing to do: the run is already at its last step (exit 0)") == 1
+    assert f"python -m dflash.export {run}/checkpoints/step_00000002" in err and "--resume auto" not in err
     assert (run / "csp" / "stats.jsonl").is_file() and (run / "csp" / "trace.json").is_file()
     assert not list((run / "csp").glob("*before-step*"))
     assert inspect_main([str(run)]) == 0

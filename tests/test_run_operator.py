@@ -52,8 +52,38 @@ def test_run_log_holds_the_whole_story_and_the_run_ends_with_a_summary_and_a_plo
     err = capfd.readouterr().err
     assert f"checkpoint step 8 written to {run}/checkpoints/step_00000008" in err  # one line, whole path
     assert "…" not in err and "\x1b[" not in err
+    assert "Loading weights" not in err and "\r" not in err  # issue 16: no transformers tqdm bar in a pipe
+    assert not set("┌┐└┘│├┤") & set(err)  # issue 16: the data table is plain lines in a pipe
+    assert re.search(r"^  conversations kept +[\d,]+$", err, re.M)
     assert err.count("run summary: completed (exit 0)") == 1 and f"  plot         {run}/plot.png" in err
     assert all(f"step {s}/8 " in err for s in range(1, 9))
+
+
+def test_ctrl_c_while_tokenizing_says_what_exists_and_what_a_rerun_does(tmp_path, cache_dir, capsys, monkeypatch):
+    """Regression (issue 16): Ctrl-C during tokenizing said "nothing was written" although run.log
+    and .lock were there. Invariant: the one line (exit 130) names the files the run directory
+    holds, and says a re-run starts from step 0, or resumes from the healthy checkpoint there."""
+    import dflash.data
+
+    run = tmp_path / "run"
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dflash.data, "load_dataset", interrupt)
+    assert main(small(run, cache_dir, steps=4)) == 130
+    err = capsys.readouterr().err.strip()
+    assert "nothing was written" not in err and "\n" not in err
+    assert err == (f"error: interrupted before training started: no step ran and no checkpoint was written; "
+                   f"{run} holds .lock, run.log (the data cache keeps complete entries only); a re-run starts "
+                   "from step 0"), err
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "run.log"]
+    monkeypatch.undo()
+    assert main(small(run, cache_dir, steps=4)) == 0
+    monkeypatch.setattr(dflash.data, "load_dataset", interrupt)
+    capsys.readouterr()
+    assert main(small(run, cache_dir, steps=8)) == 130
+    assert capsys.readouterr().err.strip().endswith(f"; a re-run resumes from {run}/checkpoints/step_00000004")
 
 
 def test_a_stage_stuck_outside_channel_calls_is_one_line_and_exit_3(tmp_path, cache_dir, capsys, monkeypatch):

@@ -120,6 +120,35 @@ def test_failed_run_gives_the_error_and_only_this_segments_numbers(tmp_path, ckp
     assert "mean of this run's 1 windows" in text
 
 
+def test_nothing_to_do_names_the_checkpoint_and_offers_no_resume(tmp_path, ckpt):
+    """Regression (issue 16): a re-run of a run already at its last step printed no summary.
+    Invariant: the "nothing to do" summary says so, names the final checkpoint and the eval/export
+    commands, and offers no resume (there is nothing left to train)."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(4), {"kind": "end", "status": "completed"},
+                 {"kind": "start", "step": 4}, {"kind": "end", "status": "nothing to do"}])
+    ckpt.update(path=run / "checkpoints" / "step_00000004", step=4)
+    text = closing_summary(run, status="nothing to do", exit_code=0, total_steps=4, argv=ARGV)
+    assert text.splitlines()[0] == "run summary: nothing to do: the run is already at its last step (exit 0)"
+    assert "  steps        4/4 (no step finished in this run)" in text
+    assert f"  checkpoint   {run}/checkpoints/step_00000004 (step 4, healthy)" in text
+    assert f"python -m dflash.export {run}/checkpoints/step_00000004" in text
+    assert "dflash.run" not in text
+
+
+def test_wandb_commands_only_when_wandb_ran(tmp_path, ckpt):
+    """Regression (issue 16): after a resume with monitor.wandb = "disabled" the summary still
+    suggested `wandb leet` / `wandb sync` for an earlier segment's offline run. Invariant: the
+    wandb commands appear only when this segment ran wandb."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(2)])
+    (run / "wandb" / "offline-run-20260101_000000-abc").mkdir(parents=True)
+    ran = closing_summary(run, status="completed", exit_code=0, total_steps=2, wandb_ran=True)
+    assert "wandb leet" in ran and f"wandb sync {run}/wandb/offline-run-20260101_000000-abc" in ran
+    off = closing_summary(run, status="completed", exit_code=0, total_steps=2, wandb_ran=False)
+    assert "wandb" not in off.replace(f"{run}", "")
+
+
 def test_no_metrics_at_all_still_summarises(tmp_path, ckpt):
     text = closing_summary(tmp_path / "nothing", status="failed", exit_code=1, total_steps=5)
     assert "  steps        0/5 (no step finished in this run)" in text
@@ -236,3 +265,56 @@ def test_log_lines_and_the_live_view_share_one_console(tmp_path, monkeypatch):
     finally:
         runlog.close()
     assert "SIGTERM: graceful stop requested" in out.getvalue()
+
+
+def _data_summary():
+    from dflash.data import DataSummary
+
+    return DataSummary(source="sharegpt", path="/d/sharegpt.json", cache_path="/c/0123", from_cache=True,
+                       records_read=4074, conversations=3553, skipped={"empty_turn": 44}, truncated=3100,
+                       num_tokens=1725641, num_loss_tokens=1438331, seconds=0.25)
+
+
+def test_data_table_is_plain_aligned_lines_when_piped_and_a_box_on_a_terminal():
+    """Regression (issue 16): piped output drew the data summary as a rich box. Invariant: a
+    non-terminal console gets a title and aligned ``label  value`` lines (no box drawing, no
+    trailing blanks); a terminal keeps the table."""
+    from rich.console import Console
+
+    from dflash.data import print_summary
+
+    out = io.StringIO()
+    print_summary(_data_summary(), runlog.make_console(out))
+    assert out.getvalue().splitlines() == [
+        "data: sharegpt (cache hit, 0.2 s)",
+        "  records read                    4,074",
+        "  conversations kept              3,553",
+        "  tokens / loss tokens            1,725,641 / 1,438,331",
+        "  truncated to max_length (kept)  3,100",
+        "  skipped: empty_turn             44",
+        "  cache                           /c/0123",
+    ]
+    tty = io.StringIO()
+    print_summary(_data_summary(), Console(file=tty, force_terminal=True, width=100))
+    assert "┌" in tty.getvalue() and "│ conversations kept" in tty.getvalue()
+
+
+def test_transformers_progress_bars_are_off_when_piped_only(monkeypatch):
+    """Regression (issue 16): transformers' tqdm "Loading weights" bars landed in piped logs.
+    Invariant: a non-terminal stderr turns them off through transformers' own switch; a
+    terminal leaves them on."""
+    from transformers.utils import logging as hf_logging
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    before = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        assert runlog.quiet_progress_bars_when_piped(Tty()) is False
+        assert hf_logging.is_progress_bar_enabled()
+        assert runlog.quiet_progress_bars_when_piped(io.StringIO()) is True
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()

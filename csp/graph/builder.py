@@ -95,8 +95,12 @@ class Graph:
 
         Raises:
             GraphError: duplicate name, bad replicas, both ``device`` and ``devices`` given,
-                ``len(devices) != replicas``, ``len(ranks) != replicas``, or options that do
+                ``len(devices) != replicas``, ``len(ranks) != replicas``, ``device = "cuda"``
+                for several replicas (ambiguous: one GPU or one each?), or options that do
                 not decode.
+
+        A device ``"cuda"`` is stored as ``"cuda:0"`` (what ``torch.device("cuda")`` means in a
+        process that never called ``torch.cuda.set_device``), so every later check sees "cuda:N".
         """
         index = len(self.processes) if _index is None else _index
         where = f"process {name!r}"
@@ -116,7 +120,13 @@ class Graph:
                     "replica or set replicas to match"
                 )
         else:
+            if device == "cuda" and replicas > 1:
+                raise GraphError(
+                    f"{where}: device = \"cuda\" for {replicas} replicas is ambiguous; write "
+                    f"device = \"cuda:0\" (every replica on GPU 0) or devices = [\"cuda:0\", \"cuda:1\", ...] "
+                    "(one per replica)")
             devs = [device] * replicas
+        devs = ["cuda:0" if d == "cuda" else d for d in devs]
         rank_list = None if ranks is None else [int(r) for r in ranks]
         if rank_list is not None and len(rank_list) != replicas:
             raise GraphError(f"{where}: {len(rank_list)} ranks for {replicas} replicas; give one "

@@ -16,7 +16,7 @@ def check_device(where: str, dev: str | None) -> None:
         return
     kind, _, index = dev.partition(":")
     if kind != "cuda" or not index.isdigit():
-        raise GraphError(f"{where}: device {dev!r} is not 'cpu' or 'cuda:N'")
+        raise GraphError(f"{where}: device {dev!r} is not 'cpu', 'cuda' or 'cuda:N'")
     try:
         import torch
     except ImportError:

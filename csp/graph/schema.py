@@ -40,8 +40,10 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: unique process name (replicas are ``name[0]``, ``name[1]``, ...).
         kind: registry kind of the Process class.
         replicas: number of instances.
-        device: one device for every replica ("cpu" or "cuda:N"); omitted = no device (CPU).
-        devices: one device per replica; exclusive with ``device``.
+        device: one device for every replica ("cpu", "cuda:N", or "cuda", which means "cuda:0" and
+            is accepted for a single replica only: for several, write "cuda:0" to put them all on
+            GPU 0, or ``devices``); omitted = no device (CPU).
+        devices: one device per replica ("cuda" = "cuda:0"); exclusive with ``device``.
         inputs: port name -> channel name.
         outputs: port name -> channel name.
         options: decoded by the kind's ``Options`` Struct (unknown keys rejected).

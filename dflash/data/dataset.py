@@ -57,24 +57,39 @@ class DataSummary(msgspec.Struct, kw_only=True):
         return msgspec.to_builtins(self)
 
 
+def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
+    """The summary as (label, value) rows, in the order they are shown."""
+    rows = [("records read", f"{summary.records_read:,}"),
+            ("conversations kept", f"{summary.conversations:,}"),
+            ("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}"),
+            ("truncated to max_length (kept)", f"{summary.truncated:,}")]
+    if summary.reasoning_turns:
+        rows.append(("turns with reasoning / reasoning not in tokens",
+                     f"{summary.reasoning_turns:,} / {summary.reasoning_dropped:,}"))
+    rows += [(f"skipped: {reason}", f"{n:,}") for reason, n in sorted(summary.skipped.items())]
+    rows.append(("cache", summary.cache_path))
+    return rows
+
+
 def print_summary(summary: DataSummary, console=None) -> None:
-    """Print the summary as a rich table (to ``console`` or stderr)."""
+    """Print the summary to ``console`` (default: stderr): a rich table on a terminal; elsewhere
+    (a pipe, a log file, CI) plain aligned lines, a title then ``  label  value``, with no box
+    drawing."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console(stderr=True)
     how = "cache hit" if summary.from_cache else "tokenized"
-    table = Table(title=f"data: {summary.source} ({how}, {summary.seconds:.1f} s)", show_header=False)
-    table.add_row("records read", f"{summary.records_read:,}")
-    table.add_row("conversations kept", f"{summary.conversations:,}")
-    table.add_row("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}")
-    table.add_row("truncated to max_length (kept)", f"{summary.truncated:,}")
-    if summary.reasoning_turns:
-        table.add_row("turns with reasoning / reasoning not in tokens",
-                      f"{summary.reasoning_turns:,} / {summary.reasoning_dropped:,}")
-    for reason, n in sorted(summary.skipped.items()):
-        table.add_row(f"skipped: {reason}", f"{n:,}")
-    table.add_row("cache", summary.cache_path)
+    title = f"data: {summary.source} ({how}, {summary.seconds:.1f} s)"
+    rows = summary_rows(summary)
+    if not console.is_terminal:
+        width = max(len(k) for k, _ in rows)
+        text = "\n".join([title, *(f"  {k:<{width}}  {v}" for k, v in rows)])
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+        return
+    table = Table(title=title, show_header=False)
+    for k, v in rows:
+        table.add_row(k, v)
     console.print(table)
 
 

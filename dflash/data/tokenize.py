@@ -144,7 +144,8 @@ def load_dataset(cfg: DataConfig, tokenizer: Any, *, progress: bool = True, cons
         arrays, summary = _tokenize(cfg, tokenizer, parts, path, entry, progress)
     else:
         arrays, meta = cached
-        summary = DataSummary(**{**meta["summary"], "from_cache": True})
+        # cache_path: where it was read from now (a copied or moved cache names its own entry)
+        summary = DataSummary(**{**meta["summary"], "from_cache": True, "cache_path": str(entry)})
     summary.seconds = time.perf_counter() - t0
     if not quiet:
         print_summary(summary, console)
