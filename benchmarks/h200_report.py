@@ -64,7 +64,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
 
     def take(key: str, order: tuple[str, ...], name: str, field: str = "tok_s") -> None:
         r, (m,) = _first(runs, order, name)
-        s[key], src[key] = (m[field] if m else None), r
+        s[key], src[key] = (m.get(field) if m else None), r  # older results files lack newer fields
 
     take("matmul_tflops", SINGLE, "matmul", "tflops")
     take("serial_tok_s", SINGLE, "serial")
@@ -116,7 +116,8 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
                 variants[impl] = m
     s["target_attention"] = {k: {"tok_s": m["tok_s"], "mfu": m.get("mfu"), "hfu": m.get("hfu")}
                              for k, m in variants.items()}
-    s["fastest_target_attention"] = max(variants, key=lambda k: variants[k]["tok_s"]) if variants else None
+    # named only when there is a choice (two or more implementations measured in one run)
+    s["fastest_target_attention"] = max(variants, key=lambda k: variants[k]["tok_s"]) if len(variants) > 1 else None
     src["target_attention"] = src["fastest_target_attention"] = r
 
     # the colocated data-parallel baseline, and each layout against it (same run)
