@@ -94,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 20; tiny 4)")
     p.add_argument("--budget-s", type=float, default=390.0, help="skip what would end later than this "
                    "many seconds after start")
-    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
+    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out: target_alone, "
+                   "target_alone_{sdpa,flex_attention,eager}, plain_forward, drafter_alone, serial, colocated_1gpu, "
+                   "colocated_2gpu, pipeline_{1gpu,2gpu}, checkpoint_{1gpu,2gpu}, sweep_{1gpu,2gpu}")
     p.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-h200",
                    help="run directories (checkpoints of the checkpoint run are written and deleted here)")
     p.add_argument("--artifacts", type=Path, default=None,
@@ -108,6 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ckpt_steps = args.ckpt_steps if args.ckpt_steps is not None else (4 if small else 20)
     args.capacities = [int(c) for c in args.capacities.split(",") if c]
     args.skip = {s for s in args.skip.split(",") if s}
+    known = {"matmul", "target_alone", *(f"target_alone_{i}" for i in TARGET_VARIANTS), "plain_forward",
+             "drafter_alone", "serial", "colocated_1gpu", "colocated_2gpu",
+             *(f"{k}_{m}" for k in ("pipeline", "checkpoint", "sweep") for m in ("1gpu", "2gpu"))}
+    unknown = {n for n in args.skip - known if not n.startswith(("capacity_1gpu_", "capacity_2gpu_"))}
+    if unknown:
+        p.error(f"--skip {','.join(sorted(unknown))}: not a measurement; expected capacity_<mode>_<N> or one of "
+                f"{', '.join(sorted(known))}")
     if args.warmup < 1 or min(args.steps, args.sweep_steps, args.ckpt_steps) < 1 or args.ckpt_every < 1:
         p.error("--warmup, --steps, --sweep-steps, --ckpt-steps and --ckpt-every must be >= 1 (a timed "
                 "window starts at the end of the last warmup step)")
@@ -254,17 +263,20 @@ class Bench:
             "2gpu": ["target_alone", "drafter_alone", "serial", "colocated_2gpu", "pipeline_2gpu", "checkpoint_2gpu",
                      "sweep_2gpu", "pipeline_1gpu", "plain_forward", *variants, "colocated_1gpu"],
         }[self.mode]
-        plan = [p for p in plan if p.removeprefix("sweep_") not in a.skip and p not in a.skip]
+        # the whole invocation's estimate, from the step-time guesses (H200 numbers of issue 8)
         sweep_s = lambda m: (len(a.capacities) - 1) * self._pipeline_estimate(m, a.warmup + a.sweep_steps)  # noqa: E731
-        estimate = {p: (sweep_s(p.removeprefix("sweep_")) if p.startswith("sweep_") else steps[p][0]()) for p in plan}
-        total = self.elapsed() + sum(estimate.values())
-        self.run["settings"]["estimate_s"] = {k: round(v) for k, v in estimate.items()}
+        estimates = {p: (sweep_s(p.removeprefix("sweep_")) if p.startswith("sweep_") else steps[p][0]())
+                     for p in plan if p not in a.skip}
+        total = self.elapsed() + sum(estimates.values())
+        self.run["settings"]["estimate_s"] = {k: round(v) for k, v in estimates.items()}
         print(f"[bench_h200 {self.elapsed():6.1f}s] plan ({self.mode}): " + ", ".join(
-            f"{k} ~{v:.0f}s" for k, v in estimate.items()) + f"; whole invocation ~{total:.0f} s from start "
-            f"(--budget-s {a.budget_s:.0f}: what would end later is skipped)", file=sys.stderr, flush=True)
+            f"{k} ~{v:.0f}s" for k, v in estimates.items()) + f"; whole invocation ~{total:.0f} s from start "
+            f"(--budget-s {a.budget_s:.0f}: a measurement that would end later is skipped)", file=sys.stderr, flush=True)
         with ModelReuse() as self.reuse:
             for name in plan:
-                if name.startswith("sweep_"):
+                if name.startswith("sweep_") and name in a.skip:
+                    self.run["measurements"][f"capacity_{name}"] = {"status": "skipped", "reason": "--skip"}
+                elif name.startswith("sweep_"):
                     self._sweep(name.removeprefix("sweep_"))
                 else:
                     estimate, fn = steps[name]

@@ -246,3 +246,21 @@ def test_tiny_run_on_the_gpus(tmp_path):
     failed = {k: m for k, m in run["measurements"].items() if m["status"] == "error"}
     assert not failed, failed
     assert run["measurements"]["pipeline_1gpu"]["peak_mem_gb"]["cuda:0"] > 0
+
+
+def test_attention_implementation_switches_in_place_and_back():
+    from benchmarks.h200_stages import attention_implementation
+    from dflash.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(preset="tiny", vocab_size=64), "cpu", num_draft_layers=2, need_final=False)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [-1] * 4])
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24).clone()
+    pos[1] = torch.cat([torch.arange(20), torch.zeros(4, dtype=torch.long)])
+    ref, _ = target(ids, pos, doc, need_final=False)
+    with attention_implementation(target, "eager"):
+        assert target.hf_config._attn_implementation == target.model.config._attn_implementation == "eager"
+        eager, _ = target(ids, pos, doc, need_final=False)
+    assert target.hf_config._attn_implementation == target.model.config._attn_implementation == "sdpa"
+    real = doc >= 0
+    assert torch.allclose(eager[real], ref[real], atol=1e-5)
