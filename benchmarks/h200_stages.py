@@ -257,7 +257,9 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
     before = reset_peak([device])
     stage = drafter_stage(app, device)
     if wrap is not None:
-        stage.model = wrap(stage.drafter)  # DrafterStage.train_step calls compute_loss(self.model, ...)
+        if not hasattr(stage, "model"):  # DrafterStage.train_step calls compute_loss(self.model, ...)
+            raise RuntimeError("DrafterStage has no 'model' attribute to wrap: update time_serial's DDP hook")
+        stage.model = wrap(stage.drafter)
     try:
         def step(batch: Any) -> None:
             stage.train_step(_drafter_input(app, fwd(batch), device))
