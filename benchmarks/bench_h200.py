@@ -18,7 +18,16 @@ One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are tw
   times overlapping a background save against steady steps;
 * ``capacity_sweep_<mode>``: pipeline tokens/s with the ``hidden`` and ``features`` channels at
   capacity 1, 2, 4, 8;
-* ``plain_forward``: the plain transformers forward (all layers, all logits) for the MFU comparison.
+* ``plain_forward``: the plain transformers forward (all layers, all logits) for the MFU comparison;
+* ``target_alone_<impl>``: the target alone with each other ``[target].attn_implementation``
+  (``sdpa``, ``flex_attention``, ``eager``), switched in place, to pick the fastest default;
+* ``colocated_1gpu`` / ``colocated_2gpu``: the colocated data-parallel baseline (target then drafter
+  on every GPU, DDP drafters; ``benchmarks/h200_colocated.py``), one rank in this process / two
+  spawned ranks.
+
+Every measurement reports tokens/s, TFLOP/s, MFU and HFU (``benchmarks/flops.py``, against the
+``matmul`` rate) and peak memory per device. At start the plan is printed with each measurement's
+estimated seconds and the whole invocation's estimate.
 
 Each measurement runs ``--warmup`` untimed then ``--steps`` timed steps, in priority order; one that
 would not finish inside ``--budget-s`` (from the start of this process) is skipped and says so, one
@@ -30,6 +39,7 @@ earlier results file (e.g. the 1-GPU machine's) into this one; ``--merge-only`` 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -49,6 +59,9 @@ OUT = ROOT / "benchmarks" / "results" / "h200.json"
 GRAPH_1GPU = ROOT / "examples" / "qwen3-8b-h200.toml"
 GRAPH_2GPU = ROOT / "examples" / "qwen3-8b-h200x2.toml"
 SWEEP_CHANNELS = ("hidden", "features")
+# [target].attn_implementation values measured by target_alone_<impl> besides the graph's own:
+# impl -> (fixed seconds: compile and first-batch costs, step time relative to the default's)
+TARGET_VARIANTS = {"sdpa": (10, 1.0), "flex_attention": (60, 1.0), "eager": (10, 2.0)}
 
 # --smoke / --tiny: the same graphs and code paths with tiny shapes (the vocabulary is the tokenizer's).
 TINY_SETTINGS = [
@@ -81,7 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 20; tiny 4)")
     p.add_argument("--budget-s", type=float, default=390.0, help="skip what would end later than this "
                    "many seconds after start")
-    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out")
+    p.add_argument("--skip", default="", help="comma-separated measurement names to leave out: target_alone, "
+                   "target_alone_{sdpa,flex_attention,eager}, plain_forward, drafter_alone, serial, colocated_1gpu, "
+                   "colocated_2gpu, pipeline_{1gpu,2gpu}, checkpoint_{1gpu,2gpu}, sweep_{1gpu,2gpu}")
     p.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-h200",
                    help="run directories (checkpoints of the checkpoint run are written and deleted here)")
     p.add_argument("--artifacts", type=Path, default=None,
@@ -95,6 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ckpt_steps = args.ckpt_steps if args.ckpt_steps is not None else (4 if small else 20)
     args.capacities = [int(c) for c in args.capacities.split(",") if c]
     args.skip = {s for s in args.skip.split(",") if s}
+    known = {"matmul", "target_alone", *(f"target_alone_{i}" for i in TARGET_VARIANTS), "plain_forward",
+             "drafter_alone", "serial", "colocated_1gpu", "colocated_2gpu",
+             *(f"{k}_{m}" for k in ("pipeline", "checkpoint", "sweep") for m in ("1gpu", "2gpu"))}
+    unknown = {n for n in args.skip - known if not n.startswith(("capacity_1gpu_", "capacity_2gpu_"))}
+    if unknown:
+        p.error(f"--skip {','.join(sorted(unknown))}: not a measurement; expected capacity_<mode>_<N> or one of "
+                f"{', '.join(sorted(known))}")
     if args.warmup < 1 or min(args.steps, args.sweep_steps, args.ckpt_steps) < 1 or args.ckpt_every < 1:
         p.error("--warmup, --steps, --sweep-steps, --ckpt-steps and --ckpt-every must be >= 1 (a timed "
                 "window starts at the end of the last warmup step)")
@@ -145,7 +167,7 @@ class Bench:
         }
         self.runs[self.name] = self.run
         # step-time guesses for the budget, replaced by measured ones as they come in (seconds)
-        self.t_target, self.t_drafter = (0.05, 0.05) if self.tiny else (0.6, 0.6)
+        self.t_target, self.t_drafter = (0.05, 0.05) if self.tiny else (0.6, 0.5)  # H200, issue 8
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -209,29 +231,52 @@ class Bench:
         mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=size))
         self.peak = mm["tflops"] if mm else float("nan")
         ckpt_n = a.warmup + a.ckpt_steps
+        default_impl = self.app.cfg.target.attn_implementation
         steps = {  # name -> (estimated seconds, evaluated when its turn comes; the measurement)
             "target_alone": (lambda: 40 + n * self.t_target, self._target_alone),
             "plain_forward": (lambda: 30 + n * self.t_target * 1.3, self._plain_forward),
             "drafter_alone": (lambda: 15 + n * self.t_drafter, self._drafter_alone),
             "serial": (lambda: 15 + n * (self.t_target + self.t_drafter), self._serial),
+            "colocated_1gpu": (lambda: 15 + n * (self.t_target + self.t_drafter), lambda: self._colocated(1)),
+            "colocated_2gpu": (lambda: 60 + n * (self.t_target + self.t_drafter), lambda: self._colocated(2)),
         }
+        # the other attention implementations of [target] (flex compiles on its first batches)
+        for impl, (fixed, factor) in TARGET_VARIANTS.items():
+            if impl != default_impl:
+                steps[f"target_alone_{impl}"] = (lambda f=fixed, k=factor: f + n * self.t_target * k,
+                                                 lambda i=impl: self._target_alone(i))
         for mode in ("1gpu", "2gpu"):
             steps[f"pipeline_{mode}"] = (lambda m=mode: self._pipeline_estimate(m, n),
                                          lambda m=mode: self._pipeline(m))
             steps[f"checkpoint_{mode}"] = (lambda m=mode: 20 + self._pipeline_estimate(m, ckpt_n),
                                            lambda m=mode: self._checkpoint(m))
-        # priority order: what the issue's summary keys need first, extras last
+        variants = [f"target_alone_{i}" for i in TARGET_VARIANTS if i != default_impl]
+        # priority order: issue 17's goal rows first, then the attention variants and baselines, extras last
         plan = {
-            "cpu": ["target_alone", "plain_forward", "drafter_alone", "serial", "pipeline_1gpu", "checkpoint_1gpu",
-                    "sweep_1gpu", "pipeline_2gpu"],
-            "1gpu": ["target_alone", "plain_forward", "drafter_alone", "serial", "pipeline_1gpu", "checkpoint_1gpu",
-                     "sweep_1gpu"],
-            "2gpu": ["target_alone", "drafter_alone", "serial", "pipeline_2gpu", "checkpoint_2gpu", "sweep_2gpu",
-                     "pipeline_1gpu", "plain_forward"],
+            # CPU smoke: flex runs unfused off CUDA (slow; its equivalence is tests/test_model_target.py's)
+            # and two spawned ranks cost a minute (tests/test_bench_colocated.py runs them)
+            "cpu": ["target_alone", "drafter_alone", "serial", "pipeline_1gpu", "plain_forward",
+                    *[v for v in variants if v != "target_alone_flex_attention"], "colocated_1gpu",
+                    "checkpoint_1gpu", "sweep_1gpu", "pipeline_2gpu"],
+            "1gpu": ["target_alone", "drafter_alone", "serial", "pipeline_1gpu", "plain_forward", variants[0],
+                     "colocated_1gpu", *variants[1:], "checkpoint_1gpu", "sweep_1gpu"],
+            "2gpu": ["target_alone", "drafter_alone", "serial", "colocated_2gpu", "pipeline_2gpu", "checkpoint_2gpu",
+                     "sweep_2gpu", "pipeline_1gpu", "plain_forward", *variants, "colocated_1gpu"],
         }[self.mode]
+        # the whole invocation's estimate, from the step-time guesses (H200 numbers of issue 8)
+        sweep_s = lambda m: (len(a.capacities) - 1) * self._pipeline_estimate(m, a.warmup + a.sweep_steps)  # noqa: E731
+        estimates = {p: (sweep_s(p.removeprefix("sweep_")) if p.startswith("sweep_") else steps[p][0]())
+                     for p in plan if p not in a.skip}
+        total = self.elapsed() + sum(estimates.values())
+        self.run["settings"]["estimate_s"] = {k: round(v) for k, v in estimates.items()}
+        print(f"[bench_h200 {self.elapsed():6.1f}s] plan ({self.mode}): " + ", ".join(
+            f"{k} ~{v:.0f}s" for k, v in estimates.items()) + f"; whole invocation ~{total:.0f} s from start "
+            f"(--budget-s {a.budget_s:.0f}: a measurement that would end later is skipped)", file=sys.stderr, flush=True)
         with ModelReuse() as self.reuse:
             for name in plan:
-                if name.startswith("sweep_"):
+                if name.startswith("sweep_") and name in a.skip:
+                    self.run["measurements"][f"capacity_{name}"] = {"status": "skipped", "reason": "--skip"}
+                elif name.startswith("sweep_"):
                     self._sweep(name.removeprefix("sweep_"))
                 else:
                     estimate, fn = steps[name]
@@ -254,32 +299,62 @@ class Bench:
         return self.reuse.load_target(cfg.target, self.dev0, num_draft_layers=cfg.drafter.num_layers,
                                       need_final=needs_final_hidden(cfg.loss))
 
-    def _target_alone(self) -> dict[str, Any]:
-        from benchmarks.h200_stages import time_target
+    def _target_alone(self, impl: str | None = None) -> dict[str, Any]:
+        """The target forward alone; ``impl`` switches its attention implementation for this
+        measurement only (None: the graph's ``[target].attn_implementation``)."""
+        from contextlib import nullcontext
+
+        from benchmarks.h200_stages import attention_implementation, time_target
 
         t = time.perf_counter()
         target = self._target()
         build_s = time.perf_counter() - t
-        out = time_target(self.app, target, self.batches, self.dev0, self.args.warmup, self.peak)
-        self.t_target = out["step_s"]
+        with attention_implementation(target, impl) if impl else nullcontext():
+            out = time_target(self.app, target, self.batches, self.dev0, self.args.warmup, self.peak)
+        if impl is None:
+            self.t_target = out["step_s"]
         return {"build_s": round(build_s, 1), **out}
 
     def _drafter_alone(self) -> dict[str, Any]:
         from benchmarks.h200_stages import time_drafter
 
-        out = time_drafter(self.app, self._target(), self.batches, self.dev0, self.dev1, self.args.warmup)
+        out = time_drafter(self.app, self._target(), self.batches, self.dev0, self.dev1, self.args.warmup, self.peak)
         self.t_drafter = out["step_s"]
         return out
 
     def _serial(self) -> dict[str, Any]:
         from benchmarks.h200_stages import time_serial
 
-        return time_serial(self.app, self._target(), self.batches, self.dev0, self.args.warmup)
+        return time_serial(self.app, self._target(), self.batches, self.dev0, self.args.warmup, self.peak)
+
+    def _colocated(self, world: int) -> dict[str, Any]:
+        from benchmarks.h200_colocated import run_colocated, time_colocated_here
+
+        a = self.args
+        if world == 1:
+            return time_colocated_here(self.app, self._target(), self.batches, self.dev0, a.warmup, self.peak,
+                                       a.run_root / "colocated_1" / "store")
+        est = 60 + (a.warmup + a.steps) * (self.t_target + self.t_drafter)
+        return run_colocated(GRAPH_1GPU, self.overrides, a.run_root / f"colocated_{world}", world, warmup=a.warmup,
+                             timed=a.steps, peak_tflops=self.peak, cpu=self.mode == "cpu", timeout_s=max(180.0, 3 * est))
 
     def _plain_forward(self) -> dict[str, Any]:
         from benchmarks.h200_stages import time_plain_forward
 
         return time_plain_forward(self.reuse, self.app, self.batches, self.dev0, self.args.warmup, self.peak)
+
+    def _pipeline_flops(self, out: dict[str, Any], mode: str) -> dict[str, Any]:
+        """TFLOP/s and MFU of a pipeline run: FLOPs per real token of the harness's batches
+        (the pipeline draws the same batches in the same order) x the measured tokens/s."""
+        from benchmarks.h200_stages import drafter_flops, target_flops
+
+        timed = self.batches[self.args.warmup:]
+        flops = target_flops(self.app, self._target(), timed) + drafter_flops(self.app, timed)
+        per_token = 1.0 / sum(b.num_tokens for b in timed)
+        secs = 1.0 / (out["tok_s"] * per_token)  # seconds for the FLOPs of these batches at the run's rate
+        from benchmarks.h200_stages import flop_fields
+
+        return {**out, **flop_fields(flops, secs, self.peak, gpus=2 if mode == "2gpu" else 1)}
 
     def _run(self, mode: str, name: str, extra: list[str], timed: int, every: int = 0) -> dict[str, Any]:
         from benchmarks.h200_pipeline import run_pipeline
@@ -292,7 +367,7 @@ class Bench:
                             artifacts=a.artifacts / name if a.artifacts else None)
 
     def _pipeline(self, mode: str) -> dict[str, Any]:
-        return self._run(mode, f"pipeline_{mode}", [], self.args.steps)
+        return self._pipeline_flops(self._run(mode, f"pipeline_{mode}", [], self.args.steps), mode)
 
     def _checkpoint(self, mode: str) -> dict[str, Any]:
         a = self.args
@@ -326,7 +401,9 @@ def environment(ngpu: int) -> dict[str, Any]:
     gpus = [torch.cuda.get_device_name(i) for i in range(ngpu)]
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda": torch.version.cuda, "gpus": gpus,
-            "cpu_count": os.cpu_count(), "platform": platform.platform()}
+            "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            # a variable-length (packed documents) attention kernel in torch itself; the project has no path for it
+            "torch_varlen_attn": importlib.util.find_spec("torch.nn.attention.varlen") is not None}
 
 
 def data_summary(app: Any) -> dict[str, Any]:

@@ -22,11 +22,20 @@ from typing import Any
 SINGLE = ("1gpu", "2gpu", "smoke")
 DOUBLE = ("2gpu", "smoke")
 
+# goal name -> (summary key, op, bound); issue 8's goals, then issue 17's
 GOALS = {
-    "efficiency_2gpu": (">=", 0.95),
-    "speedup_2gpu_vs_serial": (">=", 1.8),
-    "checkpoint_slowdown": ("<", 0.02),
+    "efficiency_2gpu": ("efficiency_2gpu", ">=", 0.95),
+    "speedup_2gpu_vs_serial": ("speedup_2gpu_vs_serial", ">=", 1.8),
+    "checkpoint_slowdown": ("checkpoint_slowdown", "<", 0.02),
+    "target_stage_mfu": ("target_mfu", ">=", 0.67),
+    "drafter_stage_mfu": ("drafter_mfu", ">=", 0.55),
+    "serial_1gpu_tok_s": ("serial_tok_s", ">=", 20_000),
+    "pipeline_1gpu_tok_s": ("pipeline_1gpu_tok_s", ">=", 20_000),
 }
+ATTN_VARIANTS = ("sdpa", "flex_attention", "eager")
+# measurements whose rates, FLOPs and memory are tabled (in this order)
+TABLED = ("target_alone", *(f"target_alone_{i}" for i in ATTN_VARIANTS), "plain_forward", "drafter_alone",
+          "serial", "colocated_1gpu", "pipeline_1gpu", "colocated_2gpu", "pipeline_2gpu")
 
 
 def ok(run: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
@@ -55,7 +64,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
 
     def take(key: str, order: tuple[str, ...], name: str, field: str = "tok_s") -> None:
         r, (m,) = _first(runs, order, name)
-        s[key], src[key] = (m[field] if m else None), r
+        s[key], src[key] = (m.get(field) if m else None), r  # older results files lack newer fields
 
     take("matmul_tflops", SINGLE, "matmul", "tflops")
     take("serial_tok_s", SINGLE, "serial")
@@ -93,6 +102,46 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     s["target_mfu"] = tm["mfu"] if tm else None
     s["plain_forward_mfu"] = pm["mfu"] if pm else None
     src["target_mfu"] = src["plain_forward_mfu"] = r
+    take("drafter_mfu", SINGLE, "drafter_alone", "mfu")
+    take("serial_mfu", SINGLE, "serial", "mfu")
+    take("pipeline_1gpu_mfu", SINGLE, "pipeline_1gpu", "mfu")
+
+    # the target's attention implementations, measured alone in one run (the default is target_alone)
+    r, (tm,) = _first(runs, SINGLE, "target_alone")
+    variants = {}
+    if tm:
+        variants[tm.get("attn_implementation", "default")] = tm
+        for impl in ATTN_VARIANTS:
+            if m := ok(runs[r], f"target_alone_{impl}"):
+                variants[impl] = m
+    s["target_attention"] = {k: {"tok_s": m["tok_s"], "mfu": m.get("mfu"), "hfu": m.get("hfu")}
+                             for k, m in variants.items()}
+    # named only when there is a choice (two or more implementations measured in one run)
+    s["fastest_target_attention"] = max(variants, key=lambda k: variants[k]["tok_s"]) if len(variants) > 1 else None
+    src["target_attention"] = src["fastest_target_attention"] = r
+
+    # the colocated data-parallel baseline, and each layout against it (same run)
+    r, (c1, p1_) = _first(runs, SINGLE, "colocated_1gpu", "pipeline_1gpu")
+    if c1 is None:
+        r, (c1,) = _first(runs, SINGLE, "colocated_1gpu")
+    s["colocated_1gpu_tok_s"] = c1["tok_s"] if c1 else None
+    s["pipeline_1gpu_vs_colocated"] = _ratio(p1_ and p1_["tok_s"], c1 and c1["tok_s"])
+    src["colocated_1gpu_tok_s"] = src["pipeline_1gpu_vs_colocated"] = r
+    r, (c2, p2_) = _first(runs, DOUBLE, "colocated_2gpu", "pipeline_2gpu")
+    if c2 is None:
+        r, (c2,) = _first(runs, DOUBLE, "colocated_2gpu")
+    s["colocated_2gpu_tok_s"] = c2["tok_s"] if c2 else None
+    s["speedup_2gpu_vs_colocated"] = _ratio(p2_ and p2_["tok_s"], c2 and c2["tok_s"])
+    src["colocated_2gpu_tok_s"] = src["speedup_2gpu_vs_colocated"] = r
+
+    # 2-GPU bounds from the stages measured alone in one run: no all-reduce, no transfer, perfect overlap
+    r, (t1, d1) = _first(runs, SINGLE, "target_alone", "drafter_alone")
+    t_, d_ = (t1["tok_s"], d1["tok_s"]) if t1 else (None, None)
+    s["colocated_2gpu_bound_tok_s"] = 2.0 / (1.0 / t_ + 1.0 / d_) if t1 else None
+    s["csp_2gpu_bound_tok_s"] = min(t_, d_) if t1 else None
+    s["csp_vs_colocated_2gpu_bound"] = _ratio(s["csp_2gpu_bound_tok_s"], s["colocated_2gpu_bound_tok_s"])
+    for k in ("colocated_2gpu_bound_tok_s", "csp_2gpu_bound_tok_s", "csp_vs_colocated_2gpu_bound"):
+        src[k] = r
 
     for mode in ("1gpu", "2gpu"):
         r, (c,) = _first(runs, (mode, "smoke") if mode == "1gpu" else DOUBLE, f"checkpoint_{mode}")
@@ -113,10 +162,12 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
             s["capacity_sweep"][mode] = {"channels": sw["channels"], "tok_s": sw["tok_s"]}
 
     goals = {}
-    for key, (op, bound) in GOALS.items():
+    for name, (key, op, bound) in GOALS.items():
         v = s.get(key)
-        goals[key] = {"goal": f"{op} {bound}", "value": v,
-                      "met": None if v is None else (v >= bound if op == ">=" else v < bound)}
+        goals[name] = {"goal": f"{op} {bound}", "value": v,
+                       "met": None if v is None else (v >= bound if op == ">=" else v < bound)}
+        if v is not None and goals[name]["met"] is False:
+            goals[name]["missed_by"] = (bound - v) if op == ">=" else (v - bound)
     tm_, pm_ = s["target_mfu"], s["plain_forward_mfu"]
     goals["target_mfu"] = {"goal": ">= plain_forward_mfu", "value": tm_,
                            "met": None if tm_ is None or pm_ is None else tm_ >= pm_}
@@ -186,6 +237,26 @@ def markdown(doc: dict[str, Any]) -> str:
          "checkpoint_slowdown_1gpu"),
         ("step-time change during a checkpoint, 2 GPUs", _fmt(doc.get("checkpoint_slowdown_2gpu"), "pct"),
          "checkpoint_slowdown_2gpu"),
+        ("drafter step MFU", _fmt(doc.get("drafter_mfu")), "drafter_mfu"),
+        ("serial loop MFU", _fmt(doc.get("serial_mfu")), "serial_mfu"),
+        ("csp pipeline, 1 GPU, MFU", _fmt(doc.get("pipeline_1gpu_mfu")), "pipeline_1gpu_mfu"),
+        (f"fastest target attention alone ({doc.get('fastest_target_attention') or 'n/a'})",
+         _fmt(((doc.get("target_attention") or {}).get(doc.get("fastest_target_attention")) or {}).get("tok_s"), "tok"),
+         "fastest_target_attention"),
+        ("colocated data-parallel, 1 GPU (tokens/s)", _fmt(doc.get("colocated_1gpu_tok_s"), "tok"),
+         "colocated_1gpu_tok_s"),
+        ("csp pipeline, 1 GPU vs colocated", _fmt(doc.get("pipeline_1gpu_vs_colocated"), "x"),
+         "pipeline_1gpu_vs_colocated"),
+        ("colocated data-parallel, 2 GPUs (tokens/s)", _fmt(doc.get("colocated_2gpu_tok_s"), "tok"),
+         "colocated_2gpu_tok_s"),
+        ("csp pipeline, 2 GPUs vs colocated", _fmt(doc.get("speedup_2gpu_vs_colocated"), "x"),
+         "speedup_2gpu_vs_colocated"),
+        ("**bound**, 2 GPUs colocated (2 / (1/target + 1/drafter), stages alone; not measured)",
+         _fmt(doc.get("colocated_2gpu_bound_tok_s"), "tok"), "colocated_2gpu_bound_tok_s"),
+        ("**bound**, 2 GPUs csp (min(target, drafter), stages alone; not measured)",
+         _fmt(doc.get("csp_2gpu_bound_tok_s"), "tok"), "csp_2gpu_bound_tok_s"),
+        ("**bound** ratio, 2 GPUs csp / colocated", _fmt(doc.get("csp_vs_colocated_2gpu_bound"), "x"),
+         "csp_vs_colocated_2gpu_bound"),
     ]
     out = ["| quantity | value | run |", "| --- | ---: | --- |"]
     out += [f"| {q} | {v} | {src.get(k) or '-'} |" for q, v, k in rows]
@@ -198,10 +269,22 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(f"| tokens/s by capacity of {' + '.join(sweep['channels'])}, {mode} | {pts} | |")
     out += ["", "| goal | target | value | met |", "| --- | --- | ---: | --- |"]
     for key, g in (doc.get("goals") or {}).items():
-        v = g["value"]
-        shown = _fmt(v, "pct") if key == "checkpoint_slowdown" else _fmt(v)
-        met = "n/a" if g["met"] is None else ("yes" if g["met"] else "no")
-        out.append(f"| {key} | {g['goal']} | {shown} | {met} |")
+        kind = "pct" if key == "checkpoint_slowdown" else ("tok" if key.endswith("tok_s") else "num")
+        by = f" (by {_fmt(g['missed_by'], kind)})" if "missed_by" in g else ""
+        met = "n/a" if g["met"] is None else ("yes" if g["met"] else f"no{by}")
+        out.append(f"| {key} | {g['goal']} | {_fmt(g['value'], kind)} | {met} |")
+    out += ["", "| run | measurement | tokens/s | TFLOP/s | MFU | HFU | attention share | peak GiB |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for rname, run in sorted((doc.get("runs") or {}).items()):
+        ms = run.get("measurements", {})
+        for name in TABLED:
+            m = ms.get(name)
+            if not m or m.get("status") != "ok":
+                continue
+            mem = ", ".join(f"{d}: {g}" for d, g in (m.get("peak_mem_gb") or {}).items()) or "n/a"
+            label = name + (f" ({m['attn_implementation']})" if name == "target_alone" and "attn_implementation" in m else "")
+            out.append(f"| {rname} | {label} | {_fmt(m.get('tok_s'), 'tok')} | {_fmt(m.get('tflops'))} | "
+                       f"{_fmt(m.get('mfu'))} | {_fmt(m.get('hfu'))} | {_fmt(m.get('attention_share'))} | {mem} |")
     if doc.get("pipeline_2gpu_null_reason"):
         out += ["", f"pipeline_2gpu_tok_s is null: {doc['pipeline_2gpu_null_reason']}"]
     if doc.get("smoke"):

@@ -13,19 +13,18 @@ Memory: each function drops what it built when it returns; the caller runs :func
 each measurement so the next one (and the csp stages, on their own streams) get the memory back.
 
 Timing: ``warmup`` untimed steps, then ``timed`` steps between two device synchronisations. Tokens
-are real (non-padding) tokens. FLOPs (forward, per the usual accounting, e.g. PaLM appendix B):
-``2 * linear_params * tokens`` for the matmuls plus ``2 * width * L * (L + 1)`` per layer and causal
-sequence of length ``L`` for attention (QK^T and AV, ``width = heads * head_dim``), where a packed
-document is its own causal sequence. MFU divides by the bf16 matmul rate measured in the same run.
+are real (non-padding) tokens. FLOPs: :mod:`benchmarks.flops` (``model`` FLOPs for ``tflops`` and
+``mfu``, ``computed`` FLOPs for ``hfu``), both divided by the bf16 matmul rate measured in the same
+run. Peak memory: ``torch.cuda.max_memory_allocated``, reset at the start of each measurement.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 import torch
@@ -86,46 +85,52 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 100, warmup:
             "device": str(device)}
 
 
-def linear_params(module: nn.Module) -> int:
-    """Weights of every ``nn.Linear`` under ``module`` (the parameters that cost 2 FLOPs per token)."""
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+def target_flops(app: Any, target: Any, batches: list[Any]) -> Any:
+    """:class:`benchmarks.flops.Flops` of the target forward over ``batches`` as ``target`` runs it
+    (its decoder layers, its current attention implementation)."""
+    from benchmarks.flops import Flops, target_forward_flops
+
+    impl = target.hf_config._attn_implementation
+    total = Flops(0.0, 0.0)
+    for b in batches:
+        total = total + target_forward_flops(target.hf_config, len(target.decoder_layers), b.doc_ids, impl,
+                                             num_tokens=b.num_tokens)
+    return total
 
 
-def document_lengths(doc_ids: torch.Tensor) -> list[int]:
-    """Lengths of the packed documents of ``doc_ids [B, T]`` (consecutive runs of one id >= 0)."""
-    out: list[int] = []
-    for row in doc_ids.cpu():
-        ids, counts = torch.unique_consecutive(row, return_counts=True)
-        out += [int(c) for i, c in zip(ids.tolist(), counts.tolist()) if i >= 0]
-    return out
+def drafter_flops(app: Any, batches: list[Any]) -> Any:
+    """:class:`benchmarks.flops.Flops` of the drafter steps on ``batches`` (forward + backward, the LM
+    head on trained slots, target logits when the loss needs them)."""
+    from benchmarks.flops import Flops, drafter_counts, drafter_step_flops
+    from dflash.loss import needs_final_hidden
+
+    dc = app.drafter_cfg
+    total = Flops(0.0, 0.0)
+    for b in batches:
+        c = drafter_counts(b.input_ids, b.loss_mask, b.doc_ids, b.anchors, dc.block_size, window=dc.sliding_window)
+        total = total + drafter_step_flops(dc, c, target_logits=needs_final_hidden(app.cfg.loss))
+    return total
 
 
-def attention_flops(lengths: list[int], layers: int, width: int) -> float:
-    """Forward FLOPs of causal attention over sequences of ``lengths``: ``2 * width * L * (L + 1)``
-    per layer and sequence (``L (L+1) / 2`` query-key pairs, 2 FLOPs per pair and channel, QK^T + AV)."""
-    return float(layers * sum(2 * width * L * (L + 1) for L in lengths))
+def flop_fields(flops: Any, secs: float, peak_tflops: float, gpus: int = 1) -> dict[str, Any]:
+    """``tflops``, ``mfu``, ``hfu``, the FLOPs behind them and the attention share, for a results entry."""
+    return {**flops.rates(secs, peak_tflops, gpus), "flops_model": flops.model, "flops_computed": flops.computed,
+            "attention_share": flops.attention_model / flops.model if flops.model else None}
 
 
-class TargetShape(msgspec.Struct, frozen=True):
-    """What the FLOP count of a Qwen3-style decoder needs: linear weights run per token, decoder
-    layers run, attention width (``heads * head_dim``)."""
-
-    linear_params: int
-    layers: int
-    width: int
-
-    @classmethod
-    def of(cls, model: nn.Module, hf_config: Any, with_lm_head: bool) -> "TargetShape":
-        """Shape of ``model`` (a transformers ``*ForCausalLM``); ``with_lm_head`` counts its LM head."""
-        decoder = model.model
-        head = linear_params(model.lm_head) if with_lm_head and getattr(model, "lm_head", None) is not None else 0
-        width = hf_config.num_attention_heads * getattr(hf_config, "head_dim", hf_config.hidden_size
-                                                        // hf_config.num_attention_heads)
-        return cls(linear_params(decoder) + head, len(decoder.layers), width)
-
-    def flops(self, tokens: int, lengths: list[int]) -> float:
-        """Forward FLOPs for ``tokens`` tokens in causal sequences of ``lengths``."""
-        return 2.0 * self.linear_params * tokens + attention_flops(lengths, self.layers, self.width)
+@contextmanager
+def attention_implementation(target: Any, impl: str) -> Iterator[Any]:
+    """``target`` running attention ``impl`` ("sdpa" | "flex_attention" | "eager", every value
+    ``[target].attn_implementation`` takes; tests/test_model_target.py holds them equivalent),
+    switched in place (``set_attn_implementation``) and switched back on exit."""
+    model_impl, mask_impl = target.model.config._attn_implementation, target.hf_config._attn_implementation
+    target.model.set_attn_implementation(impl)
+    target.hf_config._attn_implementation = impl  # the mask form Target.forward builds
+    try:
+        yield target
+    finally:
+        target.model.set_attn_implementation(model_impl)
+        target.hf_config._attn_implementation = mask_impl
 
 
 # -- batches --------------------------------------------------------------------------------------
@@ -184,20 +189,15 @@ def target_forward(app: Any, target: Any, device: torch.device):
 
 def time_target(app: Any, target: Any, batches: list[Any], device: torch.device, warmup: int,
                 peak_tflops: float) -> dict[str, Any]:
-    """Target forward alone: tokens/s, MFU (document-causal attention FLOPs) and the FLOP rate if
-    the dense-mask attention kernel computes every query-key pair of a row (``hfu_dense_mask``)."""
+    """Target forward alone with its current attention implementation: tokens/s, TFLOP/s, MFU
+    (document-causal pairs), HFU (the pairs the kernel visits) and peak memory."""
     fwd = target_forward(app, target, device)
     before = reset_peak([device])
     secs = _timed(fwd, batches, warmup, device)
     timed = batches[warmup:]
-    shape = TargetShape.of(target.model, target.hf_config, with_lm_head=False)
-    flops = sum(shape.flops(b.num_tokens, document_lengths(b.doc_ids)) for b in timed)
-    dense = sum(2.0 * shape.linear_params * b.input_ids.numel()
-                + shape.layers * 4.0 * shape.width * b.input_ids.shape[0] * b.input_ids.shape[1] ** 2 for b in timed)
     out = _rate(sum(b.num_tokens for b in timed), secs, len(timed))
-    out.update({"device": str(device), "tflops": flops / secs / 1e12, "mfu": flops / secs / 1e12 / peak_tflops,
-                "hfu_dense_mask": dense / secs / 1e12 / peak_tflops, "layers": shape.layers,
-                "linear_params": shape.linear_params, "attn_implementation": target.hf_config._attn_implementation,
+    out.update({"device": str(device), **flop_fields(target_flops(app, target, timed), secs, peak_tflops),
+                "layers": len(target.decoder_layers), "attn_implementation": target.hf_config._attn_implementation,
                 "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     return out
 
@@ -223,7 +223,7 @@ def _drafter_input(app: Any, out: Any, device: torch.device) -> Any:
 
 
 def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch.device,
-                 device: torch.device, warmup: int, cached: int = 4) -> dict[str, Any]:
+                 device: torch.device, warmup: int, peak_tflops: float, cached: int = 4) -> dict[str, Any]:
     """Drafter step alone on features the target computed beforehand for ``cached`` batches
     (cycled; held on ``device``)."""
     fwd = target_forward(app, target, target_device)
@@ -237,7 +237,8 @@ def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch
             secs = _timed(stage.train_step, items, warmup, device)
         timed = items[warmup:]
         out = _rate(sum(i.batch.num_tokens for i in timed), secs, len(timed))
-        out.update({"device": str(device), "cached_batches": len(inputs),
+        flops = drafter_flops(app, [i.batch for i in timed])
+        out.update({"device": str(device), "cached_batches": len(inputs), **flop_fields(flops, secs, peak_tflops),
                     "blocks_per_step": sum(int((i.anchors >= 0).sum()) for i in timed) / len(timed),
                     "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     finally:
@@ -245,11 +246,20 @@ def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch
     return out
 
 
-def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device, warmup: int) -> dict[str, Any]:
-    """The serial baseline: per batch, target forward then drafter step, one thread, one stream."""
+def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device, warmup: int,
+                peak_tflops: float, wrap: Any = None) -> dict[str, Any]:
+    """The serial baseline: per batch, target forward then drafter step, one thread, one stream.
+
+    ``wrap(drafter) -> module`` replaces the module the step calls (e.g. DDP for the colocated
+    data-parallel loop, :mod:`benchmarks.h200_colocated`); the optimizer keeps the drafter's
+    parameters."""
     fwd = target_forward(app, target, device)
     before = reset_peak([device])
     stage = drafter_stage(app, device)
+    if wrap is not None:
+        if not hasattr(stage, "model"):  # DrafterStage.train_step calls compute_loss(self.model, ...)
+            raise RuntimeError("DrafterStage has no 'model' attribute to wrap: update time_serial's DDP hook")
+        stage.model = wrap(stage.drafter)
     try:
         def step(batch: Any) -> None:
             stage.train_step(_drafter_input(app, fwd(batch), device))
@@ -258,7 +268,9 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
             secs = _timed(step, batches, warmup, device)
         timed = batches[warmup:]
         out = _rate(sum(b.num_tokens for b in timed), secs, len(timed))
-        out.update({"device": str(device), "resident_gb": before, "peak_mem_gb": memory_gb([device])})
+        flops = target_flops(app, target, timed) + drafter_flops(app, timed)
+        out.update({"device": str(device), **flop_fields(flops, secs, peak_tflops),
+                    "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     finally:
         stage.teardown()
     return out
@@ -267,12 +279,14 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
 def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.device, warmup: int,
                        peak_tflops: float) -> dict[str, Any]:
     """The plain transformers forward for comparison: the whole Qwen3 model (every layer, LM head,
-    logits for every position, all hidden states), causal rows with no document mask, on the same
-    token rows. Built for this measurement; call release() after it."""
+    logits for every position, all hidden states), causal rows with no document mask (a causal
+    kernel), on the same token rows; every position counts as a token. Built for this
+    measurement; call release() after it."""
+    from benchmarks.flops import Flops, target_forward_flops
+
     full = reuse.original_load_target(app.cfg.target, device, num_draft_layers=app.cfg.drafter.num_layers,
                                       need_final=True)
     model = full.model
-    shape = TargetShape.of(model, full.hf_config, with_lm_head=True)
 
     def step(batch: Any) -> None:
         with torch.no_grad():
@@ -283,10 +297,12 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
     secs = _timed(step, batches, warmup, device)
     timed = batches[warmup:]
     tokens = sum(b.input_ids.numel() for b in timed)
-    flops = sum(shape.flops(b.input_ids.numel(), [b.input_ids.shape[1]] * b.input_ids.shape[0]) for b in timed)
+    flops = Flops(0.0, 0.0)
+    for b in timed:
+        flops = flops + target_forward_flops(full.hf_config, len(full.decoder_layers), torch.zeros_like(b.doc_ids),
+                                             "causal", lm_head=True)
     out = _rate(tokens, secs, len(timed))
-    out.update({"device": str(device), "tflops": flops / secs / 1e12, "mfu": flops / secs / 1e12 / peak_tflops,
-                "layers": shape.layers, "linear_params": shape.linear_params,
+    out.update({"device": str(device), **flop_fields(flops, secs, peak_tflops), "layers": len(full.decoder_layers),
                 "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     return out  # the model goes with this frame; the caller frees the memory (release())
 
