@@ -300,7 +300,8 @@ class DFlashDrafter(nn.Module):
         """Draft hidden states for every block.
 
         Args:
-            features: ``[B, T, k*H]`` captured target layers for the context tokens.
+            features: ``[B, T, k*H]`` captured target layers for the context tokens (any float
+                dtype; cast to the weights' dtype unless autocast is on for their device).
             block_emb: ``[B, A, bs, H]`` shared embeddings of ``[anchor, mask, ..., mask]``.
             layout: block placement (:func:`dflash.attention.training_layout` / ``decode_layout``).
             masks: prebuilt :meth:`build_masks` output (built here when None).
@@ -310,7 +311,11 @@ class DFlashDrafter(nn.Module):
         """
         B, A, bs, H = block_emb.shape
         dtype = self.fc.weight.dtype
-        ctx = self.hidden_norm(self.fc(features.to(dtype)))                  # [B, T, H]
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(dtype)
+        # Under autocast fc reads the features as they come (bf16 from the target): a cast to the
+        # fp32 master dtype would be a [B, T, k*H] fp32 copy that autocast rounds straight back.
+        ctx = self.hidden_norm(self.fc(features))                            # [B, T, H]
         x = block_emb.to(dtype).reshape(B, A * bs, H)                        # [B, Q, H]
         qpos = layout.query_positions()
         rope_q = self._rope_table(qpos)
