@@ -268,6 +268,7 @@ class DFlashDrafter(nn.Module):
         # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
         self._inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).double()
                                                   / cfg.head_dim)).float()
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copies per device, made once
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -281,7 +282,11 @@ class DFlashDrafter(nn.Module):
 
     def _rope_table(self, positions: torch.Tensor):
         """``cos, sin [B, 1, N, head_dim]`` fp32 for ``positions [B, N]``."""
-        ang = positions.float()[..., None] * self._inv_freq.to(positions.device)  # [B, N, d/2]
+        # A host -> device copy of pageable memory waits for the device: make it once per device.
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
+        ang = positions.float()[..., None] * inv_freq                       # [B, N, d/2]
         ang = torch.cat([ang, ang], dim=-1)[:, None]
         return ang.cos(), ang.sin()
 

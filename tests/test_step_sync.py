@@ -17,7 +17,7 @@ from dflash.anchors import sample_anchors
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.loss import LossConfig
 from dflash.objective import compute_loss
-from dflash.target import TargetConfig, load_target
+from dflash.target import SharedHead, TargetConfig, load_target
 from tests.sync_probe import SyncProbe, device_syncs
 
 BS = 4
@@ -192,3 +192,45 @@ def test_train_step_metrics_equal_with_sync_free_on_and_off(setup, tmp_path):
         assert da == db
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_feature_noise_in_place_equals_formula(dtype):
+    """The in-place feature noise is bitwise the plain ``features + std * rms * N(0, 1)`` with the
+    same generator (and leaves its input untouched)."""
+    from dflash.stages.postprocess import apply_feature_noise
+
+    x = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
+    before = x.clone()
+    got = apply_feature_noise(x, std=0.05, seed=3, batch_id=11)
+    gen = torch.Generator().manual_seed((3 * 7_000_003 + 11 + 1) % (2**63))
+    noise = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    want = (x.float() + 0.05 * rms * noise).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want) and not torch.equal(got, x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.set_sync_debug_mode")
+def test_cuda_sync_free_loss_under_sync_debug_mode(setup):
+    """On the GPU itself: forward and backward of the fixed-shape loss under bf16 autocast raise
+    nothing with ``torch.cuda.set_sync_debug_mode("error")`` (every host sync raises there)."""
+    s = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in setup.items()}
+    h = setup["head"]
+    emb = h.embed_tokens.weight.detach().cuda().bfloat16()       # copies: the CPU fixture stays
+    tied = h.lm_head.weight is h.embed_tokens.weight
+    s["head"] = SharedHead(emb, emb if tied else h.lm_head.weight.detach().cuda().bfloat16())
+    s["feats"], s["final"] = s["feats"].bfloat16(), s["final"].bfloat16()
+    drafter = DFlashDrafter(setup["dcfg"], seed=1).cuda()
+    cfg = LossConfig(kl_weight=0.5, weighting="streak")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        run_loss(s, cfg, drafter=drafter, sync_free=True)  # warm-up: lazy init may sync once
+    drafter.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            run_loss(s, cfg, drafter=drafter, sync_free=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -13,8 +13,11 @@ One step, top to bottom (:meth:`DrafterStage.train_step`):
    skipped update must leave the weights *and* AdamW's moments and step count untouched, and no
    device-side form does that for the foreach AdamW used here (zeroed gradients still decay the
    moments and advance the step; a ``torch.where`` between old and new state needs a copy of
-   weights and both moments, 3x the parameters, every step). The read comes after backward, when
-   the device has no queued work left to hide anyway, and carries everything the monitor needs;
+   weights and both moments, 3x the parameters, every step; fused AdamW's ``found_inf`` input
+   would skip on the device, but it is another kernel with its own rounding, so results change,
+   and the streak rule and the per-step metrics still need the values on the host). The read comes
+   after backward, so the only device time it costs is the launch gap before the optimizer's
+   kernels, and it carries everything the monitor needs;
 5. otherwise AdamW step, scheduler step;
 6. every ``[checkpoint].every`` steps a background checkpoint (:mod:`dflash.checkpoint`); its
    ``meta.json`` carries the mean loss of the steps since the previous checkpoint, and a checkpoint
@@ -181,12 +184,12 @@ class DrafterStage(csp.Process):
             # The step's one host synchronisation: everything the monitor and the skip rule need.
             # The block count rides along when it is still a tensor (sync-free loss).
             blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
-            head = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
-            head += [blocks_t.float()] if blocks_t is not None else []
-            vals = torch.cat([torch.stack(head), out.acc_per_pos.float()]).tolist()
+            scalars = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
+            scalars += [blocks_t.float()] if blocks_t is not None else []
+            vals = torch.cat([torch.stack(scalars), out.acc_per_pos.float()]).tolist()
             loss, gnorm, ce, kl = vals[:4]
             num_blocks = int(vals[4]) if blocks_t is not None else int(out.num_blocks)
-            acc = vals[len(head):]
+            acc = vals[len(scalars):]
             lr = self.opt.param_groups[0]["lr"]  # the lr this step uses
             reason = None
             if not math.isfinite(loss):
