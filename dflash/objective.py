@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.attention import training_layout
+from dflash.chunked_head import chunked_head_loss
 from dflash.drafter import DFlashDrafter
 from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
 from dflash.metrics import accuracy_per_position, streak_lengths
@@ -75,7 +76,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Te
                  input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                  position_ids: torch.Tensor, anchors: torch.Tensor,
                  final_hidden: torch.Tensor | None, cfg: LossConfig, sync_free: bool = True,
-                 features_fp32: bool = False) -> LossOutput:
+                 features_fp32: bool = False, lm_head_chunk: int = 0) -> LossOutput:
     """One batch's loss and metrics (see the module docstring for the steps).
 
     Args:
@@ -88,6 +89,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Te
         features_fp32: ``[train].features_fp32``: cast the features to the drafter's (fp32
             master) dtype before ``fc`` even under autocast, a materialised ``[B, T, k*H]`` fp32
             copy. False leaves them to autocast (exact: autocast casts them back to its dtype).
+        lm_head_chunk: ``[train].lm_head_chunk``: with ``sync_free``, run the LM head and the loss
+            this many slots at a time (:mod:`dflash.chunked_head`); 0 = all slots at once.
 
     Raises:
         ValueError: the config needs target logits and ``final_hidden`` is None, or the drafter
@@ -113,7 +116,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Te
     hidden = drafter(features, head.embed(block_ids), layout)
     pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
     if sync_free:
-        return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg)
+        return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg,
+                                 lm_head_chunk)
 
     # 3. trained slots only -> logits [N, V]
     draft_logits = head.logits(hidden[:, :, 1:][trained]).float()
@@ -155,7 +159,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Te
 
 def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
                       input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
-                      cfg: LossConfig) -> LossOutput:
+                      cfg: LossConfig, lm_head_chunk: int = 0) -> LossOutput:
     """Steps 3-5 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
     the data, so nothing waits for the device. Same loss as the masked path up to summation order
     (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors."""
@@ -163,24 +167,31 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
     M, H = B * A * S, hidden.shape[-1]
     tw = trained.reshape(M)
     flat_pos = pos.reshape(B, A * S)
-    draft_logits = head.logits(hidden[:, :, 1:].reshape(M, H)).float()          # [M, V]
-    target_logits = None
+    slot_hidden = hidden[:, :, 1:].reshape(M, H)
+    target_hidden = None
     if final_hidden is not None and needs_final_hidden(cfg):
         # pos >= 1 wherever a slot is trained; the clamp only keeps empty anchors' rows in range
         prev = (flat_pos - 1).clamp(min=0)[..., None].expand(B, A * S, final_hidden.shape[-1])
-        target_logits = head.logits(final_hidden.gather(1, prev).reshape(M, -1)).float()
+        target_hidden = final_hidden.gather(1, prev).reshape(M, -1)
     data_labels = input_ids.gather(1, flat_pos).reshape(M)
-    labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
-
-    per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+    if lm_head_chunk > 0:
+        per_slot, ce, kl, draft_arg, accept_label = chunked_head_loss(
+            slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk)
+    else:
+        draft_logits = head.logits(slot_hidden).float()                          # [M, V]
+        target_logits = head.logits(target_hidden).float() if target_hidden is not None else None
+        labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
+        per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+        with torch.no_grad():
+            draft_arg = draft_logits.argmax(-1)
+            accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
     zero = torch.zeros((), dtype=per_slot.dtype, device=per_slot.device)
     label_prob = torch.where(tw, torch.exp(-ce.detach()), zero).view(B * A, S)
     w = torch.where(tw, position_weights(cfg, label_prob).reshape(M), zero)
     loss = (w * torch.where(tw, per_slot, zero)).sum() / w.sum().clamp(min=1e-12)
 
     with torch.no_grad():
-        accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
-        correct = ((draft_logits.argmax(-1) == accept_label) & tw).view(B * A, S)
+        correct = ((draft_arg == accept_label) & tw).view(B * A, S)
         valid = trained.view(B * A, S)
         block_ok = (anchors >= 0).view(-1)
         n = tw.sum()

@@ -234,3 +234,57 @@ def test_cuda_sync_free_loss_under_sync_debug_mode(setup):
             run_loss(s, cfg, drafter=drafter, sync_free=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# -- chunked LM head ([train].lm_head_chunk) --------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", CFGS)
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+def test_chunked_lm_head_equals_whole_logits(setup, cfg, chunk):
+    """Same loss, metrics and gradients (rtol 1e-5; the gradient is formed per slot before the
+    incoming scale instead of after) with the head in chunks of 1, 7 and more slots than exist."""
+    whole, g_whole = run_loss(setup, cfg, sync_free=True)
+    part, g_part = run_loss(setup, cfg, sync_free=True, lm_head_chunk=chunk)
+    for name in ("loss", "ce", "kl", "streak_mean"):
+        torch.testing.assert_close(getattr(part, name), getattr(whole, name), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(part.acc_per_pos, whole.acc_per_pos, equal_nan=True)
+    assert int(part.num_predictions) == int(whole.num_predictions)
+    for name, g in g_whole.items():
+        torch.testing.assert_close(g_part[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward while ``fn()`` runs forward."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2]])
+def test_chunked_lm_head_keeps_no_vocab_sized_activation(setup, cfg):
+    """Measured: unchunked, backward keeps at least one fp32 [M, V] tensor (two more with KL);
+    chunked it keeps none, only [M, H] (the vocabulary is 200, hidden 128 here)."""
+    d = DFlashDrafter(setup["dcfg"], seed=1)
+    M = setup["anchors"].numel() * (BS - 1)
+    V, H = setup["head"].vocab_size, setup["dcfg"].hidden_size
+
+    def loss(**kw):
+        return lambda: compute_loss(d, setup["head"], features=setup["feats"], input_ids=setup["ids"],
+                                    loss_mask=setup["lm"], doc_ids=setup["doc"], position_ids=setup["pos"],
+                                    anchors=setup["anchors"], final_hidden=setup["final"], cfg=cfg, **kw)
+
+    whole, part = saved_bytes(loss()), saved_bytes(loss(lm_head_chunk=16))
+    vocab_copies = 3 if cfg.kl_weight > 0 else 1
+    assert whole - part >= vocab_copies * M * V * 4 - M * H * 4, (whole, part)
+
+
+def test_chunked_lm_head_makes_no_host_sync(setup):
+    with SyncProbe() as probe:
+        run_loss(setup, CFGS[2], sync_free=True, lm_head_chunk=7)
+    assert probe.syncs == []

@@ -177,6 +177,7 @@ class DrafterStage(csp.Process):
                     cfg=cfg.loss,
                     sync_free=cfg.train.sync_free_loss,
                     features_fp32=cfg.train.features_fp32,
+                    lm_head_chunk=cfg.train.lm_head_chunk,
                 )
             out.loss.backward()
             clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
