@@ -74,6 +74,19 @@ class TrainSection(_Table):
     """Debug: check every tensor crossing a channel for non-finite values and name the first producer."""
     host_staging: bool = False
     """Move features target -> drafter through host memory instead of device to device."""
+    sync_free_loss: bool = True
+    """compute_loss in fixed shapes: every block slot goes through the LM head with weight 0 where
+    it is not trained, and the counts stay tensors, so the loss never waits for the device (the
+    step's one host read then carries them). False: the trained slots are picked by boolean masks
+    (fewer LM-head rows, but each mask and count is a host sync). Same loss and gradients (tested)."""
+    features_fp32: bool = False
+    """Cast the target features to the drafter's fp32 master dtype before ``fc`` even under bf16
+    autocast: a [B, T, k*H] fp32 copy (about 1.3 GB per 16K-token batch at the 8B shape) that
+    autocast rounds straight back. False lets ``fc`` read them in bf16; bitwise equal (tested)."""
+    lm_head_chunk: Annotated[int, Meta(ge=0)] = 0
+    """With sync_free_loss: LM head and loss this many block slots at a time (dflash.chunked_head),
+    so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
+    3,840 slots); 0 = all at once. Same loss, gradients to rounding (tested); 1024 is a start."""
 
     def __post_init__(self) -> None:
         # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in

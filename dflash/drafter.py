@@ -268,6 +268,7 @@ class DFlashDrafter(nn.Module):
         # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
         self._inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).double()
                                                   / cfg.head_dim)).float()
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copies per device, made once
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -281,7 +282,11 @@ class DFlashDrafter(nn.Module):
 
     def _rope_table(self, positions: torch.Tensor):
         """``cos, sin [B, 1, N, head_dim]`` fp32 for ``positions [B, N]``."""
-        ang = positions.float()[..., None] * self._inv_freq.to(positions.device)  # [B, N, d/2]
+        # A host -> device copy of pageable memory waits for the device: make it once per device.
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self._inv_freq.to(positions.device)
+        ang = positions.float()[..., None] * inv_freq                       # [B, N, d/2]
         ang = torch.cat([ang, ang], dim=-1)[:, None]
         return ang.cos(), ang.sin()
 
@@ -300,7 +305,8 @@ class DFlashDrafter(nn.Module):
         """Draft hidden states for every block.
 
         Args:
-            features: ``[B, T, k*H]`` captured target layers for the context tokens.
+            features: ``[B, T, k*H]`` captured target layers for the context tokens (any float
+                dtype; cast to the weights' dtype unless autocast is on for their device).
             block_emb: ``[B, A, bs, H]`` shared embeddings of ``[anchor, mask, ..., mask]``.
             layout: block placement (:func:`dflash.attention.training_layout` / ``decode_layout``).
             masks: prebuilt :meth:`build_masks` output (built here when None).
@@ -310,7 +316,11 @@ class DFlashDrafter(nn.Module):
         """
         B, A, bs, H = block_emb.shape
         dtype = self.fc.weight.dtype
-        ctx = self.hidden_norm(self.fc(features.to(dtype)))                  # [B, T, H]
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(dtype)
+        # Under autocast fc reads the features as they come (bf16 from the target): a cast to the
+        # fp32 master dtype would be a [B, T, k*H] fp32 copy that autocast rounds straight back.
+        ctx = self.hidden_norm(self.fc(features))                            # [B, T, H]
         x = block_emb.to(dtype).reshape(B, A * bs, H)                        # [B, Q, H]
         qpos = layout.query_positions()
         rope_q = self._rope_table(qpos)

@@ -22,6 +22,8 @@ Conventions used everywhere in dflash (training logs, ``metrics.jsonl``, ``dflas
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["accuracy_per_position", "streak_lengths", "simulated_accepted_length", "tau_from_accepted"]
@@ -40,9 +42,16 @@ def accuracy_per_position(correct: torch.Tensor, valid: torch.Tensor) -> torch.T
 
 
 def simulated_accepted_length(acc: torch.Tensor | list[float]) -> float:
-    """``sum_j prod_{i<=j} acc_i`` (nan entries count as 0: an untested slot accepts nothing)."""
-    a = torch.as_tensor(acc, dtype=torch.float64).nan_to_num(0.0)
-    return float(torch.cumprod(a, 0).sum())
+    """``sum_j prod_{i<=j} acc_i`` (nan entries count as 0: an untested slot accepts nothing).
+
+    Computed on the host in float64 (a tensor is read once): the drafter calls it every step on
+    the values its one host read already brought back, so no tensor is built for it."""
+    values = acc.tolist() if isinstance(acc, torch.Tensor) else acc
+    total, reach = 0.0, 1.0
+    for a in values:
+        reach *= 0.0 if math.isnan(a) else float(a)
+        total += reach
+    return total
 
 
 def streak_lengths(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

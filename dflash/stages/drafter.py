@@ -4,9 +4,20 @@ One step, top to bottom (:meth:`DrafterStage.train_step`):
 
 1. ``compute_loss`` on the drafter input (bf16 autocast on CUDA, fp32 on CPU);
 2. backward, global gradient norm (clipped to ``[train].grad_clip``);
-3. one host read of ``[loss, grad_norm, ce, kl, acc...]`` — the step's only synchronisation;
+3. one host read of ``[loss, grad_norm, ce, kl, blocks, acc...]`` — the step's only
+   synchronisation (``[train].sync_free_loss`` keeps ``compute_loss`` free of any; with it off the
+   loss's boolean masks and counts add their own);
 4. non-finite loss or gradient: the update is skipped, counted and reported with the batch id;
-   ``[train].max_nonfinite_streak`` consecutive skips stop the run, naming the last healthy checkpoint;
+   ``[train].max_nonfinite_streak`` consecutive skips stop the run, naming the last healthy checkpoint.
+   This decision is why the one read stays per step and is not deferred to the logging window: a
+   skipped update must leave the weights *and* AdamW's moments and step count untouched, and no
+   device-side form does that for the foreach AdamW used here (zeroed gradients still decay the
+   moments and advance the step; a ``torch.where`` between old and new state needs a copy of
+   weights and both moments, 3x the parameters, every step; fused AdamW's ``found_inf`` input
+   would skip on the device, but it is another kernel with its own rounding, so results change,
+   and the streak rule and the per-step metrics still need the values on the host). The read comes
+   after backward, so the only device time it costs is the launch gap before the optimizer's
+   kernels, and it carries everything the monitor needs;
 5. otherwise AdamW step, scheduler step;
 6. every ``[checkpoint].every`` steps a background checkpoint (:mod:`dflash.checkpoint`); its
    ``meta.json`` carries the mean loss of the steps since the previous checkpoint, and a checkpoint
@@ -164,16 +175,22 @@ class DrafterStage(csp.Process):
                     anchors=inp.anchors,
                     final_hidden=inp.final_hidden,
                     cfg=cfg.loss,
+                    sync_free=cfg.train.sync_free_loss,
+                    features_fp32=cfg.train.features_fp32,
+                    lm_head_chunk=cfg.train.lm_head_chunk,
                 )
             out.loss.backward()
             clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
             # The step's one host synchronisation: everything the monitor and the skip rule need.
-            vals = torch.cat(
-                [torch.stack([out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]),
-                 out.acc_per_pos.float()]
-            ).tolist()
-            loss, gnorm, ce, kl, acc = vals[0], vals[1], vals[2], vals[3], vals[4:]
+            # The block count rides along when it is still a tensor (sync-free loss).
+            blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
+            scalars = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
+            scalars += [blocks_t.float()] if blocks_t is not None else []
+            vals = torch.cat([torch.stack(scalars), out.acc_per_pos.float()]).tolist()
+            loss, gnorm, ce, kl = vals[:4]
+            num_blocks = int(vals[4]) if blocks_t is not None else int(out.num_blocks)
+            acc = vals[len(scalars):]
             lr = self.opt.param_groups[0]["lr"]  # the lr this step uses
             reason = None
             if not math.isfinite(loss):
@@ -218,7 +235,7 @@ class DrafterStage(csp.Process):
             replica=inp.replica,
             num_tokens=b.num_tokens,
             num_padding=b.num_padding,
-            num_blocks=int(out.num_blocks),
+            num_blocks=num_blocks,
             step_s=time.perf_counter() - t0,
             target_s=inp.target_s,
             time=time.time(),

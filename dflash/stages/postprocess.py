@@ -27,13 +27,17 @@ def apply_feature_noise(features: torch.Tensor, *, std: float, seed: int, batch_
 
     The noise comes from a generator seeded by (seed, batch id) on the features' device, so it is
     reproducible across resume. ``std == 0`` returns ``features`` unchanged.
+
+    Computed in fp32 in place: at most one fp32 ``[B, T, k*H]`` buffer is alive at a time (the
+    squares, then the noise, which takes the sum), not four, with the same values operation by
+    operation as the plain formula (tests/test_step_sync.py).
     """
     if std <= 0:
         return features
+    rms = features.to(torch.float32, copy=True).pow_(2).mean(-1, keepdim=True).sqrt_()
     gen = torch.Generator(device=features.device).manual_seed((seed * 7_000_003 + batch_id + 1) % (2**63))
     noise = torch.randn(features.shape, generator=gen, device=features.device, dtype=torch.float32)
-    rms = features.float().pow(2).mean(-1, keepdim=True).sqrt()
-    return (features.float() + std * rms * noise).to(features.dtype)
+    return noise.mul_(std * rms).add_(features).to(features.dtype)
 
 
 def to_drafter_input(out: TargetOutput, *, feature_noise: float, seed: int) -> DrafterInput:
