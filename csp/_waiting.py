@@ -170,12 +170,14 @@ def thread_call(end: Any, attempt: Attempt, item: Item | None, timeout: float | 
     """Run a send or receive from an OS thread, blocking it while the call can not be done.
 
     Returns the received payload (None for a send). Raises as ``attempt``, and TimeoutError."""
-    deadline = None if timeout is None else perf_counter() + timeout
+    deadline = None if timeout is None or timeout > 0 else perf_counter()  # <= 0: never park
     (_, payload, wake), w = _step(end, attempt, item, None, ThreadWaiter, timeout, deadline)
     wake_all(wake)
     if w is None:
         return payload
     end._wait_t0 = w.t0
+    if timeout is not None:  # counted from parking, so a timed-out call was blocked >= timeout
+        deadline = w.t0 + timeout
     try:
         while True:
             try:
