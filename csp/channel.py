@@ -1,14 +1,16 @@
 """Typed, bounded channels usable from OS threads and anyio tasks alike.
 
 ``send, recv = channel(item_type, capacity, name, ordered)`` makes a pair of ends sharing one
-core. The core is a plain ``threading.Lock`` around a deque; nothing ever blocks while holding it.
-A call that must wait parks a *waiter* in the core and sleeps outside the lock:
+:class:`ChannelState`: a plain ``threading.Lock`` around the buffer; nothing ever blocks while
+holding it. Every send and receive runs the same algorithm (:func:`_step`): under the lock, try
+the operation now; if it can not be done, park a *waiter* and sleep outside the lock, then try
+again when woken. A waiter is the only thing that differs between a thread and a task:
 
 * a thread waits on a private pre-acquired ``threading.Lock`` (released once to wake it);
 * an asyncio task (anyio's asyncio backend) awaits a future that the waker resolves directly when
   it runs on the task's loop thread, else through ``loop.call_soon_threadsafe``.
 
-So a thread may feed a task and a task may feed a thread. Waiters are woken after the core lock is
+So a thread may feed a task and a task may feed a thread. Waiters are woken after the lock is
 released. Design after trio's memory channels and anyio's memory object streams:
 
 * a blocked sender parks an *offer* holding its item; a receiver that frees a slot moves the
@@ -32,15 +34,35 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
-from csp import _channel_core as _cc
-from csp._channel_core import _EMPTY, Core
+from csp._cores import FifoState, OrderedState
+from csp._state import ChannelState, ItemCheck
+from csp._waiting import Item, checkpoint, nowait, task_call, thread_call, wake_all
 from csp.cuda import inbound, outbound
 from csp.errors import EndOfStream, WouldBlock
 from csp.stats import ChannelStatistics
 
-__all__ = ["Receiver", "Sender", "channel"]
+__all__ = ["ChannelState", "ItemCheck", "Receiver", "Sender", "channel", "channel_state"]
 
 T = TypeVar("T")
+
+
+def channel_state(
+    item_type: Any = object, capacity: int | None = None, name: str = "", ordered: bool = False
+) -> ChannelState:
+    """The shared state of a new channel, without ends: the hook for custom ends (``csp.dist``).
+
+    Build ends on it with ``Sender(state)`` and ``Receiver(state)`` (or subclasses of them); the
+    state counts one open end of each kind, so make exactly one of each and ``clone()`` for more.
+    The state's public part: ``abort(reason)``, ``statistics()``, ``open_end(end)`` (count a
+    clone of ``end``) and ``check``, its :class:`ItemCheck`.
+    Arguments and errors as :func:`channel`.
+    """
+    if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+        raise ValueError(
+            f"channel {name!r}: capacity must be an int >= 0 (0 = rendezvous), got {capacity!r}; "
+            "there is no unbounded channel"
+        )
+    return (OrderedState if ordered else FifoState)(item_type, capacity, name)
 
 
 def channel(
@@ -63,26 +85,28 @@ def channel(
     Raises:
         ValueError: capacity missing, negative or not an int.
     """
-    if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(
-            f"channel {name!r}: capacity must be an int >= 0 (0 = rendezvous), got {capacity!r}; "
-            "there is no unbounded channel"
-        )
-    core = Core(item_type, capacity, name, ordered)
-    return Sender(core), Receiver(core)
+    state = channel_state(item_type, capacity, name, ordered)
+    return Sender(state), Receiver(state)
 
 
+# ---- the ends -------------------------------------------------------------------------------------
 class _End:
     """What both ends share: close, clone, abort, statistics, per-end counters."""
 
     __slots__ = ("_core", "_closed", "_items", "_blocked", "_wait_t0", "__weakref__")
+    _sending = False
 
-    def __init__(self, core: Core) -> None:
-        self._core = core
+    def __init__(self, state: ChannelState) -> None:
+        self._core = state
         self._closed = False
         self._items = 0  # items through this end
         self._blocked = 0.0  # seconds spent in finished blocking calls
         self._wait_t0: float | None = None  # start of the call blocked now
+
+    @property
+    def state(self) -> ChannelState:
+        """The channel's shared state (see :func:`channel_state`)."""
+        return self._core
 
     @property
     def name(self) -> str:
@@ -133,22 +157,25 @@ class _End:
         """Abort the whole channel: every blocked and later operation on any end raises
         ``ChannelAborted(reason)``; buffered items are dropped. Idempotent (the first reason wins).
         """
-        _wake(self._core.abort(reason))
+        self._core.abort(reason)
 
-    def _clone(self) -> None:
-        with self._core.lock:
-            self._core.check_clone(self, isinstance(self, Sender))
+    def close(self) -> None:
+        """Close this end (idempotent); see :meth:`Sender.close` and :meth:`Receiver.close`."""
+        state = self._core
+        with state.lock:
+            if self._closed:
+                return
+            self._closed = True
+            woken = state.close_end(self)
+        wake_all(woken)
 
-    def _begin_wait(self, waiter: _cc.ThreadWaiter | _cc.AsyncWaiter) -> None:
-        self._wait_t0 = waiter.t0  # set when it was parked
-
-    def _end_wait(self, sending: bool) -> None:
+    def _end_wait(self) -> None:
         t0 = self._wait_t0
         self._wait_t0 = None
         if t0 is not None:
             dt = perf_counter() - t0
             self._blocked += dt
-            self._core.add_wait(dt, sending)
+            self._core.add_wait(dt, self._sending)
 
     def __enter__(self):
         return self
@@ -162,23 +189,24 @@ class _End:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def close(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<{type(self).__name__} {self._core.name!r} capacity={self._core.capacity} {state}>"
-
-
-def _wake(waiters) -> None:
-    for w in waiters:
-        w.wake()
 
 
 class Sender(_End, Generic[T]):
     """The send end of a channel. Use from one thread or task at a time; ``clone()`` for more."""
 
     __slots__ = ()
+    _sending = True
+
+    def _offer(self, item: T, seq: int | None) -> Item:
+        state = self._core
+        check = state.check
+        if check.cls is not None and not isinstance(item, check.cls):
+            raise check.error(item)
+        nbytes, payload = outbound(item)  # records the CUDA events of tensors inside
+        return payload, nbytes, seq
 
     def send(self, item: T, timeout: float | None = None, seq: int | None = None) -> None:
         """Send ``item``, blocking the calling thread while the channel is full.
@@ -196,59 +224,11 @@ class Sender(_End, Generic[T]):
             ChannelAborted: the channel was aborted. TypeError: wrong item type.
             ValueError: bad or repeated ``seq`` on an ordered channel.
         """
-        core = self._core
-        if core.check_type is not None and not isinstance(item, core.check_type):
-            core.raise_type(item)
-        nbytes, payload = outbound(item)
-        with core.lock:
-            got = core.admit(self, payload, nbytes, seq)
-            if got is False:
-                if timeout is not None and timeout <= 0:
-                    raise TimeoutError(f"channel {core.name!r}: send timed out (channel full)")
-                w = _cc.ThreadWaiter(self, payload, nbytes, seq)
-                extra = core.park_sender(w)
-        if got is False:
-            if extra is not None:
-                extra.wake()
-            self._send_blocking(w, timeout)
-        elif got is not True:
-            got.wake()
+        state, offer = self._core, self._offer(item, seq)
+        done, _, _ = nowait(self, state.try_send, offer)
+        if not done:
+            thread_call(self, state.try_send, offer, timeout)
         self._items += 1
-
-    def _send_blocking(self, w: _cc.ThreadWaiter, timeout: float | None) -> None:
-        core = self._core
-        self._begin_wait(w)
-        deadline = None if timeout is None else w.t0 + timeout
-        try:
-            while True:
-                try:
-                    woke = w.wait(-1 if deadline is None else max(0.0, deadline - perf_counter()))
-                except BaseException:  # KeyboardInterrupt in the main thread: withdraw the offer
-                    with core.lock:
-                        if w.state == _cc.PENDING:
-                            core.unpark_sender(w)
-                    raise
-                with core.lock:
-                    if w.state == _cc.DONE:
-                        return
-                    if not woke and w.state == _cc.PENDING:
-                        core.unpark_sender(w)
-                        raise TimeoutError(
-                            f"channel {core.name!r}: send timed out after {timeout} s (channel full)"
-                        )
-                    got = core.admit(self, w.payload, w.nbytes, w.seq)
-                    if got is False:
-                        w = _cc.ThreadWaiter(self, w.payload, w.nbytes, w.seq)
-                        extra = core.park_sender(w)
-                if got is False:
-                    if extra is not None:
-                        extra.wake()
-                else:
-                    if got is not True:
-                        got.wake()
-                    return
-        finally:
-            self._end_wait(True)
 
     def send_nowait(self, item: T, seq: int | None = None) -> None:
         """Send ``item`` only if that needs no waiting.
@@ -257,16 +237,9 @@ class Sender(_End, Generic[T]):
             WouldBlock: the channel is full (on a rendezvous: no receiver is waiting).
             And as :meth:`send`.
         """
-        core = self._core
-        if core.check_type is not None and not isinstance(item, core.check_type):
-            core.raise_type(item)
-        nbytes, payload = outbound(item)
-        with core.lock:
-            got = core.admit(self, payload, nbytes, seq)
-        if got is False:
-            raise WouldBlock(f"channel {core.name!r} is full", core.name)
-        if got is not True:
-            got.wake()
+        done, _, _ = nowait(self, self._core.try_send, self._offer(item, seq))
+        if not done:
+            raise WouldBlock(f"channel {self._core.name!r} is full", self._core.name)
         self._items += 1
 
     async def asend(self, item: T, seq: int | None = None) -> None:
@@ -278,69 +251,23 @@ class Sender(_End, Generic[T]):
 
         Raises: as :meth:`send` (no TimeoutError: use ``anyio.fail_after``).
         """
-        await _cc.checkpoint()
-        core = self._core
-        if core.check_type is not None and not isinstance(item, core.check_type):
-            core.raise_type(item)
-        nbytes, payload = outbound(item)
-        with core.lock:
-            got = core.admit(self, payload, nbytes, seq)
-            if got is False:
-                w = _cc.AsyncWaiter(self, payload, nbytes, seq)
-                extra = core.park_sender(w)
-        if got is False:
-            if extra is not None:
-                extra.wake()
-            await self._asend_blocking(w)
-        elif got is not True:
-            got.wake()
+        await checkpoint()
+        state, offer = self._core, self._offer(item, seq)
+        done, _, _ = nowait(self, state.try_send, offer)
+        if not done:
+            await task_call(self, state.try_send, offer)
         self._items += 1
-
-    async def _asend_blocking(self, w: _cc.AsyncWaiter) -> None:
-        core = self._core
-        self._begin_wait(w)
-        try:
-            while True:
-                try:
-                    await w.future
-                except BaseException:
-                    with core.lock:
-                        if w.state == _cc.PENDING:
-                            core.unpark_sender(w)  # the item stays with the caller
-                    raise
-                with core.lock:
-                    if w.state == _cc.DONE:
-                        return
-                    got = core.admit(self, w.payload, w.nbytes, w.seq)
-                    if got is False:
-                        w = _cc.AsyncWaiter(self, w.payload, w.nbytes, w.seq)
-                        extra = core.park_sender(w)
-                if got is False:
-                    if extra is not None:
-                        extra.wake()
-                else:
-                    if got is not True:
-                        got.wake()
-                    return
-        finally:
-            self._end_wait(True)
 
     def clone(self) -> Sender[T]:
         """Another send end of the same channel (fan-in); receivers see end-of-stream only after
         every clone is closed too. Raises ChannelClosed if this end is closed."""
-        self._clone()
+        self._core.open_end(self)
         return Sender(self._core)
 
     def close(self) -> None:
         """Close this send end (idempotent). Once every send end is closed, receivers drain the
         buffer and then get EndOfStream. A send blocked on this end raises ChannelClosed."""
-        core = self._core
-        with core.lock:
-            if self._closed:
-                return
-            self._closed = True
-            woken = core.close_end(self, sending=True)
-        _wake(woken)
+        super().close()
 
 
 class Receiver(_End, Generic[T]):
@@ -356,75 +283,21 @@ class Receiver(_End, Generic[T]):
             EndOfStream: every send end is closed and the buffer is empty.
             ChannelClosed: this end is closed. ChannelAborted: the channel was aborted.
         """
-        core = self._core
-        with core.lock:
-            payload, w1, w2 = core.take(self)
-            if payload is _EMPTY:
-                if timeout is not None and timeout <= 0:
-                    raise TimeoutError(f"channel {core.name!r}: receive timed out (channel empty)")
-                w = _cc.ThreadWaiter(self)
-                core.park_receiver(w)
-        if payload is _EMPTY:
-            return self._receive_blocking(w, timeout)
-        if w1 is not None:
-            w1.wake()
-            if w2 is not None:
-                w2.wake()
+        state = self._core
+        done, payload, _ = nowait(self, state.try_receive, None)
+        if not done:
+            payload = thread_call(self, state.try_receive, None, timeout)
         self._items += 1
-        return inbound(payload)
-
-    def _receive_blocking(self, w: _cc.ThreadWaiter, timeout: float | None) -> T:
-        core = self._core
-        self._begin_wait(w)
-        deadline = None if timeout is None else w.t0 + timeout
-        try:
-            while True:
-                try:
-                    woke = w.wait(-1 if deadline is None else max(0.0, deadline - perf_counter()))
-                except BaseException:  # KeyboardInterrupt in the main thread: pass any wake-up on
-                    with core.lock:
-                        passed_on = core.abandon_receiver(w)
-                    if passed_on is not None:
-                        passed_on.wake()
-                    raise
-                with core.lock:
-                    if not woke and w.state == _cc.PENDING:
-                        core.unpark_receiver(w)
-                        raise TimeoutError(
-                            f"channel {core.name!r}: receive timed out after {timeout} s"
-                        )
-                    payload, w1, w2 = core.take(self)
-                    if payload is _EMPTY:
-                        if deadline is not None and perf_counter() >= deadline:
-                            raise TimeoutError(
-                                f"channel {core.name!r}: receive timed out after {timeout} s"
-                            )
-                        w = _cc.ThreadWaiter(self)
-                        core.park_receiver(w)
-                if payload is not _EMPTY:
-                    if w1 is not None:
-                        w1.wake()
-                        if w2 is not None:
-                            w2.wake()
-                    self._items += 1
-                    return inbound(payload)
-        finally:
-            self._end_wait(False)
+        return inbound(payload)  # waits on the item's CUDA events
 
     def receive_nowait(self) -> T:
         """Receive an item only if one is ready.
 
         Raises: WouldBlock if none is ready; otherwise as :meth:`receive`.
         """
-        core = self._core
-        with core.lock:
-            payload, w1, w2 = core.take(self)
-        if payload is _EMPTY:
-            raise WouldBlock(f"channel {core.name!r} is empty", core.name)
-        if w1 is not None:
-            w1.wake()
-            if w2 is not None:
-                w2.wake()
+        done, payload, _ = nowait(self, self._core.try_receive, None)
+        if not done:
+            raise WouldBlock(f"channel {self._core.name!r} is empty", self._core.name)
         self._items += 1
         return inbound(payload)
 
@@ -435,66 +308,24 @@ class Receiver(_End, Generic[T]):
 
         Raises: as :meth:`receive` (no TimeoutError: use ``anyio.fail_after``).
         """
-        await _cc.checkpoint()
-        core = self._core
-        with core.lock:
-            payload, w1, w2 = core.take(self)
-            if payload is _EMPTY:
-                w = _cc.AsyncWaiter(self)
-                core.park_receiver(w)
-        if payload is _EMPTY:
-            return await self._areceive_blocking(w)
-        if w1 is not None:
-            w1.wake()
-            if w2 is not None:
-                w2.wake()
+        await checkpoint()
+        state = self._core
+        done, payload, _ = nowait(self, state.try_receive, None)
+        if not done:
+            payload = await task_call(self, state.try_receive, None)
         self._items += 1
         return inbound(payload)
-
-    async def _areceive_blocking(self, w: _cc.AsyncWaiter) -> T:
-        core = self._core
-        self._begin_wait(w)
-        try:
-            while True:
-                try:
-                    await w.future
-                except BaseException:
-                    with core.lock:
-                        passed_on = core.abandon_receiver(w)
-                    if passed_on is not None:
-                        passed_on.wake()
-                    raise
-                with core.lock:
-                    payload, w1, w2 = core.take(self)
-                    if payload is _EMPTY:
-                        w = _cc.AsyncWaiter(self)
-                        core.park_receiver(w)
-                if payload is not _EMPTY:
-                    if w1 is not None:
-                        w1.wake()
-                        if w2 is not None:
-                            w2.wake()
-                    self._items += 1
-                    return inbound(payload)
-        finally:
-            self._end_wait(False)
 
     def clone(self) -> Receiver[T]:
         """Another receive end of the same channel (fan-out: each item goes to exactly one
         receiver). Raises ChannelClosed if this end is closed."""
-        self._clone()
+        self._core.open_end(self)
         return Receiver(self._core)
 
     def close(self) -> None:
         """Close this receive end (idempotent). When the last receive end closes, buffered items
         are dropped and senders get PeerGone. A receive blocked on this end raises ChannelClosed."""
-        core = self._core
-        with core.lock:
-            if self._closed:
-                return
-            self._closed = True
-            woken = core.close_end(self, sending=False)
-        _wake(woken)
+        super().close()
 
     def __iter__(self) -> Receiver[T]:
         return self
@@ -513,4 +344,3 @@ class Receiver(_End, Generic[T]):
             return await self.areceive()
         except EndOfStream:
             raise StopAsyncIteration from None
-

@@ -279,6 +279,38 @@ def test_abort_drops_buffered_items():
         recv.receive_nowait()
 
 
+# ---- custom ends (the hook csp.dist builds on) --------------------------------------------------
+def test_channel_state_carries_custom_ends():
+    from csp.channel import channel_state
+
+    class Tagged(csp.Sender):
+        __slots__ = ()
+
+        def send(self, item, timeout=None, seq=None):
+            self.state.check(item)  # the declared type is checked before wrapping
+            super().send(("tag", item), timeout, seq)
+
+    state = channel_state(object, 1, "hook")
+    send, recv = Tagged(state), csp.Receiver(state)
+    typed = channel_state(int, 1, "typed")
+    with pytest.raises(TypeError, match="channel 'typed' carries int, got str"):
+        typed.check("x")
+    send.send(1)
+    assert recv.receive() == ("tag", 1)
+    state.open_end(send)
+    assert state.statistics().open_send_ends == 2 and state.statistics().items_moved == 1
+    blocked = Result()
+    t = blocked.run(recv.receive)
+    wait_until(lambda: recv.waiting)
+    state.abort("done")  # wakes the blocked receive itself
+    joined(t)
+    assert isinstance(blocked.error, csp.ChannelAborted)
+    with pytest.raises(csp.ChannelAborted, match="done"):
+        send.send(2)
+    with pytest.raises(csp.ChannelAborted):
+        state.open_end(send)
+
+
 # ---- timeouts ---------------------------------------------------------------------------------------
 def test_send_and_receive_timeouts():
     send, recv = csp.channel(int, capacity=1)

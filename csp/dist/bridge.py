@@ -31,8 +31,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-from csp import _channel_core as _cc
-from csp.channel import Receiver, Sender
+from csp.channel import ChannelState, ItemCheck, Receiver, Sender, channel_state
 from csp.dist.placement import Link, Placement
 from csp.dist.wire import CLOSE, CREDIT, EOS, GONE, ITEM, LaneReader, LaneWriter
 from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, PeerGone
@@ -52,35 +51,28 @@ class DistSender(Sender):
 
     __slots__ = ("_x",)
 
-    def __init__(self, core: Any, x: "CrossChannel") -> None:
-        super().__init__(core)
+    def __init__(self, state: ChannelState, x: "CrossChannel") -> None:
+        super().__init__(state)
         self._x = x
-
-    def _check(self, item: Any, seq: int | None) -> None:
-        x = self._x
-        if x.check_type is not None and not isinstance(item, x.check_type):
-            want = getattr(x.item_type, "__qualname__", repr(x.item_type))
-            raise TypeError(f"channel {x.name!r} carries {want}, got {type(item).__qualname__}; send a "
-                            f"{want} or declare the channel with a matching item_type")
 
     def send(self, item: Any, timeout: float | None = None, seq: int | None = None) -> None:
         """As :meth:`csp.Sender.send` (blocks while no receiving rank grants a credit)."""
-        self._check(item, seq)
+        self._x.check_item(item)
         super().send((seq, item), timeout, seq=seq)
 
     def send_nowait(self, item: Any, seq: int | None = None) -> None:
         """As :meth:`csp.Sender.send_nowait`: WouldBlock unless the pump is waiting with a credit."""
-        self._check(item, seq)
+        self._x.check_item(item)
         super().send_nowait((seq, item), seq=seq)
 
     async def asend(self, item: Any, seq: int | None = None) -> None:
         """As :meth:`csp.Sender.asend`."""
-        self._check(item, seq)
+        self._x.check_item(item)
         await super().asend((seq, item), seq=seq)
 
     def clone(self) -> "DistSender":
-        self._clone()
-        return DistSender(self._core, self._x)
+        self.state.open_end(self)
+        return DistSender(self.state, self._x)
 
     def close(self) -> None:
         super().close()
@@ -100,8 +92,8 @@ class DistReceiver(Receiver):
 
     __slots__ = ("_x",)
 
-    def __init__(self, core: Any, x: "CrossChannel") -> None:
-        super().__init__(core)
+    def __init__(self, state: ChannelState, x: "CrossChannel") -> None:
+        super().__init__(state)
         self._x = x
 
     def receive(self, timeout: float | None = None) -> Any:
@@ -120,8 +112,8 @@ class DistReceiver(Receiver):
         return item
 
     def clone(self) -> "DistReceiver":
-        self._clone()
-        return DistReceiver(self._core, self._x)
+        self.state.open_end(self)
+        return DistReceiver(self.state, self._x)
 
     def abort(self, reason: str = "") -> None:
         self._x.hub.local_abort(reason)
@@ -137,12 +129,12 @@ class CrossChannel:
                  links: list[Link]) -> None:
         rank = hub.rank
         self.hub, self.name, self.item_type, self.capacity = hub, name, item_type, capacity
-        self.check_type = _cc._checkable(item_type)
+        self.check_item = ItemCheck(item_type, name)
         self.out_links = sorted((lk for lk in links if lk.src == rank), key=lambda lk: lk.dst)
         self.turn = 0  # index in out_links of the link that gets the pump's next item (Hub.acquire)
         self.in_links = [lk for lk in links if lk.dst == rank]
-        self.outbox = _cc.Core(object, 0, name, ordered)
-        self.inbox = _cc.Core(object, sum(lk.credits for lk in self.in_links), name, ordered)
+        self.outbox = channel_state(object, 0, name, ordered)
+        self.inbox = channel_state(object, sum(lk.credits for lk in self.in_links), name, ordered)
         self.sender = DistSender(self.outbox, self)  # handed to the runtime (it clones, then closes)
         self.receiver = DistReceiver(self.inbox, self)
         self.pump_end = Receiver(self.outbox)
@@ -219,9 +211,8 @@ class CrossChannel:
             end.close()
 
     def abort(self, reason: str) -> None:
-        for core in (self.outbox, self.inbox):
-            for w in core.abort(reason):
-                w.wake()
+        self.outbox.abort(reason)
+        self.inbox.abort(reason)
 
     def statistics(self) -> ChannelStatistics:
         """This rank's view of the channel, merged from its two halves.
