@@ -229,7 +229,7 @@ def _block_pairs(c: DrafterCounts, bs: int, layer_type: str) -> int:
     return bs * c.context_visible + c.valid_blocks * bs * bs
 
 
-def drafter_step_flops(cfg: Any, c: DrafterCounts, target_logits: bool) -> Flops:
+def drafter_step_flops(cfg: Any, c: DrafterCounts, target_logits: bool, sync_free: bool = True) -> Flops:
     """Forward + backward FLOPs of one drafter training step (``dflash.objective.compute_loss``
     then ``backward``) for a batch of counts ``c``.
 
@@ -239,6 +239,9 @@ def drafter_step_flops(cfg: Any, c: DrafterCounts, target_logits: bool) -> Flops
             layer slides).
         target_logits: the loss computes target logits on the trained slots (``target_argmax``
             labels or KL: :func:`dflash.loss.needs_final_hidden`), forward only.
+        sync_free: ``[train].sync_free_loss``: the LM head (and target logits) run on every block
+            slot ``B * A * (bs - 1)`` (weight 0 where untrained), which ``computed`` counts; the
+            model count keeps the ``N`` trained slots. False: both count ``N``.
 
     Pieces (``Q = A * bs`` block tokens per row; multipliers are forward + backward):
     ``fc`` on the context, x2 (weight gradient only); per layer ``q, o, gate, up, down`` on the
@@ -257,12 +260,14 @@ def drafter_step_flops(cfg: Any, c: DrafterCounts, target_logits: bool) -> Flops
         layers = 2.0 * L * (p["block"] * block_tokens + p["kv"] * (ctx_tokens + block_tokens)) * 3
         return fc + layers
 
-    lm = 2.0 * head * c.trained_slots * (2 + (1 if target_logits else 0))
+    lm_per_row = 2.0 * head * (2 + (1 if target_logits else 0))
+    lm = lm_per_row * c.trained_slots
+    lm_computed = lm_per_row * (c.rows * c.slots * (bs - 1) if sync_free else c.trained_slots)
     allowed = sum(_block_pairs(c, bs, t) for t in cfg.types)
     Q = c.slots * bs
     dense = L * c.rows * Q * (c.context_len + Q)
     attn_model = per_pair * allowed * (1 + ATTN_BWD_MODEL)
     attn_computed = per_pair * dense * (1 + ATTN_BWD_COMPUTED)
     return Flops(model=linear(c.real_tokens, c.valid_blocks * bs) + lm + attn_model,
-                 computed=linear(c.rows * c.context_len, c.rows * Q) + lm + attn_computed,
+                 computed=linear(c.rows * c.context_len, c.rows * Q) + lm_computed + attn_computed,
                  attention_model=attn_model, attention_computed=attn_computed)

@@ -108,7 +108,8 @@ def drafter_flops(app: Any, batches: list[Any]) -> Any:
     total = Flops(0.0, 0.0)
     for b in batches:
         c = drafter_counts(b.input_ids, b.loss_mask, b.doc_ids, b.anchors, dc.block_size, window=dc.sliding_window)
-        total = total + drafter_step_flops(dc, c, target_logits=needs_final_hidden(app.cfg.loss))
+        total = total + drafter_step_flops(dc, c, target_logits=needs_final_hidden(app.cfg.loss),
+                                           sync_free=app.cfg.train.sync_free_loss)
     return total
 
 

@@ -62,7 +62,7 @@ def test_target_hand_count():
 
 def test_flex_tiles_match_the_block_mask():
     """The tiles counted are the tiles flex_attention's BlockMask of the target visits."""
-    from dflash.target import _document_block_mask
+    from dflash.document_mask import _document_block_mask
 
     _, _, doc, _ = _packed(B=2, T=700, seed=3)
     doc[1, 300:] = -1  # a long padding tail: its diagonal tiles only
@@ -90,11 +90,12 @@ def test_target_forward_matches_flop_counter():
     assert f.model < f.computed
 
 
+@pytest.mark.parametrize("sync_free", [True, False])
 @pytest.mark.parametrize("layer_types,loss", [
     (None, LossConfig()),
     (["sliding_attention", "full_attention"], LossConfig(label="target_argmax")),
 ])
-def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss):
+def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss, sync_free):
     """compute_loss + backward on CPU: the counter's matmuls (linears, LM head; CPU SDPA is not
     counted by FlopCounterMode) equal the non-attention part of ``computed``; the allowed pairs
     equal the True entries of dflash.attention's mask at valid blocks."""
@@ -115,11 +116,12 @@ def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss):
     final = torch.randn(B, T, 128) if loss.label == "target_argmax" else None
     with FlopCounterMode(display=False) as fc:
         out = compute_loss(drafter, head, features=feats, input_ids=ids, loss_mask=lm, doc_ids=doc,
-                           position_ids=pos, anchors=anchors, final_hidden=final, cfg=loss)
+                           position_ids=pos, anchors=anchors, final_hidden=final, cfg=loss,
+                           sync_free=sync_free)
         out.loss.backward()
     c = drafter_counts(ids, lm, doc, anchors, BS, window=cfg.sliding_window)
-    assert c.trained_slots == out.num_predictions and c.valid_blocks == out.num_blocks
-    f = drafter_step_flops(cfg, c, target_logits=final is not None)
+    assert c.trained_slots == int(out.num_predictions) and c.valid_blocks == int(out.num_blocks)
+    f = drafter_step_flops(cfg, c, target_logits=final is not None, sync_free=sync_free)
     counted = fc.get_flop_counts()["Global"]
     assert not any("attention" in str(op) for op in counted)  # else compare the attention too
     assert fc.get_total_flops() == f.computed - f.attention_computed
@@ -149,10 +151,13 @@ def test_drafter_hand_count():
     blk, kv, fc = 2 * H * nh * d + 3 * H * I, 2 * H * nkv * d, 3 * H * H
     lin = 2 * fc * 10 * 2 + 2 * (blk * 4 + kv * 14) * 3
     attn = 4 * nh * d * (4 * 6 + 4 * 4) * 3
-    f = drafter_step_flops(cfg, c, target_logits=False)
+    f = drafter_step_flops(cfg, c, target_logits=False, sync_free=False)
     assert f.model == lin + 2 * H * V * 3 * 2 + attn
-    assert f.computed == 2 * fc * 10 * 2 + 2 * (blk * 8 + kv * 18) * 3 + 2 * H * V * 3 * 2 \
-        + 4 * nh * d * 8 * 18 * 3.5
+    dense = 2 * fc * 10 * 2 + 2 * (blk * 8 + kv * 18) * 3 + 4 * nh * d * 8 * 18 * 3.5
+    assert f.computed == dense + 2 * H * V * 3 * 2
+    # sync-free loss (the default): the LM head runs on all 2 x 3 block slots, the model count is unchanged
+    g = drafter_step_flops(cfg, c, target_logits=False)
+    assert (g.model, g.computed) == (f.model, dense + 2 * H * V * 6 * 2)
 
 
 def test_rates_divide_by_the_measured_peak():
