@@ -69,7 +69,9 @@ TINY_SETTINGS = [
     "data.max_samples=160", "data.max_length=256", "data.tokens_per_batch=512", "data.packed_rows=2",
     "data.num_workers=1", "data.holdout=8", "trace.stats_interval_s=0.2",
 ]
-CPU_SETTINGS = ["process.target.device=cpu", "process.postprocess.device=cpu", "process.drafter.device=cpu"]
+CPU_SETTINGS = ["process.target.device=cpu", "process.postprocess.device=cpu", "process.drafter.device=cpu",
+                # the graphs' flex_attention trains on CUDA only (no flex backward on the CPU)
+                'drafter.attn_implementation="sdpa"', 'target.attn_implementation="sdpa"']
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

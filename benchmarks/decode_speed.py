@@ -45,11 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.data.tokenizer import load_tokenizer
     from dflash.eval import CachedDrafterProposer, _prompts, greedy_decode, speculative_decode
     from dflash.model_io import load_drafter
-    from dflash.target import load_target
+    import msgspec
+
+    from dflash.target import for_generation, load_target
 
     device = torch.device(args.device)
     drafter, dc, tc = load_drafter(args.checkpoint, device)
-    target = load_target(tc, device, dc.num_layers, need_final=True)
+    drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")  # as dflash.eval
+    target = load_target(for_generation(tc), device, dc.num_layers, need_final=True)
     drafter.to(target.model.dtype)
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")

@@ -506,11 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.data.tokenizer import load_tokenizer
     from dflash.model_io import load_drafter
     from dflash.runlog import quiet_progress_bars_when_piped
-    from dflash.target import load_target
+    from dflash.target import for_generation, load_target
 
     quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
     drafter, dc, tc = load_drafter(args.checkpoint, args.device)
-    target = load_target(tc, args.device, dc.num_layers, need_final=True)
+    # a run trained with flex_attention decodes with sdpa: same outputs, no compile per length
+    drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
+    target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)
     if target.layer_ids != list(dc.target_layer_ids):
         print(f"dflash.eval: target layers {target.layer_ids} != drafter's {dc.target_layer_ids}",
               file=sys.stderr)

@@ -280,7 +280,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     from dflash.data import DataError, load_tokenizer
     from dflash.data.sources import read_source
     from dflash.runlog import quiet_progress_bars_when_piped
-    from dflash.target import load_target
+    from dflash.target import for_generation, load_target
 
     quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
     out = Path(args.out)
@@ -316,7 +316,8 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     torch.manual_seed(args.seed)
     if cfg.target.path is None and cfg.target.vocab_size is None:
         cfg.target.vocab_size = len(tok)
-    model = load_target(cfg.target, device, cfg.drafter.num_layers, need_final=True).model.eval()
+    model = load_target(for_generation(cfg.target), device, cfg.drafter.num_layers,
+                        need_final=True).model.eval()
     print(f"dflash.regenerate: {len(records.conversations)} conversations of {cfg.data.source}, "
           f"{len(done)} already in {out}, {len(todo)} to answer on {device}", file=sys.stderr)
     skipped: Counter[str] = Counter(records.skipped)

@@ -38,6 +38,7 @@ from dflash.target_config import (
     TargetConfig,
     build_hf_config,
     check_overrides,
+    for_generation,
     resolve_dtype,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "default_layer_ids",
     "document_attention_mask",
     "document_causal_mask",
+    "for_generation",
     "load_shared_head",
     "load_target",
     "resolve_dtype",

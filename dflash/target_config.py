@@ -18,6 +18,7 @@ __all__ = [
     "TargetConfig",
     "build_hf_config",
     "check_overrides",
+    "for_generation",
     "known_config_keys",
     "resolve_dtype",
 ]
@@ -87,6 +88,15 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"target.vocab_size must be >= 1, got {self.vocab_size}")
+
+
+def for_generation(cfg: TargetConfig) -> TargetConfig:
+    """``cfg`` with ``attn_implementation = "sdpa"``: the target as token-by-token generation runs it
+    (``dflash.eval``, ``dflash.regenerate``, decode benchmarks). Training's ``flex_attention`` is
+    for packed documents, where a ``BlockMask`` skips the other documents' tiles; a KV-cached
+    decode has one sequence and no document mask, and flex would compile for every new length.
+    The outputs are the same (``tests/test_model_target.py`` holds the implementations equal)."""
+    return msgspec.structs.replace(cfg, attn_implementation="sdpa")
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:

@@ -86,6 +86,29 @@ def test_eval_cli_on_a_checkpoint(tmp_path, capsys):
     assert len(res["per_prompt"]) == 2 and res["tau"] == pytest.approx(res["mean_accepted"] + 1)
 
 
+def test_eval_of_a_flex_trained_checkpoint_decodes_as_sdpa(tmp_path, capsys):
+    """A run trained with flex_attention (drafter and target; CUDA-only for training) evaluates on
+    any device: eval decodes with sdpa, and its numbers equal those of the sdpa checkpoint."""
+    import msgspec
+
+    from dflash.eval import main as eval_main
+
+    d = make()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n{"prompt": "what is two plus two?"}\n')
+    results = []
+    for impl in ("sdpa", "flex_attention"):
+        ck = tmp_path / impl
+        ck.mkdir()
+        save_drafter(ck, d, msgspec.structs.replace(d.cfg, attn_implementation=impl),
+                     msgspec.structs.replace(TCFG, attn_implementation=impl))
+        assert eval_main([str(ck), "--prompts", str(prompts), "--max-new-tokens", "6",
+                          "--device", "cpu", "--json"]) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    sdpa, flex = results
+    assert flex["per_prompt"] == sdpa["per_prompt"] and flex["tau"] == sdpa["tau"]
+
+
 def test_export_cli_refuses_to_overwrite(tmp_path, capsys):
     """Regression: ``export CKPT -o CKPT`` overwrote the checkpoint's weights. Invariant: export
     never writes into a checkpoint, the input, a file path, or (without --force) a non-empty dir;

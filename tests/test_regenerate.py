@@ -142,3 +142,15 @@ def test_excluded_conversations_are_never_answered_and_are_counted(tmp_path, cap
     err = capsys.readouterr().err
     assert "line 1" in err and "source_index" in err and len(err.strip().splitlines()) == 1
     assert not out2.exists()
+
+
+def test_a_flex_attention_target_regenerates_as_sdpa(tmp_path):
+    """A graph whose target trains with flex_attention regenerates with sdpa (one sequence per row,
+    KV cache, no document mask): the same answers as the sdpa graph, no compile per length."""
+    src = _source(tmp_path)
+    outs = []
+    for impl in ("sdpa", "flex_attention"):
+        out = tmp_path / f"{impl}.jsonl"
+        assert regen.main(_args(src, out, "--set", f'target.attn_implementation="{impl}"')) == 0
+        outs.append(_lines(out))
+    assert outs[0] == outs[1] and outs[0]
