@@ -83,10 +83,12 @@ class TrainSection(_Table):
     """Cast the target features to the drafter's fp32 master dtype before ``fc`` even under bf16
     autocast: a [B, T, k*H] fp32 copy (about 1.3 GB per 16K-token batch at the 8B shape) that
     autocast rounds straight back. False lets ``fc`` read them in bf16; bitwise equal (tested)."""
-    lm_head_chunk: Annotated[int, Meta(ge=0)] = 0
+    lm_head_chunk: Annotated[int, Meta(ge=0)] = 2048
     """With sync_free_loss: LM head and loss this many block slots at a time (dflash.chunked_head),
     so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
-    3,840 slots); 0 = all at once. Same loss, gradients to rounding (tested); 1024 is a start."""
+    3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
+    rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
+    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, issue 17), hence the default."""
 
     def __post_init__(self) -> None:
         # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in

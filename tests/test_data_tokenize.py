@@ -248,3 +248,22 @@ def test_split_holdout_is_seeded_and_disjoint(tok, tmp_path):
     p = d.prompt(0)  # the context up to the first assistant turn, header included
     assert tok.decode(p.tolist()).endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     assert held.prompt(0).tolist() == d.prompt(int(held.rows[0])).tolist()
+
+
+def test_piped_progress_is_plain_lines_as_it_happens(monkeypatch):
+    """In a pipe or log file, progress is plain lines while it happens (not only a final bar):
+    one when the interval has passed, always one at the end, never box-drawing characters."""
+    import io
+
+    from dflash.data import tokenize as tk
+
+    out = io.StringIO()
+    clock = iter([0.0, 0.5, 2.6, 3.0, 3.1])
+    monkeypatch.setattr(tk.time, "monotonic", lambda: next(clock))
+    p = tk._LineProgress("chats.jsonl", 300, every_s=2.0, stream=out)
+    for _ in range(3):
+        p.advance(100)                # at 0.5 s: quiet; 2.6 s: a line; 3.0 s: the end, a line
+    lines = out.getvalue().splitlines()
+    assert lines == ["tokenizing chats.jsonl: 200/300 conversations (67%), 2.6 s",
+                     "tokenizing chats.jsonl: 300/300 conversations (100%), 3.0 s"]
+    assert "━" not in out.getvalue()

@@ -12,16 +12,18 @@ tokenizer's ``encode_batch`` on every core with the GIL released, so one thread'
 rendering and mask assembly overlap the other's tokenization. With ``num_workers > 1`` the
 chunks go to that many ``spawn`` processes (no ``fork`` of a process that may hold threads), each
 holding its own :class:`~dflash.data.chat.ChatEncoder` and tokenizing on one core. Results are
-reassembled in file order, so the arrays depend on neither. A rich progress bar counts
-conversations.
+reassembled in file order, so the arrays depend on neither. Progress counts conversations: a rich
+bar in a terminal, a plain line every 2 s (and at the end) in a pipe or log file.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from pathlib import Path
@@ -56,19 +58,50 @@ def _encode_chunk(job: tuple[int, list]) -> tuple[int, list]:
     return index, _ENCODER.encode_many(conversations)
 
 
+class _LineProgress:
+    """Progress for a log file or pipe: one plain line at most every ``every_s`` seconds, and one at
+    the end (a rich bar in a pipe prints only its final state)."""
+
+    def __init__(self, name: str, total: int, every_s: float = 2.0, stream=None) -> None:
+        self.name, self.total, self.every_s = name, total, every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = 0
+        self.t0 = self.last = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.done >= self.total or now - self.last >= self.every_s:
+            self.last = now
+            pct = 100.0 * self.done / max(self.total, 1)
+            print(f"tokenizing {self.name}: {self.done:,}/{self.total:,} conversations ({pct:.0f}%), "
+                  f"{now - self.t0:.1f} s", file=self.stream, flush=True)
+
+
+@contextmanager
+def _progress(name: str, total: int, enabled: bool):
+    """``advance(n)`` of a rich bar in a terminal, of plain lines otherwise; a no-op when disabled."""
+    if not enabled:
+        yield lambda n: None
+    elif sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("tokenizing {task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True)) as bar:
+            task = bar.add_task(name, total=total)
+            yield lambda n: bar.advance(task, n)
+    else:
+        yield _LineProgress(name, total).advance
+
+
 def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], workers: int,
                 progress: bool) -> list[Encoded | str]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     convs = records.conversations
     jobs = [(i, convs[s: s + CHUNK]) for i, s in enumerate(range(0, len(convs), CHUNK))]
     results: dict[int, list] = {}
-    columns = (TextColumn("tokenizing {task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    from rich.console import Console
-
-    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-        task = bar.add_task(Path(records.name).name, total=len(convs))
+    with _progress(Path(records.name).name, len(convs), progress) as advance:
         if workers <= 1 or len(jobs) <= 1:
             encoder = ChatEncoder(tokenizer, **kwargs)
             # at most THREADS chunks in flight: an error or Ctrl-C waits for those only
@@ -78,7 +111,7 @@ def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], 
                 while pending:
                     i, n, future = pending.popleft()
                     results[i] = future.result()
-                    bar.advance(task, n)
+                    advance(n)
                     for j, c in islice(todo, 1):
                         pending.append((j, len(c), pool.submit(encoder.encode_many, c)))
         else:
@@ -86,7 +119,7 @@ def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], 
             with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, kwargs)) as pool:
                 for i, encoded in pool.imap_unordered(_encode_chunk, jobs):
                     results[i] = encoded
-                    bar.advance(task, len(encoded))
+                    advance(len(encoded))
     return [e for i in range(len(jobs)) for e in results[i]]
 
 
