@@ -6,8 +6,9 @@ Used by ``benchmarks/bench_h200.py``. Every measurement runs the project's own c
 layers concatenated), the drafter step is :meth:`dflash.stages.drafter.DrafterStage.train_step`
 (:func:`dflash.train_step.train_step`: ``compute_loss`` under bf16 autocast, backward, clipping, the
 one host read, AdamW, schedule) on a stage built outside csp, and the features go through
-:func:`dflash.features.to_drafter_input`. Batches are drawn as ``dflash.prefetch`` draws them (same sampler order, same anchors) and pinned on
-CUDA, so every measurement sees the batches the pipeline sees, in the same order.
+:func:`dflash.features.to_drafter_input`. Batches are drawn as ``dflash.prefetch`` draws them (same
+sampler order, same anchors) and pinned on CUDA, so every measurement sees the batches the pipeline
+sees, in the same order.
 
 Memory: each function drops what it built when it returns; the caller runs :func:`release` after
 each measurement so the next one (and the csp stages, on their own streams) get the memory back.
