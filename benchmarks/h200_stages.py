@@ -4,10 +4,11 @@ loop and the plain transformers forward, with FLOP accounting for MFU.
 Used by ``benchmarks/bench_h200.py``. Every measurement runs the project's own code: the target is
 :class:`dflash.target.Target` (``forward`` over packed rows with the document mask, the captured
 layers concatenated), the drafter step is :meth:`dflash.stages.drafter.DrafterStage.train_step`
-(``compute_loss`` under bf16 autocast, backward, clipping, the one host read, AdamW, schedule) on a
-stage built outside csp, and the features go through :func:`dflash.stages.postprocess.to_drafter_input`.
-Batches are drawn as ``dflash.prefetch`` draws them (same sampler order, same anchors) and pinned on
-CUDA, so every measurement sees the batches the pipeline sees, in the same order.
+(:func:`dflash.train_step.train_step`: ``compute_loss`` under bf16 autocast, backward, clipping, the
+one host read, AdamW, schedule) on a stage built outside csp, and the features go through
+:func:`dflash.features.to_drafter_input`. Batches are drawn as ``dflash.prefetch`` draws them (same
+sampler order, same anchors) and pinned on CUDA, so every measurement sees the batches the pipeline
+sees, in the same order.
 
 Memory: each function drops what it built when it returns; the caller runs :func:`release` after
 each measurement so the next one (and the csp stages, on their own streams) get the memory back.
@@ -217,7 +218,7 @@ def drafter_stage(app: Any, device: torch.device) -> Any:
 
 def _drafter_input(app: Any, out: Any, device: torch.device) -> Any:
     import csp
-    from dflash.stages.postprocess import to_drafter_input
+    from dflash.features import to_drafter_input
 
     out = csp.cuda.to_device(out, device) if device != out.layer_hidden.device else out
     return to_drafter_input(out, feature_noise=app.cfg.train.feature_noise, seed=app.cfg.run.seed)

@@ -3,6 +3,8 @@
 prefetch --Batch--> target[i] --TargetOutput--> postprocess --DrafterInput--> drafter
 --StepMetrics--> monitor
 
+:class:`LossInput` is the part of a :class:`DrafterInput` the loss reads (``inp.loss_input()``).
+
 Tensors stay tensors (no serialisation in-process); msgspec Structs are used for their cheap,
 typed, slotted records. Shapes use B = rows in the batch, T = tokens per row, H = target hidden
 size, k = number of captured target layers, A = anchors per row.
@@ -76,8 +78,9 @@ class TargetOutput(msgspec.Struct, kw_only=True):
             target logits (hard labels from the data, ``kl_weight == 0``).
         replica: index of the target replica that produced it.
         target_s: seconds the target forward took (host-side, for monitoring).
-        postprocessed: True when the feature post-processing (noise) was already applied on the
-            target side (``[train].postprocess_side = "target"``).
+
+    With ``[train].postprocess_side = "target"`` the feature noise is already in ``layer_hidden``
+    (:mod:`dflash.features`).
     """
 
     batch: Batch
@@ -85,7 +88,6 @@ class TargetOutput(msgspec.Struct, kw_only=True):
     final_hidden: torch.Tensor | None
     replica: int
     target_s: float = 0.0
-    postprocessed: bool = False
 
 
 class DrafterInput(msgspec.Struct, kw_only=True):
@@ -106,6 +108,37 @@ class DrafterInput(msgspec.Struct, kw_only=True):
     anchors: torch.Tensor
     replica: int
     target_s: float = 0.0
+
+    def loss_input(self) -> "LossInput":
+        """The tensors :func:`dflash.objective.compute_loss` reads (no copies)."""
+        b = self.batch
+        return LossInput(features=self.features, input_ids=b.input_ids, loss_mask=b.loss_mask,
+                         doc_ids=b.doc_ids, position_ids=b.position_ids, anchors=self.anchors,
+                         final_hidden=self.final_hidden)
+
+
+class LossInput(msgspec.Struct, kw_only=True, frozen=True):
+    """What the drafter's loss reads for one batch (:func:`dflash.objective.compute_loss`), all on
+    the drafter's device.
+
+    Attributes:
+        features: ``[B, T, k*H]`` target features (target dtype: bf16 on GPU, fp32 on CPU).
+        input_ids: ``[B, T]`` int64 token ids.
+        loss_mask: ``[B, T]`` bool, True on tokens the drafter is trained to predict.
+        doc_ids: ``[B, T]`` int32/int64 document index within the row, -1 on padding.
+        position_ids: ``[B, T]`` int64, restarting at 0 at each packed document.
+        anchors: ``[B, A]`` int64 anchor positions, -1 in unused slots.
+        final_hidden: ``[B, T, H]`` target final hidden states (target dtype), or None when the
+            loss needs no target logits.
+    """
+
+    features: torch.Tensor
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor
+    position_ids: torch.Tensor
+    anchors: torch.Tensor
+    final_hidden: torch.Tensor | None = None
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):

@@ -1,4 +1,4 @@
-"""features -> loss: the one function the drafter stage calls per batch.
+"""features -> loss: the one function the training step (:mod:`dflash.train_step`) calls per batch.
 
 Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
 
@@ -26,6 +26,7 @@ from dflash.attention import training_layout
 from dflash.chunked_head import chunked_head_loss
 from dflash.drafter import DFlashDrafter
 from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
+from dflash.messages import LossInput
 from dflash.metrics import accuracy_per_position, streak_lengths
 from dflash.target import SharedHead
 
@@ -72,17 +73,15 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: tor
     return pos, trained
 
 
-def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Tensor,
-                 input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                 position_ids: torch.Tensor, anchors: torch.Tensor,
-                 final_hidden: torch.Tensor | None, cfg: LossConfig, sync_free: bool = True,
-                 features_fp32: bool = False, lm_head_chunk: int = 0) -> LossOutput:
+def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: LossConfig, *,
+                 sync_free: bool = True, features_fp32: bool = False, lm_head_chunk: int = 0) -> LossOutput:
     """One batch's loss and metrics (see the module docstring for the steps).
 
     Args:
-        features: ``[B, T, k*H]`` target features. input_ids/position_ids: ``[B, T]`` int64.
-        loss_mask: ``[B, T]`` bool. doc_ids: ``[B, T]`` (-1 padding). anchors: ``[B, A]`` (-1 empty).
-        final_hidden: ``[B, T, H]`` target final hidden states, or None.
+        drafter: the drafter (or its DDP wrapper). head: the target's frozen embedding and LM head.
+        x: the batch's tensors (:class:`dflash.messages.LossInput`, shapes and dtypes there;
+            ``DrafterInput.loss_input()`` on the training path).
+        cfg: the ``[loss]`` table.
         sync_free: ``[train].sync_free_loss``: fixed shapes, no host read (every slot through the
             LM head, weight 0 where untrained; counts stay tensors). False: the trained slots are
             picked by boolean masks (``N`` rows, a host sync each) and the counts are ints.
@@ -93,9 +92,11 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, *, features: torch.Te
             this many slots at a time (:mod:`dflash.chunked_head`); 0 = all slots at once.
 
     Raises:
-        ValueError: the config needs target logits and ``final_hidden`` is None, or the drafter
+        ValueError: the config needs target logits and ``x.final_hidden`` is None, or the drafter
             has no ``mask_token_id``.
     """
+    features, input_ids, loss_mask, doc_ids = x.features, x.input_ids, x.loss_mask, x.doc_ids
+    position_ids, anchors, final_hidden = x.position_ids, x.anchors, x.final_hidden
     dc = getattr(drafter, "module", drafter).cfg  # DDP-wrapped drafters keep their config inside
     bs = dc.block_size
     if dc.mask_token_id is None:

@@ -19,6 +19,7 @@ from dflash.anchors import sample_anchors  # noqa: E402
 from dflash.attention import sdpa_mask, training_layout  # noqa: E402
 from dflash.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash.loss import LossConfig  # noqa: E402
+from dflash.messages import LossInput  # noqa: E402
 from dflash.objective import compute_loss  # noqa: E402
 from dflash.target import TargetConfig, build_hf_config, document_causal_mask, load_target  # noqa: E402
 
@@ -115,9 +116,9 @@ def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss, sync_free
     feats = torch.randn(B, T, 2 * 128)
     final = torch.randn(B, T, 128) if loss.label == "target_argmax" else None
     with FlopCounterMode(display=False) as fc:
-        out = compute_loss(drafter, head, features=feats, input_ids=ids, loss_mask=lm, doc_ids=doc,
-                           position_ids=pos, anchors=anchors, final_hidden=final, cfg=loss,
-                           sync_free=sync_free)
+        x = LossInput(features=feats, input_ids=ids, loss_mask=lm, doc_ids=doc, position_ids=pos,
+                      anchors=anchors, final_hidden=final)
+        out = compute_loss(drafter, head, x, loss, sync_free=sync_free)
         out.loss.backward()
     c = drafter_counts(ids, lm, doc, anchors, BS, window=cfg.sliding_window)
     assert c.trained_slots == int(out.num_predictions) and c.valid_blocks == int(out.num_blocks)

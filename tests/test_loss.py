@@ -11,10 +11,18 @@ from dflash.anchors import sample_anchors
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
 from dflash.metrics import simulated_accepted_length, streak_lengths
+from dflash.messages import LossInput
 from dflash.objective import compute_loss
 from dflash.target import TargetConfig, load_target
 
 BS = 4
+
+
+def loss_input(s, **kw) -> LossInput:
+    """The fixture's batch as compute_loss's input (``kw`` replaces fields)."""
+    fields = dict(features=s["feats"], input_ids=s["ids"], loss_mask=s["lm"], doc_ids=s["doc"],
+                  position_ids=s["pos"], anchors=s["anchors"], final_hidden=s["final"])
+    return LossInput(**{**fields, **kw})
 
 
 def test_mixed_loss_matches_formula():
@@ -119,9 +127,7 @@ def test_compute_loss_matches_blockwise_reference(setup, cfg):
     """Invariant: slot j of the block at anchor a is scored against token a + j (target logits
     from position a + j - 1); packed rows and padding do not leak. An off-by-one fails here."""
     s = setup
-    out = compute_loss(s["drafter"], s["head"], features=s["feats"], input_ids=s["ids"],
-                       loss_mask=s["lm"], doc_ids=s["doc"], position_ids=s["pos"],
-                       anchors=s["anchors"], final_hidden=s["final"], cfg=cfg)
+    out = compute_loss(s["drafter"], s["head"], loss_input(s), cfg)
     with torch.no_grad():
         ref_loss, ref_ce, n = slow_reference(s, cfg)
     assert out.num_predictions == n > 20
@@ -155,9 +161,7 @@ def test_label_alignment_oracle(setup, shift, perfect):
     oracle off by one position is not."""
     s = setup
     oracle = _Oracle(s["drafter"], s["final"], s["anchors"], shift)
-    out = compute_loss(oracle, s["head"], features=s["feats"], input_ids=s["ids"], loss_mask=s["lm"],
-                       doc_ids=s["doc"], position_ids=s["pos"], anchors=s["anchors"],
-                       final_hidden=s["final"], cfg=LossConfig(label="target_argmax"))
+    out = compute_loss(oracle, s["head"], loss_input(s), LossConfig(label="target_argmax"))
     acc = out.acc_per_pos
     assert acc.shape == (BS - 1,)
     if perfect:
@@ -169,6 +173,4 @@ def test_label_alignment_oracle(setup, shift, perfect):
 def test_missing_final_hidden_is_a_clear_error(setup):
     s = setup
     with pytest.raises(ValueError, match="need_final=True"):
-        compute_loss(s["drafter"], s["head"], features=s["feats"], input_ids=s["ids"], loss_mask=s["lm"],
-                     doc_ids=s["doc"], position_ids=s["pos"], anchors=s["anchors"], final_hidden=None,
-                     cfg=LossConfig(kl_weight=0.5))
+        compute_loss(s["drafter"], s["head"], loss_input(s, final_hidden=None), LossConfig(kl_weight=0.5))

@@ -18,6 +18,7 @@ from dflash.anchors import sample_anchors
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.eval import evaluate, greedy_decode
 from dflash.loss import LossConfig
+from dflash.messages import LossInput
 from dflash.objective import compute_loss
 from dflash.target import TargetConfig, load_target
 
@@ -86,8 +87,9 @@ def test_drafter_trained_on_a_real_target_is_accepted_and_lossless(trained_targe
         with torch.no_grad():
             feats, final = target(x, pos, doc, need_final=True)
         anchors = sample_anchors(mask, doc, 16, BS, gen)
-        out = compute_loss(drafter, head, features=feats, input_ids=x, loss_mask=mask, doc_ids=doc,
-                           position_ids=pos, anchors=anchors, final_hidden=final, cfg=loss_cfg)
+        inp = LossInput(features=feats, input_ids=x, loss_mask=mask, doc_ids=doc, position_ids=pos,
+                        anchors=anchors, final_hidden=final)
+        out = compute_loss(drafter, head, inp, loss_cfg)
         out.loss.backward()
         opt.step()
         opt.zero_grad()

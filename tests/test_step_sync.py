@@ -16,6 +16,7 @@ import torch
 from dflash.anchors import sample_anchors
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.loss import LossConfig
+from dflash.messages import LossInput
 from dflash.objective import compute_loss
 from dflash.target import SharedHead, TargetConfig, load_target
 from tests.sync_probe import SyncProbe, device_syncs
@@ -50,9 +51,9 @@ def setup():
 
 def run_loss(s, cfg, drafter=None, **switches):
     drafter = drafter or DFlashDrafter(s["dcfg"], seed=1)
-    out = compute_loss(drafter, s["head"], features=s["feats"], input_ids=s["ids"], loss_mask=s["lm"],
-                       doc_ids=s["doc"], position_ids=s["pos"], anchors=s["anchors"],
-                       final_hidden=s["final"], cfg=cfg, **switches)
+    x = LossInput(features=s["feats"], input_ids=s["ids"], loss_mask=s["lm"], doc_ids=s["doc"],
+                  position_ids=s["pos"], anchors=s["anchors"], final_hidden=s["final"])
+    out = compute_loss(drafter, s["head"], x, cfg, **switches)
     out.loss.backward()
     return out, {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
@@ -163,7 +164,7 @@ def test_train_step_has_exactly_one_host_read(setup, tmp_path, sync_free):
     syncs = device_syncs(probe.syncs)
     if sync_free:
         assert [k for k, _ in syncs] == ["tolist"], syncs
-        assert syncs[0][1].startswith("stages/drafter.py")
+        assert syncs[0][1].startswith("dflash/train_step.py")
     else:
         assert len(syncs) > 1
     assert m.num_blocks == int((setup["anchors"] >= 0).sum()) and not m.skipped
@@ -198,7 +199,7 @@ def test_train_step_metrics_equal_with_sync_free_on_and_off(setup, tmp_path):
 def test_feature_noise_in_place_equals_formula(dtype):
     """The in-place feature noise is bitwise the plain ``features + std * rms * N(0, 1)`` with the
     same generator (and leaves its input untouched)."""
-    from dflash.stages.postprocess import apply_feature_noise
+    from dflash.features import apply_feature_noise
 
     x = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
     before = x.clone()
@@ -275,9 +276,10 @@ def test_chunked_lm_head_keeps_no_vocab_sized_activation(setup, cfg):
     V, H = setup["head"].vocab_size, setup["dcfg"].hidden_size
 
     def loss(**kw):
-        return lambda: compute_loss(d, setup["head"], features=setup["feats"], input_ids=setup["ids"],
-                                    loss_mask=setup["lm"], doc_ids=setup["doc"], position_ids=setup["pos"],
-                                    anchors=setup["anchors"], final_hidden=setup["final"], cfg=cfg, **kw)
+        x = LossInput(features=setup["feats"], input_ids=setup["ids"], loss_mask=setup["lm"],
+                      doc_ids=setup["doc"], position_ids=setup["pos"], anchors=setup["anchors"],
+                      final_hidden=setup["final"])
+        return lambda: compute_loss(d, setup["head"], x, cfg, **kw)
 
     whole, part = saved_bytes(loss()), saved_bytes(loss(lm_head_chunk=16))
     vocab_copies = 3 if cfg.kl_weight > 0 else 1

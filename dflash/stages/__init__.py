@@ -7,8 +7,8 @@ Importing this package registers the kinds with csp's registry.
 
 from dflash.stages.drafter import DrafterStage
 from dflash.stages.monitor import MonitorStage
-from dflash.stages.postprocess import PostprocessStage, to_drafter_input
+from dflash.stages.postprocess import PostprocessStage
 from dflash.stages.prefetch import PrefetchStage
 from dflash.stages.target import TargetStage
 
-__all__ = ["PrefetchStage", "TargetStage", "PostprocessStage", "DrafterStage", "MonitorStage", "to_drafter_input"]
+__all__ = ["PrefetchStage", "TargetStage", "PostprocessStage", "DrafterStage", "MonitorStage"]

@@ -8,10 +8,10 @@ import torch
 
 import csp
 from dflash.app import RunApp
+from dflash.features import FeaturePostprocess
 from dflash.loss import needs_final_hidden
 from dflash.messages import Batch, TargetOutput
 from dflash.sentinel import FiniteSentinel
-from dflash.stages.postprocess import apply_feature_noise
 from dflash.target import load_target
 
 
@@ -38,8 +38,7 @@ class TargetStage(csp.Process):
             app.cfg.target, self.device, num_draft_layers=app.cfg.drafter.num_layers, need_final=self.need_final
         )
         self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=app.cfg.train.check_channels)
-        self.postprocess_here = app.cfg.train.postprocess_side == "target"
-        self.noise, self.seed = app.cfg.train.feature_noise, app.cfg.run.seed
+        self.features = FeaturePostprocess.from_config(app.cfg)  # the noise, when postprocess_side = "target"
 
     def forward(self, batch: Batch) -> TargetOutput:
         """The target's hidden states for one batch (moved to this replica's device)."""
@@ -49,15 +48,13 @@ class TargetStage(csp.Process):
             layer_hidden, final_hidden = self.target.forward(
                 b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final
             )
-            if self.postprocess_here:  # [train].postprocess_side = "target"
-                layer_hidden = apply_feature_noise(layer_hidden, std=self.noise, seed=self.seed, batch_id=b.batch_id)
+            layer_hidden = self.features.at_target(layer_hidden, b.batch_id)
         return TargetOutput(
             batch=b,
             layer_hidden=layer_hidden,
             final_hidden=final_hidden,
             replica=self.ctx.replica,
             target_s=time.perf_counter() - t0,
-            postprocessed=self.postprocess_here,
         )
 
     def run(self, inputs, outputs) -> None:
