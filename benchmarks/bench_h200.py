@@ -78,7 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python benchmarks/bench_h200.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="graph-file override for every run, e.g. --set data.source=.devdata/sharegpt-subset.jsonl")
-    p.add_argument("--out", type=Path, default=OUT, help="results file (rewritten after each measurement)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results file (rewritten after each measurement; default benchmarks/results/h200.json, "
+                        "or runs/bench-h200/smoke.json with --smoke/--tiny, so a check never overwrites "
+                        "the committed H200 results)")
     p.add_argument("--merge", type=Path, action="append", default=[], metavar="FILE",
                    help="fold the runs of this earlier results file into --out (repeatable)")
     p.add_argument("--merge-only", action="store_true", help="only merge --merge files into --out")
@@ -105,6 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="copy each pipeline run's metrics.jsonl, csp/stats.jsonl and csp/trace.json here")
     args = p.parse_args(argv)
     small = args.smoke or args.tiny
+    if args.out is None:
+        args.out = ROOT / "runs" / "bench-h200" / "smoke.json" if small else OUT
     args.warmup = args.warmup if args.warmup is not None else (1 if small else 5)
     args.steps = args.steps if args.steps is not None else (2 if small else 20)
     args.sweep_steps = args.sweep_steps if args.sweep_steps is not None else (2 if small else 10)
