@@ -42,7 +42,7 @@ from typing import Any
 
 import msgspec
 
-MAD_TO_STD = 1.4826
+from dflash.spikes import MAD_TO_STD, spike_threshold  # noqa: F401 - re-exported
 
 
 class Spike(msgspec.Struct, frozen=True):
@@ -127,21 +127,6 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
-
-
-def spike_threshold(history: list[float], *, window: int = 20, k: float = 5.0, rel_floor: float = 0.01,
-                    min_history: int = 5) -> tuple[float, float] | None:
-    """``(median, threshold)`` of the last ``window`` finite losses, or None with too little history.
-
-    A loss above ``threshold = median + k * max(1.4826 * MAD, rel_floor * |median|)`` is a spike.
-    The monitor flags spikes live with this same rule.
-    """
-    recent = history[-window:]
-    if len(recent) < min_history:
-        return None
-    med = statistics.median(recent)
-    mad = statistics.median(abs(x - med) for x in recent)
-    return med, med + k * max(MAD_TO_STD * mad, rel_floor * abs(med))
 
 
 def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0,

@@ -9,7 +9,7 @@ import msgspec
 
 import csp
 from dflash.app import RunApp
-from dflash.logs import spike_threshold
+from dflash.spikes import spike_threshold
 from dflash.messages import StepMetrics
 from dflash.metrics_log import WandbSink, WindowAggregator
 
@@ -25,7 +25,7 @@ class MonitorStage(csp.Process):
     ``RUN_DIR/metrics.jsonl``, logs the same windows to wandb (offline unless configured), and
     refreshes the live display (rich on a terminal, plain lines otherwise) with
     throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss is a spike by
-    :func:`dflash.logs.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
+    :func:`dflash.spikes.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
     is flagged in the record and the log.
     """
 
