@@ -1,6 +1,6 @@
 """``python -m dflash.logs RUN_DIR``: what happened in a training run, from its files alone.
 
-Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/checkpoints/`` (formats in ``docs/architecture.md``)
+Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/checkpoints/`` (:mod:`dflash.records`, :mod:`dflash.checkpoint.format`)
 and reports:
 
 * **Segments.** Each ``start`` record (one per ``dflash.run`` process) opens a segment: a fresh
@@ -24,7 +24,7 @@ and reports:
 * **Checkpoints** with their health: every ``checkpoints/step_*`` (and leftover ``.tmp-*``)
   directory; ``meta.json`` gives step, loss and ``healthy``; a directory without ``meta.json`` is
   incomplete. ``resume = "auto"``'s rule decides which one it would pick: the newest whose files
-  and tensors pass :func:`dflash.resume.verify` (every newer one is listed with why it was
+  and tensors pass :func:`dflash.checkpoint.resume.verify` (every newer one is listed with why it was
   rejected); older ones get the cheap check (files present, headers readable). Directories
   ``checkpoints/archive-*`` (an earlier lineage moved aside) are counted, not scanned.
 
@@ -112,8 +112,7 @@ class LogReport(msgspec.Struct, frozen=True, kw_only=True):
 
 _PROBLEMS_SHOWN = 5
 
-Rec = Mapping[str, Any]
-"""A metrics.jsonl record: a :mod:`dflash.records` record, or a dict with the same keys."""
+Rec = Mapping[str, Any]  # a metrics.jsonl record: a dflash.records record, or a dict with the same keys
 
 
 def read_metrics(path: Path) -> tuple[list[Record], int]:

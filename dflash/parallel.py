@@ -103,7 +103,7 @@ def barrier(ctx: Any) -> None:
 
 def save_rank_state(ckpt_root: str | Path, step: int, ctx: Any, state: dict[str, Any]) -> Path:
     """Write this replica's ``state`` (``torch.save``-able: optimizer/scheduler state dicts, RNG
-    state, sampler state) atomically (:func:`dflash.checkpoint.write_rank_state`), then :func:`barrier`.
+    state, sampler state) atomically (:func:`dflash.checkpoint.files.write_rank_state`), then :func:`barrier`.
 
     Returns: the file written. Raises: OSError from the filesystem.
     """

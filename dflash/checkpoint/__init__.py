@@ -3,7 +3,9 @@
 * :mod:`dflash.checkpoint.format`: the layout, file names and ``meta.json`` (:class:`Meta`); listing,
   reading and validating a checkpoint directory.
 * :mod:`dflash.checkpoint.writer`: :class:`Checkpointer` (background, atomic, non-stalling saves,
-  ``keep_last`` retention, health), :func:`mark_unhealthy`, per-replica state files.
+  ``keep_last`` retention, health).
+* :mod:`dflash.checkpoint.files`: atomic small-file writes: JSON, :func:`mark_unhealthy`,
+  per-replica state files (:func:`write_rank_state`).
 * :mod:`dflash.checkpoint.resume`: which checkpoint a run continues from, verified; one lineage
   per directory; what a config change does. ``dflash.resume`` is this module under its older name.
 
@@ -49,13 +51,8 @@ from dflash.checkpoint.resume import (
     saved_config,
     verify,
 )
-from dflash.checkpoint.writer import (
-    Checkpointer,
-    Snapshot,
-    health_reason,
-    mark_unhealthy,
-    write_rank_state,
-)
+from dflash.checkpoint.files import mark_unhealthy, write_rank_state
+from dflash.checkpoint.writer import Checkpointer, Snapshot, health_reason
 
 __all__ = [
     "ARCHIVE_PREFIX", "DRAFTER_CONFIG", "META", "PREFIX", "RANK_STATE", "REQUIRED_FILES", "TARGET_CONFIG",

@@ -54,10 +54,10 @@ from dflash.checkpoint.format import (
     _split_tensors,
     list_checkpoints,
     nonfinite_tensors,
-    rank_state_path,
     read_meta,
     step_dir,
 )
+from dflash.checkpoint.files import fsync_dir, usual_mode, write_json
 from dflash.records import CheckpointRecord
 
 log = logging.getLogger("dflash.checkpoint")
@@ -73,47 +73,6 @@ def _snapshot_tree(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> An
         return type(obj)(_snapshot_tree(v, copy) for v in obj)
     return obj
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _current_umask() -> int:
-    """The process umask, read without changing it where Linux allows (``os.umask`` sets it, and
-    a thread creating a file meanwhile would get mode 0666)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
-def _usual_mode(*files: Path) -> None:
-    """Give files the mode ``open()`` would (``0o666 & ~umask``, 0644 under umask 022):
-    safetensors writes them 0600, unreadable by the user's group."""
-    mode = 0o666 & ~_current_umask()
-    for f in files:
-        os.chmod(f, mode)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(obj), indent=2))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -356,7 +315,7 @@ class Checkpointer:
         tmp.mkdir(parents=True)
         save_file({k: t.contiguous() for k, t in snap.weights.items()}, str(tmp / WEIGHTS))
         for name, cfg in snap.configs.items():
-            _write_json(tmp / name, cfg)
+            write_json(tmp / name, cfg)
         # Big tensors (optimizer moments) go to safetensors, the small rest to train_state.pt.
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _split_tensors(snap.train_state, "", tensors)
@@ -370,13 +329,13 @@ class Checkpointer:
                     window_skipped=snap.window_skipped, skipped_total=snap.skipped_total,
                     healthy=reason is None, reason=reason, lineage=self.lineage,
                     config_hash=self.config_hash, time=time.time(), save_s=save_s)
-        _write_json(tmp / META, meta)
-        _usual_mode(tmp / WEIGHTS, tmp / TRAIN_TENSORS)
-        _fsync_dir(tmp)
+        write_json(tmp / META, meta)
+        usual_mode(tmp / WEIGHTS, tmp / TRAIN_TENSORS)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if reason is None:
             self.last_healthy = final
             log.info("checkpoint step %d written to %s in %.2fs (background)", snap.step, final, save_s)
@@ -410,32 +369,3 @@ def health_reason(snap: Snapshot) -> str | None:
     if not math.isfinite(snap.loss):
         return f"the mean loss of the {snap.window_steps} steps since the previous checkpoint is not finite"
     return None
-
-
-
-def mark_unhealthy(path: Path, reason: str) -> None:
-    """Rewrite ``meta.json`` of a checkpoint with ``healthy: false`` and ``reason`` (atomically:
-    a temporary file renamed over it). No-op when it has no readable meta.json."""
-    meta = read_meta(path)
-    if meta is None:
-        return
-    meta.update(healthy=False, reason=reason)
-    tmp = path / ".meta.json.tmp"
-    _write_json(tmp, meta)
-    os.replace(tmp, path / META)
-    _fsync_dir(path)
-
-
-
-def write_rank_state(ckpt_root: str | Path, step: int, replica: int, state: dict[str, Any]) -> Path:
-    """Write replica ``replica``'s ``state`` (``torch.save``-able) to :func:`rank_state_path`
-    atomically (temporary file, fsync, rename). Returns the file. Raises OSError."""
-    path = rank_state_path(ckpt_root, step, replica)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
