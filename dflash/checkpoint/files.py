@@ -1,8 +1,10 @@
 """Atomic, durable writes of the checkpoint format's small files: JSON (fsynced), the rewrite of a
 ``meta.json`` (:func:`mark_unhealthy`) and the per-replica state files of a data-parallel run.
 
-Every write goes to a temporary name and is renamed over the target after an fsync, so a crash
-leaves the old file or the new one, never half of one.
+Every file is fsynced before it counts. :func:`mark_unhealthy` and :func:`write_rank_state` write a
+temporary name and rename it over the target, so a crash leaves the old file or the new one, never
+half of one; :func:`write_json` writes in place (the writer uses it inside its ``.tmp-`` directory,
+which is renamed as a whole).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = ["current_umask", "fsync_dir", "mark_unhealthy", "usual_mode", "write_
 
 
 def fsync_dir(path: Path) -> None:
+    """Make a rename or new entry in directory ``path`` durable (best effort: errors are ignored)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
