@@ -148,7 +148,9 @@ def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = Fals
         raise ValueError(f"-o {out_dir} is a file, not a directory; give a directory path")
     if not out.is_dir():
         return
-    if (out / "meta.json").exists() or (out / "train_state.pt").exists():
+    from dflash.checkpoint import is_checkpoint_dir
+
+    if is_checkpoint_dir(out):
         raise ValueError(f"-o {out_dir} is a training checkpoint; exporting there would overwrite "
                          "its weights; give a new directory")
     if any(out.iterdir()) and not force:

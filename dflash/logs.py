@@ -1,6 +1,6 @@
 """``python -m dflash.logs RUN_DIR``: what happened in a training run, from its files alone.
 
-Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/checkpoints/`` (formats in ``docs/architecture.md``)
+Reads ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/checkpoints/`` (:mod:`dflash.records`, :mod:`dflash.checkpoint.format`)
 and reports:
 
 * **Segments.** Each ``start`` record (one per ``dflash.run`` process) opens a segment: a fresh
@@ -24,7 +24,7 @@ and reports:
 * **Checkpoints** with their health: every ``checkpoints/step_*`` (and leftover ``.tmp-*``)
   directory; ``meta.json`` gives step, loss and ``healthy``; a directory without ``meta.json`` is
   incomplete. ``resume = "auto"``'s rule decides which one it would pick: the newest whose files
-  and tensors pass :func:`dflash.resume.verify` (every newer one is listed with why it was
+  and tensors pass :func:`dflash.checkpoint.resume.verify` (every newer one is listed with why it was
   rejected); older ones get the cheap check (files present, headers readable). Directories
   ``checkpoints/archive-*`` (an earlier lineage moved aside) are counted, not scanned.
 
@@ -38,11 +38,14 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-MAD_TO_STD = 1.4826
+from dflash.checkpoint.format import ARCHIVE_PREFIX, META, PREFIX, TMP_PREFIX
+from dflash.records import EndRecord, Record, SkipRecord, TrainRecord, read_records
+from dflash.spikes import MAD_TO_STD, spike_threshold  # noqa: F401 - re-exported
 
 
 class Spike(msgspec.Struct, frozen=True):
@@ -104,47 +107,26 @@ class LogReport(msgspec.Struct, frozen=True, kw_only=True):
     segments: list[Segment] = []
     archives: dict[str, int] = {}  # checkpoints/archive-* directory -> checkpoints in it
     descended_skips: int | None = None  # skip records of the steps the last train record descends from
+    problems: list[str] = []  # "PATH line N: why" of the first bad lines
 
 
-def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of a metrics.jsonl and the count of lines that are not JSON objects (a crashed
-    writer's half line). Raises FileNotFoundError."""
-    records, bad = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = msgspec.json.decode(line)
-        except msgspec.DecodeError:
-            bad += 1
-            continue
-        if isinstance(rec, dict) and "kind" in rec:
-            records.append(rec)
-        else:
-            bad += 1
-    return records, bad
+_PROBLEMS_SHOWN = 5
+
+Rec = Mapping[str, Any]  # a metrics.jsonl record: a dflash.records record, or a dict with the same keys
+
+
+def read_metrics(path: Path) -> tuple[list[Record], int]:
+    """The records of a metrics.jsonl (:func:`dflash.records.read_records`) and the count of lines
+    that are not records (a crashed writer's half line, an unknown kind). Raises FileNotFoundError."""
+    records, problems = read_records(path)
+    return records, len(problems)
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def spike_threshold(history: list[float], *, window: int = 20, k: float = 5.0, rel_floor: float = 0.01,
-                    min_history: int = 5) -> tuple[float, float] | None:
-    """``(median, threshold)`` of the last ``window`` finite losses, or None with too little history.
-
-    A loss above ``threshold = median + k * max(1.4826 * MAD, rel_floor * |median|)`` is a spike.
-    The monitor flags spikes live with this same rule.
-    """
-    recent = history[-window:]
-    if len(recent) < min_history:
-        return None
-    med = statistics.median(recent)
-    mad = statistics.median(abs(x - med) for x in recent)
-    return med, med + k * max(MAD_TO_STD * mad, rel_floor * abs(med))
-
-
-def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0,
+def find_spikes(train: list[Rec], *, window: int = 20, k: float = 5.0,
                 rel_floor: float = 0.01, min_history: int = 5) -> list[Spike]:
     """Loss spikes among ``train`` records (in file order) by the rule in the module docstring."""
     spikes, history = [], []
@@ -164,10 +146,10 @@ def find_spikes(train: list[dict[str, Any]], *, window: int = 20, k: float = 5.0
     return spikes
 
 
-def split_segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def split_segments(records: list[Rec]) -> list[list[Rec]]:
     """``records`` cut before every ``start`` record (records before the first one form their own
     segment)."""
-    segments: list[list[dict[str, Any]]] = []
+    segments: list[list[Rec]] = []
     for r in records:
         if r.get("kind") == "start" or not segments:
             segments.append([])
@@ -175,7 +157,7 @@ def split_segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return segments
 
 
-def describe_segments(records: list[dict[str, Any]]) -> list[Segment]:
+def describe_segments(records: list[Rec]) -> list[Segment]:
     """One :class:`Segment` per part of the log that one process wrote."""
     out, prev_end = [], None
     for seg in split_segments(records):
@@ -197,11 +179,11 @@ def describe_segments(records: list[dict[str, Any]]) -> list[Segment]:
     return out
 
 
-def descended_skips(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def descended_skips(records: list[Rec]) -> list[Rec]:
     """The ``skip`` records of the steps the last segment descends from: its own, then, segment by
     segment back to the last fresh start, those at or before the step the next segment resumed
     from (a resume from an earlier step discards the later ones)."""
-    out: list[dict[str, Any]] = []
+    out: list[Rec] = []
     upto = math.inf
     for seg in reversed(split_segments(records)):
         out += [r for r in seg if r.get("kind") == "skip" and r.get("step", 0) <= upto]
@@ -212,7 +194,7 @@ def descended_skips(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def find_gaps(records: list[dict[str, Any]], *, gap_factor: float = 3.0) -> list[Gap]:
+def find_gaps(records: list[Rec], *, gap_factor: float = 3.0) -> list[Gap]:
     """Intervals between consecutive train records of one segment longer than ``gap_factor`` x the
     median such interval (a restart is a segment boundary, not a gap: see :func:`describe_segments`)."""
     segments = []
@@ -246,22 +228,21 @@ def find_gaps(records: list[dict[str, Any]], *, gap_factor: float = 3.0) -> list
 def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     """Every ``step_*`` and ``.tmp-*`` directory under ``run_dir/checkpoints``, sorted by name, with
     its health and, by resume = "auto"'s rule, which one it would pick (module docstring)."""
-    from dflash.checkpoint import CheckpointError, check_files
-    from dflash.resume import verify
+    from dflash.checkpoint import CheckpointError, check_files, verify
 
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
     out = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(("step_", ".tmp"))):
-        meta_path = d / "meta.json"
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((PREFIX, TMP_PREFIX))):
+        meta_path = d / META
         meta: dict[str, Any] = {}
         if meta_path.is_file():
             try:
                 meta = msgspec.json.decode(meta_path.read_bytes())
             except msgspec.DecodeError:
                 meta = {}
-        if not meta or d.name.startswith(".tmp"):
+        if not meta or d.name.startswith(TMP_PREFIX):
             out.append(CheckpointInfo(name=d.name, complete=False))
             continue
         out.append(CheckpointInfo(name=d.name, complete=True, step=meta.get("step"),
@@ -290,8 +271,8 @@ def scan_archives(run_dir: Path) -> dict[str, int]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return {}
-    return {d.name: sum(1 for c in d.iterdir() if c.name.startswith("step_"))
-            for d in sorted(root.glob("archive-*")) if d.is_dir()}
+    return {d.name: sum(1 for c in d.iterdir() if c.name.startswith(PREFIX))
+            for d in sorted(root.glob(ARCHIVE_PREFIX + "*")) if d.is_dir()}
 
 
 def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
@@ -301,21 +282,21 @@ def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics log at {path}: is {run_dir} a dflash run directory?")
-    records, bad = read_metrics(path)
+    records, problems = read_records(path)
     counts: dict[str, int] = {}
     for r in records:
-        counts[r["kind"]] = counts.get(r["kind"], 0) + 1
-    train = [r for r in records if r["kind"] == "train"]
-    ends = [r for r in records if r["kind"] == "end"]
+        counts[r.kind] = counts.get(r.kind, 0) + 1
+    train = [r for r in records if isinstance(r, TrainRecord)]
+    ends = [r for r in records if isinstance(r, EndRecord)]
     return LogReport(
-        run_dir=str(run_dir), counts=counts, bad_lines=bad,
-        last_step=train[-1].get("step") if train else None,
+        run_dir=str(run_dir), counts=counts, bad_lines=len(problems), problems=problems[:_PROBLEMS_SHOWN],
+        last_step=train[-1].step if train else None,
         end_status=ends[-1].get("status") if ends else None,
         skipped_total=train[-1].get("skipped_total") if train else None,
         spikes=[s for seg in split_segments(records)
-                for s in find_spikes([r for r in seg if r["kind"] == "train"], window=window, k=k)],
-        skips=[Skip(step=r.get("step", -1), batch_id=r.get("batch_id"), reason=str(r.get("reason")),
-                    replica=r.get("replica")) for r in records if r["kind"] == "skip"],
+                for s in find_spikes([r for r in seg if isinstance(r, TrainRecord)], window=window, k=k)],
+        skips=[Skip(step=r.step, batch_id=r.get("batch_id"), reason=str(r.get("reason")),
+                    replica=r.get("replica")) for r in records if isinstance(r, SkipRecord)],
         gaps=find_gaps(records, gap_factor=gap_factor),
         checkpoints=scan_checkpoints(run_dir),
         segments=describe_segments(records),
@@ -331,6 +312,9 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
              f"end: {rep.end_status or 'none (still running or crashed)'}"]
     if rep.bad_lines:
         lines.append(f"warning: {rep.bad_lines} metrics.jsonl line(s) are not JSON records (skipped)")
+        lines += [f"  {p}" for p in rep.problems]
+        if rep.bad_lines > len(rep.problems):
+            lines.append(f"  ... and {rep.bad_lines - len(rep.problems)} more")
     lines.append(f"\nloss spikes ({len(rep.spikes)}; loss > median + {k:g} x 1.4826 MAD of the "
                  f"previous {window} train records):")
     for s in rep.spikes:

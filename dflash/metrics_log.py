@@ -17,25 +17,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from dflash.messages import StepMetrics
+from dflash.records import RecordBase, TrainRecord, encode
 
 
 class MetricsLog:
-    """Append-only, thread-safe JSONL writer for ``RUN_DIR/metrics.jsonl``; one flushed line per record."""
+    """Append-only, thread-safe JSONL writer for ``RUN_DIR/metrics.jsonl``; one flushed line per
+    record (the types of :mod:`dflash.records`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file = open(self.path, "ab", buffering=0)
-        self._encoder = msgspec.json.Encoder()
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record (a dict with a ``"kind"`` key); adds ``"time"`` if missing."""
-        record.setdefault("time", time.time())
-        line = self._encoder.encode(record) + b"\n"
+    def write(self, record: RecordBase | dict[str, Any]) -> None:
+        """Append one record; sets its ``time`` to now when unset. A dict (``{"kind": ..., ...}``, the
+        older API, still what :mod:`dflash.stages.drafter` may pass) is converted to its record type.
+
+        Raises:
+            dflash.records.MetricsFormatError: an unknown kind, field or value type (nothing written).
+        """
+        line = encode(record)
         with self._lock:
             if not self._file.closed:
                 self._file.write(line)
@@ -69,7 +72,7 @@ class WindowAggregator:
         self._last_time = start_time if start_time is not None else time.time()
         self.skipped_total = skipped_total
 
-    def add(self, m: StepMetrics) -> dict[str, Any] | None:
+    def add(self, m: StepMetrics) -> TrainRecord | None:
         """Add one step; returns the window's record when ``m.step`` closes a window, else None."""
         self._items.append(m)
         if m.skipped:
@@ -78,7 +81,7 @@ class WindowAggregator:
             return self.flush()
         return None
 
-    def flush(self) -> dict[str, Any] | None:
+    def flush(self) -> TrainRecord | None:
         """Emit the (possibly partial) open window, or None if it is empty."""
         if not self._items:
             return None
@@ -92,27 +95,26 @@ class WindowAggregator:
         target_s = sum(m.target_s for m in items)
         step_s = sum(m.step_s for m in items)
         acc = [_mean([m.acc_per_pos[j] for m in ok]) for j in range(len(ok[0].acc_per_pos))] if ok else []
-        return {
-            "kind": "train",
-            "step": last.step,
-            "window": len(items),
-            "steps_averaged": len(ok),
-            "loss": _mean([m.loss for m in ok]),
-            "ce": _mean([m.ce for m in ok]),
-            "kl": _mean([m.kl for m in ok]),
-            "acc": [round(a, 5) for a in acc],
-            "tau_sim": _mean([m.accepted_sim + 1.0 for m in ok]),
-            "accepted_sim": _mean([m.accepted_sim for m in ok]),
-            "lr": last.lr,
-            "grad_norm": _mean([m.grad_norm for m in ok]),
-            "tok_s": tokens / wall,
-            "target_tok_s": tokens / target_s if target_s > 0 else float("nan"),
-            "drafter_tok_s": tokens / step_s if step_s > 0 else float("nan"),
-            "padding_waste": padding / max(tokens + padding, 1),
-            "blocks": sum(m.num_blocks for m in items),
-            "skipped_total": self.skipped_total,
-            "time": last.time,
-        }
+        return TrainRecord(
+            step=last.step,
+            window=len(items),
+            steps_averaged=len(ok),
+            loss=_mean([m.loss for m in ok]),
+            ce=_mean([m.ce for m in ok]),
+            kl=_mean([m.kl for m in ok]),
+            acc=[round(a, 5) for a in acc],
+            tau_sim=_mean([m.accepted_sim + 1.0 for m in ok]),
+            accepted_sim=_mean([m.accepted_sim for m in ok]),
+            lr=last.lr,
+            grad_norm=_mean([m.grad_norm for m in ok]),
+            tok_s=tokens / wall,
+            target_tok_s=tokens / target_s if target_s > 0 else float("nan"),
+            drafter_tok_s=tokens / step_s if step_s > 0 else float("nan"),
+            padding_waste=padding / max(tokens + padding, 1),
+            blocks=sum(m.num_blocks for m in items),
+            skipped_total=self.skipped_total,
+            time=last.time,
+        )
 
 
 class WandbSink:
@@ -132,14 +134,14 @@ class WandbSink:
             project=project, name=name, dir=str(run_dir), mode=mode, config=config, reinit="create_new"
         )
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: TrainRecord) -> None:
         if self.run is None:
             return
         data = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
-        for j, a in enumerate(record.get("acc", []), start=1):
+        for j, a in enumerate(record.get("acc") or [], start=1):
             data[f"acc/pos{j}"] = a
         data = {k: v for k, v in data.items() if not (isinstance(v, float) and math.isnan(v))}
-        self.run.log(data, step=record["step"])
+        self.run.log(data, step=record.step)
 
     def close(self) -> None:
         if self.run is not None:

@@ -8,7 +8,8 @@ A drafter directory holds
 * ``target_config.json``: the :class:`dflash.target.TargetConfig` the drafter was trained against
   (so eval/export can rebuild the target and its shared head).
 
-:mod:`dflash.checkpoint` adds its own files (``meta.json``, ``train_state.pt``) next to these.
+:mod:`dflash.checkpoint.format` names these files (and the checkpoint's own, ``meta.json``,
+``train_state.pt``, that go next to them).
 """
 
 from __future__ import annotations
@@ -20,15 +21,13 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.checkpoint.format import DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.target import TargetConfig
 
 __all__ = ["DRAFTER_CONFIG", "TARGET_CONFIG", "WEIGHTS", "config_files", "load_configs",
            "load_drafter", "save_drafter"]
 
-WEIGHTS = "model.safetensors"
-DRAFTER_CONFIG = "drafter_config.json"
-TARGET_CONFIG = "target_config.json"
 
 
 def config_files(drafter_cfg: DrafterConfig, target_cfg: TargetConfig) -> dict[str, Any]:

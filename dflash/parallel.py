@@ -14,7 +14,8 @@ Checkpoints with several drafter ranks (replica = the drafter's rank inside its 
   from identical initial states, identical optimizer moments too: they are *replicas*;
 * every replica still writes its own small ``train_state`` (optimizer, scheduler, RNG state and
   anything per-rank such as the last sampler state it saw) to
-  ``CKPT_ROOT/rank_state/step_<step>.rank<replica>.pt`` (:func:`save_rank_state`, atomic), and on
+  ``CKPT_ROOT/rank_state/step_<step>.rank<replica>.pt`` (:func:`save_rank_state`, atomic; the
+  layout is :mod:`dflash.checkpoint.format`'s), and on
   resume reloads its own file (:func:`load_rank_state`): a run resumed on the same number of
   drafter ranks continues bit-for-bit, RNG streams included;
 * :func:`barrier` after the per-rank save keeps replica 0 from declaring a checkpoint complete
@@ -26,12 +27,13 @@ returns the module unchanged, :func:`is_writer` is True, :func:`barrier` returns
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from dflash.checkpoint import rank_state_path, read_rank_state, write_rank_state  # noqa: F401 - rank_state_path re-exported
 
 __all__ = ["barrier", "group", "is_writer", "load_rank_state", "rank_state_path", "save_rank_state",
            "unwrap", "world", "wrap"]
@@ -99,25 +101,13 @@ def barrier(ctx: Any) -> None:
         torch.distributed.barrier(group=g)
 
 
-def rank_state_path(ckpt_root: str | Path, step: int, replica: int) -> Path:
-    """``CKPT_ROOT/rank_state/step_<step:08d>.rank<replica>.pt``."""
-    return Path(ckpt_root) / "rank_state" / f"step_{step:08d}.rank{replica}.pt"
-
-
 def save_rank_state(ckpt_root: str | Path, step: int, ctx: Any, state: dict[str, Any]) -> Path:
     """Write this replica's ``state`` (``torch.save``-able: optimizer/scheduler state dicts, RNG
-    state, sampler state) atomically (temporary file, fsync, rename), then :func:`barrier`.
+    state, sampler state) atomically (:func:`dflash.checkpoint.files.write_rank_state`), then :func:`barrier`.
 
     Returns: the file written. Raises: OSError from the filesystem.
     """
-    path = rank_state_path(ckpt_root, step, ctx.replica)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    path = write_rank_state(ckpt_root, step, ctx.replica, state)
     barrier(ctx)
     return path
 
@@ -125,7 +115,4 @@ def save_rank_state(ckpt_root: str | Path, step: int, ctx: Any, state: dict[str,
 def load_rank_state(ckpt_root: str | Path, step: int, ctx: Any) -> dict[str, Any] | None:
     """This replica's state saved at ``step``, or None if there is none (a checkpoint written
     by a run with fewer drafter ranks: the caller falls back to replica 0's ``train_state``)."""
-    path = rank_state_path(ckpt_root, step, ctx.replica)
-    if not path.exists():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return read_rank_state(ckpt_root, step, ctx.replica)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,9 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _segments(records: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
     """Train records split at each ``start`` record (one list per run segment, non-empty)."""
-    segs: list[list[dict[str, Any]]] = [[]]
+    segs: list[list[Mapping[str, Any]]] = [[]]
     for r in records:
         if r.get("kind") == "start" and segs[-1]:
             segs.append([])
@@ -54,7 +55,7 @@ def _segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [s for s in segs if s]
 
 
-def _series(train: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(train: list[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], float(r[key])) for r in train if _finite(r.get(key)) and _finite(r.get("step"))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
@@ -92,8 +93,9 @@ def _require_matplotlib() -> None:
         raise PlotUnavailable(f"matplotlib is not installed: {INSTALL_HINT}") from exc
 
 
-def make_figure(records: list[dict[str, Any]], name: str = "run") -> Any:
-    """The six-panel matplotlib Figure of ``records`` (metrics.jsonl records, file order).
+def make_figure(records: list[Mapping[str, Any]], name: str = "run") -> Any:
+    """The six-panel matplotlib Figure of ``records`` (metrics.jsonl records, file order: those of
+    :mod:`dflash.records`, or dicts with the same keys).
 
     Raises: PlotUnavailable without matplotlib; ValueError when there is no train record.
     """
@@ -211,7 +213,7 @@ def _si_formatter() -> Any:
     return FuncFormatter(fmt)
 
 
-def _mark_events(axes: Any, records: list[dict[str, Any]], find_gaps: Any) -> list[tuple[Any, str]]:
+def _mark_events(axes: Any, records: list[Mapping[str, Any]], find_gaps: Any) -> list[tuple[Any, str]]:
     """Skips, checkpoints, resumes and logging gaps on every panel; returns the legend entries
     (handle, label) of the kinds present, for one legend under the figure."""
     from matplotlib.lines import Line2D

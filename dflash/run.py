@@ -20,6 +20,7 @@ is importable. Output: :mod:`dflash.runlog`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -38,12 +39,13 @@ import csp  # noqa: E402
 import csp.dist  # noqa: E402
 from dflash import runlog  # noqa: E402
 from dflash.app import RunApp  # noqa: E402
-from dflash.checkpoint import CheckpointError  # noqa: E402
+from dflash.checkpoint import CheckpointError, check_architecture  # noqa: E402, F401 - check_architecture: its older home
 from dflash.config import DFlashFile, config_hash, load_config, to_toml  # noqa: E402
 from dflash.metrics_log import MetricsLog  # noqa: E402
 from dflash.preflight import preflight  # noqa: E402
-from dflash.resume import (archive_foreign, choose as choose_resume, config_changes,  # noqa: E402
-                           new_lineage, saved_config)
+from dflash.checkpoint.resume import (archive_foreign, changes_since, choose as choose_resume,  # noqa: E402
+                                      new_lineage)
+from dflash.records import EndRecord, ResumeRecord, StartRecord  # noqa: E402
 
 log = logging.getLogger("dflash.run")
 
@@ -63,28 +65,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 setup_logging = runlog.setup  # terminal + RUN_DIR/run.log (dflash.runlog)
 close_logging = runlog.close
-
-
-_SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "intermediate_size", "vocab_size", "target_layer_ids", "layer_types")
-
-
-def check_architecture(ckpt: Path, drafter_cfg) -> None:
-    """Raise CheckpointError naming the drafter shape keys that differ from the checkpoint's."""
-    import json
-
-    try:
-        saved = json.loads((ckpt / "drafter_config.json").read_text())
-    except (OSError, ValueError):
-        return
-    now = msgspec.to_builtins(drafter_cfg)
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in _SHAPE_KEYS
-            if k in saved and saved.get(k) != now.get(k)]
-    if diff:
-        raise CheckpointError(
-            f"checkpoint {ckpt} has another drafter shape ({'; '.join(diff)}); resume it with its own "
-            "config, or start fresh with --resume none or another run.out_dir"
-        )
 
 
 def acquire_run_lock(run_dir: Path):
@@ -192,7 +172,7 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     if got is not None:
         ckpt, train_state, start_step = got.path, got.train_state, got.step
         sampler.load_state_dict(train_state["sampler"])
-        changes = _config_changes(got, cfg)
+        changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), config_hash(cfg))
         if changes:
             log.warning("the config differs from the one checkpoint %s was trained with: %s", ckpt,
                         "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else ""))
@@ -227,27 +207,13 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations, %s batching: padding waste %.1f%%, %d batches/epoch",
              len(train), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
-    metrics.write({"kind": "start", "config_hash": app.config_hash, "step": start_step, "lineage": app.lineage,
-                   "data": dataset.summary.to_dict(), "batching": msgspec.to_builtins(stats)})
+    metrics.write(StartRecord(config_hash=app.config_hash, step=start_step, lineage=app.lineage,
+                              data=dataset.summary.to_dict(), batching=msgspec.to_builtins(stats)))
     if got is not None:
-        metrics.write({"kind": "resume", "step": start_step, "path": str(ckpt),
-                       "rejected": [{"path": str(p), "reason": r} for p, r in got.rejected],
-                       "config_changes": changes})
+        metrics.write(ResumeRecord(step=start_step, path=str(ckpt),
+                                   rejected=[{"path": str(p), "reason": r} for p, r in got.rejected],
+                                   config_changes=changes))
     return app
-
-
-def _config_changes(got, cfg: DFlashFile) -> list[str]:
-    """What differs from the checkpoint's training config (dflash.resume.config_changes); only the
-    hashes when the checkpoint predates train_config.json."""
-    import json
-
-    saved = saved_config(got.path)
-    if saved is not None:
-        return config_changes(saved, json.loads(msgspec.json.encode(cfg)))
-    if got.meta.get("config_hash") not in (None, config_hash(cfg)):
-        return [f"config hash {got.meta.get('config_hash')} -> {config_hash(cfg)} (the checkpoint does not "
-                "record which keys)"]
-    return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,7 +282,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
     if app.steps_to_run == 0:  # the previous segment's csp stats and trace stay where csp.inspect reads them
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
-        app.metrics.write({"kind": "end", "status": "nothing to do", "exit_code": 0, "seconds": 0.0})
+        app.metrics.write(EndRecord(status="nothing to do", exit_code=0, seconds=0.0))
         app.metrics.close()
         if rank == 0:  # the short summary: where the checkpoint is and what to run next (no plot, no wandb)
             _summary(cfg, args, run_dir, "nothing to do", 0, None, None, None, plot=False, wandb_ran=False)
@@ -331,8 +297,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
     if csp.dist.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
         result, runtime = csp.dist.run(graph, run_dir=run_dir, app=app)
         status, code = result.status, result.exit_code
-        app.metrics.write({"kind": "end", "status": status, "exit_code": code, "rank": result.rank,
-                           "seconds": time.time() - t0})
+        app.metrics.write(EndRecord(status=status, exit_code=code, rank=result.rank, seconds=time.time() - t0))
         app.metrics.close()
         if rank == 0:
             _summary(cfg, args, run_dir, status, code, None, result.error, time.time() - t0)
@@ -353,7 +318,7 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
         status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
         _error(error)
     finally:
-        app.metrics.write({"kind": "end", "status": status, "exit_code": code, "seconds": time.time() - t0})
+        app.metrics.write(EndRecord(status=status, exit_code=code, seconds=time.time() - t0))
         app.metrics.close()
     _summary(cfg, args, run_dir, status, code, stopped_by, error, time.time() - t0)
     return code

@@ -26,11 +26,13 @@ import logging
 import math
 import shlex
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 from dflash import runlog
 from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
 from dflash.logs import read_metrics
+from dflash.records import SkipRecord, StartRecord, TrainRecord
 
 STATUS_TEXT = {
     "completed": "completed",
@@ -61,8 +63,9 @@ def last_healthy(run_dir: Path) -> Path | None:
     return healthy[-1] if healthy else None
 
 
-def segment(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the latest run segment: from the last ``start`` record on (all if none)."""
+def segment(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records (:mod:`dflash.records`, or dicts of the same keys) of the latest run segment:
+    from the last ``start`` record on (all if none)."""
     starts = [i for i, r in enumerate(records) if r.get("kind") == "start"]
     return records[starts[-1]:] if starts else records
 
@@ -124,9 +127,9 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     except OSError:
         records = []
     seg = segment(records)
-    start = next((r for r in seg if r.get("kind") == "start"), {})
-    train = [r for r in seg if r.get("kind") == "train"]
-    skips = [r for r in seg if r.get("kind") == "skip"]
+    start = next((r for r in seg if isinstance(r, StartRecord)), {})
+    train = [r for r in seg if isinstance(r, TrainRecord)]
+    skips = [r for r in seg if isinstance(r, SkipRecord)]
     last = train[-1] if train else {}
     start_step = int(start.get("step", 0) or 0)
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash import parallel
+from dflash.checkpoint import WEIGHTS
 from dflash.messages import StepMetrics
 from dflash.optim import DrafterOptimizer, load_optimizer_state
 
@@ -26,7 +27,7 @@ def restore(drafter: torch.nn.Module, o: DrafterOptimizer, app: Any, ctx: Any, d
     """Load ``app.resume_path``'s weights, optimizer, schedule and torch RNG state; returns the
     checkpoint's ``skipped_total``.
 
-    The weights come from ``app.resume_weights`` when :mod:`dflash.resume` already read and verified
+    The weights come from ``app.resume_weights`` when :mod:`dflash.checkpoint.resume` already read and verified
     them (then released), else from ``model.safetensors`` onto ``device``.
     """
     path, state = app.resume_path, app.train_state
@@ -34,7 +35,7 @@ def restore(drafter: torch.nn.Module, o: DrafterOptimizer, app: Any, ctx: Any, d
         state = parallel.load_rank_state(path.parent, app.start_step, ctx) or state
     weights = app.resume_weights
     if weights is None:
-        weights = load_file(str(path / "model.safetensors"), device=str(device))
+        weights = load_file(str(path / WEIGHTS), device=str(device))
     drafter.load_state_dict(weights)
     app.resume_weights = None  # the parameters hold them now
     load_optimizer_state(o, state, app.cfg.train)

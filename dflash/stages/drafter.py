@@ -25,7 +25,7 @@ from dflash.messages import DrafterInput, StepMetrics
 from dflash.model_io import config_files
 from dflash.nonfinite import NonFiniteGuard, last_trusted_checkpoint
 from dflash.optim import make_optimizer
-from dflash.resume import TRAIN_CONFIG
+from dflash.checkpoint import TRAIN_CONFIG
 from dflash.train_state import CheckpointWindow, newest_sampler_state, restore, train_state
 from dflash.train_step import train_step
 

@@ -9,9 +9,10 @@ import msgspec
 
 import csp
 from dflash.app import RunApp
-from dflash.logs import spike_threshold
+from dflash.spikes import spike_threshold
 from dflash.messages import StepMetrics
 from dflash.metrics_log import WandbSink, WindowAggregator
+from dflash.records import SkipRecord, TrainRecord
 
 log = logging.getLogger("dflash.monitor")
 
@@ -25,7 +26,7 @@ class MonitorStage(csp.Process):
     ``RUN_DIR/metrics.jsonl``, logs the same windows to wandb (offline unless configured), and
     refreshes the live display (rich on a terminal, plain lines otherwise) with
     throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss is a spike by
-    :func:`dflash.logs.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
+    :func:`dflash.spikes.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
     is flagged in the record and the log.
     """
 
@@ -51,8 +52,8 @@ class MonitorStage(csp.Process):
     def run(self, inputs, outputs) -> None:
         for m in inputs["metrics"]:
             if m.skipped:
-                self.app.metrics.write({"kind": "skip", "step": m.step, "batch_id": m.batch_id, "replica": m.replica,
-                                        "reason": m.skip_reason, "time": m.time})
+                self.app.metrics.write(SkipRecord(step=m.step, batch_id=m.batch_id, replica=m.replica,
+                                                  reason=m.skip_reason, time=m.time))
                 log.warning("step %d skipped (%s, batch %d from target[%d])", m.step, m.skip_reason, m.batch_id,
                             m.replica)
             record = self.windows.add(m)
@@ -62,13 +63,13 @@ class MonitorStage(csp.Process):
         if record is not None:
             self._emit(record)
 
-    def _emit(self, record: dict) -> None:
-        loss = record["loss"]
+    def _emit(self, record: TrainRecord) -> None:
+        loss = record.loss
         got = spike_threshold(self.losses, k=self.app.cfg.monitor.spike_k)  # the rule dflash.logs uses
         if got is not None and loss == loss and loss > got[1]:
-            record["spike"] = True
+            record.spike = True
             log.warning("loss spike at step %d: %.4f (median of recent windows %.4f, threshold %.4f)",
-                        record["step"], loss, got[0], got[1])
+                        record.step, loss, got[0], got[1])
         if loss == loss:
             self.losses.append(loss)
         self.app.metrics.write(record)

@@ -1,16 +1,6 @@
-"""Atomic, non-stalling checkpoints of the drafter's training state, retention and resume.
+"""Atomic, non-stalling checkpoint writes of the drafter's training state, retention and health.
 
-Layout of one checkpoint (see docs/architecture.md)::
-
-    RUN_DIR/checkpoints/step_00000100/
-        model.safetensors     drafter weights (public DFlash parameter names)
-        drafter_config.json   target_config.json
-        train_state.safetensors  optimizer moments (and any other tensor of the train state)
-        train_state.pt        the rest: scheduler, sampler and RNG state, step, references
-        train_config.json     the resolved graph file the run trained with (resume names what changed)
-        meta.json             {"step", "batch_id", "loss", "window_steps", "window_skipped",
-                               "skipped_total", "healthy", "reason", "lineage", "config_hash",
-                               "time", "save_s"}
+The layout written is :mod:`dflash.checkpoint.format`'s (``meta.json`` is its :class:`Meta`).
 
 How a save avoids stalling the pipeline (failure mode 4 of DESIGN.md): the training thread only
 *snapshots* the state — on CUDA a device-to-device clone on a side stream, ordered after the
@@ -29,16 +19,16 @@ loss of its own window — the mean over the steps trained since the previous ch
 steps excluded — is finite. Otherwise it is written with ``healthy: false`` and a ``reason``, and
 ``resume = "auto"`` passes over it. A run that stops on a non-finite streak which began right after
 a healthy checkpoint marks that checkpoint unhealthy too (:func:`mark_unhealthy`): its weights are
-what every later step failed on. :mod:`dflash.resume` verifies the tensors themselves before a
+what every later step failed on. :mod:`dflash.checkpoint.resume` verifies the tensors themselves before a
 resume.
 
 Lineage: every checkpoint records the ``lineage`` id of the run that wrote it (a fresh start makes a
 new id, a resume keeps the checkpoint's). Retention only ever deletes checkpoints of its own lineage.
 """
 
+
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -53,19 +43,24 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
+from dflash.checkpoint.format import (
+    META,
+    TMP_PREFIX,
+    TRAIN_STATE,
+    TRAIN_TENSORS,
+    WEIGHTS,
+    CheckpointError,
+    Meta,
+    _split_tensors,
+    list_checkpoints,
+    nonfinite_tensors,
+    read_meta,
+    step_dir,
+)
+from dflash.checkpoint.files import fsync_dir, usual_mode, write_json
+from dflash.records import CheckpointRecord
+
 log = logging.getLogger("dflash.checkpoint")
-
-_PREFIX = "step_"
-_TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be found, read or trusted; the message says which and what to do."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    """``root/step_00000100`` for step 100."""
-    return root / f"{_PREFIX}{step:08d}"
 
 
 def _snapshot_tree(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -78,47 +73,6 @@ def _snapshot_tree(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> An
         return type(obj)(_snapshot_tree(v, copy) for v in obj)
     return obj
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _current_umask() -> int:
-    """The process umask, read without changing it where Linux allows (``os.umask`` sets it, and
-    a thread creating a file meanwhile would get mode 0666)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o22)
-    os.umask(mask)
-    return mask
-
-
-def _usual_mode(*files: Path) -> None:
-    """Give files the mode ``open()`` would (``0o666 & ~umask``, 0644 under umask 022):
-    safetensors writes them 0600, unreadable by the user's group."""
-    mode = 0o666 & ~_current_umask()
-    for f in files:
-        os.chmod(f, mode)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(obj), indent=2))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -147,8 +101,8 @@ class Checkpointer:
         keep_last: how many complete healthy checkpoints of this lineage to keep (older ones are
             deleted after a newer one is written; see :meth:`_apply_retention`).
         config_hash: hash of the resolved graph file, stored in ``meta.json``.
-        on_event: called from the writer thread with a dict for ``metrics.jsonl``
-            (``{"kind": "checkpoint", ...}``) after each save attempt.
+        on_event: called from the writer thread with a :class:`dflash.records.CheckpointRecord`
+            for ``metrics.jsonl`` after each save attempt.
         lineage: id of the run's lineage, stored in ``meta.json``; retention never deletes a
             checkpoint of another lineage (or of none).
     """
@@ -159,13 +113,13 @@ class Checkpointer:
         *,
         keep_last: int,
         config_hash: str,
-        on_event: Callable[[dict[str, Any]], None] | None = None,
+        on_event: Callable[[CheckpointRecord], None] | None = None,
         lineage: str | None = None,
     ) -> None:
         self.root = Path(root)
         self.lineage = lineage
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(_TMP_PREFIX + "*"):
+        for stale in self.root.glob(TMP_PREFIX + "*"):
             shutil.rmtree(stale, ignore_errors=True)  # left by a crash mid-save
         self.keep_last = keep_last
         self.config_hash = config_hash
@@ -351,38 +305,37 @@ class Checkpointer:
         if bad or bad_state:
             what = f"non-finite weights in {bad[:5]}" if bad else f"non-finite train state in {bad_state[:5]}"
             log.error("not writing checkpoint at step %d: %s", snap.step, what)
-            self.on_event({"kind": "checkpoint", "step": snap.step, "path": None, "healthy": False,
-                           "reason": what, "save_s": 0.0, "time": time.time()})
+            self.on_event(CheckpointRecord(step=snap.step, path=None, healthy=False, reason=what, save_s=0.0,
+                                           time=time.time()))
             return
         reason = health_reason(snap)
         final = step_dir(self.root, snap.step)
-        tmp = self.root / f"{_TMP_PREFIX}{final.name}"
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file({k: t.contiguous() for k, t in snap.weights.items()}, str(tmp / "model.safetensors"))
+        save_file({k: t.contiguous() for k, t in snap.weights.items()}, str(tmp / WEIGHTS))
         for name, cfg in snap.configs.items():
-            _write_json(tmp / name, cfg)
+            write_json(tmp / name, cfg)
         # Big tensors (optimizer moments) go to safetensors, the small rest to train_state.pt.
         tensors: dict[str, torch.Tensor] = {}
         skeleton = _split_tensors(snap.train_state, "", tensors)
-        save_file(tensors, str(tmp / "train_state.safetensors"))
-        with open(tmp / "train_state.pt", "wb") as f:
+        save_file(tensors, str(tmp / TRAIN_TENSORS))
+        with open(tmp / TRAIN_STATE, "wb") as f:
             torch.save(skeleton, f)
             f.flush()
             os.fsync(f.fileno())
         save_s = time.perf_counter() - snap.started
-        meta = {"step": snap.step, "batch_id": snap.batch_id, "loss": snap.loss,
-                "window_steps": snap.window_steps, "window_skipped": snap.window_skipped,
-                "skipped_total": snap.skipped_total, "healthy": reason is None, "reason": reason,
-                "lineage": self.lineage, "config_hash": self.config_hash, "time": time.time(),
-                "save_s": save_s}
-        _write_json(tmp / "meta.json", meta)
-        _usual_mode(tmp / "model.safetensors", tmp / "train_state.safetensors")
-        _fsync_dir(tmp)
+        meta = Meta(step=snap.step, batch_id=snap.batch_id, loss=snap.loss, window_steps=snap.window_steps,
+                    window_skipped=snap.window_skipped, skipped_total=snap.skipped_total,
+                    healthy=reason is None, reason=reason, lineage=self.lineage,
+                    config_hash=self.config_hash, time=time.time(), save_s=save_s)
+        write_json(tmp / META, meta)
+        usual_mode(tmp / WEIGHTS, tmp / TRAIN_TENSORS)
+        fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         if reason is None:
             self.last_healthy = final
             log.info("checkpoint step %d written to %s in %.2fs (background)", snap.step, final, save_s)
@@ -390,9 +343,8 @@ class Checkpointer:
             log.warning("checkpoint step %d written to %s but marked UNHEALTHY (%s); resume = \"auto\" "
                         "will not pick it", snap.step, final, reason)
         self._apply_retention()
-        self.on_event({"kind": "checkpoint", "step": snap.step, "path": str(final), "healthy": reason is None,
-                       **({"reason": reason} if reason else {}), "save_s": round(save_s, 4),
-                       "time": time.time()})
+        self.on_event(CheckpointRecord(step=snap.step, path=str(final), healthy=reason is None,
+                                       reason=reason or msgspec.UNSET, save_s=round(save_s, 4), time=time.time()))
 
     def _apply_retention(self) -> None:
         """Keep the newest ``keep_last`` healthy checkpoints of this lineage and, of its unhealthy
@@ -417,143 +369,3 @@ def health_reason(snap: Snapshot) -> str | None:
     if not math.isfinite(snap.loss):
         return f"the mean loss of the {snap.window_steps} steps since the previous checkpoint is not finite"
     return None
-
-
-def nonfinite_tensors(tree: Any, path: str = "") -> list[str]:
-    """Paths (``/optimizer/state/0/exp_avg``) of the floating-point tensors in a nested structure
-    that hold a NaN or an Inf."""
-    if isinstance(tree, torch.Tensor):
-        return [path or "tensor"] if tree.is_floating_point() and not torch.isfinite(tree).all() else []
-    if isinstance(tree, dict):
-        return [b for k, v in tree.items() for b in nonfinite_tensors(v, f"{path}/{k}")]
-    if isinstance(tree, (list, tuple)):
-        return [b for i, v in enumerate(tree) for b in nonfinite_tensors(v, f"{path}/{i}")]
-    return []
-
-
-def mark_unhealthy(path: Path, reason: str) -> None:
-    """Rewrite ``meta.json`` of a checkpoint with ``healthy: false`` and ``reason`` (atomically:
-    a temporary file renamed over it). No-op when it has no readable meta.json."""
-    meta = read_meta(path)
-    if meta is None:
-        return
-    meta.update(healthy=False, reason=reason)
-    tmp = path / ".meta.json.tmp"
-    _write_json(tmp, meta)
-    os.replace(tmp, path / "meta.json")
-    _fsync_dir(path)
-
-
-_TENSOR_REF = "__safetensors__:"
-
-
-def _split_tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> Any:
-    """Replace every tensor in a nested structure by a reference and collect it in ``out``."""
-    if isinstance(obj, torch.Tensor):
-        out[path] = obj.contiguous()
-        return _TENSOR_REF + path
-    if isinstance(obj, dict):
-        return {k: _split_tensors(v, f"{path}/{k}", out) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_split_tensors(v, f"{path}/{i}", out) for i, v in enumerate(obj))
-    return obj
-
-
-def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`_split_tensors`."""
-    if isinstance(obj, str) and obj.startswith(_TENSOR_REF):
-        return tensors[obj[len(_TENSOR_REF):]]
-    if isinstance(obj, dict):
-        return {k: _join_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_join_tensors(v, tensors) for v in obj)
-    return obj
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint directories under ``root`` (complete or not, no ``.tmp-*``), oldest step first."""
-    if not root.is_dir():
-        return []
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX)]
-    return sorted(dirs, key=lambda p: p.name)
-
-
-def read_meta(path: Path) -> dict[str, Any] | None:
-    """``meta.json`` of a checkpoint, or None if it is missing or unreadable (an incomplete save)."""
-    try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-REQUIRED_FILES = ("meta.json", "model.safetensors", "drafter_config.json", "target_config.json",
-                  "train_state.pt", "train_state.safetensors")
-"""Every file a checkpoint needs to be resumed, evaluated or exported."""
-
-
-def check_files(path: Path) -> dict[str, Any]:
-    """The cheap part of :func:`dflash.resume.verify`: ``meta.json`` marks the checkpoint healthy,
-    every file of :data:`REQUIRED_FILES` is present, the configs parse and the safetensors headers
-    cover their files (no tensor data read). Returns ``meta.json``.
-
-    Raises:
-        CheckpointError: the reason it cannot be used.
-    """
-    from safetensors import safe_open
-
-    path = Path(path)
-    meta = read_meta(path)
-    if meta is None:
-        raise CheckpointError("meta.json is missing or unreadable (an interrupted or damaged save)")
-    if not meta.get("healthy"):
-        raise CheckpointError(f"marked unhealthy ({meta.get('reason') or 'no reason recorded'})")
-    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-    if missing:
-        raise CheckpointError(f"{', '.join(missing)} missing")
-    for name in ("drafter_config.json", "target_config.json"):
-        try:
-            json.loads((path / name).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{name} is unreadable ({exc})") from exc
-    for name in ("model.safetensors", "train_state.safetensors"):
-        try:
-            with safe_open(str(path / name), "pt"):
-                pass
-        except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: an unusable file
-            raise CheckpointError(f"{name} is unreadable ({exc})") from exc
-    return meta
-
-
-def is_healthy(path: Path) -> bool:
-    """True if :func:`check_files` passes: complete, marked healthy, every file present, configs and
-    safetensors headers readable (``safe_open`` checks that a file is as long as its header says: a
-    truncated copy fails). Cheap: no tensor data is read; :func:`dflash.resume.verify` reads it."""
-    try:
-        check_files(path)
-    except CheckpointError:
-        return False
-    return True
-
-
-def load_train_state(path: Path) -> dict[str, Any]:
-    """The ``train_state.pt`` of a checkpoint (optimizer, scheduler, sampler, RNG, counters), its
-    tensor references filled from ``train_state.safetensors``.
-
-    Raises:
-        CheckpointError: a file is missing, truncated or unreadable, or a referenced tensor is absent
-            (the message names the file, not the checkpoint: the caller does).
-    """
-    from safetensors.torch import load_file
-
-    try:
-        skeleton = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
-        big = path / "train_state.safetensors"
-        tensors = load_file(str(big)) if big.is_file() else {}
-        return _join_tensors(skeleton, tensors)
-    except KeyError as exc:
-        raise CheckpointError(f"train_state.pt refers to tensor {exc}, which is not in "
-                              "train_state.safetensors") from exc
-    except Exception as exc:  # noqa: BLE001 - unpickling/safetensors/OS errors: an unusable file
-        # The first sentence only: torch's zip errors run on for several more.
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
-        raise CheckpointError(f"train_state.pt or train_state.safetensors is unreadable ({first})") from exc

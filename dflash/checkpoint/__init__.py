@@ -1,0 +1,65 @@
+"""Checkpoints of the drafter's training state: one home for the on-disk format.
+
+* :mod:`dflash.checkpoint.format`: the layout, file names and ``meta.json`` (:class:`Meta`); listing,
+  reading and validating a checkpoint directory.
+* :mod:`dflash.checkpoint.writer`: :class:`Checkpointer` (background, atomic, non-stalling saves,
+  ``keep_last`` retention, health).
+* :mod:`dflash.checkpoint.files`: atomic small-file writes: JSON, :func:`mark_unhealthy`,
+  per-replica state files (:func:`write_rank_state`).
+* :mod:`dflash.checkpoint.resume`: which checkpoint a run continues from, verified; one lineage
+  per directory; what a config change does. ``dflash.resume`` is this module under its older name.
+
+Every public name of the three is importable from here.
+"""
+
+from dflash.checkpoint.format import (
+    ARCHIVE_PREFIX,
+    DRAFTER_CONFIG,
+    META,
+    PREFIX,
+    RANK_STATE,
+    REQUIRED_FILES,
+    TARGET_CONFIG,
+    TMP_PREFIX,
+    TRAIN_CONFIG,
+    TRAIN_STATE,
+    TRAIN_TENSORS,
+    WEIGHTS,
+    CheckpointError,
+    Meta,
+    check_files,
+    is_checkpoint_dir,
+    is_healthy,
+    list_checkpoints,
+    load_train_state,
+    nonfinite_tensors,
+    rank_state_files,
+    rank_state_path,
+    read_meta,
+    read_rank_state,
+    step_dir,
+)
+from dflash.checkpoint.resume import (
+    Resume,
+    archive_foreign,
+    changes_since,
+    check_architecture,
+    choose,
+    config_changes,
+    new_lineage,
+    resolve_resume,
+    saved_config,
+    verify,
+)
+from dflash.checkpoint.files import mark_unhealthy, write_rank_state
+from dflash.checkpoint.writer import Checkpointer, Snapshot, health_reason
+
+__all__ = [
+    "ARCHIVE_PREFIX", "DRAFTER_CONFIG", "META", "PREFIX", "RANK_STATE", "REQUIRED_FILES", "TARGET_CONFIG",
+    "TMP_PREFIX", "TRAIN_CONFIG", "TRAIN_STATE", "TRAIN_TENSORS", "WEIGHTS", "CheckpointError",
+    "Checkpointer", "Meta", "Resume", "Snapshot", "archive_foreign", "changes_since", "check_architecture",
+    "check_files", "choose", "config_changes", "health_reason", "is_checkpoint_dir", "is_healthy",
+    "list_checkpoints", "load_train_state", "mark_unhealthy", "new_lineage", "nonfinite_tensors",
+    "rank_state_files", "rank_state_path", "read_meta", "read_rank_state", "resolve_resume",
+    "saved_config", "step_dir", "verify", "write_rank_state",
+]

@@ -1,0 +1,300 @@
+"""Which checkpoint a run continues from, proof that it can be trusted, and one lineage per directory.
+
+The rules (README "Resume"):
+
+* **Verified before use.** A checkpoint is resumable when ``meta.json`` marks it healthy, every file
+  of :data:`dflash.checkpoint.format.REQUIRED_FILES` is present and readable, and every floating-point
+  tensor — weights and optimizer moments — is finite (:func:`verify` reads them all).
+* **auto** takes the newest checkpoint of ``RUN_DIR/checkpoints`` that passes; every newer one it
+  passes over is returned in :attr:`Resume.rejected` with the reason, for a loud log line. An
+  explicit path that fails is an error (no silent substitute for what was asked).
+* **One lineage per directory.** ``checkpoints/`` only holds the checkpoints the current run
+  descends from: a fresh start moves every existing checkpoint, and a resume from step S moves the
+  ones newer than S or of another lineage, to ``checkpoints/archive-<UTC time>/``
+  (:func:`archive_foreign`). Nothing is deleted, and retention (which only removes checkpoints of
+  its own lineage) cannot mistake an old run's checkpoints for the new run's.
+* **Changed config named.** :func:`config_changes` lists the keys whose value differs from the
+  checkpoint's ``train_config.json`` and what each one changes (schedule, data order, shapes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.checkpoint.format import (
+    ARCHIVE_PREFIX,
+    DRAFTER_CONFIG,
+    RANK_STATE,
+    TRAIN_CONFIG,
+    WEIGHTS,
+    CheckpointError,
+    check_files,
+    list_checkpoints,
+    load_train_state,
+    nonfinite_tensors,
+    rank_state_files,
+    read_meta,
+)
+
+log = logging.getLogger("dflash.resume")
+
+_STATE_KEYS = ("step", "optimizer", "scheduler", "sampler", "rng")
+
+
+@dataclass
+class Resume:
+    """A verified checkpoint, loaded.
+
+    Attributes:
+        path: the checkpoint directory.
+        meta: its ``meta.json``.
+        weights: ``model.safetensors`` on the CPU (name -> tensor, as saved).
+        train_state: ``train_state.pt`` with its tensors (optimizer, scheduler, sampler, RNG, step).
+        rejected: ``(path, reason)`` of every newer checkpoint that ``auto`` passed over.
+    """
+
+    path: Path
+    meta: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    train_state: dict[str, Any]
+    rejected: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        return int(self.train_state["step"])
+
+    @property
+    def lineage(self) -> str | None:
+        return self.meta.get("lineage")
+
+
+def verify(path: Path) -> Resume:
+    """Load a checkpoint and check everything a resume needs (see the module docstring):
+    :func:`check_files`, then every tensor of the weights and the train state read and finite.
+
+    Raises:
+        CheckpointError: the reason it cannot be used (one line: which file, which tensors).
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = check_files(path)
+    try:
+        weights = load_file(str(path / WEIGHTS))
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: an unusable file
+        raise CheckpointError(f"{WEIGHTS} is unreadable ({exc})") from exc
+    bad = nonfinite_tensors(weights)
+    if bad:
+        raise CheckpointError(f"non-finite weights in model.safetensors ({', '.join(b.lstrip('/') for b in bad[:3])}"
+                              f"{' ...' if len(bad) > 3 else ''})")
+    state = load_train_state(path)  # CheckpointError names the unreadable part
+    absent = [k for k in _STATE_KEYS if k not in state] if isinstance(state, dict) else list(_STATE_KEYS)
+    if absent:
+        raise CheckpointError(f"train_state.pt lacks {', '.join(absent)}")
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise CheckpointError(f"non-finite train state ({', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})")
+    if meta.get("step") is not None and int(state["step"]) != int(meta["step"]):
+        raise CheckpointError(f"train_state.pt is at step {state['step']} but meta.json says {meta['step']}")
+    return Resume(path=path, meta=meta, weights=weights, train_state=state)
+
+
+def choose(run_dir: Path, resume: str) -> Resume | None:
+    """The verified checkpoint to resume from.
+
+    Args:
+        run_dir: the run directory (checkpoints live in ``run_dir/checkpoints``).
+        resume: ``"none"`` (start fresh), ``"auto"`` (the newest checkpoint that passes
+            :func:`verify`, or none), or a path to a checkpoint directory.
+
+    Returns:
+        The loaded checkpoint, with the newer ones ``auto`` rejected and why (each also logged as a
+        ``REJECTED checkpoint PATH: reason`` warning); None to start fresh.
+
+    Raises:
+        CheckpointError: a given path does not exist or fails :func:`verify`.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        rejected: list[tuple[Path, str]] = []
+        for path in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):
+            try:
+                got = verify(path)
+            except CheckpointError as exc:
+                log.warning("REJECTED checkpoint %s: %s; trying an older one", path, exc)
+                rejected.append((path, str(exc)))
+                continue
+            got.rejected = rejected
+            return got
+        if rejected:
+            log.warning("no usable checkpoint in %s; starting from step 0", Path(run_dir) / "checkpoints")
+        return None
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
+    try:
+        return verify(path)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"--resume {resume}: cannot be used: {exc}; pick another one (python -m dflash.logs RUN_DIR "
+            "lists them) or use --resume auto") from None
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """The path :func:`choose` picks (``None``: start fresh). Raises CheckpointError like it."""
+    got = choose(run_dir, resume)
+    return got.path if got is not None else None
+
+
+def new_lineage() -> str:
+    """A fresh lineage id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def archive_foreign(root: Path, resumed: Resume | None) -> tuple[Path | None, list[str]]:
+    """Move every checkpoint under ``root`` that the run does not descend from to
+    ``root/archive-<UTC time>/`` (with its ``rank_state`` files): all of them for a fresh start
+    (``resumed`` None); for a resume from step S, those newer than S or of another lineage.
+
+    Returns:
+        ``(archive directory or None when nothing moved, names moved)``.
+    """
+    root = Path(root)
+    keep_lineage, upto = (resumed.lineage, resumed.step) if resumed is not None else (None, -1)
+    moving = []
+    for path in list_checkpoints(root):
+        if resumed is not None and path.resolve() == resumed.path.resolve():
+            continue
+        meta = read_meta(path)
+        ours = (resumed is not None and meta is not None and meta.get("lineage") == keep_lineage
+                and isinstance(meta.get("step"), int) and meta["step"] <= upto)
+        if not ours:
+            moving.append(path)
+    if not moving:
+        return None, []
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = root / f"{ARCHIVE_PREFIX}{stamp}"
+    n = 2
+    while dest.exists():
+        dest, n = root / f"{ARCHIVE_PREFIX}{stamp}-{n}", n + 1
+    dest.mkdir()
+    for path in moving:
+        path.rename(dest / path.name)
+        for rank_file in rank_state_files(root, path.name):
+            (dest / RANK_STATE).mkdir(exist_ok=True)
+            rank_file.rename(dest / RANK_STATE / rank_file.name)
+    return dest, [p.name for p in moving]
+
+
+# -- what a config change does -------------------------------------------------------------------
+
+# Keys that change nothing about what is trained (where it is written, how it is watched).
+_IGNORED = ("run.resume", "run.out_dir", "run.name", "monitor.", "trace.", "checkpoint.", "data.cache_dir",
+            "data.num_workers", "train.max_nonfinite_streak", "train.check_channels", "train.host_staging",
+            "train.postprocess_side")
+# First matching prefix wins.
+_EFFECTS = (
+    ("run.steps", "lr schedule: the cosine decay ends at run.steps"),
+    ("train.lr", "lr schedule"),
+    ("train.warmup_steps", "lr schedule"),
+    ("train.min_lr_ratio", "lr schedule"),
+    ("train.betas", "optimizer"),
+    ("train.weight_decay", "optimizer"),
+    ("train.grad_clip", "update size"),
+    ("train.feature_noise", "features"),
+    ("run.seed", "anchors and feature noise (seeded by run.seed)"),
+    ("run.deterministic", "numerics (deterministic kernels)"),
+    ("data.", "data order and batch shapes; the restored sampler position may no longer match"),
+    ("drafter.", "drafter shapes or anchors"),
+    ("target.", "target features and shapes"),
+    ("loss.", "loss"),
+    ("train.", "training step"),
+    ("process.", "graph layout"),
+    ("channel.", "graph layout"),
+)
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a config dict; arrays of named tables are keyed by name, as ``--set`` is."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list) and obj and all(isinstance(x, dict) and "name" in x for x in obj):
+        out = {}
+        for x in obj:
+            out.update(_flatten({k: v for k, v in x.items() if k != "name"}, f"{prefix}.{x['name']}"))
+        return out
+    return {prefix: obj}
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``"run.steps 8 -> 12 (lr schedule: ...)"`` for every training-relevant key that differs
+    between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.config.DFlashFile`)."""
+    a, b = _flatten(old), _flatten(new)
+    out = []
+    for key in sorted(a.keys() | b.keys()):
+        if key.startswith(_IGNORED) or a.get(key) == b.get(key):
+            continue
+        effect = next((e for p, e in _EFFECTS if key.startswith(p)), "training")
+        out.append(f"{key} {a.get(key, '(unset)')!r} -> {b.get(key, '(unset)')!r} ({effect})")
+    return out
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The ``train_config.json`` of a checkpoint, or None (older checkpoints have none)."""
+    try:
+        return json.loads((Path(path) / TRAIN_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def changes_since(resumed: Resume, config: dict[str, Any], config_hash: str) -> list[str]:
+    """What differs between the checkpoint's training config and ``config`` (the resolved graph
+    file as plain data, :func:`config_changes`); only the hashes when the checkpoint predates
+    ``train_config.json`` (``config_hash``: :func:`dflash.config.config_hash` of the new one)."""
+    saved = saved_config(resumed.path)
+    if saved is not None:
+        return config_changes(saved, config)
+    old = resumed.meta.get("config_hash")
+    if old not in (None, config_hash):
+        return [f"config hash {old} -> {config_hash} (the checkpoint does not record which keys)"]
+    return []
+
+
+SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "vocab_size", "target_layer_ids", "layer_types")
+"""The drafter config keys that fix its tensor shapes (a resume cannot change them)."""
+
+
+def check_architecture(ckpt: Path, drafter_cfg: Any) -> None:
+    """Check that the checkpoint's ``drafter_config.json`` has the shape of ``drafter_cfg`` (a
+    :class:`dflash.drafter.DrafterConfig`); nothing to check when the file is unreadable.
+
+    Raises:
+        CheckpointError: names each :data:`SHAPE_KEYS` key that differs, and what to do.
+    """
+    import msgspec
+
+    try:
+        saved = json.loads((Path(ckpt) / DRAFTER_CONFIG).read_text())
+    except (OSError, ValueError):
+        return
+    now = msgspec.to_builtins(drafter_cfg)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in SHAPE_KEYS
+            if k in saved and saved.get(k) != now.get(k)]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {ckpt} has another drafter shape ({'; '.join(diff)}); resume it with its own "
+            "config, or start fresh with --resume none or another run.out_dir"
+        )

@@ -1,0 +1,252 @@
+"""The records of ``RUN_DIR/metrics.jsonl``: one msgspec tagged union, written and read here.
+
+Each line is one JSON object whose ``"kind"`` names its type:
+
+==========  ====================================================  =================================
+kind        written by                                            type
+==========  ====================================================  =================================
+start       :func:`dflash.run.prepare`, once per process          :class:`StartRecord`
+resume      :func:`dflash.run.prepare`, after a resume            :class:`ResumeRecord`
+train       the monitor stage, once per fixed window of steps     :class:`TrainRecord`
+skip        the monitor stage, once per non-finite (skipped) step :class:`SkipRecord`
+checkpoint  the checkpoint writer, after each save attempt        :class:`CheckpointRecord`
+end         :mod:`dflash.run`, when the process ends              :class:`EndRecord`
+==========  ====================================================  =================================
+
+The JSON is the one runs have always written: a field a writer did not set is ``UNSET`` and left
+out of the line, so a line decodes and re-encodes to itself, and a record read from an older run
+tells "absent" (``"accepted_sim" in rec`` is False) from ``null`` (NaN on the writer's side: a float
+field reads back as None). Keys this module does not know are ignored on reading (a newer run's
+extras), refused on writing (a typo would be lost). Records also answer ``rec["loss"]``,
+``rec.get("loss")`` and ``"loss" in rec`` like the dicts they replace, for code that reads a record
+without knowing its type (the display, the plot).
+
+Errors: :func:`decode_line` raises :class:`MetricsFormatError` naming the file and line number;
+:func:`read_records` collects those messages instead, so a run's reports still read a file whose
+last line a crash cut in half.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+__all__ = ["KINDS", "CheckpointRecord", "EndRecord", "MetricsFormatError", "Record", "RecordBase",
+           "ResumeRecord", "SkipRecord", "StartRecord", "TrainRecord", "decode_line", "encode",
+           "read_records", "to_record"]
+
+Float = Union[float, None, UnsetType]
+"""A float that a writer may have left out, or written as ``null`` (a NaN)."""
+
+
+class MetricsFormatError(ValueError):
+    """A metrics.jsonl line, or a record about to be written, does not match the record types."""
+
+
+class RecordBase(msgspec.Struct, kw_only=True, tag_field="kind"):
+    """Common part of every record: the tag (``kind``, the class's ``__struct_config__.tag``) and a
+    read-only mapping view over the fields that are set."""
+
+    @property
+    def kind(self) -> str:
+        return self.__struct_config__.tag
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "kind":
+            return self.kind
+        value = getattr(self, key, UNSET) if key in self.__struct_fields__ else UNSET
+        if value is UNSET:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return key == "kind" or (key in self.__struct_fields__ and getattr(self, key) is not UNSET)
+
+    def keys(self) -> Iterator[str]:
+        yield "kind"
+        yield from (k for k in self.__struct_fields__ if getattr(self, k) is not UNSET)
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        return ((k, self[k]) for k in self.keys())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as the dict its JSON line decodes to (NaN stays a float here)."""
+        return dict(self.items())
+
+
+Mapping.register(RecordBase)
+
+
+class StartRecord(RecordBase, tag="start"):
+    """A ``dflash.run`` process began: ``step`` it starts from, its lineage and data summary."""
+
+    config_hash: str | UnsetType = UNSET
+    step: int | UnsetType = UNSET
+    lineage: str | None | UnsetType = UNSET
+    data: dict[str, Any] | None | UnsetType = UNSET  # dflash.data.DataSummary.to_dict()
+    batching: dict[str, Any] | UnsetType = UNSET  # dflash.data.BatchingStats
+    time: float | UnsetType = UNSET  # unix seconds
+
+
+class ResumeRecord(RecordBase, tag="resume"):
+    """The run continues from checkpoint ``path`` at ``step``; ``rejected``: ``[{"path", "reason"}]``
+    of the newer checkpoints passed over; ``config_changes``: what differs from its training config."""
+
+    step: int
+    path: str | UnsetType = UNSET
+    rejected: list[dict[str, Any]] | UnsetType = UNSET
+    config_changes: list[str] | UnsetType = UNSET
+    time: float | UnsetType = UNSET
+
+
+class TrainRecord(RecordBase, tag="train"):
+    """One fixed window of steps ``(step - window, step]`` (:class:`dflash.metrics_log.WindowAggregator`).
+
+    Averages are over the ``steps_averaged`` trained steps; NaN (``null``) when every step was skipped.
+    ``acc``: accuracy per block position; ``tau_sim``: simulated tokens per verify step (accepted + 1;
+    the accepted length itself in logs without ``accepted_sim``); throughputs in tokens per second;
+    ``padding_waste``: a fraction. ``spike``: set (True) only when the monitor flagged the loss.
+    """
+
+    step: int
+    window: int | UnsetType = UNSET
+    steps_averaged: int | UnsetType = UNSET
+    loss: Float = UNSET
+    ce: Float = UNSET
+    kl: Float = UNSET
+    acc: list[float | None] | UnsetType = UNSET
+    tau_sim: Float = UNSET
+    accepted_sim: Float = UNSET
+    lr: Float = UNSET
+    grad_norm: Float = UNSET
+    tok_s: Float = UNSET
+    target_tok_s: Float = UNSET
+    drafter_tok_s: Float = UNSET
+    padding_waste: Float = UNSET
+    blocks: int | UnsetType = UNSET
+    skipped_total: int | UnsetType = UNSET
+    time: float | UnsetType = UNSET
+    spike: bool | UnsetType = UNSET
+
+
+class SkipRecord(RecordBase, tag="skip"):
+    """Step ``step`` was skipped (non-finite): the batch, the target replica that made it, why."""
+
+    step: int
+    batch_id: int | UnsetType = UNSET
+    replica: int | None | UnsetType = UNSET
+    reason: str | None | UnsetType = UNSET
+    time: float | UnsetType = UNSET
+
+
+class CheckpointRecord(RecordBase, tag="checkpoint"):
+    """A save attempt at ``step``: ``path`` None when nothing was written (non-finite state);
+    ``reason`` set when not healthy; ``save_s``: seconds from snapshot to rename."""
+
+    step: int
+    path: str | None | UnsetType = UNSET
+    healthy: bool | UnsetType = UNSET
+    reason: str | None | UnsetType = UNSET
+    save_s: Float = UNSET
+    time: float | UnsetType = UNSET
+
+
+class EndRecord(RecordBase, tag="end"):
+    """The process ended with ``status`` and ``exit_code`` after ``seconds``; ``rank`` under torchrun."""
+
+    status: str | UnsetType = UNSET
+    exit_code: int | UnsetType = UNSET
+    rank: int | UnsetType = UNSET
+    seconds: Float = UNSET
+    time: float | UnsetType = UNSET
+
+
+Record = Union[StartRecord, ResumeRecord, TrainRecord, SkipRecord, CheckpointRecord, EndRecord]
+"""Any metrics.jsonl record (msgspec picks the type by ``kind``)."""
+
+KINDS: dict[str, type[RecordBase]] = {t.__struct_config__.tag: t for t in Record.__args__}
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Record)
+
+
+def to_record(record: RecordBase | Mapping[str, Any]) -> RecordBase:
+    """``record`` as its typed record; a dict (the writers' older API) is converted by its ``kind``.
+
+    Raises:
+        MetricsFormatError: no or an unknown ``kind``, a key the kind does not have, or a value of
+            the wrong type (the message names the kind and the key).
+    """
+    if isinstance(record, RecordBase):
+        return record
+    kind = record.get("kind")
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MetricsFormatError(f"metrics record kind {kind!r} is unknown; use one of {', '.join(KINDS)}")
+    unknown = [k for k in record if k != "kind" and k not in cls.__struct_fields__]
+    if unknown:
+        raise MetricsFormatError(f"{kind} record has no field {', '.join(map(repr, unknown))}; "
+                                 f"its fields: {', '.join(cls.__struct_fields__)}")
+    try:
+        return msgspec.convert(dict(record), Record)
+    except msgspec.ValidationError as exc:
+        raise MetricsFormatError(f"{kind} record: {exc}") from None
+
+
+def encode(record: RecordBase | Mapping[str, Any]) -> bytes:
+    """One metrics.jsonl line (newline included); sets ``time`` to now when it is unset."""
+    rec = to_record(record)
+    if "time" in rec.__struct_fields__ and getattr(rec, "time") is UNSET:
+        rec.time = time.time()
+    return _encoder.encode(rec) + b"\n"
+
+
+def decode_line(line: str | bytes, path: str | Path = "metrics.jsonl", lineno: int = 0) -> Record:
+    """The record of one metrics.jsonl line.
+
+    Raises:
+        MetricsFormatError: ``"PATH line N: ..."`` when the line is not JSON (a write cut short),
+            not an object, has no or an unknown ``kind``, or a field of the wrong type.
+    """
+    where = f"{path} line {lineno}"
+    try:
+        return _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        if "Invalid value" in msg and "$.kind" in msg:
+            kind = msgspec.json.decode(line).get("kind")
+            msg = f"unknown record kind {kind!r} (known: {', '.join(KINDS)})"
+        raise MetricsFormatError(f"{where}: {msg}") from None
+    except msgspec.DecodeError as exc:
+        raise MetricsFormatError(f"{where}: not a JSON record ({exc})") from None
+
+
+def read_records(path: str | Path) -> tuple[list[Record], list[str]]:
+    """Every well-formed record of a metrics.jsonl, in file order, and one message (the
+    :class:`MetricsFormatError` text, naming file and line) for each line that is not one; blank
+    lines are neither.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    records: list[Record] = []
+    problems: list[str] = []
+    for n, line in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(decode_line(line, path, n))
+        except MetricsFormatError as exc:
+            problems.append(str(exc))
+    return records, problems
