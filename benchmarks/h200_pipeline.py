@@ -219,7 +219,6 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
     graph = csp.Graph.from_spec(cfg)
     # join_timeout_s: after the abort the drafter's teardown finishes an in-flight checkpoint first
     runtime = csp.Runtime(graph, run_dir=run_dir, app=app, join_timeout_s=join_timeout_s)
-    app.channel_stats = lambda: runtime.statistics()["channels"]
 
     reached, ended = threading.Event(), threading.Event()
     write = app.metrics.write

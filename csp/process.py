@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import threading
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar, ContextManager
 
 import msgspec
@@ -51,7 +52,7 @@ class Context:
     """
 
     __slots__ = ("name", "replica", "replicas", "device", "stream", "run_dir", "app",
-                 "_stop", "_tracer", "_track")
+                 "_stop", "_tracer", "_track", "_statistics")
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class Context:
         stop_event: threading.Event | None = None,
         tracer: Any = None,
         track: int = 0,
+        statistics: Callable[[], dict[str, dict[str, Any]]] | None = None,
     ) -> None:
         self.name = name
         self.replica = replica
@@ -76,6 +78,7 @@ class Context:
         self._stop = stop_event if stop_event is not None else threading.Event()
         self._tracer = tracer
         self._track = track
+        self._statistics = statistics
 
     @property
     def qualname(self) -> str:
@@ -85,6 +88,14 @@ class Context:
     def stopping(self) -> bool:
         """True once a graceful stop was requested. Sources poll it and return when it is set."""
         return self._stop.is_set()
+
+    def statistics(self) -> dict[str, dict[str, Any]]:
+        """The live statistics of the run this replica belongs to, as :meth:`csp.Runtime.statistics`
+        returns them (``{"channels": {name: ChannelStatistics}, "processes": {...}}``): what a
+        monitoring process shows beside its own numbers. Empty dicts outside a Runtime."""
+        if self._statistics is None:
+            return {"channels": {}, "processes": {}}
+        return self._statistics()
 
     def span(self, name: str) -> ContextManager[None]:
         """A trace span on this replica's track (``with ctx.span("forward"): ...``).

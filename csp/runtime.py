@@ -263,7 +263,8 @@ class Runtime:
                 dev = node.devices[r] if node.devices else None
                 ctx = Context(node.name, r, node.replicas, device=_torch_device(dev),
                               run_dir=self.run_dir, app=self.app, stop_event=self._stop,
-                              tracer=self.tracer, track=len(self._workers) + 1)
+                              tracer=self.tracer, track=len(self._workers) + 1,
+                              statistics=self.statistics)
                 w = _Worker(node, r, ctx._track, ctx)
                 w.raw_inputs = {p: self._channels[c][1].clone() for p, c in node.inputs.items()}
                 w.raw_outputs = {p: self._channels[c][0].clone() for p, c in node.outputs.items()}

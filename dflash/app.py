@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ class RunApp:
         metrics: the run's ``metrics.jsonl`` writer (shared by monitor, drafter, checkpointer).
         config_hash: hash of the resolved config (stored in checkpoints).
         drafter_cfg: the drafter config with the dimensions taken from the target.
-        channel_stats: returns the live channel statistics (set once the graph is built).
         resume_weights: the resumed checkpoint's verified ``model.safetensors`` tensors (CPU), or None.
         lineage: the lineage id written into this run's checkpoints (``dflash.resume``).
     """
@@ -40,7 +38,6 @@ class RunApp:
     metrics: MetricsLog
     config_hash: str
     drafter_cfg: Any
-    channel_stats: Callable[[], dict[str, Any]] = field(default=lambda: {})
     resume_weights: dict[str, Any] | None = None
     lineage: str | None = None
 

@@ -306,7 +306,6 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
             csp.dist.hard_exit(code)
         return code
     runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
-    app.channel_stats = lambda: runtime.statistics()["channels"]
     stopped_by, error = None, None
     try:
         result = runtime.run()

@@ -60,7 +60,7 @@ def test_eta_follows_recent_rate_and_clock_fallback():
 
 
 def test_make_display_modes_and_mapping_of_channel_stats():
-    """The monitor passes ``app.channel_stats()``: a dict name -> ChannelStatistics."""
+    """The monitor passes ``ctx.statistics()["channels"]``: a dict name -> ChannelStatistics."""
     out, log = io.StringIO(), io.StringIO()
     d = make_display("plain", total_steps=100, file=out)
     d.update(_rec(10, 1.0, spike=True), {"batches": _chan("batches", 2, 4)})

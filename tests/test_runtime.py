@@ -574,3 +574,35 @@ def test_cuda_process_runs_with_its_device_and_own_stream():
     for where, replica, current, stream, own, default in probes:
         assert current == replica, where
         assert stream == own and stream != default, where
+
+
+def test_a_process_sees_the_runs_live_statistics_through_its_context():
+    """ctx.statistics() is the Runtime's live statistics (no callback wired by the caller): a sink
+    reading it mid-run sees its own input channel and the items already through it; outside a
+    Runtime it is empty."""
+    import csp
+
+    seen = {}
+
+    class Src(csp.Process):
+        outputs = {"out": int}
+
+        def run(self, inputs, outputs):
+            for i in range(5):
+                outputs["out"].send(i)
+
+    class Sink(csp.Process):
+        inputs = {"inp": int}
+
+        def run(self, inputs, outputs):
+            for n, _ in enumerate(inputs["inp"], 1):
+                if n == 3:
+                    seen.update(self.ctx.statistics()["channels"])
+
+    g = csp.Graph()
+    g.channel("c", capacity=2)
+    g.process("src", Src, outputs={"out": "c"})
+    g.process("sink", Sink, inputs={"inp": "c"})
+    csp.Runtime(g).run()
+    assert set(seen) == {"c"} and seen["c"].items_moved >= 3
+    assert csp.Context("alone").statistics() == {"channels": {}, "processes": {}}

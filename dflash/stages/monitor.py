@@ -74,7 +74,7 @@ class MonitorStage(csp.Process):
             self.losses.append(loss)
         self.app.metrics.write(record)
         self.wandb.log(record)
-        self.display.update(record, self.app.channel_stats())
+        self.display.update(record, self.ctx.statistics()["channels"])
 
     def teardown(self) -> None:
         if hasattr(self, "display"):
