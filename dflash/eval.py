@@ -509,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.target import for_generation, load_target
 
     quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
-    drafter, dc, tc = load_drafter(args.checkpoint, args.device)
+    try:
+        drafter, dc, tc = load_drafter(args.checkpoint, args.device)
+    except ValueError as exc:
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
     # a run trained with flex_attention decodes with sdpa: same outputs, no compile per length
     drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
     target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)

@@ -62,9 +62,14 @@ def load_configs(directory: str | Path) -> tuple[DrafterConfig, TargetConfig]:
     for name in (DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS):
         if not (d / name).is_file():
             raise FileNotFoundError(f"{d} is not a drafter checkpoint: {name} is missing")
-    dc = msgspec.json.decode((d / DRAFTER_CONFIG).read_bytes(), type=DrafterConfig)
-    tc = msgspec.json.decode((d / TARGET_CONFIG).read_bytes(), type=TargetConfig)
-    return dc, tc
+    def read(name: str, kind: type):
+        try:
+            return msgspec.json.decode((d / name).read_bytes(), type=kind)
+        except (msgspec.MsgspecError, ValueError) as e:  # a damaged or foreign config file
+            raise ValueError(f"{d / name} is unreadable ({e}); the checkpoint is damaged: use "
+                             "another step") from None
+
+    return read(DRAFTER_CONFIG, DrafterConfig), read(TARGET_CONFIG, TargetConfig)
 
 
 def load_drafter(directory: str | Path, device: torch.device | str = "cpu",
@@ -75,10 +80,22 @@ def load_drafter(directory: str | Path, device: torch.device | str = "cpu",
         ``(drafter in eval mode on device/dtype, drafter config, target config)``.
 
     Raises:
-        FileNotFoundError: missing files. RuntimeError: weights do not match the config.
+        FileNotFoundError: missing files.
+        ValueError: a config or the weights file is unreadable, or the weights do not match the
+            config (one line naming the file: the checkpoint is damaged).
     """
     dc, tc = load_configs(directory)
     drafter = DFlashDrafter(dc)
-    drafter.load_state_dict(load_file(str(Path(directory) / WEIGHTS)), strict=True)
+    path = Path(directory) / WEIGHTS
+    try:
+        weights = load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError for a torn or foreign file
+        raise ValueError(f"{path} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                         "the checkpoint is damaged: use another step") from None
+    try:
+        drafter.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not match its drafter_config.json "
+                         f"({str(e).splitlines()[0]}); the checkpoint is damaged: use another step") from None
     drafter.to(device=device, dtype=dtype) if dtype is not None else drafter.to(device)
     return drafter.eval(), dc, tc

@@ -166,3 +166,34 @@ def test_export_warns_when_the_target_last_layer_is_captured(tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         export_drafter(make(), tmp_path / "ok", torch.float32)      # default layers [1, 3]
+
+
+@pytest.mark.parametrize("damage", ["torn_weights", "wrong_weights", "bad_config"])
+def test_a_damaged_checkpoint_is_one_line_exit_2_in_eval_and_export(tmp_path, capsys, damage):
+    """Regression (fresh-user run): a truncated model.safetensors made dflash.eval and
+    dflash.export print a SafetensorError traceback (exit 1). Invariant: a damaged checkpoint is
+    one line naming the file, exit 2, and nothing is written."""
+    from safetensors.torch import save_file
+
+    from dflash.eval import main as eval_main
+
+    d = make()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    if damage == "torn_weights":
+        (ck / "model.safetensors").write_bytes((ck / "model.safetensors").read_bytes()[:1000])
+    elif damage == "wrong_weights":
+        save_file({"fc.weight": torch.zeros(2, 2)}, str(ck / "model.safetensors"))
+    else:
+        (ck / "drafter_config.json").write_text('{"num_layers": "two"}')
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    want = "drafter_config.json" if damage == "bad_config" else "model.safetensors"
+    for run in (lambda: eval_main([str(ck), "--prompts", str(prompts), "--device", "cpu"]),
+                lambda: export_main([str(ck), "-o", str(tmp_path / "out")])):
+        assert run() == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err and "damaged" in err, err
+        assert want in err, err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
