@@ -219,6 +219,10 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # while reading the config and importing torch/transformers (~2 s)
+        print("dflash.run: interrupted while starting, before any step ran; nothing new was saved: "
+              "run the same command again", file=sys.stderr)
+        return 130
     finally:
         close_logging()
 

@@ -86,6 +86,22 @@ def test_ctrl_c_while_tokenizing_says_what_exists_and_what_a_rerun_does(tmp_path
     assert capsys.readouterr().err.strip().endswith(f"; a re-run resumes from {run}/checkpoints/step_00000004")
 
 
+def test_ctrl_c_while_reading_the_config_is_one_line_not_a_traceback(tmp_path, cache_dir, capsys, monkeypatch):
+    """Regression (fresh-user run): Ctrl-C in the first seconds (config load, torch/transformers
+    imports) printed a KeyboardInterrupt traceback. Invariant: one line, exit 130, no run dir."""
+    import dflash.run as run_mod
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "load_config", interrupt)
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=4)) == 130
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and "run the same command again" in err, err
+    assert not run.exists()
+
+
 def test_a_stage_stuck_outside_channel_calls_is_one_line_and_exit_3(tmp_path, cache_dir, capsys, monkeypatch):
     """Regression (issue 14 item 12): Ctrl-C, a drain that never ends, a second Ctrl-C, and after
     the join timeout an uncaught CspError traceback, exit 1. Invariant: one 'error:' line naming
