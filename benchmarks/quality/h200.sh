@@ -23,8 +23,9 @@ read -r -a EXTRA_ARGS <<< "${EXTRA:-}"; COMMON+=("${EXTRA_ARGS[@]}")
 NEW=${NEW:-256}; NP=${NP:-32}
 train() {  # name, extra --set args...
   local name=$1; shift
-  # SIGTERM after TRAIN_S seconds: a graceful stop with a final checkpoint (exit 130), steps logged
-  timeout -s TERM ${TRAIN_S:-400} python3 -m dflash.run $G "${COMMON[@]}" --set run.out_dir=\"$R/$name\" "$@" \
+  # SIGTERM after TRAIN_S seconds: a graceful stop with a final checkpoint (exit 130), steps logged;
+  # --foreground: one signal (without it timeout also signals the group: a second stop, no checkpoint)
+  timeout --foreground -s TERM ${TRAIN_S:-400} python3 -m dflash.run $G "${COMMON[@]}" --set run.out_dir=\"$R/$name\" "$@" \
     > "$R/$name.log" 2>&1 || true
 }
 evaluate() {  # name
