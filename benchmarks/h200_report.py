@@ -121,18 +121,14 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     src["target_attention"] = src["fastest_target_attention"] = r
 
     # the colocated data-parallel baseline, and each layout against it (same run)
-    r, (c1, p1_) = _first(runs, SINGLE, "colocated_1gpu", "pipeline_1gpu")
-    if c1 is None:
-        r, (c1,) = _first(runs, SINGLE, "colocated_1gpu")
-    s["colocated_1gpu_tok_s"] = c1["tok_s"] if c1 else None
-    s["pipeline_1gpu_vs_colocated"] = _ratio(p1_ and p1_["tok_s"], c1 and c1["tok_s"])
-    src["colocated_1gpu_tok_s"] = src["pipeline_1gpu_vs_colocated"] = r
-    r, (c2, p2_) = _first(runs, DOUBLE, "colocated_2gpu", "pipeline_2gpu")
-    if c2 is None:
-        r, (c2,) = _first(runs, DOUBLE, "colocated_2gpu")
-    s["colocated_2gpu_tok_s"] = c2["tok_s"] if c2 else None
-    s["speedup_2gpu_vs_colocated"] = _ratio(p2_ and p2_["tok_s"], c2 and c2["tok_s"])
-    src["colocated_2gpu_tok_s"] = src["speedup_2gpu_vs_colocated"] = r
+    for runs_of, gpus, ratio_key in ((SINGLE, "1gpu", "pipeline_1gpu_vs_colocated"),
+                                     (DOUBLE, "2gpu", "speedup_2gpu_vs_colocated")):
+        r, (c, p) = _first(runs, runs_of, f"colocated_{gpus}", f"pipeline_{gpus}")
+        if c is None:
+            r, (c,) = _first(runs, runs_of, f"colocated_{gpus}")
+        s[f"colocated_{gpus}_tok_s"] = c["tok_s"] if c else None
+        s[ratio_key] = _ratio(p and p["tok_s"], c and c["tok_s"])
+        src[f"colocated_{gpus}_tok_s"] = src[ratio_key] = r
 
     # 2-GPU bounds from the stages measured alone in one run: no all-reduce, no transfer, perfect overlap
     r, (t1, d1) = _first(runs, SINGLE, "target_alone", "drafter_alone")

@@ -11,6 +11,7 @@ wakes them after releasing the lock.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections import deque
 from time import perf_counter
 from typing import Any, Iterable
@@ -22,7 +23,7 @@ from csp.stats import ChannelStatistics
 __all__ = ["ChannelState", "ItemCheck"]
 
 
-class ChannelState:
+class ChannelState(ABC):
     """Buffer, parked waiters, open-end counts and counters of one channel: the part shared by
     its ends. Build ends on it with ``Sender(state)`` / ``Receiver(state)`` (or subclasses)."""
 
@@ -45,29 +46,33 @@ class ChannelState:
         self.recv_wait = 0.0
 
     # ---- the core's own part (FifoState, OrderedState) --------------------------------------
+    @abstractmethod
     def try_send(self, end: Any, item: Item) -> Outcome:
         """Put ``item`` in if there is room (done), else BLOCKED. Raises the end's errors."""
-        raise NotImplementedError
 
+    @abstractmethod
     def try_receive(self, end: Any, item: None = None) -> Outcome:
         """Take the next item if one is ready, else BLOCKED. Raises EndOfStream at the end."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _park_sender(self, w: Any) -> tuple:
-        raise NotImplementedError
+        """Queue sender waiter ``w`` with its offer; returns what the wake-up needs."""
 
+    @abstractmethod
     def _remove_sender(self, w: Any) -> None:
-        raise NotImplementedError
+        """Withdraw a parked sender (timeout, cancel, interrupt)."""
 
+    @abstractmethod
     def _parked_senders(self) -> Iterable:
-        raise NotImplementedError
+        """The parked senders' waiters, oldest first."""
 
+    @abstractmethod
     def _fill(self) -> int:
-        raise NotImplementedError
+        """Items buffered now (the statistics' current_fill)."""
 
+    @abstractmethod
     def _drop(self) -> list:
         """Drop every buffered item and parked offer; returns the offers' waiters."""
-        raise NotImplementedError
 
     # ---- errors -----------------------------------------------------------------------------
     def _refuse(self, end: Any, what: str) -> None:
