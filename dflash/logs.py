@@ -308,7 +308,7 @@ def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
 def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: float = 3.0) -> str:
     """The report as plain text."""
     kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(rep.counts.items()))
-    lines = [f"{rep.run_dir}: {kinds or 'no records'}; last train step {rep.last_step}; "
+    lines = [f"{rep.run_dir}: metrics.jsonl records: {kinds or 'none'}; last train step {rep.last_step}; "
              f"end: {rep.end_status or 'none (still running or crashed)'}"]
     if rep.bad_lines:
         lines.append(f"warning: {rep.bad_lines} metrics.jsonl line(s) are not JSON records (skipped)")

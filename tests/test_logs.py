@@ -30,6 +30,15 @@ def test_finds_every_planted_event():
     assert rep.gaps[1].cause == "stall"
 
 
+def test_header_says_it_counts_records_not_checkpoints():
+    """The fixture has 2 checkpoint records (saves logged) but 4 checkpoint directories: the first
+    line must say it counts metrics.jsonl records, and the checkpoint section counts directories."""
+    out = render(analyse(RUN))
+    first = out.splitlines()[0]
+    assert "metrics.jsonl records: 2 checkpoint, 1 end, 1 skip, 1 start, 20 train;" in first
+    assert "\ncheckpoints (4):" in out
+
+
 def test_checkpoint_health():
     ckpts = {c.name: c for c in analyse(RUN).checkpoints}
     assert list(ckpts) == ["step_00000050", "step_00000100", "step_00000150", "step_00000200"]
