@@ -12,7 +12,7 @@ One step of speculative decoding (greedy; DFlash / speculative decoding, Leviath
    cropped to the accepted tokens. Output equals plain greedy decoding (tested).
 
 ``m`` is the *accepted length* of the step (bonus not counted); the step produces ``tau = m + 1``
-tokens, the figure z-lab's reference decoder and SGLang report (:mod:`dflash.metrics`). Near the
+tokens, the figure z-lab's reference decoder and SGLang report (:mod:`dflash.acceptance`). Near the
 end of a generation only as many tokens are drafted as remain (``min(bs - 1, remaining)``), and
 the output is cut to exactly ``max_new_tokens``. Next to the measurement, the same text is scored
 teacher-forced: a block at every anchor of the generated region, labels = target argmax. Its streak
@@ -55,8 +55,8 @@ from dflash.attention import decode_layout, training_layout
 from dflash.drafter import DFlashDrafter, _rope
 from dflash.eval_prompts import (EvalInputError, check_checkpoint, encode_prompt, heldout_prompts,
                                  run_data_config, source_prompts)
-from dflash.metrics import (accuracy_per_position, simulated_accepted_length, streak_lengths,
-                            tau_from_accepted)
+from dflash.acceptance import (accuracy_per_position, simulated_accepted_length, streak_lengths,
+                               tau_from_accepted)
 from dflash.target import SharedHead, Target
 
 __all__ = ["CachedDrafterProposer", "DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate", "explain",

@@ -125,7 +125,7 @@ def test_teacher_forced_streak_equals_measured_acceptance(models):
     assert len(set(accepted)) > 1
     labels, valid, _ = greedy_labels(target, head, tokens, torch.tensor(anchors), BS)
     assert valid[:-1].all()              # the last anchor's valid slots = what remained to draft
-    from dflash.metrics import streak_lengths
+    from dflash.acceptance import streak_lengths
     assert streak_lengths(torch.stack(rec) == labels, valid).tolist() == accepted
 
 

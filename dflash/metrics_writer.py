@@ -1,4 +1,4 @@
-"""Step-indexed training metrics: fixed windows, ``metrics.jsonl``, and wandb.
+"""Writing the training metrics: ``metrics.jsonl`` (:class:`MetricsLog`), fixed step windows, wandb.
 
 Failure mode 5 of DESIGN.md: a monitor that averaged "whatever accumulated since I last looked"
 showed phantom loss resets. Here a window is a fixed range of drafter steps ``(S - W, S]``; each
