@@ -1,4 +1,5 @@
-"""dflash.metrics_writer: fixed step windows (DESIGN failure mode 5) and the JSONL writer."""
+"""dflash.metrics_writer: fixed step windows (failure mode 5 of docs/failure-modes.md) and the
+metrics.jsonl writer."""
 
 from __future__ import annotations
 
