@@ -1,9 +1,9 @@
 """Reproduce the tensor-lifetime race class on a GPU and show that csp's hand-off prevents it.
 
-DESIGN.md failure mode 1: a non-blocking copy whose source is freed or reused before the copy ran,
-or a buffer the caching allocator hands to the producer's next forward while a consumer stream
-still reads it, gives silent garbage. Each case below runs twice through the same csp graph, with
-the same threads, streams and host-side choreography:
+Failure mode 1 of docs/failure-modes.md: a non-blocking copy whose source is freed or reused before
+the copy ran, or a buffer the caching allocator hands to the producer's next forward while a
+consumer stream still reads it, gives silent garbage. Each case below runs twice through the same
+csp graph, with the same threads, streams and host-side choreography:
 
 * ``naive``: the tensor is handed over the way a ``queue.Queue`` would (wrapped in :class:`Hidden`,
   so csp's hooks never see it: no event, no ``record_stream``), copies are plain

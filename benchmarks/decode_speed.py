@@ -1,7 +1,7 @@
 """Wall-clock decode speed: target-only greedy decoding vs DFlash draft-and-verify.
 
-Both loops are this repo's own (``dflash.eval.greedy_decode`` and ``speculative_decode`` with a
-:class:`~dflash.eval.CachedDrafterProposer`): the target keeps a transformers KV cache in both, the
+Both loops are this repo's own (``dflash.decode.greedy_decode`` and ``speculative_decode`` with a
+:class:`~dflash.decode.CachedDrafterProposer`): the target keeps a transformers KV cache in both, the
 drafter keeps its context KV cache, batch size 1, greedy, and the outputs are checked equal (a
 speculative decoder that changes the text is not faster, it is wrong). On a GPU every timed
 region ends with ``torch.cuda.synchronize()``; one warm-up prompt is not timed.
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from dflash.data.tokenizer import load_tokenizer
-    from dflash.eval import CachedDrafterProposer, _prompts, greedy_decode, speculative_decode
+    from dflash.decode import CachedDrafterProposer, greedy_decode, speculative_decode
+    from dflash.eval import _prompts
     from dflash.model_io import load_drafter
     import msgspec
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import DFlashFile
-from dflash.metrics_log import MetricsLog
+from dflash.metrics_writer import MetricsLog
 
 
 @dataclass

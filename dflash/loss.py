@@ -19,7 +19,7 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
     probability of the hard label at slot ``i`` (detached): the probability that slot ``j`` is
     reached at verification, i.e. its share in the expected accepted length
     ``E[tau] = sum_j prod_{i<=j} q_i``. ``alpha`` is a floor keeping later slots trained early on.
-    (This project's cumulative-acceptance weighting, from docs/DESIGN; no published formula.)
+    (This project's cumulative-acceptance weighting; no published formula.)
 
 * Total: ``loss = sum w v l / sum w v`` (0 with no trained slot).
 """

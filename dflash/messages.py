@@ -150,7 +150,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
         loss, ce, kl: total loss and its parts (nan for a skipped step).
         acc_per_pos: accuracy per block position 1..block_size-1 (fraction, length block_size-1).
         accepted_sim: simulated accepted length ``sum_j prod_{i<=j} acc_i``, in drafted tokens per
-            verify step (the bonus token not included; tau = accepted_sim + 1, see dflash.metrics).
+            verify step (the bonus token not included; tau = accepted_sim + 1, see dflash.acceptance).
         lr: learning rate used for the step.
         grad_norm: global L2 gradient norm before clipping.
         skipped: True when the step was skipped (non-finite loss or gradient).

@@ -27,7 +27,7 @@ from dflash.chunked_head import chunked_head_loss
 from dflash.drafter import DFlashDrafter
 from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
 from dflash.messages import LossInput
-from dflash.metrics import accuracy_per_position, streak_lengths
+from dflash.acceptance import accuracy_per_position, streak_lengths
 from dflash.target import SharedHead
 
 __all__ = ["LossOutput", "block_targets", "compute_loss"]
@@ -41,7 +41,7 @@ class LossOutput:
         loss: scalar fp32 with grad (weighted mean, formula in :mod:`dflash.loss`).
         ce, kl: unweighted means over trained slots (detached scalars; kl 0 when not computed).
         acc_per_pos: ``[bs-1]`` fp32 accuracy per slot (nan where no slot was trained).
-        streak_mean: mean leading-correct count over valid blocks (see :mod:`dflash.metrics`).
+        streak_mean: mean leading-correct count over valid blocks (see :mod:`dflash.acceptance`).
         num_blocks: valid anchors (an int, or a 0-dim int64 tensor on the sync-free path, read
             with the step's one host read).
         num_predictions: trained slots ``N`` (int or 0-dim int64 tensor, as ``num_blocks``).

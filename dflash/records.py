@@ -111,7 +111,7 @@ class ResumeRecord(RecordBase, tag="resume"):
 
 
 class TrainRecord(RecordBase, tag="train"):
-    """One fixed window of steps ``(step - window, step]`` (:class:`dflash.metrics_log.WindowAggregator`).
+    """One fixed window of steps ``(step - window, step]`` (:class:`dflash.metrics_writer.WindowAggregator`).
 
     Averages are over the ``steps_averaged`` trained steps; NaN (``null``) when every step was skipped.
     ``acc``: accuracy per block position; ``tau_sim``: simulated tokens per verify step (accepted + 1;

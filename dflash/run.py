@@ -41,7 +41,7 @@ from dflash import runlog  # noqa: E402
 from dflash.app import RunApp  # noqa: E402
 from dflash.checkpoint import CheckpointError, check_architecture  # noqa: E402, F401 - check_architecture: its older home
 from dflash.config import DFlashFile, config_hash, load_config, to_toml  # noqa: E402
-from dflash.metrics_log import MetricsLog  # noqa: E402
+from dflash.metrics_writer import MetricsLog  # noqa: E402
 from dflash.preflight import preflight  # noqa: E402
 from dflash.checkpoint.resume import (archive_foreign, changes_since, choose as choose_resume,  # noqa: E402
                                       new_lineage)

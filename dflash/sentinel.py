@@ -1,6 +1,6 @@
 """Non-finite sentinel at channel boundaries (``[train].check_channels``, a debug switch).
 
-Failure mode 2 of DESIGN.md: a NaN nobody can localise. With the switch on, every stage checks the
+Failure mode 2 of docs/failure-modes.md: a NaN nobody can localise. With the switch on, every stage checks the
 floating-point tensors of each item it sends; the first non-finite value stops the run with an error
 naming the producing process (e.g. ``target[1]``), the channel, the training step the batch was
 for, the batch id and the tensor.

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from dflash.messages import DrafterInput, StepMetrics
-from dflash.metrics import simulated_accepted_length
+from dflash.acceptance import simulated_accepted_length
 from dflash.nonfinite import NonFiniteGuard
 from dflash.objective import compute_loss
 from dflash.optim import DrafterOptimizer

@@ -37,7 +37,7 @@ def packed_batch(seed=0):
 
 
 def reference_mask(pos, doc, anchors, bs, causal, window):
-    """The rule written out element by element (docs/DESIGN)."""
+    """The rule of dflash/attention.py's module docstring, written out element by element."""
     T, A = doc.shape[1], anchors.shape[1]
     m = torch.zeros(A * bs, T + A * bs, dtype=torch.bool)
     for a in range(A):

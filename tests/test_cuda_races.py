@@ -1,4 +1,4 @@
-"""csp on CUDA prevents the tensor-lifetime race class (DESIGN.md failure mode 1).
+"""csp on CUDA prevents the tensor-lifetime race class (failure mode 1 of docs/failure-modes.md).
 
 The cases live in ``benchmarks/cuda_races.py`` (see its docstring); here they run with few trials.
 On a GPU (tests marked ``gpu``): the naive hand-off of every case corrupts at least one trial, the

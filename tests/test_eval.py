@@ -125,7 +125,7 @@ def test_teacher_forced_streak_equals_measured_acceptance(models):
     assert len(set(accepted)) > 1
     labels, valid, _ = greedy_labels(target, head, tokens, torch.tensor(anchors), BS)
     assert valid[:-1].all()              # the last anchor's valid slots = what remained to draft
-    from dflash.metrics import streak_lengths
+    from dflash.acceptance import streak_lengths
     assert streak_lengths(torch.stack(rec) == labels, valid).tolist() == accepted
 
 
@@ -164,7 +164,7 @@ def tok():
 def test_source_prompts_skip_conversations_that_open_with_the_assistant(tmp_path, tok):
     """Regression: a last conversation that opens with an assistant turn gave an empty prompt and
     apply_chat_template raised; it is skipped and an earlier one taken, so N prompts come back."""
-    from dflash.eval_prompts import source_prompts
+    from dflash.data.prompts import source_prompts
 
     src = _write_source(tmp_path / "d.jsonl", [False, False, False, True])
     got = source_prompts(str(src), tok, 2, 1024)
@@ -177,7 +177,8 @@ def test_heldout_prompts_are_the_training_runs_holdout(tmp_path, tok):
     """Invariant: with RUN_DIR/config.toml, eval's prompts come from exactly the conversations
     dflash.run held out (dataset.split(holdout, seed)[1]), never from its training part."""
     from dflash.data import load_dataset
-    from dflash.eval_prompts import heldout_prompts, run_data_config
+    from dflash.data.prompts import heldout_prompts
+    from dflash.eval_inputs import run_data_config
 
     flags = [False] * 7 + [True]
     src = _write_source(tmp_path / "d.jsonl", flags)
@@ -226,7 +227,7 @@ def test_bad_prompt_lines_name_the_file_and_line(tmp_path, bad, says, capsys):
     """Invariant: a malformed --prompts file is a one-line error naming the line, not a bare
     KeyError or a JSON message without a location."""
     from dflash.eval import _prompts
-    from dflash.eval_prompts import EvalInputError
+    from dflash.eval_inputs import EvalInputError
 
     f = tmp_path / "p.jsonl"
     f.write_text(bad + "\n")

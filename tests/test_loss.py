@@ -1,4 +1,4 @@
-"""dflash.loss / dflash.objective / dflash.metrics against slow references written from the formulas."""
+"""dflash.loss / dflash.objective / dflash.acceptance against slow references written from the formulas."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from dflash.anchors import sample_anchors
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
-from dflash.metrics import simulated_accepted_length, streak_lengths
+from dflash.acceptance import simulated_accepted_length, streak_lengths
 from dflash.messages import LossInput
 from dflash.objective import compute_loss
 from dflash.target import TargetConfig, load_target

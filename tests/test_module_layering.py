@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# the modules split out of one file: csp/graph/ (was csp/graph/__init__.py) and dflash.target's parts
+# the modules split out of one file: csp/graph/ (was csp/graph/__init__.py), dflash.target's and
+# dflash.eval's parts
 SPLIT_FILES = (*sorted((ROOT / "csp" / "graph").glob("*.py")),
                *(ROOT / "dflash" / f"{m}.py" for m in ("target", "target_config", "layer_ids",
-                                                       "document_mask", "shared_head")))
+                                                       "document_mask", "shared_head", "eval", "decode",
+                                                       "eval_measure", "eval_report", "eval_inputs")),
+               ROOT / "dflash" / "data" / "prompts.py")
 
 
 def _module_name(path: Path) -> str:

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from dflash.logs import analyse, render
-from dflash.metrics_log import MetricsLog
+from dflash.metrics_writer import MetricsLog
 from dflash.records import (
     CheckpointRecord,
     EndRecord,

@@ -86,8 +86,8 @@ def test_default_graph_trains_checkpoints_and_writes_observability(tmp_path, cac
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, cache_dir):
-    """Exact resume (DESIGN failure mode 3): a run resumed from its step-4 checkpoint has the same
-    step 5..8 losses and the same final weights as the run that was never interrupted."""
+    """Exact resume (failure mode 3 of docs/failure-modes.md): a run resumed from its step-4
+    checkpoint has the same step 5..8 losses and the same final weights as the run that was never interrupted."""
     full = tmp_path / "full"
     assert main(small(full, cache_dir)) == 0
     # The "interrupted" run: the same run directory as it was right after the step-4 checkpoint.

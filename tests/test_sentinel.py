@@ -1,4 +1,5 @@
-"""dflash.sentinel: the channel-boundary NaN check names the first producer (DESIGN failure mode 2)."""
+"""dflash.sentinel: the channel-boundary NaN check names the first producer (failure mode 2 of
+docs/failure-modes.md)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def test_finds_nested_floating_tensors_only():
 
 
 def test_names_producer_channel_batch_and_tensor():
-    """Invariant (DESIGN failure mode 2; issue 14, item 16): the error names the producer replica,
-    the channel, the training step the batch was for, the batch and the tensor."""
+    """Invariant (failure mode 2 of docs/failure-modes.md; issue 14, item 16): the error names the
+    producer replica, the channel, the training step the batch was for, the batch and the tensor."""
     s = FiniteSentinel("target[1]", enabled=True)
     h = torch.zeros(1, 4, 6)
     s.check(TargetOutput(batch=make_batch(), layer_hidden=h, final_hidden=None, replica=1), batch_id=3,

@@ -122,7 +122,7 @@ def drafter_stage(tmp_path, sync_free: bool):
     from dflash.app import RunApp
     from dflash.config import DFlashFile, RunSection, TrainSection, config_hash
     from dflash.drafter import resolve_drafter_config
-    from dflash.metrics_log import MetricsLog
+    from dflash.metrics_writer import MetricsLog
     from dflash.stages.drafter import DrafterStage
 
     cfg = DFlashFile(run=RunSection(name="t", out_dir=str(tmp_path), steps=4),

@@ -18,7 +18,7 @@ mkdir -p "$R" "$OUT"
 export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
 G=${G:-examples/sharegpt-target-h200.toml}
 COMMON=(--set monitor.wandb=\"disabled\" --set run.steps=$STEPS --set data.max_samples=$N --resume none)
-# EXTRA: more --set arguments, word-split (a CPU smoke test: see tests/test_quality_script.py)
+# EXTRA: more --set arguments, word-split (no test runs this script)
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"; COMMON+=("${EXTRA_ARGS[@]}")
 NEW=${NEW:-256}; NP=${NP:-32}
 train() {  # name, extra --set args...

@@ -2,7 +2,7 @@
 
 The layout written is :mod:`dflash.checkpoint.format`'s (``meta.json`` is its :class:`Meta`).
 
-How a save avoids stalling the pipeline (failure mode 4 of DESIGN.md): the training thread only
+How a save avoids stalling the pipeline (failure mode 4 of docs/failure-modes.md): the training thread only
 *snapshots* the state — on CUDA a device-to-device clone on a side stream, ordered after the
 optimizer step by an event; on CPU a clone — and a background writer thread does the slow part
 (host copy, non-finite check, serialisation, fsync, rename). The trainer calls :meth:`Checkpointer.before_update`

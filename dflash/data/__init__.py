@@ -13,7 +13,8 @@ Typical use (what the ``prefetch`` stage does)::
 Modules: ``config`` (DataConfig), ``sources`` (file formats, skip reasons), ``tokenizer``
 (offline loading, TokenizerInfo), ``chat`` (template rendering + loss mask), ``tokenize``
 (parallel tokenization + cache), ``cache`` (on-disk entries), ``dataset`` (TokenizedDataset,
-DataSummary), ``batching`` (strategies, statistics), ``sampler`` (Sampler, collate).
+DataSummary), ``batching`` (strategies, statistics), ``sampler`` (Sampler, collate), ``prompts``
+(decode prompts built as training builds contexts; not re-exported here).
 """
 
 from dflash.data.batching import BatchingStats, PlannedBatch, plan_stats

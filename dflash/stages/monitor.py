@@ -11,7 +11,7 @@ import csp
 from dflash.app import RunApp
 from dflash.spikes import spike_threshold
 from dflash.messages import StepMetrics
-from dflash.metrics_log import WandbSink, WindowAggregator
+from dflash.metrics_writer import WandbSink, WindowAggregator
 from dflash.records import SkipRecord, TrainRecord
 
 log = logging.getLogger("dflash.monitor")

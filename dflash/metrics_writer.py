@@ -1,12 +1,12 @@
-"""Step-indexed training metrics: fixed windows, ``metrics.jsonl``, and wandb.
+"""Writing the training metrics: ``metrics.jsonl`` (:class:`MetricsLog`), fixed step windows, wandb.
 
-Failure mode 5 of DESIGN.md: a monitor that averaged "whatever accumulated since I last looked"
-showed phantom loss resets. Here a window is a fixed range of drafter steps ``(S - W, S]``; each
-logged point carries ``step`` (its last step), ``window`` (how many steps the window spans; the last
-window of a run, or the first after a resume, may be shorter and says so) and ``steps_averaged``
-(how many of them the averages are over: skipped, non-finite steps are logged on their own line and
-excluded, so a window of 5 holding one skip averages 4; 0 when every step was skipped, and the
-averages are then null).
+Failure mode 5 of docs/failure-modes.md: a monitor that averaged "whatever accumulated since I last
+looked" showed phantom loss resets. Here a window is a fixed range of drafter steps ``(S - W, S]``;
+each logged point carries ``step`` (its last step), ``window`` (how many steps the window spans; the
+last window of a run, or the first after a resume, may be shorter and says so) and
+``steps_averaged`` (how many of them the averages are over: skipped, non-finite steps are logged on
+their own line and excluded, so a window of 5 holding one skip averages 4; 0 when every step was
+skipped, and the averages are then null).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Drafter quality metrics: per-position accuracy and accepted length.
+"""Acceptance maths: per-position accuracy, accepted length, streaks and tau.
 
 Conventions used everywhere in dflash (training logs, ``metrics.jsonl``, ``dflash.eval``):
 
