@@ -5,7 +5,7 @@
 Importing this package registers the kinds with csp's registry.
 """
 
-from dflash.stages.drafter import DrafterStage
+from dflash.stages.trainer import DrafterStage
 from dflash.stages.monitor import MonitorStage
 from dflash.stages.postprocess import PostprocessStage
 from dflash.stages.prefetch import PrefetchStage
