@@ -192,7 +192,8 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
         ``checkpoint_every`` a ``checkpoint`` entry (:func:`checkpoint_overlap` over the window).
 
     Raises:
-        csp.GraphError, csp.ProcessFailed, dflash.data.DataError: from building or running the graph.
+        dflash.errors.ConfigError, csp.GraphError, csp.ProcessFailed, dflash.data.DataError: from
+            resolving, building or running the graph.
         TimeoutError: the window was not reached within ``timeout_s``.
         ValueError: a device hosts more than one target replica (:class:`ModelReuse` shares one
             target per device).

@@ -1,7 +1,10 @@
 """``python -m dflash.run GRAPH.toml [--set section.key=value ...] [--resume auto|PATH|none]``
 
-Reads and validates the graph file, prepares the tokenizer and the tokenized data (cached), picks the
-checkpoint to resume from, builds the csp graph and runs it, and closes everything on every path.
+Reads and validates the graph file (:func:`dflash.config.load_config`), builds the csp graph, loads
+the tokenizer and resolves the config (:func:`dflash.resolve.resolve`: every cross-table check and
+each stage's options, before any data is read or the run directory is written), takes the run
+lock, prepares the tokenized data (cached) and the checkpoint to resume from, runs the graph, and
+closes everything on every path.
 
 Exit codes:
     0    training finished (``[run].steps`` reached)
