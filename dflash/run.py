@@ -91,7 +91,7 @@ def acquire_run_lock(run_dir: Path):
         other = f.read().strip() or "?"
         f.close()
         raise ConfigError(f"{run_dir} is in use by another dflash.run (pid {other}); wait for it, "
-                             "or choose another run.out_dir") from None
+                          "or choose another run.out_dir") from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
