@@ -65,7 +65,7 @@ TARGET_VARIANTS = {"sdpa": (10, 1.0), "flex_attention": (60, 1.0), "eager": (10,
 
 # --smoke / --tiny: the same graphs and code paths with tiny shapes (the vocabulary is the tokenizer's).
 TINY_SETTINGS = [
-    "target.preset=tiny", "drafter.num_layers=2", "drafter.block_size=8", "drafter.num_anchors=8",
+    "target.preset=tiny", "drafter.num_layers=2", "drafter.block_size=8", "train.num_anchors=8",
     "data.max_samples=160", "data.max_length=256", "data.tokens_per_batch=512", "data.packed_rows=2",
     "data.num_workers=1", "data.holdout=8", "trace.stats_interval_s=0.2",
 ]
@@ -238,7 +238,7 @@ class Bench:
         mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=size))
         self.peak = mm["tflops"] if mm else float("nan")
         ckpt_n = a.warmup + a.ckpt_steps
-        default_impl = self.app.cfg.target.attn_implementation
+        default_impl = self.app.resolved.cfg.target.attn_implementation
         steps = {  # name -> (estimated seconds, evaluated when its turn comes; the measurement)
             "target_alone": (lambda: 40 + n * self.t_target, self._target_alone),
             "plain_forward": (lambda: 30 + n * self.t_target * 1.3, self._plain_forward),
@@ -302,7 +302,7 @@ class Bench:
     def _target(self) -> Any:
         from dflash.loss import needs_final_hidden
 
-        cfg = self.app.cfg  # the same arguments as the dflash.target stage: the pipeline reuses this model
+        cfg = self.app.resolved.cfg  # the same arguments as the dflash.target stage: the pipeline reuses this model
         return self.reuse.load_target(cfg.target, self.dev0, num_draft_layers=cfg.drafter.num_layers,
                                       need_final=needs_final_hidden(cfg.loss))
 
@@ -388,7 +388,7 @@ class Bench:
         points: dict[str, float | None] = {}
         for cap in a.capacities:
             default = main is not None and all(
-                c.capacity == cap for c in self.app.cfg.channel if c.name in SWEEP_CHANNELS)
+                c.capacity == cap for c in self.app.resolved.cfg.channel if c.name in SWEEP_CHANNELS)
             if default:
                 points[str(cap)] = main["tok_s"]
                 continue
@@ -414,13 +414,13 @@ def environment(ngpu: int) -> dict[str, Any]:
 
 
 def data_summary(app: Any) -> dict[str, Any]:
-    cfg = app.cfg
+    cfg = app.resolved.cfg
     stats = app.sampler.epoch_stats(0)
     return {"source": cfg.data.source, "conversations": len(app.sampler.dataset),
             "strategy": cfg.data.strategy, "tokens_per_batch": cfg.data.tokens_per_batch,
             "rows": cfg.data.packed_rows, "max_length": cfg.data.max_length,
             "padding_waste": round(stats.padding_waste, 4), "batches_per_epoch": stats.num_batches,
-            "anchors_per_row": cfg.drafter.num_anchors, "block_size": cfg.drafter.block_size,
+            "anchors_per_row": cfg.train.num_anchors, "block_size": cfg.drafter.block_size,
             "target_preset": cfg.target.preset, "vocab_size": cfg.target.vocab_size,
             "drafter_layers": cfg.drafter.num_layers}
 

@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, graph_file: str, overrides: list[str], run_di
         app = scratch_app(Path(graph_file), overrides, Path(run_dir) / f"scratch{rank}")
         n = warmup + timed
         batches = make_batches(app, n * world, pin=device.type == "cuda")[rank::world]
-        cfg = app.cfg
+        cfg = app.resolved.cfg
         target = load_target(cfg.target, device, num_draft_layers=cfg.drafter.num_layers,
                              need_final=needs_final_hidden(cfg.loss))
         with process_group(device, Path(run_dir) / "store", rank, world) as group:

@@ -1,7 +1,7 @@
 """Run the DFlash csp training graph in this process for a fixed number of steps and time it.
 
 Used by ``benchmarks/bench_h200.py``. A run is built exactly as ``python -m dflash.run`` builds it
-(:func:`dflash.config.load_config` with ``--set`` overrides, :func:`dflash.run.prepare`,
+(:func:`dflash.config.load_config` with ``--set`` overrides, :func:`dflash.run.load_resolved`, :func:`dflash.run.prepare`,
 ``csp.Graph.from_spec``, ``csp.Runtime``), with the monitor logging every step
 (``monitor.window = 1``) so ``metrics.jsonl`` holds one ``train`` record per step.
 
@@ -192,7 +192,8 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
         ``checkpoint_every`` a ``checkpoint`` entry (:func:`checkpoint_overlap` over the window).
 
     Raises:
-        csp.GraphError, csp.ProcessFailed, dflash.data.DataError: from building or running the graph.
+        dflash.errors.ConfigError, csp.GraphError, csp.ProcessFailed, dflash.data.DataError: from
+            resolving, building or running the graph.
         TimeoutError: the window was not reached within ``timeout_s``.
         ValueError: a device hosts more than one target replica (:class:`ModelReuse` shares one
             target per device).
@@ -200,7 +201,7 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
     import csp
     import dflash.stages  # noqa: F401  (registers the dflash.* kinds)
     from dflash.config import load_config, to_toml
-    from dflash.run import prepare
+    from dflash.run import load_resolved, prepare
 
     total = warmup + timed
     sets = [*overrides, *BENCH_SETTINGS, f"run.out_dir={run_dir}", f"run.steps={total + SLACK_STEPS}",
@@ -215,7 +216,8 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
     run_dir.mkdir(parents=True)
     (run_dir / "config.toml").write_bytes(to_toml(cfg))
     torch.manual_seed(cfg.run.seed)
-    app = prepare(cfg, "none")
+    resolved, tok = load_resolved(cfg)
+    app = prepare(resolved, "none", tok)
     graph = csp.Graph.from_spec(cfg)
     # join_timeout_s: after the abort the drafter's teardown finishes an in-flight checkpoint first
     runtime = csp.Runtime(graph, run_dir=run_dir, app=app, join_timeout_s=join_timeout_s)

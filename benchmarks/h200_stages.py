@@ -3,7 +3,7 @@ loop and the plain transformers forward, with FLOP accounting for MFU.
 
 Used by ``benchmarks/bench_h200.py``. Every measurement runs the project's own code: the target is
 :class:`dflash.target.Target` (``forward`` over packed rows with the document mask, the captured
-layers concatenated), the drafter step is :meth:`dflash.stages.drafter.DrafterStage.train_step`
+layers concatenated), the drafter step is :meth:`dflash.stages.trainer.DrafterStage.train_step`
 (:func:`dflash.train_step.train_step`: ``compute_loss`` under bf16 autocast, backward, clipping, the
 one host read, AdamW, schedule) on a stage built outside csp, and the features go through
 :func:`dflash.features.to_drafter_input`. Batches are drawn as ``dflash.prefetch`` draws them (same
@@ -105,12 +105,12 @@ def drafter_flops(app: Any, batches: list[Any]) -> Any:
     from benchmarks.flops import Flops, drafter_counts, drafter_step_flops
     from dflash.loss import needs_final_hidden
 
-    dc = app.drafter_cfg
+    dc = app.resolved.drafter
     total = Flops(0.0, 0.0)
     for b in batches:
         c = drafter_counts(b.input_ids, b.loss_mask, b.doc_ids, b.anchors, dc.block_size, window=dc.sliding_window)
-        total = total + drafter_step_flops(dc, c, target_logits=needs_final_hidden(app.cfg.loss),
-                                           sync_free=app.cfg.train.sync_free_loss)
+        total = total + drafter_step_flops(dc, c, target_logits=needs_final_hidden(app.resolved.cfg.loss),
+                                           sync_free=app.resolved.cfg.train.sync_free_loss)
     return total
 
 
@@ -143,12 +143,12 @@ def make_batches(app: Any, n: int, pin: bool) -> list[Any]:
     from dflash.data import Sampler
     from dflash.stages.prefetch import anchor_generator
 
-    cfg = app.cfg
+    cfg = app.resolved.cfg
     sampler = Sampler(app.sampler.dataset, cfg.data, pad_id=app.sampler.pad_id)
     out = []
     for seq in range(n):
         b = next(sampler)
-        anchors = sample_anchors(b.loss_mask, b.doc_ids, cfg.drafter.num_anchors, cfg.drafter.block_size,
+        anchors = sample_anchors(b.loss_mask, b.doc_ids, cfg.train.num_anchors, cfg.drafter.block_size,
                                  generator=anchor_generator(cfg.run.seed, b.batch_id))
         b = msgspec.structs.replace(b, seq=seq, anchors=anchors)
         out.append(b.pin_memory() if pin else b)
@@ -178,7 +178,7 @@ def target_forward(app: Any, target: Any, device: torch.device):
     from dflash.loss import needs_final_hidden
     from dflash.messages import TargetOutput
 
-    need_final = needs_final_hidden(app.cfg.loss)
+    need_final = needs_final_hidden(app.resolved.cfg.loss)
 
     def step(batch: Any) -> Any:
         with torch.no_grad():
@@ -208,7 +208,7 @@ def drafter_stage(app: Any, device: torch.device) -> Any:
     """A ``dflash.drafter`` stage (fresh drafter, AdamW, schedule) built outside csp on ``device``.
     Call ``teardown()`` when done."""
     import csp
-    from dflash.stages.drafter import DrafterStage
+    from dflash.stages.trainer import DrafterStage
 
     stage = DrafterStage(ctx=csp.Context("drafter", device=device, run_dir=app.run_dir, app=app))
     with device_scope(device):
@@ -221,7 +221,7 @@ def _drafter_input(app: Any, out: Any, device: torch.device) -> Any:
     from dflash.features import to_drafter_input
 
     out = csp.cuda.to_device(out, device) if device != out.layer_hidden.device else out
-    return to_drafter_input(out, feature_noise=app.cfg.train.feature_noise, seed=app.cfg.run.seed)
+    return to_drafter_input(out, feature_noise=app.resolved.cfg.train.feature_noise, seed=app.resolved.cfg.run.seed)
 
 
 def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch.device,
@@ -286,7 +286,7 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
     measurement; call release() after it."""
     from benchmarks.flops import Flops, target_forward_flops
 
-    full = reuse.original_load_target(app.cfg.target, device, num_draft_layers=app.cfg.drafter.num_layers,
+    full = reuse.original_load_target(app.resolved.cfg.target, device, num_draft_layers=app.resolved.cfg.drafter.num_layers,
                                       need_final=True)
     model = full.model
 
@@ -313,9 +313,10 @@ def scratch_app(graph_file: Path, overrides: list[str], run_dir: Path) -> Any:
     """The prepared run objects (config with tokenizer-derived fields, data, drafter config) for the
     measurements outside csp, from the same graph file and overrides as the pipeline runs."""
     from dflash.config import load_config
-    from dflash.run import prepare
+    from dflash.run import load_resolved, prepare
 
     from benchmarks.h200_pipeline import BENCH_SETTINGS
 
     cfg = load_config(graph_file, [*overrides, *BENCH_SETTINGS, f"run.out_dir={run_dir}"])
-    return prepare(cfg, "none")
+    resolved, tok = load_resolved(cfg)
+    return prepare(resolved, "none", tok)

@@ -20,6 +20,7 @@ from msgspec import Meta
 
 import csp
 from dflash.data import DataConfig
+from dflash.errors import ConfigError
 from dflash.drafter import DrafterConfig
 from dflash.loss import LossConfig
 from dflash.target import TargetConfig
@@ -52,6 +53,9 @@ class RunSection(_Table):
 class TrainSection(_Table):
     """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
 
+    num_anchors: PositiveInt = 256
+    """Training blocks (anchors) sampled per packed row, the same for every batch (a sampling
+    setting, not part of the drafter model: it was ``[drafter].num_anchors`` before issue 15)."""
     lr: Annotated[float, Meta(gt=0.0)] = 6e-4
     """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
     that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
@@ -146,9 +150,19 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
     """Read, override (``--set section.key=value``) and validate a DFlash graph file.
 
     Raises:
-        csp.GraphError: missing file, bad TOML, unknown key, wrong type (message has the path).
+        ConfigError: missing file, bad TOML, unknown key, wrong type (csp's message, with the
+            path), or ``drafter.num_anchors``, which is ``train.num_anchors`` now.
     """
-    return csp.load_spec(path, spec_type=DFlashFile, overrides=overrides or [])
+    try:
+        return csp.load_spec(path, spec_type=DFlashFile, overrides=overrides or [])
+    except csp.GraphError as exc:
+        if _OLD_NUM_ANCHORS in str(exc):
+            raise ConfigError(f"{path}: drafter.num_anchors is a training-sampling setting and has moved to "
+                              "[train]: rename it to train.num_anchors (--set train.num_anchors=N)") from exc
+        raise ConfigError(str(exc)) from exc
+
+
+_OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"
 
 
 def _drop_none(obj):
@@ -169,6 +183,9 @@ def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
+    # Hashed in the layout from before issue 15, where num_anchors sat in [drafter]: the same
+    # settings give the same hash, so older checkpoints resume without a "config differs" warning.
+    raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
     raw.pop("monitor", None)
     raw.pop("trace", None)

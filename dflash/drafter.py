@@ -50,7 +50,6 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         mask_token_id: id of the mask token fed at block slots 1..bs-1 (None = from tokenizer).
         layer_types: per layer "full_attention" | "sliding_attention" (None = all full).
         sliding_window: window in tokens for sliding layers (required if any layer slides).
-        num_anchors: training blocks sampled per row.
         attn_implementation: "sdpa" (bool mask) | "flex_attention" (BlockMask; compiled on CUDA).
         hidden_size .. vocab_size: copied from the target config by :meth:`resolve` when None
             (``hidden_size`` must equal the target's: the embedding is shared).
@@ -63,7 +62,6 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     mask_token_id: int | None = None
     layer_types: list[LayerType] | None = None
     sliding_window: int | None = None
-    num_anchors: int = 256
     attn_implementation: Literal["sdpa", "flex_attention"] = "sdpa"
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -82,8 +80,6 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
             raise ValueError(f"drafter.block_size must be >= 2, got {self.block_size}")
-        if self.num_anchors < 1:
-            raise ValueError(f"drafter.num_anchors must be >= 1, got {self.num_anchors}")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"drafter.layer_types has {len(self.layer_types)} entries; "
                              f"num_layers is {self.num_layers}")

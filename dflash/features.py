@@ -54,16 +54,12 @@ def to_drafter_input(out: TargetOutput, *, feature_noise: float, seed: int) -> D
 @dataclass(frozen=True)
 class FeaturePostprocess:
     """Where and how the features are post-processed: ``[train].feature_noise`` (std, a fraction of
-    the per-token rms), ``[run].seed`` and ``[train].postprocess_side`` ("target" or "drafter")."""
+    the per-token rms), ``[run].seed`` and ``[train].postprocess_side`` ("target" or "drafter");
+    built by :func:`dflash.resolve.resolve` for the target and postprocess stages' options."""
 
     noise: float
     seed: int
     side: str = "drafter"
-
-    @classmethod
-    def from_config(cls, cfg) -> "FeaturePostprocess":
-        """From a validated :class:`dflash.config.DFlashFile`."""
-        return cls(noise=cfg.train.feature_noise, seed=cfg.run.seed, side=cfg.train.postprocess_side)
 
     def at_target(self, layer_hidden: torch.Tensor, batch_id: int) -> torch.Tensor:
         """The target side: ``[B, T, k*H]`` with the noise added when ``side == "target"``."""

@@ -33,7 +33,7 @@ class MetricsLog:
 
     def write(self, record: RecordBase | dict[str, Any]) -> None:
         """Append one record; sets its ``time`` to now when unset. A dict (``{"kind": ..., ...}``, the
-        older API, still what :mod:`dflash.stages.drafter` may pass) is converted to its record type.
+        older API, still what :mod:`dflash.stages.trainer` may pass) is converted to its record type.
 
         Raises:
             dflash.records.MetricsFormatError: an unknown kind, field or value type (nothing written).

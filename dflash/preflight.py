@@ -3,19 +3,22 @@
 Each table validates itself when the file is decoded (msgspec types, ``__post_init__``), but some
 mistakes are only visible when tables meet: the drafter against the target's depth and width, the
 drafter's attention against the device its process runs on, a ``[monitor]`` backend against what
-is installed. :func:`preflight` makes those checks from the config alone (the target's
-transformers config is read, never its weights), so ``python -m dflash.run`` reports them as one
-line with exit code 2 before it tokenizes, loads or writes anything.
+is installed, data-parallel drafter replicas against the launcher. Each check reads the config
+alone (the target's transformers config is read, never its weights); :func:`dflash.resolve.resolve`
+runs them, so ``python -m dflash.run`` reports them as one line with exit code 2 before it reads
+data or writes anything.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-import csp
 from dflash.config import DFlashFile
+from dflash.drafter import DrafterConfig
+from dflash.errors import ConfigError
 
-__all__ = ["preflight"]
+__all__ = ["check_drafter_attention", "check_drafter_replicas", "check_model_shapes", "check_monitor_backend", "drafter_replicas",
+           "lr_warnings", "preflight"]
 
 DRAFTER_KIND = "dflash.drafter"
 MONITOR_KIND = "dflash.monitor"
@@ -35,23 +38,26 @@ def check_monitor_backend(cfg: DFlashFile) -> None:
     """``[monitor].wandb`` other than "disabled" needs an importable ``wandb``.
 
     Raises:
-        csp.GraphError: wandb is not installed and a monitor process would start it.
+        ConfigError: wandb is not installed and a monitor process would start it.
     """
     mode = cfg.monitor.wandb
     if mode == "disabled" or not any(p.kind == MONITOR_KIND for p in cfg.process):
         return
     if importlib.util.find_spec("wandb") is None:
-        raise csp.GraphError(
+        raise ConfigError(
             f"monitor.wandb = {mode!r} needs the wandb package, which is not installed; set "
             "monitor.wandb = \"disabled\" (--set monitor.wandb=disabled) or pip install wandb")
 
 
-def check_model_shapes(cfg: DFlashFile) -> None:
+def check_model_shapes(cfg: DFlashFile) -> DrafterConfig:
     """The target config (overrides included), its layer choice, and the drafter resolved
-    against it: what :func:`dflash.drafter.resolve_drafter_config` will do once the data is loaded.
+    against it (:func:`dflash.drafter.resolve_drafter_config`, checked).
+
+    Returns:
+        the resolved drafter config (every dimension set, ``target_layer_ids`` chosen).
 
     Raises:
-        csp.GraphError: unreadable ``target.path`` config, an unknown ``target.overrides`` key,
+        ConfigError: unreadable ``target.path`` config, an unknown ``target.overrides`` key,
             ``target.layer_ids`` out of range, a target too shallow for ``drafter.num_layers``
             default layers, a ``drafter.hidden_size`` unlike the target's, or drafter heads that
             do not divide.
@@ -61,28 +67,48 @@ def check_model_shapes(cfg: DFlashFile) -> None:
     try:
         hf = build_hf_config(cfg.target)
     except (OSError, ValueError) as exc:  # FileNotFoundError, bad overrides, unreadable config.json
-        raise csp.GraphError(_one_line(exc)) from None
+        raise ConfigError(_one_line(exc)) from None
     try:
         layer_ids = resolve_layer_ids(cfg.target, hf, cfg.drafter.num_layers)
-        cfg.drafter.resolve(hf, layer_ids).check_resolved()
+        drafter = cfg.drafter.resolve(hf, layer_ids)
+        drafter.check_resolved()
     except ValueError as exc:
-        raise csp.GraphError(_one_line(exc)) from None
+        raise ConfigError(_one_line(exc)) from None
+    return drafter
 
 
 def check_drafter_attention(cfg: DFlashFile) -> None:
     """``drafter.attn_implementation = "flex_attention"`` trains only on CUDA.
 
     Raises:
-        csp.GraphError: a drafter replica runs on the CPU (FlexAttention has no CPU backward).
+        ConfigError: a drafter replica runs on the CPU (FlexAttention has no CPU backward).
     """
     if cfg.drafter.attn_implementation != "flex_attention":
         return
     cpu = [d for d in _devices(cfg, DRAFTER_KIND) if not d.startswith("cuda")]
     if cpu:
-        raise csp.GraphError(
+        raise ConfigError(
             f"drafter.attn_implementation = \"flex_attention\" needs a CUDA drafter, but process "
             f"'drafter' runs on {cpu[0]} (PyTorch's FlexAttention has no backward on CPU); set "
             "drafter.attn_implementation = \"sdpa\" or put the drafter on a cuda:N device")
+
+
+def drafter_replicas(cfg: DFlashFile) -> int:
+    """Replicas of the ``dflash.drafter`` process (data-parallel drafters; 1 when there is none)."""
+    return next((p.replicas for p in cfg.process if p.kind == DRAFTER_KIND), 1)
+
+
+def check_drafter_replicas(cfg: DFlashFile, *, launched: bool) -> None:
+    """Data-parallel drafters (``replicas > 1``) need one torchrun rank each.
+
+    Raises:
+        ConfigError: more than one drafter replica and ``launched`` is False (not under torchrun).
+    """
+    drafters = drafter_replicas(cfg)
+    if drafters > 1 and not launched:
+        raise ConfigError(
+            f"process 'drafter' has replicas = {drafters}: data-parallel drafters need one rank each; "
+            f"launch with torchrun --nproc-per-node {drafters} -m dflash.run ... (docs/distributed.md)")
 
 
 def lr_warnings(cfg: DFlashFile) -> list[str]:
@@ -95,13 +121,14 @@ def lr_warnings(cfg: DFlashFile) -> list[str]:
 
 
 def preflight(cfg: DFlashFile) -> list[str]:
-    """Every cross-table check, in the order a user would fix them.
+    """The checks of one graph file that need no tokenizer and no launcher, in the order a user
+    would fix them (:func:`dflash.resolve.resolve` runs them all, on the filled file).
 
     Returns:
         Warnings (one line each) for settings that are legal but almost certainly unintended.
 
     Raises:
-        csp.GraphError: the first problem, one line naming the key to change.
+        ConfigError: the first problem, one line naming the key to change.
     """
     check_monitor_backend(cfg)
     check_model_shapes(cfg)

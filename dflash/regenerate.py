@@ -279,6 +279,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     from dflash.config import load_config
     from dflash.data import DataError, load_tokenizer
     from dflash.data.sources import read_source
+    from dflash.errors import DFlashError
     from dflash.runlog import quiet_progress_bars_when_piped
     from dflash.target import for_generation, load_target
 
@@ -304,7 +305,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
                             "the same --max-new-tokens/--temperature/--top-p/--seed")
         done = done_indices(out)
         excluded = excluded_indices(Path(args.exclude)) if args.exclude else set()
-    except (OSError, ValueError, DataError, msgspec.ValidationError) as e:
+    except (OSError, ValueError, DFlashError, msgspec.ValidationError) as e:  # DataError, ConfigError
         print(f"dflash.regenerate: {e}", file=sys.stderr)
         return 2
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
 """``python -m dflash.run GRAPH.toml [--set section.key=value ...] [--resume auto|PATH|none]``
 
-Reads and validates the graph file, prepares the tokenizer and the tokenized data (cached), picks the
-checkpoint to resume from, builds the csp graph and runs it, and closes everything on every path.
+Reads and validates the graph file (:func:`dflash.config.load_config`), builds the csp graph, loads
+the tokenizer and resolves the config (:func:`dflash.resolve.resolve`: every cross-table check and
+each stage's options, before any data is read or the run directory is written), takes the run
+lock, prepares the tokenized data (cached) and the checkpoint to resume from, runs the graph, and
+closes everything on every path.
 
 Exit codes:
     0    training finished (``[run].steps`` reached)
@@ -26,6 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dflash.run_args import build_parser
 
@@ -38,11 +42,13 @@ import torch  # noqa: E402
 import csp  # noqa: E402
 import csp.dist  # noqa: E402
 from dflash import runlog  # noqa: E402
-from dflash.app import RunApp  # noqa: E402
+from dflash.app import ResumeState, RunApp  # noqa: E402
 from dflash.checkpoint import CheckpointError, check_architecture  # noqa: E402, F401 - check_architecture: its older home
-from dflash.config import DFlashFile, config_hash, load_config, to_toml  # noqa: E402
+from dflash.config import DFlashFile, load_config, to_toml  # noqa: E402
+from dflash.errors import ConfigError  # noqa: E402
 from dflash.metrics_writer import MetricsLog  # noqa: E402
 from dflash.preflight import preflight  # noqa: E402
+from dflash.resolve import Resolved, resolve  # noqa: E402
 from dflash.checkpoint.resume import (archive_foreign, changes_since, choose as choose_resume,  # noqa: E402
                                       new_lineage)
 from dflash.records import EndRecord, ResumeRecord, StartRecord  # noqa: E402
@@ -72,7 +78,7 @@ def acquire_run_lock(run_dir: Path):
     run directory: their checkpoints and metrics would interleave).
 
     Raises:
-        csp.GraphError: another process holds the lock.
+        ConfigError: another process holds the lock.
     """
     import fcntl
 
@@ -84,8 +90,8 @@ def acquire_run_lock(run_dir: Path):
         f.seek(0)
         other = f.read().strip() or "?"
         f.close()
-        raise csp.GraphError(f"{run_dir} is in use by another dflash.run (pid {other}); wait for it, "
-                             "or choose another run.out_dir") from None
+        raise ConfigError(f"{run_dir} is in use by another dflash.run (pid {other}); wait for it, "
+                          "or choose another run.out_dir") from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
@@ -135,28 +141,39 @@ def interrupted_before_training(run_dir: Path, resume: str) -> str:
             f"holds {', '.join(names) or 'nothing'} (the data cache keeps complete entries only); {after}")
 
 
-def prepare(cfg: DFlashFile, resume: str) -> RunApp:
-    """Everything that must exist before the graph starts: tokenizer, data, resume state.
+def load_resolved(cfg: DFlashFile) -> tuple[Resolved, Any]:
+    """The tokenizer (no data read) and :func:`dflash.resolve.resolve` of ``cfg`` with it.
+
+    Returns:
+        ``(resolved, tokenizer)``.
+
+    Raises:
+        ConfigError: a cross-table mistake (one line naming the key).
+        dflash.data.DataError: the tokenizer cannot be loaded.
+    """
+    from dflash.data import load_tokenizer, tokenizer_info
+
+    preflight(cfg)  # the checks that need no tokenizer first: a wrong target.path is named as one
+    tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
+    return resolve(cfg, tokenizer_info(tok)), tok
+
+
+def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
+    """Everything that must exist before the graph starts: data, sampler, resume state.
+
+    ``tok``: the tokenizer :func:`load_resolved` loaded (loaded again when None).
 
     Raises:
         dflash.data.DataError: unusable data (message names the file and the reasons).
         CheckpointError: the requested checkpoint cannot be used.
     """
     from dflash.data import DataError, Sampler, load_dataset, load_tokenizer, tokenizer_info
-    from dflash.drafter import resolve_drafter_config
 
+    cfg = resolved.cfg
     run_dir = Path(cfg.run.out_dir)
-    tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
+    if tok is None:
+        tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
     info = tokenizer_info(tok)
-    if cfg.target.path is None and cfg.target.vocab_size is None:
-        cfg.target.vocab_size = info.vocab_size
-    if cfg.drafter.mask_token_id is None:
-        if info.mask_token_id is None:
-            raise csp.GraphError("[drafter].mask_token_id is not set and the tokenizer has no mask token: "
-                                 "set drafter.mask_token_id to an unused token id")
-        cfg.drafter.mask_token_id = info.mask_token_id
-    cfg.data.block_size = cfg.drafter.block_size
-
     dataset = load_dataset(cfg.data, tok, console=runlog.console())
     if dataset.summary is not None:
         log.info(runlog.data_line(dataset.summary), extra=runlog.FILE_ONLY)  # the terminal got the table
@@ -168,21 +185,19 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
     got = choose_resume(run_dir, resume)  # logs a REJECTED line for each checkpoint it passes over
-    train_state, start_step, ckpt, changes = None, 0, None, []
+    state, changes = ResumeState(), []
     if got is not None:
-        ckpt, train_state, start_step = got.path, got.train_state, got.step
-        sampler.load_state_dict(train_state["sampler"])
-        changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), config_hash(cfg))
+        state = ResumeState(start_step=got.step, path=got.path, train_state=got.train_state, weights=got.weights)
+        sampler.load_state_dict(got.train_state["sampler"])
+        changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), resolved.config_hash)
         if changes:
-            log.warning("the config differs from the one checkpoint %s was trained with: %s", ckpt,
+            log.warning("the config differs from the one checkpoint %s was trained with: %s", got.path,
                         "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else ""))
         if runlog.console().is_terminal:
-            runlog.console().rule(f"[bold yellow]RESUMING from step {start_step}: {ckpt}")
-        log.warning("RESUMING from step %d: %s", start_step, ckpt)
-
-    drafter_cfg = resolve_drafter_config(cfg.drafter, cfg.target)
-    if ckpt is not None:
-        check_architecture(ckpt, drafter_cfg)
+            runlog.console().rule(f"[bold yellow]RESUMING from step {got.step}: {got.path}")
+        log.warning("RESUMING from step %d: %s", got.step, got.path)
+        check_architecture(got.path, resolved.drafter)
+    state.lineage = (got.lineage if got is not None else None) or new_lineage()
     if rank == 0:  # one lineage per checkpoints/ directory (dflash.resume)
         archived, moved = archive_foreign(run_dir / "checkpoints", got)
         if archived is not None:
@@ -191,26 +206,14 @@ def prepare(cfg: DFlashFile, resume: str) -> RunApp:
     if got is None and resume != "none":
         log.info("no checkpoint to resume in %s; starting from step 0", run_dir / "checkpoints")
     metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
-    app = RunApp(
-        cfg=cfg,
-        run_dir=run_dir,
-        sampler=sampler,
-        start_step=start_step,
-        resume_path=ckpt,
-        train_state=train_state,
-        metrics=metrics,
-        config_hash=config_hash(cfg),
-        drafter_cfg=drafter_cfg,
-        resume_weights=got.weights if got is not None else None,
-        lineage=(got.lineage if got is not None else None) or new_lineage(),
-    )
+    app = RunApp(resolved=resolved, run_dir=run_dir, sampler=sampler, metrics=metrics, resume=state)
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations, %s batching: padding waste %.1f%%, %d batches/epoch",
              len(train), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
-    metrics.write(StartRecord(config_hash=app.config_hash, step=start_step, lineage=app.lineage,
+    metrics.write(StartRecord(config_hash=resolved.config_hash, step=state.start_step, lineage=state.lineage,
                               data=dataset.summary.to_dict(), batching=msgspec.to_builtins(stats)))
     if got is not None:
-        metrics.write(ResumeRecord(step=start_step, path=str(ckpt),
+        metrics.write(ResumeRecord(step=state.start_step, path=str(got.path),
                                    rejected=[{"path": str(p), "reason": r} for p, r in got.rejected],
                                    config_changes=changes))
     return app
@@ -228,11 +231,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from dflash.data import DataError
+
     args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # for the resume command in the summary
     try:
         cfg = load_config(args.graph, args.overrides)
-    except csp.GraphError as exc:
+    except ConfigError as exc:
         _error(exc)
         return 2
     import dflash.stages  # noqa: F401  (registers the dflash.* process kinds)
@@ -240,43 +245,40 @@ def _main(argv: list[str] | None) -> int:
     if not cfg.run.out_dir.strip():
         _error("run.out_dir is empty; set it to a directory, e.g. runs/my-run")
         return 2
-    try:  # the whole graph is checked before anything is tokenized, loaded or written
+    try:  # the whole graph is checked before any data is read or anything is written
         graph = csp.Graph.from_spec(cfg)
-        for warning in preflight(cfg):  # cross-table checks: drafter vs target, devices, backends
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-        drafters = next((p.replicas for p in cfg.process if p.kind == "dflash.drafter"), 1)
-        if drafters > 1 and not csp.dist.launched():
-            raise csp.GraphError(
-                f"process 'drafter' has replicas = {drafters}: data-parallel drafters need one rank each; "
-                f"launch with torchrun --nproc-per-node {drafters} -m dflash.run ... (docs/distributed.md)"
-            )
-    except csp.GraphError as exc:
+        resolved, tok = load_resolved(cfg)  # cross-table checks: drafter vs target, devices, backends
+    except (csp.GraphError, ConfigError, DataError) as exc:
         _error(exc)
         return 2
+    for warning in resolved.warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     run_dir = Path(cfg.run.out_dir)
     rank = int(os.environ.get("RANK", "0"))
     try:
         lock = acquire_run_lock(run_dir) if rank == 0 else None
-    except csp.GraphError as exc:
+    except ConfigError as exc:
         _error(exc)
         return 2
     try:
-        return _train(cfg, args, graph, run_dir, rank)
+        return _train(resolved, tok, args, graph, run_dir, rank)
     finally:
         if lock is not None:
             lock.close()  # releases the flock
 
 
-def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir: Path, rank: int) -> int:
+def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Graph, run_dir: Path,
+           rank: int) -> int:
     from dflash.data import DataError
 
+    cfg = resolved.cfg
     setup_logging(run_dir)
     if cfg.run.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.run.seed)
     try:
-        app = prepare(cfg, args.resume or cfg.run.resume)
-    except (csp.GraphError, DataError, CheckpointError) as exc:
+        app = prepare(resolved, args.resume or cfg.run.resume, tok)
+    except (ConfigError, DataError, CheckpointError) as exc:
         _error(exc)
         return 2
     except KeyboardInterrupt:
@@ -285,16 +287,16 @@ def _train(cfg: DFlashFile, args: argparse.Namespace, graph: csp.Graph, run_dir:
     if rank == 0:
         (run_dir / "config.toml").write_bytes(to_toml(cfg))
     if app.steps_to_run == 0:  # the previous segment's csp stats and trace stay where csp.inspect reads them
-        log.info("nothing to do: the checkpoint is already at step %d of %d", app.start_step, cfg.run.steps)
+        log.info("nothing to do: the checkpoint is already at step %d of %d", app.resume.start_step, cfg.run.steps)
         app.metrics.write(EndRecord(status="nothing to do", exit_code=0, seconds=0.0))
         app.metrics.close()
         if rank == 0:  # the short summary: where the checkpoint is and what to run next (no plot, no wandb)
             _summary(cfg, args, run_dir, "nothing to do", 0, None, None, None, plot=False, wandb_ran=False)
         return 0
     if rank == 0:
-        keep_previous_observability(run_dir, app.start_step)
+        keep_previous_observability(run_dir, app.resume.start_step)
 
-    log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.start_step + 1,
+    log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.resume.start_step + 1,
              cfg.run.steps, run_dir)
     t0 = time.time()
     status, code = "failed", 1

@@ -23,22 +23,26 @@ from dflash.optim import DrafterOptimizer, load_optimizer_state
 __all__ = ["CheckpointWindow", "newest_sampler_state", "restore", "train_state"]
 
 
-def restore(drafter: torch.nn.Module, o: DrafterOptimizer, app: Any, ctx: Any, device: torch.device) -> int:
-    """Load ``app.resume_path``'s weights, optimizer, schedule and torch RNG state; returns the
+def restore(drafter: torch.nn.Module, o: DrafterOptimizer, resume: Any, train: Any, ctx: Any,
+            device: torch.device) -> int:
+    """Load ``resume.path``'s weights, optimizer, schedule and torch RNG state; returns the
     checkpoint's ``skipped_total``.
 
-    The weights come from ``app.resume_weights`` when :mod:`dflash.checkpoint.resume` already read and verified
-    them (then released), else from ``model.safetensors`` onto ``device``.
+    ``resume`` is the run's :class:`dflash.app.ResumeState`; ``train`` its ``[train]`` table
+    (the lr, betas and weight decay the restored optimizer follows). The weights come from
+    ``resume.weights`` when :mod:`dflash.checkpoint.resume` already read and verified them (taken,
+    so the memory is released once the parameters hold them), else from ``model.safetensors`` onto
+    ``device``.
     """
-    path, state = app.resume_path, app.train_state
+    path, state = resume.path, resume.train_state
     if parallel.group(ctx) is not None:  # each data-parallel replica restores its own state
-        state = parallel.load_rank_state(path.parent, app.start_step, ctx) or state
-    weights = app.resume_weights
+        state = parallel.load_rank_state(path.parent, resume.start_step, ctx) or state
+    weights = resume.take_weights()
     if weights is None:
         weights = load_file(str(path / WEIGHTS), device=str(device))
     drafter.load_state_dict(weights)
-    app.resume_weights = None  # the parameters hold them now
-    load_optimizer_state(o, state, app.cfg.train)
+    del weights  # the parameters hold them now
+    load_optimizer_state(o, state, train)
     torch.set_rng_state(state["rng"]["torch"])
     return state.get("skipped_total", 0)
 

@@ -20,7 +20,7 @@ Shapes: B rows, T tokens, k captured target layers of hidden size H, A anchors, 
    and it carries everything the monitor needs;
 5. otherwise AdamW step; the schedule steps either way (it follows batches).
 
-The caller (:class:`dflash.stages.drafter.DrafterStage`) owns the step counter, checkpoints and
+The caller (:class:`dflash.stages.trainer.DrafterStage`) owns the step counter, checkpoints and
 the stop when the guard's streak is exhausted.
 """
 
@@ -51,7 +51,8 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
         model: the drafter (or its DDP wrapper); ``o`` holds its parameters, AdamW and schedule.
         head: the target's frozen embedding and LM head (bf16 on CUDA, fp32 on CPU).
         inp: the batch on ``model``'s device (``features [B, T, k*H]``, ``anchors [B, A]``).
-        cfg: the run's :class:`dflash.config.DFlashFile` (``[loss]`` and ``[train]`` are read).
+        cfg: anything with the run's ``.train`` and ``.loss`` tables (the drafter stage passes its
+            :class:`dflash.stages.trainer.DrafterStageOptions`).
         step: this step's number (1-based), reported in the metrics.
         cuda: run the forward under bf16 autocast.
         before_update: called just before ``opt.step()`` changes the weights (the checkpointer

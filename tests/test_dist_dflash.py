@@ -30,7 +30,7 @@ def free_port() -> int:
 def torchrun(run_dir: Path, cache: Path, steps: int, timeout_s: float = 80) -> subprocess.CompletedProcess:
     sets = [f"run.out_dir={run_dir}", f"run.steps={steps}", "checkpoint.every=3", "monitor.wandb=disabled",
             "monitor.display=plain", "data.max_samples=120", "data.max_length=256", "data.tokens_per_batch=512",
-            "data.packed_rows=2", "data.num_workers=1", f"data.cache_dir={cache}", "drafter.num_anchors=8",
+            "data.packed_rows=2", "data.num_workers=1", f"data.cache_dir={cache}", "train.num_anchors=8",
             "process.drafter.replicas=2", "process.target.replicas=1", "monitor.window=1", "run.deterministic=true"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "dflash.run", str(ROOT / "examples" / "dflash-tiny.toml")]

@@ -42,6 +42,24 @@ def test_checkpoint_round_trip(tmp_path):
         load_drafter(tmp_path / "nope")
 
 
+def test_drafter_config_json_has_no_num_anchors_and_an_old_one_still_loads(tmp_path):
+    """Invariant (issue 15): num_anchors is a training-sampling setting, so a saved
+    drafter_config.json does not carry it; a checkpoint written before the move (its
+    drafter_config.json has "num_anchors") still loads, the key dropped, weights unchanged."""
+    d, ck = make(), tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    saved = json.loads((ck / "drafter_config.json").read_text())
+    assert "num_anchors" not in saved and saved["block_size"] == 4
+    (ck / "drafter_config.json").write_text(json.dumps({**saved, "num_anchors": 64}))
+    d2, dc, _ = load_drafter(ck)
+    assert dc == d.cfg
+    torch.testing.assert_close(outputs(d2), outputs(d), rtol=0, atol=0)
+    out = tmp_path / "exported"
+    assert export_main([str(ck), "-o", str(out)]) == 0   # export reads it the same way
+    assert "num_anchors" not in (out / "config.json").read_text()
+
+
 @pytest.mark.parametrize("types", [None, ["sliding_attention", "full_attention"]])
 def test_export_public_layout_round_trip(tmp_path, types):
     d = make(types)

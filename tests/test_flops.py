@@ -102,7 +102,7 @@ def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss, sync_free
     equal the True entries of dflash.attention's mask at valid blocks."""
     BS, A = 4, 6
     hf = build_hf_config(TargetConfig(preset="tiny", vocab_size=V))
-    cfg = DrafterConfig(num_layers=2, block_size=BS, num_anchors=A, mask_token_id=V - 1,
+    cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1,
                         layer_types=layer_types, sliding_window=6 if layer_types else None).resolve(hf, [1, 3])
     drafter = DFlashDrafter(cfg, seed=0)
     from dflash.target import SharedHead
@@ -142,7 +142,7 @@ def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss, sync_free
 def test_drafter_hand_count():
     """One row, one document of 10 tokens, one block of 4 at anchor 6, 3 trained slots."""
     hf = build_hf_config(TargetConfig(preset="tiny", vocab_size=V))
-    cfg = DrafterConfig(num_layers=1, block_size=4, num_anchors=2, mask_token_id=0).resolve(hf, [1, 3, 5])
+    cfg = DrafterConfig(num_layers=1, block_size=4, mask_token_id=0).resolve(hf, [1, 3, 5])
     ids = torch.arange(10)[None]
     doc = torch.zeros(1, 10, dtype=torch.long)
     lm = torch.ones(1, 10, dtype=torch.bool)

@@ -10,6 +10,7 @@ import pytest
 
 import csp
 from dflash.config import load_config
+from dflash.errors import ConfigError
 from dflash.preflight import check_monitor_backend, preflight
 from dflash.run import main
 from tests.test_run_e2e import GRAPH, small
@@ -96,5 +97,5 @@ def test_large_but_representable_lr_warns(capsys):
     not an error; the run may still be used to study a blow-up."""
     warnings = preflight(load_config(GRAPH, ["train.lr=1e30"]))
     assert len(warnings) == 1 and "train.lr = 1e+30 is above 1" in warnings[0]
-    with pytest.raises(csp.GraphError, match=r"train.betas = \[1.0, 0.95\] must both be in \[0, 1\)"):
+    with pytest.raises(ConfigError, match=r"train.betas = \[1.0, 0.95\] must both be in \[0, 1\)"):
         load_config(GRAPH, ["train.betas=[1.0, 0.95]"])

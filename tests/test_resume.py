@@ -145,18 +145,29 @@ def test_config_changes_name_the_key_and_what_it_affects():
     """Invariant: a config change on resume is named key by key with what it changes (run.steps
     moves the cosine schedule, which the config hash alone never showed); keys that do not change
     training (out_dir, monitor, checkpoint cadence) are not reported."""
-    old = {"run": {"steps": 40, "out_dir": "a", "seed": 0}, "train": {"lr": 1e-3}, "data": {"tokens_per_batch": 512},
-           "monitor": {"window": 10}, "drafter": {"num_anchors": 8},
+    old = {"run": {"steps": 40, "out_dir": "a", "seed": 0}, "data": {"tokens_per_batch": 512},
+           "monitor": {"window": 10}, "train": {"lr": 1e-3, "num_anchors": 8},
            "process": [{"name": "target", "replicas": 1}]}
-    new = {"run": {"steps": 80, "out_dir": "b", "seed": 0}, "train": {"lr": 1e-3}, "data": {"tokens_per_batch": 1024},
-           "monitor": {"window": 5}, "drafter": {"num_anchors": 16},
+    new = {"run": {"steps": 80, "out_dir": "b", "seed": 0}, "data": {"tokens_per_batch": 1024},
+           "monitor": {"window": 5}, "train": {"lr": 1e-3, "num_anchors": 16},
            "process": [{"name": "target", "replicas": 2}]}
     got = config_changes(old, new)
     assert got == [
         "data.tokens_per_batch 512 -> 1024 (data order and batch shapes; the restored sampler position may no "
         "longer match)",
-        "drafter.num_anchors 8 -> 16 (drafter shapes or anchors)",
         "process.target.replicas 1 -> 2 (graph layout)",
         "run.steps 40 -> 80 (lr schedule: the cosine decay ends at run.steps)",
+        "train.num_anchors 8 -> 16 (anchors)",
     ]
     assert config_changes(old, old) == []
+
+
+def test_config_saved_with_drafter_num_anchors_is_compared_in_todays_layout():
+    """Invariant (issue 15): a checkpoint's train_config.json from before num_anchors moved from
+    [drafter] to [train] compares equal to today's config with the same value, and a changed
+    value is named under its new key."""
+    before = {"run": {"steps": 40}, "drafter": {"num_layers": 1, "num_anchors": 64}, "train": {"lr": 3e-3}}
+    now = {"run": {"steps": 40}, "drafter": {"num_layers": 1}, "train": {"lr": 3e-3, "num_anchors": 64}}
+    assert config_changes(before, now) == []
+    now["train"]["num_anchors"] = 32
+    assert config_changes(before, now) == ["train.num_anchors 64 -> 32 (anchors)"]

@@ -119,20 +119,21 @@ def test_drafter_casts_features_outside_autocast(setup):
 
 def drafter_stage(tmp_path, sync_free: bool):
     import csp
-    from dflash.app import RunApp
-    from dflash.config import DFlashFile, RunSection, TrainSection, config_hash
-    from dflash.drafter import resolve_drafter_config
+    from dflash.app import ResumeState, RunApp
+    from dflash.config import DFlashFile, RunSection, TrainSection
+    from dflash.data import TokenizerInfo
     from dflash.metrics_writer import MetricsLog
-    from dflash.stages.drafter import DrafterStage
+    from dflash.resolve import resolve
+    from dflash.stages.trainer import DrafterStage
 
     cfg = DFlashFile(run=RunSection(name="t", out_dir=str(tmp_path), steps=4),
                      target=TargetConfig(preset="tiny", seed=5, vocab_size=200),
-                     drafter=DrafterConfig(num_layers=2, block_size=BS, mask_token_id=199, num_anchors=12),
+                     drafter=DrafterConfig(num_layers=2, block_size=BS, mask_token_id=199),
                      loss=LossConfig(kl_weight=0.5, weighting="streak"),
-                     train=TrainSection(sync_free_loss=sync_free))
-    app = RunApp(cfg=cfg, run_dir=tmp_path, sampler=None, start_step=0, resume_path=None,
-                 train_state=None, metrics=MetricsLog(tmp_path / "metrics.jsonl"),
-                 config_hash=config_hash(cfg), drafter_cfg=resolve_drafter_config(cfg.drafter, cfg.target))
+                     train=TrainSection(sync_free_loss=sync_free, num_anchors=12))
+    resolved = resolve(cfg, TokenizerInfo(vocab_size=200, mask_token_id=None, pad_token_id=0, eos_token_id=None))
+    app = RunApp(resolved=resolved, run_dir=tmp_path, sampler=None, metrics=MetricsLog(tmp_path / "metrics.jsonl"),
+                 resume=ResumeState())
     stage = DrafterStage(ctx=csp.Context("drafter", device=torch.device("cpu"), run_dir=tmp_path, app=app))
     stage.setup()
     return stage

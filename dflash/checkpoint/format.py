@@ -27,6 +27,9 @@ from typing import Any
 import msgspec
 import torch
 
+from dflash.errors import DFlashError
+
+
 PREFIX = "step_"
 """Name prefix of a checkpoint directory (``step_00000100``)."""
 TMP_PREFIX = ".tmp-"
@@ -49,7 +52,7 @@ REQUIRED_FILES = (META, WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG, TRAIN_STATE, TRA
 """Every file a checkpoint needs to be resumed, evaluated or exported."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DFlashError, RuntimeError):
     """A checkpoint could not be found, read or trusted; the message says which and what to do."""
 
 

@@ -212,6 +212,7 @@ _EFFECTS = (
     ("train.grad_clip", "update size"),
     ("train.feature_noise", "features"),
     ("run.seed", "anchors and feature noise (seeded by run.seed)"),
+    ("train.num_anchors", "anchors"),
     ("run.deterministic", "numerics (deterministic kernels)"),
     ("data.", "data order and batch shapes; the restored sampler position may no longer match"),
     ("drafter.", "drafter shapes or anchors"),
@@ -221,6 +222,17 @@ _EFFECTS = (
     ("process.", "graph layout"),
     ("channel.", "graph layout"),
 )
+
+
+def _current_layout(config: dict[str, Any]) -> dict[str, Any]:
+    """A saved config in today's layout: ``drafter.num_anchors`` (before issue 15) is
+    ``train.num_anchors``, so an unchanged setting is not reported as a change."""
+    drafter = config.get("drafter")
+    if not isinstance(drafter, dict) or "num_anchors" not in drafter:
+        return config
+    drafter = dict(drafter)
+    train = {**config.get("train", {}), "num_anchors": drafter.pop("num_anchors")}
+    return {**config, "drafter": drafter, "train": train}
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -241,7 +253,7 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``"run.steps 8 -> 12 (lr schedule: ...)"`` for every training-relevant key that differs
     between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.config.DFlashFile`)."""
-    a, b = _flatten(old), _flatten(new)
+    a, b = _flatten(_current_layout(old)), _flatten(_current_layout(new))
     out = []
     for key in sorted(a.keys() | b.keys()):
         if key.startswith(_IGNORED) or a.get(key) == b.get(key):

@@ -9,8 +9,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from dflash.errors import DFlashError
 
-class DataError(ValueError):
+
+class DataError(DFlashError, ValueError):
     """A problem with the training data a user can fix (bad path, unusable file, bad setting).
 
     The message names the file or the ``data.*`` key and says what to change.

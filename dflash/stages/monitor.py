@@ -4,17 +4,43 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 import csp
-from dflash.app import RunApp
 from dflash.spikes import spike_threshold
 from dflash.messages import StepMetrics
 from dflash.metrics_writer import WandbSink, WindowAggregator
 from dflash.records import SkipRecord, TrainRecord
 
+if TYPE_CHECKING:
+    from dflash.app import RunApp
+
 log = logging.getLogger("dflash.monitor")
+
+
+class MonitorOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.monitor`` needs (built by :func:`dflash.resolve.resolve`).
+
+    Attributes:
+        window: ``[monitor].window``, steps per logged point.
+        wandb, wandb_project: ``[monitor].wandb`` ("offline", "online", "disabled") and its project.
+        display: ``[monitor].display`` ("auto", "live", "plain", "off").
+        spike_k: ``[monitor].spike_k``, robust standard deviations above the median that flag a spike.
+        run_name: ``[run].name``.
+        total_steps: ``[run].steps``, for progress and ETA.
+        wandb_config: the filled graph file as plain data, logged as the wandb run's config.
+    """
+
+    window: int
+    wandb: Literal["offline", "online", "disabled"]
+    wandb_project: str
+    display: Literal["auto", "live", "plain", "off"]
+    spike_k: float
+    run_name: str
+    total_steps: int
+    wandb_config: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 @csp.register("dflash.monitor")
@@ -27,7 +53,8 @@ class MonitorStage(csp.Process):
     refreshes the live display (rich on a terminal, plain lines otherwise) with
     throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss is a spike by
     :func:`dflash.spikes.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
-    is flagged in the record and the log.
+    is flagged in the record and the log. Reads :class:`MonitorOptions`, the app's metrics
+    writer, run directory and resume state.
     """
 
     inputs = {"metrics": StepMetrics}
@@ -37,16 +64,14 @@ class MonitorStage(csp.Process):
         from dflash.display import make_display
 
         app: RunApp = self.ctx.app
-        self.app, cfg = app, app.cfg
+        self.app, o = app, app.resolved.monitor
+        self.spike_k = o.spike_k
         # A resumed run counts on from the checkpoint's skipped_total, as the drafter does.
-        skipped = int((app.train_state or {}).get("skipped_total", 0))
-        self.windows = WindowAggregator(cfg.monitor.window, start_time=time.time(), skipped_total=skipped)
-        self.wandb = WandbSink(
-            cfg.monitor.wandb, cfg.monitor.wandb_project, cfg.run.name, app.run_dir, msgspec.to_builtins(cfg)
-        )
-        self.display = make_display(
-            mode=cfg.monitor.display, total_steps=cfg.run.steps, start_step=app.start_step, run_name=cfg.run.name
-        )
+        skipped = int((app.resume.train_state or {}).get("skipped_total", 0))
+        self.windows = WindowAggregator(o.window, start_time=time.time(), skipped_total=skipped)
+        self.wandb = WandbSink(o.wandb, o.wandb_project, o.run_name, app.run_dir, o.wandb_config)
+        self.display = make_display(mode=o.display, total_steps=o.total_steps, start_step=app.resume.start_step,
+                                    run_name=o.run_name)
         self.losses: list[float] = []
 
     def run(self, inputs, outputs) -> None:
@@ -65,7 +90,7 @@ class MonitorStage(csp.Process):
 
     def _emit(self, record: TrainRecord) -> None:
         loss = record.loss
-        got = spike_threshold(self.losses, k=self.app.cfg.monitor.spike_k)  # the rule dflash.logs uses
+        got = spike_threshold(self.losses, k=self.spike_k)  # the rule dflash.logs uses
         if got is not None and loss == loss and loss > got[1]:
             record.spike = True
             log.warning("loss spike at step %d: %.4f (median of recent windows %.4f, threshold %.4f)",

@@ -9,35 +9,53 @@ added here unless ``[train].postprocess_side = "target"`` added it in the target
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import msgspec
 import torch
 
 import csp
-from dflash.app import RunApp
 from dflash.features import FeaturePostprocess
 from dflash.messages import DrafterInput, TargetOutput
 from dflash.sentinel import FiniteSentinel
+
+if TYPE_CHECKING:
+    from dflash.app import RunApp
+
+
+class PostprocessOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.postprocess`` needs (built by :func:`dflash.resolve.resolve`).
+
+    Attributes:
+        features: the feature noise, added here when ``[train].postprocess_side = "drafter"``.
+        host_staging: ``[train].host_staging``, move through host memory instead of device to device.
+        check_channels: ``[train].check_channels``.
+    """
+
+    features: FeaturePostprocess
+    host_staging: bool = False
+    check_channels: bool = False
 
 
 @csp.register("dflash.postprocess")
 class PostprocessStage(csp.Process):
     """Input ``hidden``: :class:`TargetOutput`; output ``features``: :class:`DrafterInput` on this
-    process's device (bind it to the drafter's device)."""
+    process's device (bind it to the drafter's device). Reads :class:`PostprocessOptions`."""
 
     inputs = {"hidden": TargetOutput}
     outputs = {"features": DrafterInput}
 
     def setup(self) -> None:
-        app: RunApp = self.ctx.app
-        self.app = app
-        self.train = app.cfg.train
-        self.features = FeaturePostprocess.from_config(app.cfg)
+        self.app: RunApp = self.ctx.app
+        self.opts: PostprocessOptions = self.app.resolved.postprocess
+        self.features = self.opts.features
         self.device = self.ctx.device or torch.device("cpu")
-        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.train.check_channels)
+        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.opts.check_channels)
 
     def process(self, out: TargetOutput) -> DrafterInput:
         """One target output -> drafter input on this process's device."""
         with self.ctx.span("postprocess"):
-            out = csp.cuda.to_device(out, self.device, via_host=self.train.host_staging)
+            out = csp.cuda.to_device(out, self.device, via_host=self.opts.host_staging)
             return self.features.at_drafter(out)
 
     def run(self, inputs, outputs) -> None:

@@ -2,14 +2,38 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 import torch
 
 import csp
 from dflash.anchors import sample_anchors
-from dflash.app import RunApp
 from dflash.messages import Batch
 from dflash.sentinel import FiniteSentinel
+
+if TYPE_CHECKING:
+    from dflash.app import RunApp
+
+
+class PrefetchOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.prefetch`` needs (built by :func:`dflash.resolve.resolve`).
+
+    Attributes:
+        seed: ``[run].seed``; with the batch id it seeds each batch's anchors.
+        num_anchors: ``[train].num_anchors``, anchor slots per row (``A``).
+        block_size: ``[drafter].block_size`` (``bs``): an anchor needs ``bs - 1`` tokens after it.
+        pin: copy each batch to page-locked memory (a CUDA device is available and the graph uses one).
+        drafters: data-parallel drafter replicas; each takes one batch per optimizer step.
+        check_channels: ``[train].check_channels``, the debug non-finite check of every item sent.
+    """
+
+    seed: int
+    num_anchors: int
+    block_size: int
+    pin: bool
+    drafters: int = 1
+    check_channels: bool = False
 
 
 def anchor_generator(seed: int, batch_id: int) -> torch.Generator:
@@ -23,9 +47,10 @@ class PrefetchStage(csp.Process):
     """Source stage: pulls ``steps_to_run`` batches from the sampler and sends them on ``batches``.
 
     Anchors (``Batch.anchors``, ``[B, A]`` int64, -1 = empty slot) are drawn here on the CPU, off the
-    GPU's critical path. With ``pin = true`` (default when any process runs on CUDA) every batch is
-    copied to page-locked memory so the target's host-to-device copy is asynchronous.
+    GPU's critical path. With ``pin`` (when any process runs on CUDA) every batch is copied to
+    page-locked memory so the target's host-to-device copy is asynchronous.
     Stops early, after the current batch, when a graceful stop is requested.
+    Reads :class:`PrefetchOptions` and the app's sampler.
     """
 
     inputs: dict = {}
@@ -33,32 +58,20 @@ class PrefetchStage(csp.Process):
 
     def setup(self) -> None:
         self.app: RunApp = self.ctx.app
-        self.pin = torch.cuda.is_available() and any(
-            (p.device or "").startswith("cuda") or any(d.startswith("cuda") for d in (p.devices or []))
-            for p in self.app.cfg.process
-        )
-        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.app.cfg.train.check_channels)
+        self.opts: PrefetchOptions = self.app.resolved.prefetch
+        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.opts.check_channels)
 
     def run(self, inputs, outputs) -> None:
-        cfg = self.app.cfg
-        out = outputs["batches"]
-        sampler = self.app.sampler
-        # Data-parallel drafter replicas (torchrun) each take one batch per optimizer step.
-        drafters = next((p.replicas for p in cfg.process if p.kind == "dflash.drafter"), 1)
-        for seq in range(self.app.steps_to_run * drafters):
-            if self.ctx.stopping() and seq % drafters == 0:  # whole steps only: DDP replicas stay even
+        o, out, sampler = self.opts, outputs["batches"], self.app.sampler
+        for seq in range(self.app.steps_to_run * o.drafters):
+            if self.ctx.stopping() and seq % o.drafters == 0:  # whole steps only: DDP replicas stay even
                 break
             with self.ctx.span("batch"):
                 batch: Batch = next(sampler)
-                anchors = sample_anchors(
-                    batch.loss_mask,
-                    batch.doc_ids,
-                    cfg.drafter.num_anchors,
-                    cfg.drafter.block_size,
-                    generator=anchor_generator(cfg.run.seed, batch.batch_id),
-                )
+                anchors = sample_anchors(batch.loss_mask, batch.doc_ids, o.num_anchors, o.block_size,
+                                         generator=anchor_generator(o.seed, batch.batch_id))
                 batch = msgspec.structs.replace(batch, seq=seq, anchors=anchors)
-                if self.pin:
+                if o.pin:
                     batch = batch.pin_memory()
             self.sentinel.check(batch, batch_id=batch.batch_id, channel="batches", step=self.app.step_of(seq))
             out.send(batch)

@@ -3,16 +3,37 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 import csp
-from dflash.app import RunApp
 from dflash.features import FeaturePostprocess
-from dflash.loss import needs_final_hidden
 from dflash.messages import Batch, TargetOutput
 from dflash.sentinel import FiniteSentinel
-from dflash.target import load_target
+from dflash.target import TargetConfig, load_target
+
+if TYPE_CHECKING:
+    from dflash.app import RunApp
+
+
+class TargetStageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.target`` needs (built by :func:`dflash.resolve.resolve`).
+
+    Attributes:
+        target: the ``[target]`` table (``vocab_size`` filled from the tokenizer for a preset).
+        num_draft_layers: ``[drafter].num_layers`` (the default captured layers depend on it).
+        need_final: the loss needs target logits, so the final hidden state is returned too.
+        features: the feature noise, added here when ``[train].postprocess_side = "target"``.
+        check_channels: ``[train].check_channels``.
+    """
+
+    target: TargetConfig
+    num_draft_layers: int
+    need_final: bool
+    features: FeaturePostprocess
+    check_channels: bool = False
 
 
 @csp.register("dflash.target")
@@ -23,22 +44,20 @@ class TargetStage(csp.Process):
     :class:`TargetOutput` with ``layer_hidden [B, T, k*H]`` and, only when the loss needs target
     logits, ``final_hidden [B, T, H]``, both on this replica's device in the target dtype.
     The output channel is normally ``ordered``: the item is sent with ``seq = batch.seq`` so the
-    fan-in restores the batch order whatever replica finishes first.
+    fan-in restores the batch order whatever replica finishes first. Reads :class:`TargetStageOptions`.
     """
 
     inputs = {"batches": Batch}
     outputs = {"hidden": TargetOutput}
 
     def setup(self) -> None:
-        app: RunApp = self.ctx.app
-        self.app = app
+        self.app: RunApp = self.ctx.app
+        o: TargetStageOptions = self.app.resolved.target
         self.device = self.ctx.device or torch.device("cpu")
-        self.need_final = needs_final_hidden(app.cfg.loss)
-        self.target = load_target(
-            app.cfg.target, self.device, num_draft_layers=app.cfg.drafter.num_layers, need_final=self.need_final
-        )
-        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=app.cfg.train.check_channels)
-        self.features = FeaturePostprocess.from_config(app.cfg)  # the noise, when postprocess_side = "target"
+        self.need_final = o.need_final
+        self.target = load_target(o.target, self.device, num_draft_layers=o.num_draft_layers, need_final=o.need_final)
+        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=o.check_channels)
+        self.features = o.features  # the noise, when postprocess_side = "target"
 
     def forward(self, batch: Batch) -> TargetOutput:
         """The target's hidden states for one batch (moved to this replica's device)."""

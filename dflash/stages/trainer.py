@@ -15,27 +15,63 @@ Built from: :mod:`dflash.optim` (AdamW and schedule), :mod:`dflash.nonfinite` (t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import msgspec
 import torch
 
 import csp
 from dflash import parallel
-from dflash.app import RunApp
-from dflash.checkpoint import Checkpointer
+from dflash.checkpoint import TRAIN_CONFIG, Checkpointer
+from dflash.config import DFlashFile, TrainSection
+from dflash.drafter import DrafterConfig
+from dflash.loss import LossConfig
 from dflash.messages import DrafterInput, StepMetrics
 from dflash.model_io import config_files
 from dflash.nonfinite import NonFiniteGuard, last_trusted_checkpoint
 from dflash.optim import make_optimizer
-from dflash.checkpoint import TRAIN_CONFIG
+from dflash.target import TargetConfig
 from dflash.train_state import CheckpointWindow, newest_sampler_state, restore, train_state
 from dflash.train_step import train_step
 
-__all__ = ["DrafterStage"]
+if TYPE_CHECKING:
+    from dflash.app import RunApp
+
+__all__ = ["DrafterStage", "DrafterStageOptions"]
+
+
+class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.drafter`` needs (built by :func:`dflash.resolve.resolve`).
+
+    Attributes:
+        drafter: the resolved drafter config (every dimension set, ``target_layer_ids`` chosen).
+        target: the ``[target]`` table, for the shared embedding and LM head and the checkpoint.
+        seed: ``[run].seed``, seeds the drafter's init.
+        total_steps: ``[run].steps``, steps in total counting those before a resume (the schedule's end).
+        train: ``[train]`` (optimizer, schedule, loss switches, the non-finite streak).
+        loss: ``[loss]``.
+        checkpoint_every, keep_last: ``[checkpoint].every`` (0: only at the end) and ``keep_last``.
+        config_hash: :func:`dflash.config.config_hash` of the filled file, stored in checkpoints.
+        train_config: the filled graph file, written as is into each checkpoint's train_config.json.
+    """
+
+    drafter: DrafterConfig
+    target: TargetConfig
+    seed: int
+    total_steps: int
+    train: TrainSection
+    loss: LossConfig
+    checkpoint_every: int
+    keep_last: int
+    config_hash: str
+    train_config: DFlashFile
 
 
 @csp.register("dflash.drafter")
 class DrafterStage(csp.Process):
     """Trains the DFlash drafter. Input ``features``: :class:`DrafterInput`; output ``metrics``:
-    one :class:`StepMetrics` per step (skipped steps included)."""
+    one :class:`StepMetrics` per step (skipped steps included). Reads :class:`DrafterStageOptions`,
+    the app's run directory, metrics writer and resume state."""
 
     inputs = {"features": DrafterInput}
     outputs = {"metrics": StepMetrics}
@@ -45,27 +81,28 @@ class DrafterStage(csp.Process):
         from dflash.target import load_shared_head
 
         app: RunApp = self.ctx.app
-        self.app, cfg = app, app.cfg
+        self.app, o, resume = app, app.resolved.trainer, app.resume
+        self.opts: DrafterStageOptions = o
         self.device = self.ctx.device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
-        self.head = load_shared_head(cfg.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
+        self.head = load_shared_head(o.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
         # Seeded init from its own generator: the global RNG is shared with the other stages' threads.
-        self.drafter = DFlashDrafter(app.drafter_cfg, seed=cfg.run.seed).to(self.device)  # fp32 master weights
+        self.drafter = DFlashDrafter(o.drafter, seed=o.seed).to(self.device)  # fp32 master weights
         # DDP over the drafter replicas' ranks under torchrun (dflash.parallel); the module itself otherwise.
         self.model = parallel.wrap(self.drafter, self.ctx)
-        self.optim = make_optimizer(self.drafter, cfg.train, cfg.run.steps)
-        self.guard = NonFiniteGuard(cfg.train.max_nonfinite_streak)
-        self.step = app.start_step
-        if app.resume_path is not None:
-            self.guard.skipped_total = restore(self.drafter, self.optim, app, self.ctx, self.device)
+        self.optim = make_optimizer(self.drafter, o.train, o.total_steps)
+        self.guard = NonFiniteGuard(o.train.max_nonfinite_streak)
+        self.step = resume.start_step
+        if resume.path is not None:
+            self.guard.skipped_total = restore(self.drafter, self.optim, resume, o.train, self.ctx, self.device)
         self.ckpt = Checkpointer(
             app.run_dir / "checkpoints",
-            keep_last=cfg.checkpoint.keep_last,
-            config_hash=app.config_hash,
+            keep_last=o.keep_last,
+            config_hash=o.config_hash,
             on_event=app.metrics.write,
-            lineage=app.lineage,
+            lineage=resume.lineage,
         )
-        self.ckpt.last_healthy = app.resume_path
+        self.ckpt.last_healthy = resume.path
         if self.cuda and parallel.is_writer(self.ctx):
             # Page-lock the host buffers of the checkpoint copy now, not in the middle of training.
             like = {str(i): {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
@@ -76,12 +113,12 @@ class DrafterStage(csp.Process):
 
     def run(self, inputs, outputs) -> None:
         metrics = outputs["metrics"]
-        every = self.app.cfg.checkpoint.every
+        every, total = self.opts.checkpoint_every, self.opts.total_steps
         for inp in inputs["features"]:
             m = self.train_step(inp)
             if parallel.is_writer(self.ctx):  # one record per step, not one per replica
                 metrics.send(m)
-            if every and self.step % every == 0 and self.step < self.app.cfg.run.steps:
+            if every and self.step % every == 0 and self.step < total:
                 self.save()
         if self.window.last_batch_id >= 0 and self.saved_step != self.step:  # final checkpoint, once
             self.save()
@@ -97,7 +134,7 @@ class DrafterStage(csp.Process):
         :class:`dflash.sentinel.NonFiniteError` when the skip streak is exhausted."""
         self.step += 1
         with self.ctx.span("drafter.step"):
-            m = train_step(self.model, self.head, self.optim, self.guard, inp, self.app.cfg, step=self.step,
+            m = train_step(self.model, self.head, self.optim, self.guard, inp, self.opts, step=self.step,
                            cuda=self.cuda, before_update=self.ckpt.before_update)
         self.window.add(m, inp.batch.sampler_state)
         if m.skipped and self.guard.exhausted:
@@ -110,7 +147,7 @@ class DrafterStage(csp.Process):
     def save(self) -> None:
         """Background checkpoint of the state after ``self.step`` (returns before the disk write)."""
         loss, window_skipped = self.window.take()
-        window_steps = self.step - max(self.saved_step, self.app.start_step)
+        window_steps = self.step - max(self.saved_step, self.app.resume.start_step)
         self.saved_step = self.step
         sampler_state = newest_sampler_state(self.window.last_sampler_state, self.ctx)
         with self.ctx.span("checkpoint.snapshot"):
@@ -127,7 +164,7 @@ class DrafterStage(csp.Process):
                     skipped_total=self.guard.skipped_total,
                     weights=dict(self.drafter.state_dict()),
                     train_state=state,
-                    configs={**config_files(self.app.drafter_cfg, self.app.cfg.target), TRAIN_CONFIG: self.app.cfg},
+                    configs={**config_files(self.opts.drafter, self.opts.target), TRAIN_CONFIG: self.opts.train_config},
                 )
             if parallel.group(self.ctx) is not None:  # every replica's own state, then a barrier
                 parallel.save_rank_state(self.app.run_dir / "checkpoints", self.step, self.ctx, state)
