@@ -253,6 +253,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     for warning in resolved.warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    resume = args.resume or cfg.run.resume
+    if resume not in ("auto", "none") and not Path(resume).is_dir():  # before the data is tokenized
+        _error(f"--resume {resume}: no such checkpoint directory; give a checkpoint directory "
+               "(python -m dflash.logs RUN_DIR lists them), auto or none")
+        return 2
     run_dir = Path(cfg.run.out_dir)
     rank = int(os.environ.get("RANK", "0"))
     try:

@@ -127,3 +127,13 @@ def test_cross_table_errors_are_one_line_exit_2_before_data_or_run_dir(
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert re.search(message, err) and "Traceback" not in err, err
     assert not run.exists() and not cache.exists()
+
+
+def test_resume_path_that_does_not_exist_is_one_line_exit_2_before_data(tmp_path, capsys, no_data_work):  # noqa: F811
+    """``--resume PATH`` naming no directory is refused before the data is tokenized (it used to be
+    found only after tokenizing) and before the run directory is created."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    assert main([*small(run, cache), "--resume", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --resume ") and "no such checkpoint directory" in err, err
+    assert err.count("\n") == 1 and not run.exists() and not cache.exists()
