@@ -30,16 +30,65 @@ import argparse
 import sys
 from pathlib import Path
 
-import msgspec
-import torch
+from csp.cli import HelpFormatter
 
-from dflash.data.prompts import encode_prompt, heldout_prompts, source_prompts
-from dflash.decode import (CachedDrafterProposer, DrafterProposer, OracleProposer, greedy_decode,
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash.eval`` parser (light: built before torch is imported, so ``--help`` answers at once)."""
+    p = argparse.ArgumentParser(
+        prog="python -m dflash.eval", formatter_class=HelpFormatter,
+        description="Measure a drafter's accepted length by real draft-and-verify decoding against its target.\n\n"
+                    "Next to it, the same generated text is scored teacher-forced (the simulation training "
+                    "reports).\n"
+                    "Output columns (per prompt, then over all prompts; greedy decoding):\n"
+                    "  accepted/step   drafted tokens the target accepted per verify step, measured "
+                    "(bonus token not counted)\n"
+                    "  tokens/step     accepted/step + 1: tokens each verify step emits (the bonus "
+                    "token counted)\n"
+                    "  streak@visited  teacher-forced accepted streak at the anchors the decode visited; "
+                    "equals\n"
+                    "                  accepted/step up to kernel numerics (a gap means train/inference "
+                    "mismatch)\n"
+                    "  streak@all      teacher-forced mean streak over every anchor of the generated "
+                    "text\n"
+                    "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
+                    "independent positions)\n"
+                    "  acc per position  teacher-forced accuracy of block positions 1..block_size-1",
+        epilog="exit codes:\n  0  evaluated and printed\n  1  an unexpected error (traceback)\n"
+               "  2  bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
+               "--prompts file,\n     unknown --data source, no usable prompt, target/drafter "
+               "layer mismatch\n\nexamples:\n"
+               "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
+               "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
+    p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL file, one {"prompt": str} per line')
+    src.add_argument("--data", metavar="SOURCE", help="a dflash.data source (e.g. sharegpt): the run's "
+                     "held-out conversations when the checkpoint is in its run directory, else the last "
+                     "N of SOURCE")
+    p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to decode")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
+                   help="prompt tokens kept (the last ones)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~2 s)
+    build_parser().parse_args()
+
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+from dflash.data.prompts import encode_prompt, heldout_prompts, source_prompts  # noqa: E402
+from dflash.decode import (CachedDrafterProposer, DrafterProposer, OracleProposer, greedy_decode,  # noqa: E402
                            speculative_decode)
-from dflash.eval_inputs import (EvalInputError, check_checkpoint, check_device, read_prompt_file,
+from dflash.eval_inputs import (EvalInputError, check_checkpoint, check_device, read_prompt_file,  # noqa: E402
                                 run_data_config)
-from dflash.eval_measure import evaluate, greedy_labels, teacher_forced
-from dflash.eval_report import EvalResult, PromptResult, explain, format_prompt, format_result
+from dflash.eval_measure import evaluate, greedy_labels, teacher_forced  # noqa: E402
+from dflash.eval_report import EvalResult, PromptResult, explain, format_prompt, format_result  # noqa: E402
 
 __all__ = ["CachedDrafterProposer", "DrafterProposer", "EvalResult", "OracleProposer", "PromptResult", "evaluate", "explain",
            "format_result", "greedy_decode", "greedy_labels", "main", "speculative_decode", "teacher_forced"]
@@ -76,47 +125,10 @@ def _prompts(args, tok) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from csp.cli import HelpFormatter
-
-    p = argparse.ArgumentParser(
-        prog="python -m dflash.eval", formatter_class=HelpFormatter,
-        description="Measure a drafter's accepted length by real draft-and-verify decoding against its target.\n\n"
-                    "Next to it, the same generated text is scored teacher-forced (the simulation training "
-                    "reports).\n"
-                    "Output columns (per prompt, then over all prompts; greedy decoding):\n"
-                    "  accepted/step   drafted tokens the target accepted per verify step, measured "
-                    "(bonus token not counted)\n"
-                    "  tokens/step     accepted/step + 1: tokens each verify step emits (the bonus "
-                    "token counted)\n"
-                    "  streak@visited  teacher-forced accepted streak at the anchors the decode visited; "
-                    "equals\n"
-                    "                  accepted/step up to kernel numerics (a gap means train/inference "
-                    "mismatch)\n"
-                    "  streak@all      teacher-forced mean streak over every anchor of the generated "
-                    "text\n"
-                    "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
-                    "independent positions)\n"
-                    "  acc per position  teacher-forced accuracy of block positions 1..block_size-1",
-        epilog="exit codes:\n  0  evaluated and printed\n  1  an unexpected error (traceback)\n"
-               "  2  bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
-               "--prompts file,\n     unknown --data source, no usable prompt, target/drafter "
-               "layer mismatch\n\nexamples:\n"
-               "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
-               "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
-    p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL file, one {"prompt": str} per line')
-    src.add_argument("--data", metavar="SOURCE", help="a dflash.data source (e.g. sharegpt): the run's "
-                     "held-out conversations when the checkpoint is in its run directory, else the last "
-                     "N of SOURCE")
-    p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to decode")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
-                   help="prompt tokens kept (the last ones)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
     from dflash.data import DataError

@@ -33,14 +33,41 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file, save_file
+from csp.cli import make_parser
 
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.model_io import load_drafter
+
+def build_parser():
+    """The ``dflash.export`` parser (light: built before torch is imported, so ``--help`` answers at once)."""
+    p = make_parser(
+        "python -m dflash.export", "Export a trained drafter checkpoint to the public DFlash Hugging Face "
+        "layout (config.json + model.safetensors).",
+        details="The output loads where DFlash drafters are served (architectures = [\"DFlashDraftModel\"], "
+                "the public\nparameter names) and back with dflash.export.load_exported. Files are "
+                "written with the usual\npermissions (0644 under umask 022).",
+        exit_codes={0: "exported", 1: "an unexpected error (traceback)",
+                    2: "bad input: no such checkpoint, the output is a checkpoint, the input itself, a file, "
+                       "or a non-empty directory without --force"},
+        examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
+                  "python -m dflash.export CKPT -o OUT --dtype float32 --force"])
+    p.add_argument("checkpoint", help="a dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights")
+    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    return p
+
+
+if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~2 s)
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from dflash.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.model_io import load_drafter  # noqa: E402
 
 __all__ = ["MODELING_FILE", "LastLayerWarning", "check_output", "export_drafter", "hf_config_dict",
-           "last_layer_problem", "load_exported", "main"]
+           "build_parser", "last_layer_problem", "load_exported", "main"]
 
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 
@@ -200,24 +227,7 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
 
 
 def main(argv: list[str] | None = None) -> int:
-    from csp.cli import make_parser
-
-    p = make_parser(
-        "python -m dflash.export", "Export a trained drafter checkpoint to the public DFlash Hugging Face "
-        "layout (config.json + model.safetensors).",
-        details="The output loads where DFlash drafters are served (architectures = [\"DFlashDraftModel\"], "
-                "the public\nparameter names) and back with dflash.export.load_exported. Files are "
-                "written with the usual\npermissions (0644 under umask 022).",
-        exit_codes={0: "exported", 1: "an unexpected error (traceback)",
-                    2: "bad input: no such checkpoint, the output is a checkpoint, the input itself, a file, "
-                       "or a non-empty directory without --force"},
-        examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
-                  "python -m dflash.export CKPT -o OUT --dtype float32 --force"])
-    p.add_argument("checkpoint", help="a dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
-    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the written weights")
-    p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         check_output(args.checkpoint, args.out, args.force)
