@@ -55,6 +55,7 @@ from typing import Any
 
 import msgspec
 
+from csp.errors import StatsFormatError, StatsNotFound
 from csp.stats import ChannelStatistics, ProcessStatistics
 from csp.units import rate
 
@@ -62,10 +63,6 @@ BUSY_FLOOR = 0.5  # below this busy fraction no stage is called the bottleneck
 REPLICA_BUSY_MARGIN = 0.25  # a replica this much busier than its siblings' median is "the slow one"
 REPLICA_RATE_RATIO = 0.5  # ... or one whose items_out rate is below this fraction of theirs
 HOL_FLOOR = 0.2  # head-of-line evidence (fraction of the time) that makes an ordered channel the verdict
-
-
-class StatsFormatError(ValueError):
-    """A stats.jsonl line is not in the documented format; the message names the file and line."""
 
 
 class ChannelInfo(msgspec.Struct, frozen=True):
@@ -168,7 +165,7 @@ class StatsLog:
 def read_stats(path: str | Path) -> StatsLog:
     """Read a whole stats log; ``path`` is the file or a run directory (``RUN_DIR/csp/stats.jsonl``).
 
-    Raises: FileNotFoundError naming the expected path; StatsFormatError on a malformed line.
+    Raises: StatsNotFound (a FileNotFoundError) naming the expected path; StatsFormatError on a malformed line.
     """
     path = stats_path(path)
     log = StatsLog(str(path))
@@ -182,13 +179,13 @@ def read_stats(path: str | Path) -> StatsLog:
 
 
 def stats_path(path: str | Path) -> Path:
-    """``path`` itself if it is a file, else ``path/csp/stats.jsonl`` (FileNotFoundError if absent)."""
+    """``path`` itself if it is a file, else ``path/csp/stats.jsonl`` (StatsNotFound, a FileNotFoundError, if absent)."""
     path = Path(path)
     if path.is_file():
         return path
     candidate = path / "csp" / "stats.jsonl"
     if not candidate.exists():
-        raise FileNotFoundError(f"no stats log at {candidate}: is {path} a csp run directory?")
+        raise StatsNotFound(f"no stats log at {candidate}: is {path} a csp run directory?")
     return candidate
 
 

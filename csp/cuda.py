@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from csp.errors import PinnedPoolError, PinnedPoolTimeout
+
 __all__ = ["Handoff", "PinnedPool", "inbound", "item_nbytes", "outbound", "to_device"]
 
 # Leaf types that can hold no tensor: the walk stops at once on them.
@@ -272,8 +274,8 @@ class PinnedPool:
     waits until a buffer is given back.
 
     Raises:
-        ValueError: a request larger than ``max_bytes`` (raise ``max_bytes``).
-        TimeoutError: no buffer came back within ``timeout`` seconds (a leak: a buffer not given
+        PinnedPoolError (a ValueError): a request larger than ``max_bytes`` (raise ``max_bytes``).
+        PinnedPoolTimeout (a TimeoutError): no buffer came back within ``timeout`` seconds (a leak: a buffer not given
             back, or ``max_bytes`` too small for the copies in flight).
     """
 
@@ -281,7 +283,7 @@ class PinnedPool:
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         if max_bytes < self.MIN_BYTES:
-            raise ValueError(f"PinnedPool max_bytes must be >= {self.MIN_BYTES}, got {max_bytes}")
+            raise PinnedPoolError(f"PinnedPool max_bytes must be >= {self.MIN_BYTES}, got {max_bytes}")
         self.max_bytes = max_bytes
         self.allocated = 0  # bytes held by the pool, taken or free
         self._free: list[tuple[Any, Any]] = []  # (buffer, event | None), oldest first
@@ -292,7 +294,7 @@ class PinnedPool:
         torch = sys.modules["torch"]
         size = max(self.MIN_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
         if size > self.max_bytes:
-            raise ValueError(
+            raise PinnedPoolError(
                 f"PinnedPool: a {nbytes}-byte buffer exceeds the pool's max_bytes={self.max_bytes}; "
                 "raise max_bytes"
             )
@@ -309,7 +311,7 @@ class PinnedPool:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(
+                    raise PinnedPoolTimeout(
                         f"PinnedPool: no {size}-byte buffer free within {timeout} s; all "
                         f"{self.allocated} bytes are taken (a buffer not given back?)"
                     )

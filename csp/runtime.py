@@ -57,7 +57,7 @@ import anyio
 import msgspec
 
 from csp.channel import channel
-from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck
+from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck, RuntimeReused
 from csp.graph import Graph, ProcessNode, TraceSpec
 from csp.process import Context, is_async
 from csp.stats import ChannelStatistics, ProcessStatistics
@@ -200,10 +200,10 @@ class Runtime:
             GraphError: the graph is invalid (nothing started).
             ProcessFailed: a process raised; ``__cause__`` is its exception.
             ProcessStuck: after an abort, a process thread did not stop within ``join_timeout_s``.
-            RuntimeError: ``run()`` was called twice.
+            RuntimeReused (a RuntimeError): ``run()`` was called twice.
         """
         if self._started:
-            raise RuntimeError("a Runtime runs once; build a new Runtime for another run")
+            raise RuntimeReused("a Runtime runs once; build a new Runtime for another run")
         self._started = True
         self.graph.validate()
         t0 = perf_counter()
