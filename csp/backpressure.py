@@ -106,7 +106,7 @@ class Sample(msgspec.Struct, frozen=True):
     exit_code: int | None = None
 
 
-class StatsLog:
+class StatsReader:
     """The records of one stats.jsonl, built incrementally (``feed``) so ``--follow`` can tail it.
 
     Attributes:
@@ -162,13 +162,13 @@ class StatsLog:
         return 0  # unknown kinds are skipped: newer writers may add records
 
 
-def read_stats(path: str | Path) -> StatsLog:
+def read_stats(path: str | Path) -> StatsReader:
     """Read a whole stats log; ``path`` is the file or a run directory (``RUN_DIR/csp/stats.jsonl``).
 
     Raises: StatsNotFound (a FileNotFoundError) naming the expected path; StatsFormatError on a malformed line.
     """
     path = stats_path(path)
-    log = StatsLog(str(path))
+    log = StatsReader(str(path))
     log.feed(path.read_text())
     if log._pending.strip():  # no newline at the end: a complete record, or a crashed writer's half
         try:
@@ -269,7 +269,7 @@ def _ends(procs: list[ProcessInfo]) -> int:
     return sum(p.replicas for p in procs)
 
 
-def summarize(log: StatsLog, window_s: float | None = None) -> Summary:
+def summarize(log: StatsReader, window_s: float | None = None) -> Summary:
     """Summarise ``log`` from its start (or the last ``window_s`` seconds) to its latest record."""
     if not log.samples:
         return Summary(t_start=0.0, t_end=0.0, elapsed_s=0.0, samples=0, status=None,
@@ -461,6 +461,6 @@ def _stage_verdict(summary: Summary, graph: GraphInfo) -> Verdict:
 
 __all__ = [
     "ChannelInfo", "ChannelSummary", "GraphInfo", "ProcessInfo", "ProcessSummary", "ReplicaSummary",
-    "Sample", "StatsFormatError", "StatsLog", "Summary", "Verdict", "find_bottleneck", "head_of_line", "read_stats",
+    "Sample", "StatsFormatError", "StatsReader", "Summary", "Verdict", "find_bottleneck", "head_of_line", "read_stats",
     "stats_path", "summarize",
 ]

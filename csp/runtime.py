@@ -61,7 +61,7 @@ from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck,
 from csp.graph import Graph, ProcessNode, TraceSpec
 from csp.process import Context, is_async
 from csp.stats import ChannelStatistics, ProcessStatistics
-from csp.statslog import StatsLog
+from csp.statslog import StatsWriter
 from csp.trace import FlowTap, Tracer
 
 log = logging.getLogger("csp.runtime")
@@ -292,14 +292,14 @@ class Runtime:
     def _tap(self, end: Any, w: _Worker, state: dict, pending: dict, src: bool, sink: bool) -> Any:
         return FlowTap(end, self.tracer, w.track, state, pending, src, sink)  # type: ignore[arg-type]
 
-    def _start_observers(self) -> StatsLog | None:
+    def _start_observers(self) -> StatsWriter | None:
         spec = self.trace_spec
         if self.run_dir is None:
             return None
         if self.tracer is not None:
             for w in self._workers:
                 self.tracer.name_track(w.track, w.qualname)
-        statslog = StatsLog(self.run_dir / "csp" / "stats.jsonl", self.graph, self._channel_stats,
+        statslog = StatsWriter(self.run_dir / "csp" / "stats.jsonl", self.graph, self._channel_stats,
                             self._process_stats, spec.stats_interval_s, self.tracer)
         statslog.start()
         return statslog
