@@ -1,7 +1,8 @@
 """The csp error family.
 
 Every error csp itself raises derives from :class:`CspError`, so ``except csp.CspError`` catches all
-of them (the exceptions, Python protocols and passed-on errors, are listed at the end). Channel errors follow trio/anyio's split: who closed what decides which error you get.
+of them (the exceptions, Python protocols and passed-on errors, are listed at the end). Channel
+errors follow trio/anyio's split: who closed what decides which error you get.
 
 =================  ========================================================================
 ``ChannelClosed``  you used an end that *you* closed (``close()`` was called on this end).
@@ -15,30 +16,25 @@ of them (the exceptions, Python protocols and passed-on errors, are listed at th
 Where csp used to raise a builtin, it raises a csp class that derives from :class:`CspError` *and*
 that builtin, so ``except ValueError`` (or ``TypeError``, ...) around a csp call keeps working:
 
-=====================  ==================================  =========================================
-class                  also a                              raised by
-=====================  ==================================  =========================================
-``ChannelConfigError``  ``ValueError``                     ``channel()``/``channel_state()``: bad
-                                                           ``capacity``
-``ItemTypeError``      ``TypeError``                       ``send``: the item is not of the
-                                                           channel's ``item_type``
-``SeqError``           ``ValueError``                      ``send`` on an ordered channel: missing
-                                                           or repeated ``seq``
-``ChannelTimeout``     ``TimeoutError``                    ``send``/``receive`` with ``timeout=``
-``NoEventLoop``        ``RuntimeError``                    ``asend``/``areceive`` outside asyncio
-``RegistryError``      ``ValueError``                      ``csp.register``: bad or taken kind
-``NotAProcess``        ``TypeError``                       ``csp.register``: not a Process subclass
-``PinnedPoolError``    ``ValueError``                      ``csp.cuda.PinnedPool``: bad size
-``PinnedPoolTimeout``  ``TimeoutError``                    ``PinnedPool.take``: no buffer came back
-``DistError``          ``RuntimeError``                    ``csp.dist``: not a distributed run, no
-                                                           process group, no NCCL group for a CUDA
-                                                           tensor
-``UnknownProcess``     ``KeyError``                        ``Placement.ranks_of``: no such process
-``RuntimeReused``      ``RuntimeError``                    ``Runtime.run`` called a second time
-``StatsFormatError``   ``ValueError``                      reading a malformed ``stats.jsonl``
-``StatsNotFound``      ``FileNotFoundError``               reading a directory with no stats log
-``DotNotFound``        ``RuntimeError``                    ``csp.draw``: Graphviz ``dot`` missing
-=====================  ==================================  =========================================
+======================  =====================  =============================================================
+class                   also a                 raised by
+======================  =====================  =============================================================
+``ChannelConfigError``  ``ValueError``         ``channel()``/``channel_state()``: bad ``capacity``
+``ItemTypeError``       ``TypeError``          ``send``: the item is not of the channel's ``item_type``
+``SeqError``            ``ValueError``         ``send`` on an ordered channel: missing or repeated ``seq``
+``ChannelTimeout``      ``TimeoutError``       ``send``/``receive`` with ``timeout=``: not done in time
+``NoEventLoop``         ``RuntimeError``       ``asend``/``areceive`` outside an asyncio event loop
+``RegistryError``       ``ValueError``         ``csp.register``: an invalid kind, or one already taken
+``NotAProcess``         ``TypeError``          ``csp.register``: not a ``csp.Process`` subclass
+``PinnedPoolError``     ``ValueError``         ``csp.cuda.PinnedPool``: ``max_bytes`` or a request too big
+``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
+``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
+``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``: no process of that name
+``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
+``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
+``StatsNotFound``       ``FileNotFoundError``  reading a directory that has no stats log
+``DotNotFound``         ``RuntimeError``       ``csp.draw``: Graphviz's ``dot`` is not on PATH
+======================  =====================  =============================================================
 
 What stays a builtin, and why (``tests/test_errors.py`` walks every ``raise`` in csp and checks
 this list):
@@ -50,10 +46,12 @@ this list):
 - ``SystemExit`` from the command-line entry points and the import guard, and
   ``argparse.ArgumentTypeError`` from ``csp.cli``'s argument parsers: argparse and the
   interpreter turn them into a usage message and an exit status.
-- Errors csp only passes on, unchanged: whatever a process's ``run`` raises (the runtime wraps it
-  in :class:`ProcessFailed`, with the original as ``__cause__``), and errors of the libraries and
-  system calls csp makes (``OSError`` writing a stats or trace file, ``msgspec`` validation of a
-  graph file is turned into :class:`GraphError`, ``torch.distributed`` errors in ``csp.dist``).
+- Errors csp only passes on: whatever a process's ``run`` raises (the runtime reports it as
+  :class:`ProcessFailed`, the original as ``__cause__``), and errors of the system and library
+  calls csp makes on the caller's behalf: ``OSError`` writing a stats or trace file or reading a
+  graph file, ``subprocess.CalledProcessError`` when ``dot`` rejects its input, a
+  ``torch.distributed`` error when a lane's peer dies (``csp.dist.wire``), an unpicklable item on
+  a cross-rank channel.
 """
 
 from __future__ import annotations
