@@ -150,6 +150,11 @@ def test_follow_tails_until_final(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Synthetic graphs on the real runtime. "Work" is time.sleep(delay) per item: it stands for a
 # stage's compute without loading the 2 shared CPU cores (ordering never relies on it).
+# Why these cannot flake on a loaded machine: a sleep never returns early, so load only lengthens
+# the slow stage's busy time and the others' waits; every assertion is a lower bound on those (the
+# slow stage sleeps 10-50 ms per item, the others run microseconds of Python per item, so a starved
+# thread would need ~100x its own work in lost CPU to change a verdict). Checked with 4 busy-loop
+# processes on 2 cores: test_inspect.py and test_dist.py passed 3 runs in 3.
 
 N_ITEMS = 60
 
