@@ -225,7 +225,10 @@ class Sender(_End, Generic[T]):
             SeqError (a ValueError): bad or repeated ``seq`` on an ordered channel.
         """
         state, offer = self._core, self._offer(item, seq)
-        done, _, _ = nowait(self, state.try_send, offer)
+        with state.lock:  # the nowait step, inline: the common case that needs no waiting
+            done, _, wake = state.try_send(self, offer)
+        if wake:
+            wake_all(wake)
         if not done:
             thread_call(self, state.try_send, offer, timeout)
         self._items += 1
@@ -284,7 +287,10 @@ class Receiver(_End, Generic[T]):
             ChannelClosed: this end is closed. ChannelAborted: the channel was aborted.
         """
         state = self._core
-        done, payload, _ = nowait(self, state.try_receive, None)
+        with state.lock:  # the nowait step, inline: the common case that needs no waiting
+            done, payload, wake = state.try_receive(self, None)
+        if wake:
+            wake_all(wake)
         if not done:
             payload = thread_call(self, state.try_receive, None, timeout)
         self._items += 1
