@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from csp._state import ChannelState
 from csp._waiting import BLOCKED, DONE, SENT, SEQ, Item, Outcome
+from csp.errors import SeqError
 
 __all__ = ["FifoState", "OrderedState"]
 
@@ -105,15 +106,17 @@ class OrderedState(ChannelState):
             self._refuse(end, "send")
         seq = item[SEQ]
         if seq is None or isinstance(seq, bool) or not isinstance(seq, int):
-            raise ValueError(
+            raise SeqError(
                 f"channel {self.name!r} is ordered: pass seq=<int> (0, 1, 2, ... per run) to send, "
-                f"got {seq!r}"
+                f"got {seq!r}",
+                self.name,
             )
         nxt = self.next_seq
         if seq < nxt or seq in self.pending or seq in self.senders:
-            raise ValueError(
+            raise SeqError(
                 f"channel {self.name!r}: seq {seq} was already sent on this ordered channel (next "
-                f"expected is {nxt}); every item needs its own seq"
+                f"expected is {nxt}); every item needs its own seq",
+                self.name,
             )
         if seq >= nxt + self.window:
             return BLOCKED

@@ -17,7 +17,7 @@ from time import perf_counter
 from typing import Any, Iterable
 
 from csp._waiting import BLOCKED, PENDING, RETRY, Item, Outcome
-from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, PeerGone
+from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, ItemTypeError, PeerGone
 from csp.stats import ChannelStatistics
 
 __all__ = ["ChannelState", "ItemCheck"]
@@ -229,12 +229,13 @@ class ItemCheck:
         if self.cls is not None and not isinstance(item, self.cls):
             raise self.error(item)
 
-    def error(self, item: Any) -> TypeError:
-        """The TypeError for ``item``, of the wrong type."""
+    def error(self, item: Any) -> ItemTypeError:
+        """The :class:`~csp.errors.ItemTypeError` (a TypeError) for ``item``, of the wrong type."""
         want = getattr(self.item_type, "__qualname__", repr(self.item_type))
-        return TypeError(
+        return ItemTypeError(
             f"channel {self.name!r} carries {want}, got {type(item).__qualname__}; send a {want} "
-            "or declare the channel with a matching item_type"
+            "or declare the channel with a matching item_type",
+            self.name,
         )
 
 

@@ -18,6 +18,8 @@ import threading
 from time import perf_counter
 from typing import Any, Callable
 
+from csp.errors import ChannelTimeout, NoEventLoop
+
 __all__ = ["BLOCKED", "DONE", "Item", "Outcome", "PENDING", "RETRY", "SENT", "SEQ", "checkpoint",
            "nowait", "task_call", "thread_call", "wake_all"]
 
@@ -77,7 +79,7 @@ class AsyncWaiter:
     """A call parked by an asyncio task (anyio's asyncio backend); sleeps on a future.
 
     Raises:
-        RuntimeError: created outside a running event loop.
+        NoEventLoop (a RuntimeError): created outside a running event loop.
     """
 
     __slots__ = ("end", "item", "state", "t0", "future", "_loop", "_tid")
@@ -86,7 +88,7 @@ class AsyncWaiter:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            raise RuntimeError(
+            raise NoEventLoop(
                 "csp async channel operations need an asyncio event loop (anyio's asyncio backend); "
                 "from a thread use send()/receive() instead"
             ) from None
@@ -134,7 +136,7 @@ def _step(end: Any, attempt: Attempt, item: Item | None, w: Any, new_waiter: Cal
     parked (None when the call is done); the caller wakes the outcome's waiters after this returns.
 
     Raises:
-        TimeoutError: ``deadline`` (``perf_counter`` seconds) passed with the call not done.
+        ChannelTimeout (a TimeoutError): ``deadline`` (``perf_counter`` seconds) passed with the call not done.
         And the errors of ``attempt``.
     """
     state = end._core
@@ -154,9 +156,9 @@ def _step(end: Any, attempt: Attempt, item: Item | None, w: Any, new_waiter: Cal
         return state.park(w), w
 
 
-def _timed_out(state: Any, item: Item | None, timeout: float | None) -> TimeoutError:
+def _timed_out(state: Any, item: Item | None, timeout: float | None) -> ChannelTimeout:
     what, why = ("send", "channel full") if item is not None else ("receive", "channel empty")
-    return TimeoutError(f"channel {state.name!r}: {what} timed out after {timeout} s ({why})")
+    return ChannelTimeout(f"channel {state.name!r}: {what} timed out after {timeout} s ({why})", state.name)
 
 
 def _give_up(end: Any, w: Any) -> None:
@@ -169,7 +171,7 @@ def _give_up(end: Any, w: Any) -> None:
 def thread_call(end: Any, attempt: Attempt, item: Item | None, timeout: float | None) -> Any:
     """Run a send or receive from an OS thread, blocking it while the call can not be done.
 
-    Returns the received payload (None for a send). Raises as ``attempt``, and TimeoutError."""
+    Returns the received payload (None for a send). Raises as ``attempt``, and ChannelTimeout."""
     deadline = None if timeout is None or timeout > 0 else perf_counter()  # <= 0: never park
     (_, payload, wake), w = _step(end, attempt, item, None, ThreadWaiter, timeout, deadline)
     wake_all(wake)

@@ -38,7 +38,7 @@ from csp._cores import FifoState, OrderedState
 from csp._state import ChannelState, ItemCheck
 from csp._waiting import Item, checkpoint, nowait, task_call, thread_call, wake_all
 from csp.cuda import inbound, outbound
-from csp.errors import EndOfStream, WouldBlock
+from csp.errors import ChannelConfigError, EndOfStream, WouldBlock
 from csp.stats import ChannelStatistics
 
 __all__ = ["ChannelState", "ItemCheck", "Receiver", "Sender", "channel", "channel_state"]
@@ -58,7 +58,7 @@ def channel_state(
     Arguments and errors as :func:`channel`.
     """
     if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-        raise ValueError(
+        raise ChannelConfigError(
             f"channel {name!r}: capacity must be an int >= 0 (0 = rendezvous), got {capacity!r}; "
             "there is no unbounded channel"
         )
@@ -83,7 +83,7 @@ def channel(
     is dropped unclosed keeps its peers waiting.
 
     Raises:
-        ValueError: capacity missing, negative or not an int.
+        ChannelConfigError (a ValueError): capacity missing, negative or not an int.
     """
     state = channel_state(item_type, capacity, name, ordered)
     return Sender(state), Receiver(state)
@@ -219,13 +219,16 @@ class Sender(_End, Generic[T]):
                 ignored otherwise.
 
         Raises:
-            TimeoutError: still full after ``timeout`` seconds (the item was not sent).
+            ChannelTimeout (a TimeoutError): still full after ``timeout`` seconds (the item was not sent).
             PeerGone: every receive end is closed. ChannelClosed: this end is closed.
-            ChannelAborted: the channel was aborted. TypeError: wrong item type.
-            ValueError: bad or repeated ``seq`` on an ordered channel.
+            ChannelAborted: the channel was aborted. ItemTypeError (a TypeError): wrong item type.
+            SeqError (a ValueError): bad or repeated ``seq`` on an ordered channel.
         """
         state, offer = self._core, self._offer(item, seq)
-        done, _, _ = nowait(self, state.try_send, offer)
+        with state.lock:  # the nowait step, inline: the common case that needs no waiting
+            done, _, wake = state.try_send(self, offer)
+        if wake:
+            wake_all(wake)
         if not done:
             thread_call(self, state.try_send, offer, timeout)
         self._items += 1
@@ -279,12 +282,15 @@ class Receiver(_End, Generic[T]):
         """Receive the next item, blocking the calling thread while the channel is empty.
 
         Raises:
-            TimeoutError: nothing arrived within ``timeout`` seconds.
+            ChannelTimeout (a TimeoutError): nothing arrived within ``timeout`` seconds.
             EndOfStream: every send end is closed and the buffer is empty.
             ChannelClosed: this end is closed. ChannelAborted: the channel was aborted.
         """
         state = self._core
-        done, payload, _ = nowait(self, state.try_receive, None)
+        with state.lock:  # the nowait step, inline: the common case that needs no waiting
+            done, payload, wake = state.try_receive(self, None)
+        if wake:
+            wake_all(wake)
         if not done:
             payload = thread_call(self, state.try_receive, None, timeout)
         self._items += 1

@@ -26,15 +26,19 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
-import msgspec
+from csp.errors import PinnedPoolError, PinnedPoolTimeout
+from csp.tensors import ATOMS, iter_tensors, map_tensors
 
 __all__ = ["Handoff", "PinnedPool", "inbound", "item_nbytes", "outbound", "to_device"]
 
-# Leaf types that can hold no tensor: the walk stops at once on them.
-_ATOMS = frozenset({int, float, str, bytes, bool, type(None), complex, bytearray})
 _MAX_DEPTH = 16  # nesting limit of the walk: guards against self-referencing containers
+
+
+def _sized(obj: Any) -> bool:
+    """An object whose class counts its own bytes (``__csp_nbytes__``): not walked into."""
+    return getattr(type(obj), "__csp_nbytes__", None) is not None
 
 
 class Handoff:
@@ -54,28 +58,17 @@ class Handoff:
         self.events = events
 
 
-def _walk(obj: Any, tensor_type: type | None, cuda: list, depth: int) -> int:
+def _walk(obj: Any, cuda: list) -> int:
     """Sum tensor bytes in ``obj``; append CUDA tensors to ``cuda``."""
-    t = type(obj)
-    if t in _ATOMS:
-        return 0
-    if tensor_type is not None and isinstance(obj, tensor_type):
-        if obj.is_cuda:
-            cuda.append(obj)
-        return obj.nbytes
-    size = getattr(t, "__csp_nbytes__", None)
-    if size is not None:
-        return int(size(obj))
-    if depth >= _MAX_DEPTH:
-        return 0
-    depth += 1
-    if isinstance(obj, msgspec.Struct):
-        return sum(_walk(getattr(obj, f), tensor_type, cuda, depth) for f in t.__struct_fields__)
-    if isinstance(obj, dict):
-        return sum(_walk(v, tensor_type, cuda, depth) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_walk(v, tensor_type, cuda, depth) for v in obj)
-    return 0
+    n = 0
+    for x in iter_tensors(obj, max_depth=_MAX_DEPTH, opaque=_sized):
+        if _sized(x):
+            n += int(type(x).__csp_nbytes__(x))
+        else:
+            if x.is_cuda:
+                cuda.append(x)
+            n += x.nbytes
+    return n
 
 
 def item_nbytes(item: Any) -> int:
@@ -85,8 +78,7 @@ def item_nbytes(item: Any) -> int:
     levels deep); an object whose class defines ``__csp_nbytes__(self) -> int`` counts that; any
     other object counts 0.
     """
-    torch = sys.modules.get("torch")
-    return _walk(item, torch.Tensor if torch is not None else None, [], 0)
+    return _walk(item, [])
 
 
 def outbound(item: Any) -> tuple[int, Any]:
@@ -95,13 +87,13 @@ def outbound(item: Any) -> tuple[int, Any]:
     ``payload`` is ``item`` itself unless the item holds CUDA tensors; then it is a
     :class:`Handoff` carrying an event recorded on the current stream of each device involved.
     """
-    if type(item) in _ATOMS:
+    if type(item) in ATOMS:
         return 0, item
-    torch = sys.modules.get("torch")
     cuda: list = []
-    nbytes = _walk(item, torch.Tensor if torch is not None else None, cuda, 0)
+    nbytes = _walk(item, cuda)
     if not cuda:
         return nbytes, item
+    torch = sys.modules["torch"]
     events = []
     for device in {t.device for t in cuda}:
         stream = torch.cuda.current_stream(device)
@@ -135,37 +127,6 @@ def inbound(payload: Any) -> Any:
 
 
 # ---- device moves -------------------------------------------------------------------------------
-def _map(obj: Any, fn: Callable, tensor_type: type, depth: int) -> Any:
-    """``obj`` with ``fn`` applied to every tensor; containers are rebuilt only where one changed."""
-    t = type(obj)
-    if t in _ATOMS:
-        return obj
-    if isinstance(obj, tensor_type):
-        return fn(obj)
-    if depth >= _MAX_DEPTH:
-        return obj
-    depth += 1
-    if isinstance(obj, msgspec.Struct):
-        changes = {}
-        for f in t.__struct_fields__:
-            v = getattr(obj, f)
-            nv = _map(v, fn, tensor_type, depth)
-            if nv is not v:
-                changes[f] = nv
-        return msgspec.structs.replace(obj, **changes) if changes else obj
-    if isinstance(obj, dict):
-        new = {k: _map(v, fn, tensor_type, depth) for k, v in obj.items()}
-        return new if any(new[k] is not v for k, v in obj.items()) else obj
-    if isinstance(obj, (list, tuple)):
-        vals = [_map(v, fn, tensor_type, depth) for v in obj]
-        if all(a is b for a, b in zip(vals, obj)):
-            return obj
-        if isinstance(obj, list):
-            return vals
-        return t(*vals) if hasattr(obj, "_fields") else t(vals)  # namedtuple or tuple
-    return obj
-
-
 def to_device(item: Any, device: Any, stream: Any = None, via_host: bool = False,
               pool: PinnedPool | None = None) -> Any:
     """A copy of ``item`` with every tensor on ``device``; tensors already there are kept by
@@ -231,7 +192,7 @@ def to_device(item: Any, device: Any, stream: Any = None, via_host: bool = False
         out.record_stream(current)
         return out
 
-    out = _map(item, move, torch.Tensor, 0)
+    out = map_tensors(move, item, max_depth=_MAX_DEPTH, share_unchanged=True)
     if copy_stream is not None:
         current.wait_stream(copy_stream)
     for event in host_waits:
@@ -272,8 +233,8 @@ class PinnedPool:
     waits until a buffer is given back.
 
     Raises:
-        ValueError: a request larger than ``max_bytes`` (raise ``max_bytes``).
-        TimeoutError: no buffer came back within ``timeout`` seconds (a leak: a buffer not given
+        PinnedPoolError (a ValueError): a request larger than ``max_bytes`` (raise ``max_bytes``).
+        PinnedPoolTimeout (a TimeoutError): no buffer came back within ``timeout`` seconds (a leak: a buffer not given
             back, or ``max_bytes`` too small for the copies in flight).
     """
 
@@ -281,7 +242,7 @@ class PinnedPool:
 
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         if max_bytes < self.MIN_BYTES:
-            raise ValueError(f"PinnedPool max_bytes must be >= {self.MIN_BYTES}, got {max_bytes}")
+            raise PinnedPoolError(f"PinnedPool max_bytes must be >= {self.MIN_BYTES}, got {max_bytes}")
         self.max_bytes = max_bytes
         self.allocated = 0  # bytes held by the pool, taken or free
         self._free: list[tuple[Any, Any]] = []  # (buffer, event | None), oldest first
@@ -292,7 +253,7 @@ class PinnedPool:
         torch = sys.modules["torch"]
         size = max(self.MIN_BYTES, 1 << max(0, int(nbytes) - 1).bit_length())
         if size > self.max_bytes:
-            raise ValueError(
+            raise PinnedPoolError(
                 f"PinnedPool: a {nbytes}-byte buffer exceeds the pool's max_bytes={self.max_bytes}; "
                 "raise max_bytes"
             )
@@ -309,7 +270,7 @@ class PinnedPool:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(
+                    raise PinnedPoolTimeout(
                         f"PinnedPool: no {size}-byte buffer free within {timeout} s; all "
                         f"{self.allocated} bytes are taken (a buffer not given back?)"
                     )

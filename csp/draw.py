@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Sequence
 
 from csp.backpressure import ChannelSummary, ProcessSummary, Summary
-from csp.errors import GraphError
+from csp.errors import DotNotFound, GraphError
 from csp.graph import GraphSpec, ProcessSpec, load_spec
 
 DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.svg, + cairosvg)
@@ -166,10 +166,6 @@ def to_mermaid(spec: GraphSpec, summary: Summary | None = None) -> str:
         out.append("  classDef bottleneck stroke:#d62728,stroke-width:3px,fill:#fde0dd")
         out.append(f"  class {ids[bottleneck]} bottleneck")
     return "\n".join(out) + "\n"
-
-
-class DotNotFound(RuntimeError):
-    """Graphviz's ``dot`` program is not on PATH (install it: ``apt-get install graphviz``)."""
 
 
 def render_dot(dot_text: str, fmt: str = "svg", dot: str | None = None) -> bytes:

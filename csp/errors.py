@@ -1,7 +1,8 @@
 """The csp error family.
 
-Every error raised by csp derives from :class:`CspError`, so ``except csp.CspError`` catches all of
-them. Channel errors follow trio/anyio's split: who closed what decides which error you get.
+Every error csp itself raises derives from :class:`CspError`, so ``except csp.CspError`` catches all
+of them (the exceptions, Python protocols and passed-on errors, are listed at the end). Channel
+errors follow trio/anyio's split: who closed what decides which error you get.
 
 =================  ========================================================================
 ``ChannelClosed``  you used an end that *you* closed (``close()`` was called on this end).
@@ -11,6 +12,46 @@ them. Channel errors follow trio/anyio's split: who closed what decides which er
 ``ChannelAborted`` the channel was aborted (``abort(reason)``), usually by the runtime after a
                    failure elsewhere in the graph; every blocked and future operation raises it.
 =================  ========================================================================
+
+Where csp used to raise a builtin, it raises a csp class that derives from :class:`CspError` *and*
+that builtin, so ``except ValueError`` (or ``TypeError``, ...) around a csp call keeps working:
+
+======================  =====================  =============================================================
+class                   also a                 raised by
+======================  =====================  =============================================================
+``ChannelConfigError``  ``ValueError``         ``channel()``/``channel_state()``: bad ``capacity``
+``ItemTypeError``       ``TypeError``          ``send``: the item is not of the channel's ``item_type``
+``SeqError``            ``ValueError``         ``send`` on an ordered channel: missing or repeated ``seq``
+``ChannelTimeout``      ``TimeoutError``       ``send``/``receive`` with ``timeout=``: not done in time
+``NoEventLoop``         ``RuntimeError``       ``asend``/``areceive`` outside an asyncio event loop
+``RegistryError``       ``ValueError``         ``csp.register``: an invalid kind, or one already taken
+``NotAProcess``         ``TypeError``          ``csp.register``: not a ``csp.Process`` subclass
+``PinnedPoolError``     ``ValueError``         ``csp.cuda.PinnedPool``: ``max_bytes`` or a request too big
+``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
+``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
+``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``: no process of that name
+``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
+``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
+``StatsNotFound``       ``FileNotFoundError``  reading a directory that has no stats log
+``DotNotFound``         ``RuntimeError``       ``csp.draw``: Graphviz's ``dot`` is not on PATH
+======================  =====================  =============================================================
+
+What stays a builtin, and why (``tests/test_errors.py`` walks every ``raise`` in csp and checks
+this list):
+
+- ``StopIteration``/``StopAsyncIteration`` (iterating a receiver) and ``AttributeError`` (the
+  module ``__getattr__`` of ``csp.dist``): Python protocols, which only work with the builtin.
+- ``NotImplementedError`` from ``Process.run`` when a subclass does not define it: Python's own
+  signal for a method a subclass must provide.
+- ``SystemExit`` from the command-line entry points and the import guard, and
+  ``argparse.ArgumentTypeError`` from ``csp.cli``'s argument parsers: argparse and the
+  interpreter turn them into a usage message and an exit status.
+- Errors csp only passes on: whatever a process's ``run`` raises (the runtime reports it as
+  :class:`ProcessFailed`, the original as ``__cause__``), and errors of the system and library
+  calls csp makes on the caller's behalf: ``OSError`` writing a stats or trace file or reading a
+  graph file, ``subprocess.CalledProcessError`` when ``dot`` rejects its input, a
+  ``torch.distributed`` error when a lane's peer dies (``csp.dist.wire``), an unpicklable item on
+  a cross-rank channel.
 """
 
 from __future__ import annotations
@@ -101,15 +142,96 @@ class ProcessStuck(CspError):
         self.timeout_s = timeout_s
 
 
+class ChannelConfigError(CspError, ValueError):
+    """``channel()`` got an invalid argument (a ``capacity`` that is not an int >= 0); the message
+    names the channel and what to pass instead."""
+
+
+class ItemTypeError(ChannelError, TypeError):
+    """A sent item is not an instance of the channel's ``item_type``; nothing was sent."""
+
+
+class SeqError(ChannelError, ValueError):
+    """A send on an ordered channel had no int ``seq``, or a ``seq`` already sent; nothing was
+    sent."""
+
+
+class ChannelTimeout(ChannelError, TimeoutError):
+    """A ``send``/``receive`` with ``timeout=`` did not complete in time (a send did not deliver
+    its item; the sender still owns it)."""
+
+
+class NoEventLoop(CspError, RuntimeError):
+    """An async channel call (``asend``/``areceive``) ran outside an asyncio event loop; from a
+    thread, use ``send``/``receive``."""
+
+
+class RegistryError(CspError, ValueError):
+    """``csp.register`` got an invalid kind name, or one already taken by another class."""
+
+
+class NotAProcess(CspError, TypeError):
+    """``csp.register`` was given something that is not a :class:`csp.Process` subclass."""
+
+
+class PinnedPoolError(CspError, ValueError):
+    """A ``csp.cuda.PinnedPool`` size is out of range (``max_bytes`` too small, or a request
+    larger than ``max_bytes``)."""
+
+
+class PinnedPoolTimeout(CspError, TimeoutError):
+    """``PinnedPool.take`` found no buffer free within its timeout (a buffer not given back?)."""
+
+
+class DistError(CspError, RuntimeError):
+    """A ``csp.dist`` call cannot work in this run: no distributed run, no process group for the
+    process, or a CUDA tensor to send without an NCCL group."""
+
+
+class UnknownProcess(CspError, KeyError):
+    """A process name that is not in the graph."""
+
+
+class RuntimeReused(CspError, RuntimeError):
+    """``Runtime.run`` was called a second time; a Runtime runs once."""
+
+
+class StatsFormatError(CspError, ValueError):
+    """A line of a ``stats.jsonl`` is not a valid stats record; the message names file and line."""
+
+
+class StatsNotFound(CspError, FileNotFoundError):
+    """No stats log where one was expected; the message names the path looked at."""
+
+
+class DotNotFound(CspError, RuntimeError):
+    """Graphviz's ``dot`` program is not on PATH (install graphviz, or write DOT text instead)."""
+
+
 __all__ = [
     "ChannelAborted",
     "ChannelClosed",
+    "ChannelConfigError",
     "ChannelError",
+    "ChannelTimeout",
     "CspError",
+    "DistError",
+    "DotNotFound",
     "EndOfStream",
     "GraphError",
+    "ItemTypeError",
+    "NoEventLoop",
+    "NotAProcess",
     "PeerGone",
+    "PinnedPoolError",
+    "PinnedPoolTimeout",
     "ProcessFailed",
     "ProcessStuck",
+    "RegistryError",
+    "RuntimeReused",
+    "SeqError",
+    "StatsFormatError",
+    "StatsNotFound",
+    "UnknownProcess",
     "WouldBlock",
 ]

@@ -33,7 +33,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from csp.backpressure import (ChannelSummary, StatsFormatError, StatsLog, Summary, read_stats, stats_path,
+from csp.backpressure import (ChannelSummary, StatsFormatError, StatsReader, Summary, read_stats, stats_path,
                               summarize)
 from csp.cli import make_parser, positive_float
 from csp.units import bytes_rate, count
@@ -143,11 +143,11 @@ def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = N
     """
     out = out or sys.stdout
     console = console or Console(file=out)
-    summary = summarize(StatsLog(), window_s)
+    summary = summarize(StatsReader(), window_s)
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not as_json else None
     try:
         path = _wait_for_stats(run, interval, sleep)
-        log = StatsLog(str(path))
+        log = StatsReader(str(path))
         if live:
             live.start()
         with open(path) as f:

@@ -20,7 +20,7 @@ import importlib.metadata
 import threading
 from typing import Callable, TypeVar
 
-from csp.errors import GraphError
+from csp.errors import GraphError, NotAProcess, RegistryError
 
 ENTRY_POINT_GROUP = "csp.processes"
 
@@ -47,12 +47,12 @@ class Registry:
         allowed and replaces the old entry.
 
         Raises:
-            ValueError: ``kind`` is empty, contains ``":"`` or whitespace, or is already taken by
+            RegistryError (a ValueError): ``kind`` is empty, contains ``":"`` or whitespace, or is already taken by
                 a different class.
-            TypeError: ``cls`` is not a :class:`csp.Process` subclass.
+            NotAProcess (a TypeError): ``cls`` is not a :class:`csp.Process` subclass.
         """
         if not kind or ":" in kind or any(ch.isspace() for ch in kind):
-            raise ValueError(
+            raise RegistryError(
                 f"invalid kind {kind!r}: use a dotted name without ':' or spaces, e.g. 'mylib.tokenize'"
             )
 
@@ -60,11 +60,11 @@ class Registry:
             from csp.process import Process
 
             if not (isinstance(c, type) and issubclass(c, Process)):
-                raise TypeError(f"csp.register({kind!r}): {c!r} is not a csp.Process subclass")
+                raise NotAProcess(f"csp.register({kind!r}): {c!r} is not a csp.Process subclass")
             with self._lock:
                 old = self._kinds.get(kind)
                 if old is not None and old is not c and _class_id(old) != _class_id(c):
-                    raise ValueError(
+                    raise RegistryError(
                         f"kind {kind!r} is already registered to {_class_id(old)}; "
                         f"cannot register {_class_id(c)} under the same kind"
                     )

@@ -57,11 +57,11 @@ import anyio
 import msgspec
 
 from csp.channel import channel
-from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck
+from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck, RuntimeReused
 from csp.graph import Graph, ProcessNode, TraceSpec
 from csp.process import Context, is_async
 from csp.stats import ChannelStatistics, ProcessStatistics
-from csp.statslog import StatsLog
+from csp.statslog import StatsWriter
 from csp.trace import FlowTap, Tracer
 
 log = logging.getLogger("csp.runtime")
@@ -200,10 +200,10 @@ class Runtime:
             GraphError: the graph is invalid (nothing started).
             ProcessFailed: a process raised; ``__cause__`` is its exception.
             ProcessStuck: after an abort, a process thread did not stop within ``join_timeout_s``.
-            RuntimeError: ``run()`` was called twice.
+            RuntimeReused (a RuntimeError): ``run()`` was called twice.
         """
         if self._started:
-            raise RuntimeError("a Runtime runs once; build a new Runtime for another run")
+            raise RuntimeReused("a Runtime runs once; build a new Runtime for another run")
         self._started = True
         self.graph.validate()
         t0 = perf_counter()
@@ -292,14 +292,14 @@ class Runtime:
     def _tap(self, end: Any, w: _Worker, state: dict, pending: dict, src: bool, sink: bool) -> Any:
         return FlowTap(end, self.tracer, w.track, state, pending, src, sink)  # type: ignore[arg-type]
 
-    def _start_observers(self) -> StatsLog | None:
+    def _start_observers(self) -> StatsWriter | None:
         spec = self.trace_spec
         if self.run_dir is None:
             return None
         if self.tracer is not None:
             for w in self._workers:
                 self.tracer.name_track(w.track, w.qualname)
-        statslog = StatsLog(self.run_dir / "csp" / "stats.jsonl", self.graph, self._channel_stats,
+        statslog = StatsWriter(self.run_dir / "csp" / "stats.jsonl", self.graph, self._channel_stats,
                             self._process_stats, spec.stats_interval_s, self.tracer)
         statslog.start()
         return statslog

@@ -42,7 +42,7 @@ def graph_header(graph: Any) -> dict[str, Any]:
     }
 
 
-class StatsLog:
+class StatsWriter:
     """Writes the header now, snapshots every ``interval_s`` from a thread, the final line on
     :meth:`close`.
 
@@ -119,4 +119,4 @@ class StatsLog:
             self._file.close()
 
 
-__all__ = ["StatsLog", "graph_header"]
+__all__ = ["StatsWriter", "graph_header"]

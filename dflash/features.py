@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.messages import DrafterInput, TargetOutput
+from dflash.seeding import FEATURE_NOISE, derive_seed
 
 __all__ = ["FeaturePostprocess", "apply_feature_noise", "to_drafter_input"]
 
@@ -32,7 +33,8 @@ def apply_feature_noise(features: torch.Tensor, *, std: float, seed: int, batch_
     if std <= 0:
         return features
     rms = features.to(torch.float32, copy=True).pow_(2).mean(-1, keepdim=True).sqrt_()
-    gen = torch.Generator(device=features.device).manual_seed((seed * 7_000_003 + batch_id + 1) % (2**63))
+    noise_seed = derive_seed(seed, batch_id + 1, salt=FEATURE_NOISE)
+    gen = torch.Generator(device=features.device).manual_seed(noise_seed)
     noise = torch.randn(features.shape, generator=gen, device=features.device, dtype=torch.float32)
     return noise.mul_(std * rms).add_(features).to(features.dtype)
 

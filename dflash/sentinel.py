@@ -17,30 +17,26 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-import msgspec
 import torch
+
+from csp.tensors import Index, iter_tensors
 
 
 class NonFiniteError(RuntimeError):
     """Non-finite values where none may be; the message names where they first appeared."""
 
 
+def _dotted(path: tuple, prefix: str = "") -> str:
+    """``hidden.layers[2]`` for the path ``("hidden", "layers", Index(2))``; "tensor" for ``()``."""
+    name = prefix
+    for key in path:
+        name = f"{name}[{key}]" if isinstance(key, Index) else f"{name}.{key}" if name else str(key)
+    return name or "tensor"
+
+
 def floating_tensors(item: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """``(dotted name, tensor)`` for every floating-point tensor in a Struct/dict/list item."""
-    out: list[tuple[str, torch.Tensor]] = []
-    if isinstance(item, torch.Tensor):
-        if item.is_floating_point():
-            out.append((prefix or "tensor", item))
-    elif isinstance(item, msgspec.Struct):
-        for f in item.__struct_fields__:
-            out += floating_tensors(getattr(item, f), f"{prefix}.{f}" if prefix else f)
-    elif isinstance(item, dict):
-        for k, v in item.items():
-            out += floating_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(item, (list, tuple)):
-        for i, v in enumerate(item):
-            out += floating_tensors(v, f"{prefix}[{i}]")
-    return out
+    return [(_dotted(path, prefix), t) for path, t in iter_tensors(item, paths=True) if t.is_floating_point()]
 
 
 def _finite_flag(t: torch.Tensor) -> torch.Tensor:

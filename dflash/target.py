@@ -24,7 +24,6 @@ Layer ids are 0-based decoder layer indices; the captured tensor is that layer's
 from __future__ import annotations
 
 import threading
-import zlib
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 
 from dflash.document_mask import document_attention_mask, document_causal_mask
 from dflash.layer_ids import default_layer_ids, resolve_layer_ids
+from dflash.seeding import PARAMS, derive_seed
 from dflash.shared_head import SharedHead, read_safetensors
 from dflash.target_config import (
     PRESETS,
@@ -64,7 +64,7 @@ _BUILD_LOCK = threading.Lock()
 
 def _param_seed(seed: int, name: str) -> int:
     """A stable per-parameter seed, so random weights do not depend on build order/truncation."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+    return derive_seed(seed, name, salt=PARAMS)
 
 
 def _random_head(hf_config, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 import csp
-from csp.backpressure import StatsFormatError, StatsLog, read_stats, summarize
+from csp.backpressure import StatsFormatError, StatsReader, read_stats, summarize
 from csp.inspect import follow, main, render_plain, report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
@@ -110,7 +110,7 @@ def test_crashed_run_half_line_and_no_final(tmp_path):
 
 def test_incremental_feed_keeps_partial_lines():
     text = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text()
-    log = StatsLog()
+    log = StatsReader()
     cut = text.index("\n", text.index("\n") + 1) + 25  # inside the 3rd line
     assert log.feed(text[:cut]) == 2
     assert log.final is None
@@ -119,7 +119,7 @@ def test_incremental_feed_keeps_partial_lines():
 
 
 def test_no_snapshot_yet():
-    log = StatsLog()
+    log = StatsReader()
     log.feed((FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().splitlines()[0] + "\n")
     assert summarize(log).verdict.text == "bottleneck: unknown (no stats snapshot yet)"
 
@@ -150,6 +150,11 @@ def test_follow_tails_until_final(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Synthetic graphs on the real runtime. "Work" is time.sleep(delay) per item: it stands for a
 # stage's compute without loading the 2 shared CPU cores (ordering never relies on it).
+# Why these cannot flake on a loaded machine: a sleep never returns early, so load only lengthens
+# the slow stage's busy time and the others' waits; every assertion is a lower bound on those (the
+# slow stage sleeps 10-50 ms per item, the others run microseconds of Python per item, so a starved
+# thread would need ~100x its own work in lost CPU to change a verdict). Checked with 4 busy-loop
+# processes on 2 cores: test_inspect.py and test_dist.py passed 3 runs in 3.
 
 N_ITEMS = 60
 

@@ -14,12 +14,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the modules split out of one file: csp/graph/ (was csp/graph/__init__.py), dflash.target's and
-# dflash.eval's parts
+# dflash.eval's parts, csp.backpressure's stats reader and csp.dist.bridge's crossing channel
 SPLIT_FILES = (*sorted((ROOT / "csp" / "graph").glob("*.py")),
                *(ROOT / "dflash" / f"{m}.py" for m in ("target", "target_config", "layer_ids",
                                                        "document_mask", "shared_head", "eval", "decode",
                                                        "eval_measure", "eval_report", "eval_inputs")),
-               ROOT / "dflash" / "data" / "prompts.py")
+               ROOT / "dflash" / "data" / "prompts.py",
+               *(ROOT / "csp" / f"{m}.py" for m in ("backpressure", "stats_reader", "dist/bridge",
+                                                    "dist/crossing")))
 
 
 def _module_name(path: Path) -> str:
@@ -33,7 +35,8 @@ def _split_modules() -> list[str]:
 
 def _import_time_imports(path: Path) -> set[str]:
     """Absolute module names imported when ``path`` is imported: module level and class bodies,
-    not function bodies (those run later, so they cannot close an import cycle)."""
+    not function bodies (those run later, so they cannot close an import cycle) nor
+    ``if TYPE_CHECKING:`` blocks (they never run)."""
     found: set[str] = set()
 
     def visit(nodes: list[ast.stmt]) -> None:
@@ -45,6 +48,8 @@ def _import_time_imports(path: Path) -> set[str]:
                 found.update(f"{node.module}.{a.name}" for a in node.names)  # a submodule, maybe
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
+            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                visit(node.orelse)  # the body runs only under a type checker
             else:
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     visit([n for n in getattr(node, field, []) if isinstance(n, ast.AST)])

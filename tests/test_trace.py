@@ -15,7 +15,7 @@ import pytest
 
 import csp
 from csp.process import NULL_SPAN
-from csp.statslog import StatsLog
+from csp.statslog import StatsWriter
 from csp.trace import Tracer
 
 pytestmark = pytest.mark.timeout(30)
@@ -108,7 +108,7 @@ def test_sampler_writes_snapshots_without_blocking(tmp_path):
         return {"a": st}
 
     tracer = Tracer()
-    log = StatsLog(tmp_path / "s.jsonl", csp.Graph(), channels, dict, 0.001, tracer)
+    log = StatsWriter(tmp_path / "s.jsonl", csp.Graph(), channels, dict, 0.001, tracer)
     log.start()
     assert sampled.wait(10)
     log.close("completed", 0)

@@ -36,7 +36,7 @@ from csp.dist.bridge import Hub
 from csp.dist.control import Control
 from csp.dist.placement import Placement, place
 from csp.dist.wire import LaneReader, LaneWriter
-from csp.errors import ProcessFailed, ProcessStuck
+from csp.errors import DistError, ProcessFailed, ProcessStuck
 from csp.graph import Graph
 from csp.runtime import EXIT_FAILED, Runtime
 
@@ -99,14 +99,14 @@ def process_group(name: str) -> Any:
     """The process group over the ranks running replicas of process ``name``.
 
     Raises:
-        RuntimeError: not inside a distributed run, or ``name``'s replicas are all on one rank
+        DistError (a RuntimeError): not inside a distributed run, or ``name``'s replicas are all on one rank
             (say so in the graph: give it ``ranks = [...]`` on several ranks).
     """
     run_ = _current
     if run_ is None:
-        raise RuntimeError("csp.dist.process_group() needs a distributed run (torchrun ... -m csp.run)")
+        raise DistError("csp.dist.process_group() needs a distributed run (torchrun ... -m csp.run)")
     if name not in run_.groups:
-        raise RuntimeError(f"process {name!r} has all its replicas on one rank: it has no process "
+        raise DistError(f"process {name!r} has all its replicas on one rank: it has no process "
                            "group (place its replicas on several ranks with ranks = [...])")
     return run_.groups[name]
 

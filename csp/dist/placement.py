@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from csp.errors import GraphError
+from csp.errors import GraphError, UnknownProcess
 from csp.graph import Graph
 
 __all__ = ["ChannelPlan", "Link", "Placement", "place"]
@@ -84,11 +84,11 @@ class Placement:
         """The rank of each replica of ``process``, in replica order.
 
         Raises:
-            KeyError: no process of that name.
+            UnknownProcess (a KeyError): no process of that name.
         """
         out = [r for (name, _), r in sorted(self.ranks.items()) if name == process]
         if not out:
-            raise KeyError(f"no process {process!r} in the graph")
+            raise UnknownProcess(f"no process {process!r} in the graph")
         return out
 
     def peers(self, rank: int) -> list[int]:

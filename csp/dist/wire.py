@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from csp.errors import DistError
+
 __all__ = ["CLOSE", "CREDIT", "EOS", "FRAME", "GONE", "ITEM", "LaneReader", "LaneWriter", "decode", "encode"]
 
 FRAME = 4096  # bytes of the fixed control frame (8-byte length + up to 4088 bytes of message)
@@ -102,8 +104,9 @@ class LaneWriter:
         """Send one message and its tensors (blocks until gloo/NCCL accepted them).
 
         Raises:
-            RuntimeError: the item holds CUDA tensors and the lane has no NCCL group; or the
-                connection to the peer broke (torch.distributed's error, re-raised).
+            DistError (a RuntimeError): the item holds CUDA tensors and the lane has no NCCL
+                group. RuntimeError: the connection to the peer broke (torch.distributed's
+                error, passed on).
         """
         msg, tensors = encode(kind, link, seq, item)
         n = len(msg)
@@ -119,7 +122,7 @@ class LaneWriter:
                 continue
             if t.is_cuda:
                 if self.cuda is None:
-                    raise RuntimeError(
+                    raise DistError(
                         f"a CUDA tensor {tuple(t.shape)} must cross to rank {self.peer} but no NCCL "
                         "group exists (torch.cuda not available or NCCL missing); move it to CPU first"
                     )
@@ -152,8 +155,8 @@ class LaneReader:
         """Block until the next message; returns ``(kind, link, seq, item)``.
 
         Raises:
-            RuntimeError: the connection to the peer broke, or a CUDA tensor arrives on a lane
-                without an NCCL group.
+            DistError (a RuntimeError): a CUDA tensor arrives on a lane without an NCCL group.
+            RuntimeError: the connection to the peer broke (torch.distributed's, passed on).
         """
         frame = self.frame
         dist.recv(frame, self.peer, group=self.control)
@@ -170,7 +173,7 @@ class LaneReader:
             nbytes = _numel(shape) * _itemsize(dtype)
             if is_cuda:
                 if self.cuda is None or self.device is None:
-                    raise RuntimeError(f"rank {self.peer} sent a CUDA tensor but this lane has no NCCL group")
+                    raise DistError(f"rank {self.peer} sent a CUDA tensor but this lane has no NCCL group")
                 raw = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 group = self.cuda
             else:

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
+from csp.tensors import iter_tensors, map_tensors
 from dflash.errors import DFlashError
 
 
@@ -200,13 +201,13 @@ def load_train_state(path: Path) -> dict[str, Any]:
 def nonfinite_tensors(tree: Any, path: str = "") -> list[str]:
     """Paths (``/optimizer/state/0/exp_avg``) of the floating-point tensors in a nested structure
     that hold a NaN or an Inf."""
-    if isinstance(tree, torch.Tensor):
-        return [path or "tensor"] if tree.is_floating_point() and not torch.isfinite(tree).all() else []
-    if isinstance(tree, dict):
-        return [b for k, v in tree.items() for b in nonfinite_tensors(v, f"{path}/{k}")]
-    if isinstance(tree, (list, tuple)):
-        return [b for i, v in enumerate(tree) for b in nonfinite_tensors(v, f"{path}/{i}")]
-    return []
+    return [slash_path(p, path) or "tensor" for p, t in iter_tensors(tree, paths=True)
+            if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def slash_path(path: tuple, prefix: str = "") -> str:
+    """``/optimizer/state/0`` for the :func:`csp.tensors.iter_tensors` path ``("optimizer", "state", 0)``."""
+    return prefix + "".join(f"/{key}" for key in path)
 
 
 _TENSOR_REF = "__safetensors__:"
@@ -214,14 +215,13 @@ _TENSOR_REF = "__safetensors__:"
 
 def _split_tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> Any:
     """Replace every tensor in a nested structure by a reference and collect it in ``out``."""
-    if isinstance(obj, torch.Tensor):
-        out[path] = obj.contiguous()
-        return _TENSOR_REF + path
-    if isinstance(obj, dict):
-        return {k: _split_tensors(v, f"{path}/{k}", out) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_split_tensors(v, f"{path}/{i}", out) for i, v in enumerate(obj))
-    return obj
+
+    def ref(p: tuple, t: torch.Tensor) -> str:
+        key = slash_path(p, path)
+        out[key] = t.contiguous()
+        return _TENSOR_REF + key
+
+    return map_tensors(ref, obj, paths=True)
 
 
 def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:

@@ -43,6 +43,7 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
+from csp.tensors import map_tensors
 from dflash.checkpoint.format import (
     META,
     TMP_PREFIX,
@@ -55,6 +56,7 @@ from dflash.checkpoint.format import (
     list_checkpoints,
     nonfinite_tensors,
     read_meta,
+    slash_path,
     step_dir,
 )
 from dflash.checkpoint.files import fsync_dir, usual_mode, write_json
@@ -64,14 +66,9 @@ log = logging.getLogger("dflash.checkpoint")
 
 
 def _snapshot_tree(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Copy every tensor in a nested dict/list/tuple structure with ``copy``; other leaves as is."""
-    if isinstance(obj, torch.Tensor):
-        return copy(obj)
-    if isinstance(obj, dict):
-        return {k: _snapshot_tree(v, copy) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_snapshot_tree(v, copy) for v in obj)
-    return obj
+    """Copy every tensor in a nested dict/list/tuple structure with ``copy``; other leaves as is.
+    Every container is a new one, so the snapshot shares no dict or list with the live state."""
+    return map_tensors(copy, obj)
 
 
 
@@ -258,23 +255,18 @@ class Checkpointer:
         """Map every CUDA tensor of ``tree`` to its page-locked host buffer (allocated on first use,
         keyed by its path in the tree, reused by later saves); ``copy`` queues the D2H copies."""
 
-        def walk(obj: Any, path: str) -> Any:
-            if isinstance(obj, torch.Tensor):
-                if not obj.is_cuda:
-                    return obj
-                buf = self._host.get(path)
-                if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                    buf = self._host[path] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
-                if copy:
-                    buf.copy_(obj, non_blocking=True)
-                return buf
-            if isinstance(obj, dict):
-                return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
-            return obj
+        def host(p: tuple, obj: torch.Tensor) -> torch.Tensor:
+            if not obj.is_cuda:
+                return obj
+            path = slash_path(p)
+            buf = self._host.get(path)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = self._host[path] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+            if copy:
+                buf.copy_(obj, non_blocking=True)
+            return buf
 
-        return walk(tree, "")
+        return map_tensors(host, tree, paths=True)
 
     def reserve(self, weights: dict[str, torch.Tensor], train_state: dict[str, Any]) -> None:
         """Allocate the page-locked host buffers of a future save now (call before training).

@@ -10,6 +10,7 @@ import torch
 import csp
 from dflash.anchors import sample_anchors
 from dflash.messages import Batch
+from dflash.seeding import ANCHORS, derive_seed
 from dflash.sentinel import FiniteSentinel
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ class PrefetchOptions(msgspec.Struct, frozen=True, kw_only=True):
 def anchor_generator(seed: int, batch_id: int) -> torch.Generator:
     """CPU generator for one batch's anchors: a pure function of (run seed, batch id), so a resumed
     run draws exactly the anchors the uninterrupted run drew."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + batch_id) % (2**63))
+    return torch.Generator().manual_seed(derive_seed(seed, batch_id, salt=ANCHORS))
 
 
 @csp.register("dflash.prefetch")
