@@ -41,11 +41,40 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
+from csp.cli import make_parser
 
-from dflash.checkpoint.format import ARCHIVE_PREFIX, META, PREFIX, TMP_PREFIX
-from dflash.records import EndRecord, Record, SkipRecord, TrainRecord, read_records
-from dflash.spikes import MAD_TO_STD, spike_threshold  # noqa: F401 - re-exported
+
+def build_parser():
+    """The ``dflash.logs`` parser (light: built before torch is imported, so ``--help`` answers at once)."""
+    parser = make_parser(
+        "python -m dflash.logs", "What happened in a dflash training run: loss spikes, skipped steps, "
+        "logging gaps, checkpoint health.",
+        details="Reads RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/ only (works on a finished, stopped or "
+                "crashed run).\nA spike: loss > median + K x 1.4826 MAD of the previous WINDOW train "
+                "records. A gap: an interval\nbetween train records > GAP_FACTOR x the median interval, "
+                "with its cause (checkpoint, resume, restart, stall).\nThe checkpoint that resume = "
+                "\"auto\" would pick is marked.",
+        exit_codes={0: "the report was printed", 2: "no metrics.jsonl in RUN_DIR"},
+        examples=["python -m dflash.logs runs/dflash-tiny", "python -m dflash.logs runs/dflash-tiny --json"])
+    parser.add_argument("run_dir", help="a dflash run directory (with metrics.jsonl)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object for scripts")
+    parser.add_argument("--window", type=int, default=20, metavar="N",
+                        help="spike rule: how many previous train records form the baseline")
+    parser.add_argument("-k", type=float, default=5.0, metavar="K",
+                        help="spike rule: robust standard deviations (1.4826 x MAD) above the median")
+    parser.add_argument("--gap-factor", type=float, default=3.0, metavar="X",
+                        help="gap rule: an interval longer than X times the median interval is a gap")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~1 s)
+    build_parser().parse_args()
+
+import msgspec  # noqa: E402
+
+from dflash.checkpoint.health import CheckpointInfo, scan_archives, scan_checkpoints  # noqa: E402, F401 - re-exported
+from dflash.records import EndRecord, Record, SkipRecord, TrainRecord, read_records  # noqa: E402
+from dflash.spikes import MAD_TO_STD, spike_threshold  # noqa: E402, F401 - re-exported
 
 
 class Spike(msgspec.Struct, frozen=True):
@@ -80,17 +109,6 @@ class Gap(msgspec.Struct, frozen=True):
     seconds: float
     typical_s: float
     cause: str
-
-
-class CheckpointInfo(msgspec.Struct, frozen=True):
-    name: str
-    complete: bool
-    step: int | None = None
-    loss: float | None = None
-    healthy: bool | None = None
-    save_s: float | None = None
-    auto_resume: bool = False
-    problem: str | None = None  # why resume = "auto" would not use it (None: usable, or not checked)
 
 
 class LogReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -225,56 +243,6 @@ def find_gaps(records: list[Rec], *, gap_factor: float = 3.0) -> list[Gap]:
     return gaps
 
 
-def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
-    """Every ``step_*`` and ``.tmp-*`` directory under ``run_dir/checkpoints``, sorted by name, with
-    its health and, by resume = "auto"'s rule, which one it would pick (module docstring)."""
-    from dflash.checkpoint import CheckpointError, check_files, verify
-
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return []
-    out = []
-    for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((PREFIX, TMP_PREFIX))):
-        meta_path = d / META
-        meta: dict[str, Any] = {}
-        if meta_path.is_file():
-            try:
-                meta = msgspec.json.decode(meta_path.read_bytes())
-            except msgspec.DecodeError:
-                meta = {}
-        if not meta or d.name.startswith(TMP_PREFIX):
-            out.append(CheckpointInfo(name=d.name, complete=False))
-            continue
-        out.append(CheckpointInfo(name=d.name, complete=True, step=meta.get("step"),
-                                  loss=meta.get("loss"), healthy=meta.get("healthy"),
-                                  save_s=meta.get("save_s"),
-                                  problem=None if meta.get("healthy") else meta.get("reason")))
-    picked = False
-    for i in reversed(range(len(out))):
-        c = out[i]
-        if not (c.complete and c.healthy):
-            continue
-        try:
-            if picked:
-                check_files(root / c.name)  # cheap: files and headers
-            else:
-                verify(root / c.name)  # what resume = "auto" does: every tensor read
-                out[i] = msgspec.structs.replace(c, auto_resume=True)
-                picked = True
-        except CheckpointError as exc:
-            out[i] = msgspec.structs.replace(c, problem=str(exc))
-    return out
-
-
-def scan_archives(run_dir: Path) -> dict[str, int]:
-    """``{archive directory name: checkpoints in it}`` for ``run_dir/checkpoints/archive-*``."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return {}
-    return {d.name: sum(1 for c in d.iterdir() if c.name.startswith(PREFIX))
-            for d in sorted(root.glob(ARCHIVE_PREFIX + "*")) if d.is_dir()}
-
-
 def analyse(run_dir: str | Path, *, window: int = 20, k: float = 5.0,
             gap_factor: float = 3.0) -> LogReport:
     """Everything ``python -m dflash.logs`` reports. Raises FileNotFoundError naming metrics.jsonl."""
@@ -363,26 +331,7 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from csp.cli import make_parser
-
-    parser = make_parser(
-        "python -m dflash.logs", "What happened in a dflash training run: loss spikes, skipped steps, "
-        "logging gaps, checkpoint health.",
-        details="Reads RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/ only (works on a finished, stopped or "
-                "crashed run).\nA spike: loss > median + K x 1.4826 MAD of the previous WINDOW train "
-                "records. A gap: an interval\nbetween train records > GAP_FACTOR x the median interval, "
-                "with its cause (checkpoint, resume, restart, stall).\nThe checkpoint that resume = "
-                "\"auto\" would pick is marked.",
-        exit_codes={0: "the report was printed", 2: "no metrics.jsonl in RUN_DIR"},
-        examples=["python -m dflash.logs runs/dflash-tiny", "python -m dflash.logs runs/dflash-tiny --json"])
-    parser.add_argument("run_dir", help="a dflash run directory (with metrics.jsonl)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object for scripts")
-    parser.add_argument("--window", type=int, default=20, metavar="N",
-                        help="spike rule: how many previous train records form the baseline")
-    parser.add_argument("-k", type=float, default=5.0, metavar="K",
-                        help="spike rule: robust standard deviations (1.4826 x MAD) above the median")
-    parser.add_argument("--gap-factor", type=float, default=3.0, metavar="X",
-                        help="gap rule: an interval longer than X times the median interval is a gap")
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         rep = analyse(args.run_dir, window=args.window, k=args.k, gap_factor=args.gap_factor)

@@ -54,3 +54,18 @@ def test_eval_help_explains_its_output_columns(monkeypatch):
     text = parser_of("dflash.eval", monkeypatch).format_help()
     for column in ("accepted/step", "tokens/step", "streak@visited", "streak@all", "tau_sim"):
         assert f"\n  {column} " in text, column
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_help_answers_without_importing_torch(module):
+    """Regression: ``dflash.eval``, ``dflash.export`` and ``dflash.logs`` imported torch (2-3 s)
+    before printing --help. Invariant: every command line's --help prints without torch."""
+    import subprocess
+    import sys
+
+    code = (f"import runpy, sys\nsys.argv = [{module!r}, '--help']\n"
+            f"try:\n    runpy.run_module({module!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('TORCH', 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: " in proc.stdout and proc.stdout.strip().endswith("TORCH False"), proc.stdout[-300:]
