@@ -96,13 +96,29 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """A copy with every None dim taken from the target config and ``target_layer_ids`` set.
 
         Raises:
-            ValueError: ``hidden_size`` differs from the target's (embedding/LM head are shared).
+            ValueError: ``hidden_size`` or ``vocab_size`` differs from the target's (the embedding
+                and LM head are shared); ``mask_token_id`` is outside the target's vocabulary;
+                ``target_layer_ids`` or ``num_target_layers`` is set and disagrees with the
+                target (they are derived: ``[target].layer_ids`` chooses the layers).
         """
         hf = target_hf_config
-        H = hf.hidden_size
+        H, V, L = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
         if self.hidden_size is not None and self.hidden_size != H:
             raise ValueError(f"drafter.hidden_size = {self.hidden_size} must equal the target's "
                              f"hidden size {H} (the embedding and LM head are shared)")
+        if self.vocab_size is not None and self.vocab_size != V:
+            raise ValueError(f"drafter.vocab_size = {self.vocab_size} must equal the target's "
+                             f"vocabulary size {V} (the embedding and LM head are shared); leave it unset")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < V:
+            raise ValueError(f"drafter.mask_token_id = {self.mask_token_id} is outside the target's "
+                             f"vocabulary (0..{V - 1}); set it to an unused token id of the tokenizer")
+        if self.target_layer_ids is not None and list(self.target_layer_ids) != list(layer_ids):
+            raise ValueError(f"drafter.target_layer_ids = {list(self.target_layer_ids)} is derived, not "
+                             f"read (the layers chosen here are {list(layer_ids)}): set target.layer_ids = "
+                             f"{list(self.target_layer_ids)} instead and leave drafter.target_layer_ids unset")
+        if self.num_target_layers is not None and self.num_target_layers != L:
+            raise ValueError(f"drafter.num_target_layers = {self.num_target_layers} is derived from the "
+                             f"target, which has {L} layers; leave it unset")
         heads = self.num_attention_heads or hf.num_attention_heads
         fill = {
             "hidden_size": H,

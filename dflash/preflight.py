@@ -17,8 +17,8 @@ from dflash.config import DFlashFile
 from dflash.drafter import DrafterConfig
 from dflash.errors import ConfigError
 
-__all__ = ["check_drafter_attention", "check_drafter_replicas", "check_model_shapes", "check_monitor_backend", "drafter_replicas",
-           "lr_warnings", "preflight"]
+__all__ = ["check_block_fits", "check_drafter_attention", "check_drafter_replicas", "check_model_shapes",
+           "check_monitor_backend", "drafter_replicas", "lr_warnings", "preflight"]
 
 DRAFTER_KIND = "dflash.drafter"
 MONITOR_KIND = "dflash.monitor"
@@ -77,6 +77,21 @@ def check_model_shapes(cfg: DFlashFile) -> DrafterConfig:
     return drafter
 
 
+def check_block_fits(cfg: DFlashFile) -> None:
+    """A conversation is kept only with at least ``2 * drafter.block_size`` loss tokens within
+    ``data.max_length`` tokens (:mod:`dflash.data.chat`), so a larger block leaves no data.
+
+    Raises:
+        ConfigError: ``2 * drafter.block_size > data.max_length``.
+    """
+    bs, max_len = cfg.drafter.block_size, cfg.data.max_length
+    if 2 * bs > max_len:
+        raise ConfigError(
+            f"drafter.block_size = {bs} leaves no usable conversation: each needs at least 2 x {bs} "
+            f"loss tokens, more than data.max_length = {max_len} tokens can hold; lower "
+            f"drafter.block_size (16 is the DFlash default) or raise data.max_length to >= {2 * bs}")
+
+
 def check_drafter_attention(cfg: DFlashFile) -> None:
     """``drafter.attn_implementation = "flex_attention"`` trains only on CUDA.
 
@@ -132,6 +147,7 @@ def preflight(cfg: DFlashFile) -> list[str]:
     """
     check_monitor_backend(cfg)
     check_model_shapes(cfg)
+    check_block_fits(cfg)
     check_drafter_attention(cfg)
     return lr_warnings(cfg)
 

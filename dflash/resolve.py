@@ -26,8 +26,8 @@ from dflash.drafter import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.features import FeaturePostprocess
 from dflash.loss import needs_final_hidden
-from dflash.preflight import (check_drafter_attention, check_drafter_replicas, check_model_shapes,
-                              check_monitor_backend, drafter_replicas, lr_warnings)
+from dflash.preflight import (check_block_fits, check_drafter_attention, check_drafter_replicas,
+                              check_model_shapes, check_monitor_backend, drafter_replicas, lr_warnings)
 from dflash.stages.monitor import MonitorOptions
 from dflash.stages.postprocess import PostprocessOptions
 from dflash.stages.prefetch import PrefetchOptions
@@ -106,6 +106,7 @@ def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo) -> Resolved:
     check_monitor_backend(cfg)
     full = filled(cfg, tokenizer)
     drafter = check_model_shapes(full)
+    check_block_fits(full)
     check_drafter_attention(full)
     check_drafter_replicas(full, launched=csp.dist.launched())
     run, train = full.run, full.train

@@ -110,6 +110,16 @@ CASES = [
     ("train.warmup_steps=4", _no_mask_token,
      r"\[drafter\]\.mask_token_id is not set and the tokenizer has no mask token"),
     ("drafter.hidden_size=7", None, r"drafter.hidden_size = 7 must equal the target's hidden size 256"),
+    # found by a new user: each of these trained (or failed at step 1) before
+    ("drafter.vocab_size=100", None,
+     r"drafter.vocab_size = 100 must equal the target's vocabulary size 4096 .*leave it unset"),
+    ("drafter.target_layer_ids=[1,3]", None,
+     r"drafter.target_layer_ids = \[1, 3\] is derived, not read .*set target.layer_ids = \[1, 3\] instead"),
+    ("drafter.num_target_layers=3", None, r"drafter.num_target_layers = 3 is derived from the target"),
+    ("drafter.mask_token_id=999999", None,
+     r"drafter.mask_token_id = 999999 is outside the target's vocabulary \(0..4095\)"),
+    ("drafter.block_size=4096", None,
+     r"drafter.block_size = 4096 leaves no usable conversation: .* data.max_length = 256"),
 ]
 
 
@@ -137,3 +147,17 @@ def test_resume_path_that_does_not_exist_is_one_line_exit_2_before_data(tmp_path
     err = capsys.readouterr().err
     assert err.startswith("error: --resume ") and "no such checkpoint directory" in err, err
     assert err.count("\n") == 1 and not run.exists() and not cache.exists()
+
+
+def test_resume_given_a_run_directory_names_a_checkpoint_of_it_before_data(tmp_path, capsys, no_data_work):  # noqa: F811
+    """Found by a new user: ``--resume RUN_DIR`` said "meta.json is missing" after the data was
+    tokenized. Invariant: one line naming the run directory's newest checkpoint, exit 2, no data."""
+    old_run = tmp_path / "old"
+    (old_run / "checkpoints" / "step_00000020").mkdir(parents=True)
+    (old_run / "checkpoints" / "step_00000020" / "meta.json").write_text('{"step": 20}')
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    assert main([*small(run, cache), "--resume", str(old_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--resume {old_run} is a run directory" in err, err
+    assert f"--resume {old_run / 'checkpoints' / 'step_00000020'}" in err and "--resume auto" in err
+    assert not run.exists() and not cache.exists()

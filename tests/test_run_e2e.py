@@ -431,3 +431,29 @@ def test_a_changed_lr_on_resume_takes_effect(tmp_path, cache_dir):
     assert got[2] == want[2]                                 # before the resume: the same run
     for step in (5, 6, 7, 8):
         assert got[step] == pytest.approx(want[step] / 100, rel=1e-6), step
+
+
+def test_resume_refused_for_the_data_order_names_the_setting_that_changed(tmp_path, cache_dir, capsys):
+    """Found by a new user: resuming with another drafter.block_size said only "cannot resume the
+    data order: dataset: saved '7f77..', now '9d5d..'". Invariant: the one error line also names
+    the setting that changed (exit 2, nothing trained)."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=4)) == 0
+    capsys.readouterr()
+    assert main(small(run, cache_dir, "drafter.block_size=4", steps=8)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "cannot resume the data order" in err[0], err
+    assert "drafter.block_size 8 -> 4" in err[0], err[0]
+
+
+def test_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
+    """Found by a new user: Ctrl-C 1.5 s into ``python -m dflash.run`` (torch importing) printed a
+    KeyboardInterrupt traceback. A ``torch`` module that raises KeyboardInterrupt when imported
+    stands for the Ctrl-C, at exactly that moment."""
+    (tmp_path / "torch.py").write_text("raise KeyboardInterrupt\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "dflash.run", GRAPH], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("dflash.run: interrupted while starting, before any step ran")

@@ -107,6 +107,26 @@ def verify(path: Path) -> Resume:
     return Resume(path=path, meta=meta, weights=weights, train_state=state)
 
 
+def check_resume_path(resume: str) -> None:
+    """A cheap look at an explicit ``--resume PATH`` (no tensor read), made before any data work.
+
+    Raises:
+        CheckpointError: ``resume`` is not "auto"/"none" and names no directory, or names a run
+            directory (one holding ``checkpoints/``) instead of one of its checkpoints.
+    """
+    if resume in ("auto", "none"):
+        return
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume {resume}: no such checkpoint directory; give a checkpoint "
+                              "directory (python -m dflash.logs RUN_DIR lists them), auto or none")
+    if (path / "checkpoints").is_dir():
+        steps = [c.name for c in list_checkpoints(path / "checkpoints")]
+        example = f", e.g. --resume {path / 'checkpoints' / steps[-1]}" if steps else ""
+        raise CheckpointError(f"--resume {resume} is a run directory; give one of its checkpoints{example}, "
+                              f"or --resume auto with run.out_dir = {resume} (its newest healthy one)")
+
+
 def choose(run_dir: Path, resume: str) -> Resume | None:
     """The verified checkpoint to resume from.
 
@@ -138,9 +158,8 @@ def choose(run_dir: Path, resume: str) -> Resume | None:
         if rejected:
             log.warning("no usable checkpoint in %s; starting from step 0", Path(run_dir) / "checkpoints")
         return None
+    check_resume_path(resume)
     path = Path(resume)
-    if not path.is_dir():
-        raise CheckpointError(f"--resume {resume}: no such checkpoint directory")
     try:
         return verify(path)
     except CheckpointError as exc:

@@ -271,5 +271,6 @@ def no_usable_rows(path: Path, records_read: int, skipped: Counter[str], **hints
         f"{path}: no usable conversations (read {records_read} records; skipped: {reasons}; {hint}). "
         "Expected ShareGPT {'conversations': [{'from', 'value'}]}, OpenAI {'messages': [{'role', "
         "'content'}]} or {'prompt', 'completion'} records with at least one assistant turn; "
-        "check data.format, data.max_length and data.block_size."
+        "check data.format, data.max_length and drafter.block_size (a conversation needs at least 2 x "
+        "block_size loss tokens)."
     )
