@@ -33,8 +33,17 @@ from typing import Any
 
 from dflash.run_args import build_parser
 
+INTERRUPTED_STARTING = ("dflash.run: interrupted while starting, before any step ran; nothing new was saved: "
+                        "run the same command again")
+
 if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~3 s)
     build_parser().parse_args()
+    try:  # the heavy imports of the module, here, so that a Ctrl-C during them is one line
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except KeyboardInterrupt:
+        print(INTERRUPTED_STARTING, file=sys.stderr)
+        sys.exit(130)
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
@@ -49,8 +58,8 @@ from dflash.errors import ConfigError  # noqa: E402
 from dflash.metrics_writer import MetricsLog  # noqa: E402
 from dflash.preflight import preflight  # noqa: E402
 from dflash.resolve import Resolved, resolve  # noqa: E402
-from dflash.checkpoint.resume import (archive_foreign, changes_since, choose as choose_resume,  # noqa: E402
-                                      new_lineage)
+from dflash.checkpoint.resume import (archive_foreign, changes_since, check_resume_path,  # noqa: E402
+                                      choose as choose_resume, new_lineage)
 from dflash.records import EndRecord, ResumeRecord, StartRecord  # noqa: E402
 
 log = logging.getLogger("dflash.run")
@@ -188,8 +197,13 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
     state, changes = ResumeState(), []
     if got is not None:
         state = ResumeState(start_step=got.step, path=got.path, train_state=got.train_state, weights=got.weights)
-        sampler.load_state_dict(got.train_state["sampler"])
         changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), resolved.config_hash)
+        try:
+            sampler.load_state_dict(got.train_state["sampler"])
+        except DataError as exc:  # name the settings behind the data order's fingerprint
+            if not changes:
+                raise
+            raise DataError(f"{exc}; changed since {got.path}: " + "; ".join(changes[:8])) from None
         if changes:
             log.warning("the config differs from the one checkpoint %s was trained with: %s", got.path,
                         "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else ""))
@@ -222,9 +236,8 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # while reading the config and importing torch/transformers (~2 s)
-        print("dflash.run: interrupted while starting, before any step ran; nothing new was saved: "
-              "run the same command again", file=sys.stderr)
+    except KeyboardInterrupt:  # while reading the config and importing the stages (~2 s)
+        print(INTERRUPTED_STARTING, file=sys.stderr)
         return 130
     finally:
         close_logging()
@@ -253,10 +266,10 @@ def _main(argv: list[str] | None) -> int:
         return 2
     for warning in resolved.warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    resume = args.resume or cfg.run.resume
-    if resume not in ("auto", "none") and not Path(resume).is_dir():  # before the data is tokenized
-        _error(f"--resume {resume}: no such checkpoint directory; give a checkpoint directory "
-               "(python -m dflash.logs RUN_DIR lists them), auto or none")
+    try:
+        check_resume_path(args.resume or cfg.run.resume)  # before the data is tokenized
+    except CheckpointError as exc:
+        _error(exc)
         return 2
     run_dir = Path(cfg.run.out_dir)
     rank = int(os.environ.get("RANK", "0"))
