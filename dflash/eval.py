@@ -54,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
                     "independent positions)\n"
                     "  acc per position  teacher-forced accuracy of block positions 1..block_size-1",
-        epilog="exit codes:\n  0  evaluated and printed\n  1  an unexpected error (traceback)\n"
-               "  2  bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
-               "--prompts file,\n     unknown --data source, no usable prompt, target/drafter "
-               "layer mismatch\n\nexamples:\n"
+        epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
+               "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
+               "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
+               "usable prompt,\n       target/drafter layer mismatch\n"
+               "\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
                "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
     p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         check_checkpoint(args.checkpoint)
         if args.prompts and not Path(args.prompts).is_file():
             raise EvalInputError(f"--prompts {args.prompts}: no such file")
+        if args.prompts and not read_prompt_file(args.prompts):
+            raise EvalInputError(f'--prompts {args.prompts} has no prompt lines; write one '
+                                 '{"prompt": "..."} object per line')
         if args.data:
             resolve_source(args.data)  # an unknown source fails here, before loading any model
     except (EvalInputError, DataError) as exc:
@@ -171,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalInputError, DataError, ValueError, KeyError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
-    if not ids:
-        print("dflash.eval: no usable prompt (every conversation opens with an assistant turn)",
-              file=sys.stderr)
+    if not ids:  # --prompts has at least one line (checked above): only --data gets here
+        print(f"dflash.eval: no usable prompt in --data {args.data} (every conversation opens with an "
+              "assistant turn)", file=sys.stderr)
         return 2
     prompts = [torch.tensor(x, device=args.device) for x in ids]
     res = evaluate(target, drafter, head, prompts, args.max_new_tokens)

@@ -45,7 +45,7 @@ def build_parser():
                 "the public\nparameter names) and back with dflash.export.load_exported. Files are "
                 "written with the usual\npermissions (0644 under umask 022).",
         exit_codes={0: "exported", 1: "an unexpected error (traceback)",
-                    2: "bad input: no such checkpoint, the output is a checkpoint, the input itself, a file, "
+                    2: "bad input: no such checkpoint, a run directory instead of a checkpoint, the output is a checkpoint, the input itself, a file, "
                        "or a non-empty directory without --force"},
         examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
                   "python -m dflash.export CKPT -o OUT --dtype float32 --force"])
@@ -64,6 +64,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dflash.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.eval_inputs import check_checkpoint  # noqa: E402
 from dflash.model_io import load_drafter  # noqa: E402
 
 __all__ = ["MODELING_FILE", "LastLayerWarning", "check_output", "export_drafter", "hf_config_dict",
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     try:
+        check_checkpoint(args.checkpoint)  # a run directory: "give one of its checkpoints"
         check_output(args.checkpoint, args.out, args.force)
         drafter, _, _ = load_drafter(args.checkpoint)
         with warnings.catch_warnings(record=True) as caught:
