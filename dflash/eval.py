@@ -21,7 +21,7 @@ conversations that open with a user turn (others are skipped, so N is honoured w
   training data; a note on stderr says so.
 
 Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data``)
-is one line on stderr and exit code 2.
+is one line on stderr and exit code 2; Ctrl-C is one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
                "usable prompt,\n       target/drafter layer mismatch\n"
-               "\nexamples:\n"
+               "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
                "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
     p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
@@ -77,8 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+INTERRUPTED = "dflash.eval: interrupted (Ctrl-C); nothing was written (eval writes no files)"
+
+
 if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~2 s)
     build_parser().parse_args()
+    try:  # a Ctrl-C while torch imports (before main runs) is one line too, not a traceback
+        import torch  # noqa: F401
+        import dflash.decode  # noqa: F401
+        import dflash.eval_measure  # noqa: F401
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        raise SystemExit(130) from None
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
@@ -126,6 +136,16 @@ def _prompts(args, tok) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI (see ``--help``); returns the exit code: 0, 2 on bad input (one line on stderr),
+    130 on Ctrl-C (one line, :data:`INTERRUPTED`) while importing, loading models or decoding."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.device is None:
