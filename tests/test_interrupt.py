@@ -29,6 +29,7 @@ class _SigintOnImport:
     def find_spec(self, name, path=None, target=None):
         if name == os.environ.get("SIGINT_ON_IMPORT"):
             os.environ.pop("SIGINT_ON_IMPORT")
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)  # the handler raises KeyboardInterrupt here, as a Ctrl-C would
         return None
@@ -162,11 +163,12 @@ def test_a_ctrl_c_while_the_files_move_into_place_is_held_until_they_all_are(tmp
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace_after_a_ctrl_c)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     assert ex.main([str(checkpoint), "-o", str(out), "--force"]) == 130
     monkeypatch.setattr(os, "replace", real_replace)
+    assert signal.signal(signal.SIGINT, handler) is signal.default_int_handler  # restored by export
     assert capsys.readouterr().err.strip() == (f"dflash.export: interrupted (Ctrl-C) after the export "
                                                f"was written: {out} is complete")
     assert set(ex.EXPORT_FILES) <= {p.name for p in out.iterdir()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out", "p.jsonl"]
     assert ex.load_exported(out)[1].num_layers == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
