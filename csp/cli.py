@@ -65,4 +65,15 @@ def positive_float(text: str) -> float:
     return value
 
 
-__all__ = ["HelpFormatter", "make_parser", "positive_float"]
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for a whole number that must be >= 1 (e.g. a count of records)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
+    return value
+
+
+__all__ = ["HelpFormatter", "make_parser", "positive_float", "positive_int"]

@@ -22,8 +22,11 @@ SVG is drawn in pure Python (:mod:`csp.svg`: a layered layout from networkx, SVG
 ``-o graph.svg`` works after ``pip install``; Graphviz's ``dot`` is used instead when it is on PATH
 (``--engine dot`` to insist, ``--engine python`` to skip it). PNG and PDF come from ``dot``, or from
 the Python SVG through cairosvg when that is importable (``pip install cairosvg``); with neither,
-the SVG is written next to the requested file and the command says how to finish (exit status 1).
-Exit status 2 on a bad graph file or run directory.
+the SVG is written next to the requested file and the command says how to finish (exit status 1);
+when that fallback file (``graph.svg`` for ``-o graph.png``; ``graph.dot`` for ``--engine dot``
+without Graphviz) already exists, nothing is written and the command says so (exit status 2): a
+file the user did not name is never overwritten. Exit status 2 also on a bad graph file or run
+directory.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.svg
 EXIT_CODES = {0: "the file was written (or DOT/Mermaid printed)",
               1: "PNG/PDF asked for, but neither Graphviz's dot nor cairosvg is installed (the SVG was "
                  "written instead), or dot failed",
-              2: "bad graph file, --set value or run directory"}
+              2: "bad graph file, --set value or run directory, or that fallback SVG (DOT) file exists: "
+                 "it is not\n     overwritten, nothing is written (name it with -o to replace it)"}
 
 
 class DrawingSpec(GraphSpec, forbid_unknown_fields=False):
@@ -231,6 +235,15 @@ def render_python(spec: GraphSpec, summary: Summary | None, fmt: str) -> bytes:
     return convert(bytestring=svg.encode(), scale=2.0 if fmt == "png" else 1.0)
 
 
+def _refuse_fallback(fallback: Path, output: str, why: str) -> bool:
+    """True (after one line on stderr) when the fallback file, which the user did not name, exists."""
+    if not fallback.exists() or fallback.resolve() == Path(output).resolve():
+        return False
+    print(f"csp.graph: {why}; the fallback {fallback} already exists and was not overwritten: "
+          f"pass -o {fallback} to replace it, or move it away", file=sys.stderr)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -261,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             data = render_dot(text, fmt) if use_dot else render_python(spec, summary, fmt)
         except DotNotFound:
             fallback = Path(args.output).with_suffix(".dot")
+            if _refuse_fallback(fallback, args.output, "Graphviz's `dot` program is not installed"):
+                return 2
             fallback.write_text(text)
             print(f"csp.graph: --engine dot needs Graphviz's `dot` program, which is not installed "
                   f"(apt-get install graphviz, or brew install graphviz). Wrote the DOT text to "
@@ -269,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         except ImportError:
             fallback = Path(args.output).with_suffix(".svg")
+            if _refuse_fallback(fallback, args.output, f"{fmt.upper()} needs Graphviz's `dot` or the "
+                                "cairosvg package, and neither is installed"):
+                return 2
             fallback.write_bytes(render_python(spec, summary, "svg"))
             print(f"csp.graph: {fmt.upper()} needs Graphviz's `dot` or the cairosvg package, and neither "
                   f"is installed (pip install cairosvg, or apt-get install graphviz). Wrote the SVG to "

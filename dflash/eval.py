@@ -21,7 +21,7 @@ conversations that open with a user turn (others are skipped, so N is honoured w
   training data; a note on stderr says so.
 
 Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data``)
-is one line on stderr and exit code 2.
+is one line on stderr and exit code 2; Ctrl-C is one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
                     "independent positions)\n"
                     "  acc per position  teacher-forced accuracy of block positions 1..block_size-1",
-        epilog="exit codes:\n  0  evaluated and printed\n  1  an unexpected error (traceback)\n"
-               "  2  bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
-               "--prompts file,\n     unknown --data source, no usable prompt, target/drafter "
-               "layer mismatch\n\nexamples:\n"
+        epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
+               "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
+               "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
+               "usable prompt,\n       target/drafter layer mismatch\n"
+               "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
                "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
     p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
@@ -76,8 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+INTERRUPTED = "dflash.eval: interrupted (Ctrl-C); nothing was written (eval writes no files)"
+
+
 if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~2 s)
     build_parser().parse_args()
+    try:  # a Ctrl-C while torch imports (before main runs) is one line too, not a traceback
+        import torch  # noqa: F401
+        import dflash.decode  # noqa: F401
+        import dflash.eval_measure  # noqa: F401
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        raise SystemExit(130) from None
 
 import msgspec  # noqa: E402
 import torch  # noqa: E402
@@ -125,6 +136,16 @@ def _prompts(args, tok) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI (see ``--help``); returns the exit code: 0, 2 on bad input (one line on stderr),
+    130 on Ctrl-C (one line, :data:`INTERRUPTED`) while importing, loading models or decoding."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.device is None:
@@ -139,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         check_checkpoint(args.checkpoint)
         if args.prompts and not Path(args.prompts).is_file():
             raise EvalInputError(f"--prompts {args.prompts}: no such file")
+        if args.prompts and not read_prompt_file(args.prompts):
+            raise EvalInputError(f'--prompts {args.prompts} has no prompt lines; write one '
+                                 '{"prompt": "..."} object per line')
         if args.data:
             resolve_source(args.data)  # an unknown source fails here, before loading any model
     except (EvalInputError, DataError) as exc:
@@ -171,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     except (EvalInputError, DataError, ValueError, KeyError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
-    if not ids:
-        print("dflash.eval: no usable prompt (every conversation opens with an assistant turn)",
-              file=sys.stderr)
+    if not ids:  # --prompts has at least one line (checked above): only --data gets here
+        print(f"dflash.eval: no usable prompt in --data {args.data} (every conversation opens with an "
+              "assistant turn)", file=sys.stderr)
         return 2
     prompts = [torch.tensor(x, device=args.device) for x in ids]
     res = evaluate(target, drafter, head, prompts, args.max_new_tokens)

@@ -1,6 +1,7 @@
 """What ``python -m dflash.eval`` reads from its command line, checked before any model loads:
-the checkpoint directory, the device, the ``--prompts`` file, and the ``[data]`` table of the run
-that wrote the checkpoint (which says whose held-out conversations to decode).
+the checkpoint directory (:func:`check_checkpoint`, also used by ``dflash.export``), the device,
+the ``--prompts`` file, and the ``[data]`` table of the run that wrote the checkpoint (which says
+whose held-out conversations to decode).
 
 Each bad input raises :class:`EvalInputError` with a one-line message saying what to change; the
 CLI prints it and exits 2. The prompts themselves are built by :mod:`dflash.data.prompts`.

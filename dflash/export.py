@@ -22,13 +22,21 @@ include the target's last layer: the public rule never takes it (``[1, L-3]``, s
 :func:`dflash.target.default_layer_ids`) and the vLLM speculators converter rejects such a drafter
 (size mismatch on ``fc.weight``). Written files get the usual ``0o666 & ~umask``
 permissions (safetensors alone writes them ``0600``).
+
+The export is written into a temporary sibling directory and renamed into place
+(:func:`export_drafter`), so a Ctrl-C leaves ``-o`` as it was: one line on stderr says so, exit 130.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,8 +53,11 @@ def build_parser():
                 "the public\nparameter names) and back with dflash.export.load_exported. Files are "
                 "written with the usual\npermissions (0644 under umask 022).",
         exit_codes={0: "exported", 1: "an unexpected error (traceback)",
-                    2: "bad input: no such checkpoint, the output is a checkpoint, the input itself, a file, "
-                       "or a non-empty directory without --force"},
+                    2: "bad input: no such checkpoint, a run directory instead of a checkpoint, the "
+                       "output is a\n       checkpoint, the input itself, a file, or a non-empty directory "
+                       "without --force",
+                    130: "interrupted (Ctrl-C): -o holds all of the export or none of it (the line on "
+                         "stderr says which)"},
         examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
                   "python -m dflash.export CKPT -o OUT --dtype float32 --force"])
     p.add_argument("checkpoint", help="a dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
@@ -58,18 +69,27 @@ def build_parser():
 
 
 if __name__ == "__main__":  # --help and usage errors answer before torch is imported (~2 s)
-    build_parser().parse_args()
+    _args = build_parser().parse_args()
+    try:  # a Ctrl-C while torch imports (before main runs) is one line too, not a traceback
+        import torch  # noqa: F401
+        import dflash.model_io  # noqa: F401
+    except KeyboardInterrupt:
+        print(f"dflash.export: interrupted (Ctrl-C); nothing was written to {_args.out}", file=sys.stderr)
+        raise SystemExit(130) from None
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from dflash.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.eval_inputs import check_checkpoint  # noqa: E402
 from dflash.model_io import load_drafter  # noqa: E402
 
-__all__ = ["MODELING_FILE", "LastLayerWarning", "check_output", "export_drafter", "hf_config_dict",
+__all__ = ["EXPORT_FILES", "MODELING_FILE", "ExportedThenInterrupted", "LastLayerWarning", "check_output",
+           "export_drafter", "hf_config_dict",
            "build_parser", "last_layer_problem", "load_exported", "main"]
 
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
+EXPORT_FILES = ("model.safetensors", "config.json", MODELING_FILE)
 
 
 class LastLayerWarning(UserWarning):
@@ -139,7 +159,16 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                    dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json``, ``model.safetensors`` and ``modeling_dflash.py`` into ``out_dir``
-    (created if needed).
+    (created if needed, with its parents).
+
+    The files are written into a temporary sibling directory (``.NAME.tmp-*``), which is then
+    renamed to ``out_dir`` when that is missing or empty, so an interrupted export leaves nothing
+    there; into a non-empty ``out_dir`` (``--force``) the three files are moved in one by one,
+    each atomically (a Ctrl-C is held until all three are in place; only a hard kill in that
+    instant can leave a mix of old and new files). The temporary directory is always removed.
+
+    Raises:
+        ExportedThenInterrupted: a Ctrl-C came while the files were moved; the export is complete.
 
     Warns :class:`LastLayerWarning` (and still exports) when :func:`last_layer_problem` finds one.
     """
@@ -147,17 +176,50 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
     if problem is not None:
         warnings.warn(problem, LastLayerWarning, stacklevel=2)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_dict(drafter.cfg, dtype)
     weights = {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / MODELING_FILE).write_bytes((Path(__file__).parent / MODELING_FILE).read_bytes())
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in ("model.safetensors", "config.json", MODELING_FILE):
-        os.chmod(out / name, 0o666 & ~umask)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / MODELING_FILE).write_bytes((Path(__file__).parent / MODELING_FILE).read_bytes())
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in EXPORT_FILES:
+            os.chmod(tmp / name, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        with _ctrl_c_deferred():
+            if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+                os.replace(tmp, out)  # rename(2) onto a missing or empty directory: atomic
+            else:  # --force into a non-empty directory: each file replaced atomically
+                for name in EXPORT_FILES:
+                    os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+class ExportedThenInterrupted(KeyboardInterrupt):
+    """A Ctrl-C that arrived while :func:`export_drafter` moved the finished files into place;
+    raised once they are all there, so the export is complete."""
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) until the block has run, then raise :class:`ExportedThenInterrupted`
+    (in the main thread only, where Python handles signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if got:
+        raise ExportedThenInterrupted
 
 
 def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = False) -> None:
@@ -226,15 +288,37 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
     return drafter.eval(), cfg
 
 
+def _interrupted(out: str, complete: bool) -> str:
+    """The one line printed on Ctrl-C (exit 130)."""
+    if complete:
+        return f"dflash.export: interrupted (Ctrl-C) after the export was written: {out} is complete"
+    return f"dflash.export: interrupted (Ctrl-C); nothing was written to {out}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
+    """The CLI (see ``--help``); returns the exit code: 0, 2 on bad input (one line on stderr),
+    130 on Ctrl-C (one line saying whether ``-o`` holds the export; it never holds part of one)."""
+    args = build_parser().parse_args(argv)
+    written: list[Path] = []
     try:
+        return 0 if _export(args, written) else 2
+    except KeyboardInterrupt as e:
+        print(_interrupted(args.out, bool(written) or isinstance(e, ExportedThenInterrupted)),
+              file=sys.stderr)
+        return 130
+
+
+def _export(args, written: list[Path]) -> bool:
+    """Check, load and export (appending the output directory to ``written`` once it is complete,
+    then printing what was written); False after a bad-input line."""
+    try:
+        check_checkpoint(args.checkpoint)  # a run directory: "give one of its checkpoints"
         check_output(args.checkpoint, args.out, args.force)
         drafter, _, _ = load_drafter(args.checkpoint)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LastLayerWarning)
             out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+            written.append(out)
         for w in caught:
             if issubclass(w.category, LastLayerWarning):
                 print(f"dflash.export: warning: {w.message}", file=sys.stderr)
@@ -242,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except (FileNotFoundError, ValueError) as e:
         print(f"dflash.export: {e}", file=sys.stderr)
-        return 2
+        return False
     n = sum(t.numel() for t in drafter.state_dict().values())
     print(f"wrote {out}/config.json and model.safetensors ({n / 1e6:.1f}M parameters, {args.dtype})")
-    return 0
+    return True
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-from csp.cli import make_parser
+from csp.cli import make_parser, positive_float, positive_int
 
 
 def build_parser():
@@ -54,15 +54,16 @@ def build_parser():
                 "records. A gap: an interval\nbetween train records > GAP_FACTOR x the median interval, "
                 "with its cause (checkpoint, resume, restart, stall).\nThe checkpoint that resume = "
                 "\"auto\" would pick is marked.",
-        exit_codes={0: "the report was printed", 2: "no metrics.jsonl in RUN_DIR"},
+        exit_codes={0: "the report was printed",
+                    2: "no metrics.jsonl in RUN_DIR, or a --window, -k or --gap-factor that is not > 0"},
         examples=["python -m dflash.logs runs/dflash-tiny", "python -m dflash.logs runs/dflash-tiny --json"])
     parser.add_argument("run_dir", help="a dflash run directory (with metrics.jsonl)")
     parser.add_argument("--json", action="store_true", help="print one JSON object for scripts")
-    parser.add_argument("--window", type=int, default=20, metavar="N",
+    parser.add_argument("--window", type=positive_int, default=20, metavar="N",
                         help="spike rule: how many previous train records form the baseline")
-    parser.add_argument("-k", type=float, default=5.0, metavar="K",
+    parser.add_argument("-k", type=positive_float, default=5.0, metavar="K",
                         help="spike rule: robust standard deviations (1.4826 x MAD) above the median")
-    parser.add_argument("--gap-factor", type=float, default=3.0, metavar="X",
+    parser.add_argument("--gap-factor", type=positive_float, default=3.0, metavar="X",
                         help="gap rule: an interval longer than X times the median interval is a gap")
     return parser
 

@@ -255,6 +255,22 @@ def test_png_without_dot_or_cairosvg_writes_the_svg_and_says_how(graph_file, tmp
     assert (tmp_path / "g.svg").read_text().startswith("<svg") and not (tmp_path / "g.png").exists()
 
 
+@pytest.mark.parametrize("output, engine, fallback", [("g.png", "auto", "g.svg"), ("g.svg", "dot", "g.dot")])
+def test_an_existing_fallback_file_is_not_overwritten(graph_file, tmp_path, monkeypatch, capsys,
+                                                      output, engine, fallback):
+    """Regression (fresh-user run): ``-o g.png`` without Graphviz or cairosvg silently overwrote an
+    existing g.svg (its fallback). Invariant: a fallback file the user did not name is never
+    overwritten; one line says so and how to proceed, exit 2, nothing is written."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "cairosvg", None)
+    (tmp_path / fallback).write_text("mine")
+    assert main([str(graph_file), "-o", str(tmp_path / output), "--engine", engine]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{tmp_path / fallback} already exists and was not overwritten" in err
+    assert f"pass -o {tmp_path / fallback} to replace it" in err, err
+    assert (tmp_path / fallback).read_text() == "mine" and not (tmp_path / output).exists()
+
+
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
 def test_svg_with_graphviz(graph_file, tmp_path):
     assert main([str(graph_file), "-o", str(tmp_path / "g.svg")]) == 0

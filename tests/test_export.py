@@ -215,3 +215,34 @@ def test_a_damaged_checkpoint_is_one_line_exit_2_in_eval_and_export(tmp_path, ca
         assert "\n" not in err and "Traceback" not in err and "damaged" in err, err
         assert want in err, err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_of_a_run_directory_names_its_checkpoints(tmp_path, capsys):
+    """Regression (fresh-user run): ``dflash.export RUN_DIR -o OUT`` said only "drafter_config.json
+    is missing". Invariant: it says, as dflash.eval does, that RUN_DIR is a run directory and names
+    one of its checkpoints; exit 2, one line, nothing written."""
+    d = make()
+    ck = tmp_path / "run" / "checkpoints" / "step_00000005"
+    ck.mkdir(parents=True)
+    save_drafter(ck, d, d.cfg, TCFG)
+    assert export_main([str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is a run directory; give one of its checkpoints" in err, err
+    assert str(ck) in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_eval_of_a_prompts_file_without_prompt_lines_names_the_file(tmp_path, capsys, text):
+    """Regression (fresh-user run): an empty --prompts file said "every conversation opens with an
+    assistant turn" (which is about --data), after loading both models. Invariant: one line naming
+    the file and saying it has no prompt lines, exit 2."""
+    from dflash.eval import main as eval_main
+
+    d = make()
+    save_drafter(tmp_path, d, d.cfg, TCFG)
+    prompts = tmp_path / "empty.jsonl"
+    prompts.write_text(text)
+    assert eval_main([str(tmp_path), "--prompts", str(prompts), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f'dflash.eval: --prompts {prompts} has no prompt lines; write one '
+                   '{"prompt": "..."} object per line'), err

@@ -76,6 +76,20 @@ def test_missing_metrics_exits_2(tmp_path, capsys):
     assert "no metrics log at" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--gap-factor", "0", "0 must be > 0"), ("-k", "-1", "-1 must be > 0"),
+    ("--window", "0", "0 must be >= 1"), ("--window", "2.5", "'2.5' is not a whole number")])
+def test_a_non_positive_rule_parameter_is_a_usage_error(flag, value, says, capsys):
+    """Regression (fresh-user run): ``--gap-factor 0``, ``-k -1`` and ``--window 0`` were accepted
+    (--gap-factor 0 reported every interval as a gap). Invariant: each is a one-line argparse
+    error naming the option, exit 2, before the run is read."""
+    with pytest.raises(SystemExit) as info:
+        main([str(RUN), flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"python -m dflash.logs: error: argument {flag}: {says}"
+
+
 def test_crashed_run_half_line_and_tmp_checkpoint(tmp_path):
     """A killed run: last metrics line cut in half, a .tmp-step_* directory left behind."""
     run = tmp_path / "run"
