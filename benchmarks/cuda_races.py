@@ -193,7 +193,7 @@ class Consumer(csp.Process):
     outputs = {"acks": int}
 
     def run(self, inputs, outputs):
-        o, dev = self.options, _device(self.ctx)
+        o = self.options
         corrupted = released = 0
         with sanitizer_mode():
             for item in inputs["items"]:

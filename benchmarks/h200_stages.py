@@ -29,7 +29,6 @@ from typing import Any, Iterator
 
 import msgspec
 import torch
-from torch import nn
 
 GB = 2**30
 

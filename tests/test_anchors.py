@@ -11,7 +11,7 @@ from dflash.anchors import sample_anchors
 
 
 def _packed(lengths, pad, T_extra=0):
-    doc, ids = [], []
+    doc = []
     for d, n in enumerate(lengths):
         doc += [d] * n
     doc += [-1] * pad

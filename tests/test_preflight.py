@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import csp
 from dflash.config import load_config
 from dflash.errors import ConfigError
 from dflash.preflight import check_monitor_backend, preflight
