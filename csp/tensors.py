@@ -89,6 +89,7 @@ def _collect(obj: Any, tensor_type: type, opaque: Callable | None, depth: int | 
 
 def _collect_paths(obj: Any, tensor_type: type, opaque: Callable | None, path: Path, depth: int | None,
                    out: list) -> None:
+    # _collect's walk, also building each leaf's path (kept apart so the per-send walk builds none)
     t = type(obj)
     if t in ATOMS:
         return

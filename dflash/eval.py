@@ -105,15 +105,17 @@ __all__ = ["CachedDrafterProposer", "DrafterProposer", "EvalResult", "OracleProp
            "format_result", "greedy_decode", "greedy_labels", "main", "speculative_decode", "teacher_forced"]
 
 
-def _prompts(args, tok) -> list[list[int]]:
-    """Token ids of the CLI's prompts (module docstring says which conversations).
+def _prompts(args, tok, texts: list[str] | None = None) -> list[list[int]]:
+    """Token ids of the CLI's prompts (module docstring says which conversations); ``texts``: the
+    ``--prompts`` file's prompts when the caller has read them already (read here when None).
 
     Raises:
         EvalInputError: a malformed ``--prompts`` line or an unreadable run ``[data]`` table.
         DataError: an unknown ``--data`` source or a chat template the data path cannot split.
     """
     if args.prompts:
-        convs = [[{"role": "user", "content": prompt}] for prompt in read_prompt_file(args.prompts)]
+        texts = read_prompt_file(args.prompts) if texts is None else texts
+        convs = [[{"role": "user", "content": prompt}] for prompt in texts]
         return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
     data_cfg = run_data_config(Path(args.checkpoint))
     if data_cfg is None:
@@ -158,9 +160,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         check_device(args.device)
         check_checkpoint(args.checkpoint)
+        texts = None
         if args.prompts and not Path(args.prompts).is_file():
             raise EvalInputError(f"--prompts {args.prompts}: no such file")
-        if args.prompts and not read_prompt_file(args.prompts):
+        if args.prompts and not (texts := read_prompt_file(args.prompts)):  # read once, before any model
             raise EvalInputError(f'--prompts {args.prompts} has no prompt lines; write one '
                                  '{"prompt": "..."} object per line')
         if args.data:
@@ -191,7 +194,7 @@ def _main(argv: list[str] | None) -> int:
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
     try:
-        ids = _prompts(args, tok)
+        ids = _prompts(args, tok, texts)
     except (EvalInputError, DataError, ValueError, KeyError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2

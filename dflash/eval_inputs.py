@@ -103,11 +103,11 @@ def check_checkpoint(path: str) -> Path:
     if not p.is_dir():
         raise EvalInputError(f"{path}: not a directory; give a checkpoint directory "
                              "(RUN_DIR/checkpoints/step_N)")
-    if (p / "checkpoints").is_dir():
-        from dflash.checkpoint import list_checkpoints
+    from dflash.checkpoint import run_dir_checkpoints
 
-        steps = [c.name for c in list_checkpoints(p / "checkpoints")]
-        hint = f", e.g. {p / 'checkpoints' / steps[-1]}" if steps else " (it has none yet)"
+    steps = run_dir_checkpoints(p)
+    if steps is not None:
+        hint = f", e.g. {steps[-1]}" if steps else " (it has none yet)"
         raise EvalInputError(f"{path} is a run directory; give one of its checkpoints{hint}")
     missing = [n for n in (WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG) if not (p / n).is_file()]
     if missing:

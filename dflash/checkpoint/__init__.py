@@ -37,6 +37,7 @@ from dflash.checkpoint.format import (
     rank_state_path,
     read_meta,
     read_rank_state,
+    run_dir_checkpoints,
     step_dir,
 )
 from dflash.checkpoint.resume import (
@@ -62,5 +63,6 @@ __all__ = [
     "check_files", "check_resume_path", "choose", "config_changes", "health_reason", "is_checkpoint_dir",
     "is_healthy", "list_checkpoints", "load_train_state", "mark_unhealthy", "new_lineage", "nonfinite_tensors",
     "rank_state_files", "rank_state_path", "read_meta", "read_rank_state", "resolve_resume",
+    "run_dir_checkpoints",
     "saved_config", "step_dir", "verify", "write_rank_state",
 ]

@@ -122,6 +122,14 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: p.name)
 
 
+def run_dir_checkpoints(path: Path) -> list[Path] | None:
+    """When ``path`` is a run directory (it holds ``checkpoints/``) rather than a checkpoint: its
+    checkpoint directories, oldest step first (maybe none yet); else None. For the one-line
+    "give one of its checkpoints" errors of ``--resume``, ``dflash.eval`` and ``dflash.export``."""
+    root = Path(path) / "checkpoints"
+    return list_checkpoints(root) if root.is_dir() else None
+
+
 def read_meta(path: Path) -> dict[str, Any] | None:
     """``meta.json`` of a checkpoint, or None if it is missing or unreadable (an incomplete save)."""
     try:

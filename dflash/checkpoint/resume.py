@@ -42,6 +42,7 @@ from dflash.checkpoint.format import (
     nonfinite_tensors,
     rank_state_files,
     read_meta,
+    run_dir_checkpoints,
 )
 
 log = logging.getLogger("dflash.resume")
@@ -120,9 +121,9 @@ def check_resume_path(resume: str) -> None:
     if not path.is_dir():
         raise CheckpointError(f"--resume {resume}: no such checkpoint directory; give a checkpoint "
                               "directory (python -m dflash.logs RUN_DIR lists them), auto or none")
-    if (path / "checkpoints").is_dir():
-        steps = [c.name for c in list_checkpoints(path / "checkpoints")]
-        example = f", e.g. --resume {path / 'checkpoints' / steps[-1]}" if steps else ""
+    steps = run_dir_checkpoints(path)
+    if steps is not None:
+        example = f", e.g. --resume {steps[-1]}" if steps else ""
         raise CheckpointError(f"--resume {resume} is a run directory; give one of its checkpoints{example}, "
                               f"or --resume auto with run.out_dir = {resume} (its newest healthy one)")
 
