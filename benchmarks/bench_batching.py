@@ -28,7 +28,13 @@ from pathlib import Path
 
 import msgspec
 
-from dflash.data import DataConfig, Sampler, load_dataset, load_tokenizer, tokenizer_info
+from dflash.data import (
+    DataConfig,
+    Sampler,
+    load_dataset,
+    load_tokenizer,
+    tokenizer_info,
+)
 
 OUT = Path(__file__).resolve().parent / "results" / "batching.json"
 STRATEGIES = ("sorted", "random", "bucketed", "packed")

@@ -300,7 +300,7 @@ class Bench:
         return 10 + steps * per_step
 
     def _target(self) -> Any:
-        from dflash.loss import needs_final_hidden
+        from dflash.train.loss import needs_final_hidden
 
         cfg = self.app.resolved.cfg  # the same arguments as the dflash.target stage: the pipeline reuses this model
         return self.reuse.load_target(cfg.target, self.dev0, num_draft_layers=cfg.drafter.num_layers,

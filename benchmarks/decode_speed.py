@@ -1,7 +1,7 @@
 """Wall-clock decode speed: target-only greedy decoding vs DFlash draft-and-verify.
 
-Both loops are this repo's own (``dflash.decode.greedy_decode`` and ``speculative_decode`` with a
-:class:`~dflash.decode.CachedDrafterProposer`): the target keeps a transformers KV cache in both, the
+Both loops are this repo's own (``dflash.eval.decode.greedy_decode`` and ``speculative_decode`` with a
+:class:`~dflash.eval.decode.CachedDrafterProposer`): the target keeps a transformers KV cache in both, the
 drafter keeps its context KV cache, batch size 1, greedy, and the outputs are checked equal (a
 speculative decoder that changes the text is not faster, it is wrong). On a GPU every timed
 region ends with ``torch.cuda.synchronize()``; one warm-up prompt is not timed.
@@ -42,13 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
 
-    from dflash.data.tokenizer import load_tokenizer
-    from dflash.decode import CachedDrafterProposer, greedy_decode, speculative_decode
-    from dflash.eval import _prompts
-    from dflash.model_io import load_drafter
     import msgspec
 
-    from dflash.target import for_generation, load_target
+    from dflash.checkpoint.model_files import load_drafter
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.eval.cli import _prompts
+    from dflash.eval.decode import (
+        CachedDrafterProposer,
+        greedy_decode,
+        speculative_decode,
+    )
+    from dflash.model.target import for_generation, load_target
 
     device = torch.device(args.device)
     drafter, dc, tc = load_drafter(args.checkpoint, device)

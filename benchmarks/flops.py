@@ -25,7 +25,7 @@ Conventions (the usual ones, e.g. PaLM, appendix B; FlashAttention-2, section 3.
   memory-bound and small next to the matmuls).
 
 Shapes come from the transformers config of the target (:func:`target_linear_params`) and the
-resolved :class:`dflash.drafter.DrafterConfig`; per-batch counts from the batch tensors
+resolved :class:`dflash.model.drafter.DrafterConfig`; per-batch counts from the batch tensors
 (:func:`document_lengths`, :func:`drafter_counts`). Tests: ``tests/test_flops.py`` (hand counts and
 ``torch.utils.flop_counter.FlopCounterMode`` on CPU).
 """
@@ -185,11 +185,11 @@ class DrafterCounts(msgspec.Struct, frozen=True):
 def drafter_counts(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                    anchors: torch.Tensor, block_size: int, window: int | None = None) -> DrafterCounts:
     """:class:`DrafterCounts` of a batch (``[B, T]`` tensors, ``anchors [B, A]``, -1 = empty), with
-    the trained slots of :func:`dflash.objective.block_targets` and the context rule of
-    :mod:`dflash.attention` (``t < anchor`` and same document; in a sliding layer also
+    the trained slots of :func:`dflash.train.objective.block_targets` and the context rule of
+    :mod:`dflash.model.attention` (``t < anchor`` and same document; in a sliding layer also
     ``query position - key position < window``). Documents are contiguous runs of one id whose
     positions count from 0, as the packer lays them out."""
-    from dflash.objective import block_targets
+    from dflash.train.objective import block_targets
 
     input_ids, loss_mask, doc_ids, anchors = (x.cpu() for x in (input_ids, loss_mask, doc_ids, anchors))
     B, T = doc_ids.shape
@@ -213,7 +213,7 @@ def drafter_counts(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: to
 
 
 def drafter_linear_params(cfg: Any) -> dict[str, int]:
-    """Per-layer matmul weights of a resolved :class:`dflash.drafter.DrafterConfig`: ``block``
+    """Per-layer matmul weights of a resolved :class:`dflash.model.drafter.DrafterConfig`: ``block``
     (``q``, ``o`` and the MLP: run on block tokens only), ``kv`` (``k``, ``v``: run on context and
     block tokens), and ``fc`` (``k * H -> H``, run once on the context)."""
     H, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -222,7 +222,7 @@ def drafter_linear_params(cfg: Any) -> dict[str, int]:
 
 
 def _block_pairs(c: DrafterCounts, bs: int, layer_type: str) -> int:
-    """Allowed query-key pairs of one layer over the valid blocks (see :mod:`dflash.attention`):
+    """Allowed query-key pairs of one layer over the valid blocks (see :mod:`dflash.model.attention`):
     context keys plus the block's own slots (all ``bs``; ``j + 1`` for slot ``j`` when sliding)."""
     if layer_type == "sliding_attention":
         return c.context_visible_window + c.valid_blocks * bs * (bs + 1) // 2
@@ -230,15 +230,15 @@ def _block_pairs(c: DrafterCounts, bs: int, layer_type: str) -> int:
 
 
 def drafter_step_flops(cfg: Any, c: DrafterCounts, target_logits: bool, sync_free: bool = True) -> Flops:
-    """Forward + backward FLOPs of one drafter training step (``dflash.objective.compute_loss``
+    """Forward + backward FLOPs of one drafter training step (``dflash.train.objective.compute_loss``
     then ``backward``) for a batch of counts ``c``.
 
     Args:
-        cfg: the resolved :class:`dflash.drafter.DrafterConfig` (``vocab_size`` = the shared head's).
+        cfg: the resolved :class:`dflash.model.drafter.DrafterConfig` (``vocab_size`` = the shared head's).
         c: :func:`drafter_counts` of the batch (with ``window = cfg.sliding_window`` when a
             layer slides).
         target_logits: the loss computes target logits on the trained slots (``target_argmax``
-            labels or KL: :func:`dflash.loss.needs_final_hidden`), forward only.
+            labels or KL: :func:`dflash.train.loss.needs_final_hidden`), forward only.
         sync_free: ``[train].sync_free_loss``: the LM head (and target logits) run on every block
             slot ``B * A * (bs - 1)`` (weight 0 where untrained), which ``computed`` counts; the
             model count keeps the ``N`` trained slots. False: both count ``N``.

@@ -80,8 +80,8 @@ def _worker(rank: int, world: int, graph_file: str, overrides: list[str], run_di
     out_path = Path(run_dir) / f"rank{rank}.json"
     try:
         from benchmarks.h200_stages import make_batches, scratch_app, time_serial
-        from dflash.loss import needs_final_hidden
-        from dflash.target import load_target
+        from dflash.model.target import load_target
+        from dflash.train.loss import needs_final_hidden
 
         device = torch.device("cpu") if cpu else torch.device(f"cuda:{rank}")
         if device.type == "cuda":

@@ -1,7 +1,7 @@
 """Run the DFlash csp training graph in this process for a fixed number of steps and time it.
 
 Used by ``benchmarks/bench_h200.py``. A run is built exactly as ``python -m dflash.run`` builds it
-(:func:`dflash.config.load_config` with ``--set`` overrides, :func:`dflash.run.load_resolved`, :func:`dflash.run.prepare`,
+(:func:`dflash.run.config.load_config` with ``--set`` overrides, :func:`dflash.run.cli.load_resolved`, :func:`dflash.run.cli.prepare`,
 ``csp.Graph.from_spec``, ``csp.Runtime``), with the monitor logging every step
 (``monitor.window = 1``) so ``metrics.jsonl`` holds one ``train`` record per step.
 
@@ -199,9 +199,9 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
             target per device).
     """
     import csp
-    import dflash.stages  # noqa: F401  (registers the dflash.* kinds)
-    from dflash.config import load_config, to_toml
-    from dflash.run import load_resolved, prepare
+    import dflash.run.stages  # noqa: F401  (registers the dflash.* kinds)
+    from dflash.run.cli import load_resolved, prepare
+    from dflash.run.config import load_config, to_toml
 
     total = warmup + timed
     sets = [*overrides, *BENCH_SETTINGS, f"run.out_dir={run_dir}", f"run.steps={total + SLACK_STEPS}",

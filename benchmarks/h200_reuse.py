@@ -31,14 +31,14 @@ def _key(value: Any) -> Any:
 class ModelReuse:
     """Context manager: the DFlash stages reuse frozen models across runs in this process.
 
-    Patches, undone on exit: ``dflash.stages.target.load_target`` and ``dflash.target.load_shared_head``
-    /``_random_head`` are memoised by their (normalised) arguments; ``dflash.drafter.DFlashDrafter``
+    Patches, undone on exit: ``dflash.run.stages.target.load_target`` and ``dflash.model.target.load_shared_head``
+    /``_random_head`` are memoised by their (normalised) arguments; ``dflash.model.drafter.DFlashDrafter``
     is built under ``torch.device(current CUDA device)`` (the csp runtime makes the stage's device
     current). A patch whose target no longer exists is skipped and listed in :attr:`missing`.
 
     Attributes:
         builds, hits: per memoised function, calls that built / reused a model.
-        original_load_target: the unpatched :func:`dflash.target.load_target`.
+        original_load_target: the unpatched :func:`dflash.model.target.load_target`.
         load_target: the memoised one (what the target stage calls).
     """
 
@@ -81,9 +81,9 @@ class ModelReuse:
         return new
 
     def __enter__(self) -> "ModelReuse":
-        import dflash.drafter as drafter_mod
-        import dflash.stages.target as target_stage
-        import dflash.target as target_mod
+        import dflash.model.drafter as drafter_mod
+        import dflash.model.target as target_mod
+        import dflash.run.stages.target as target_stage
 
         self.original_load_target = target_mod.load_target
         self._patch(target_mod, "_random_head", lambda f: self._memo("random_head", f, _head_key))

@@ -2,11 +2,11 @@
 loop and the plain transformers forward, with FLOP accounting for MFU.
 
 Used by ``benchmarks/bench_h200.py``. Every measurement runs the project's own code: the target is
-:class:`dflash.target.Target` (``forward`` over packed rows with the document mask, the captured
-layers concatenated), the drafter step is :meth:`dflash.stages.trainer.DrafterStage.train_step`
-(:func:`dflash.train_step.train_step`: ``compute_loss`` under bf16 autocast, backward, clipping, the
+:class:`dflash.model.target.Target` (``forward`` over packed rows with the document mask, the captured
+layers concatenated), the drafter step is :meth:`dflash.run.stages.trainer.DrafterStage.train_step`
+(:func:`dflash.train.step.train_step`: ``compute_loss`` under bf16 autocast, backward, clipping, the
 one host read, AdamW, schedule) on a stage built outside csp, and the features go through
-:func:`dflash.features.to_drafter_input`. Batches are drawn as ``dflash.prefetch`` draws them (same
+:func:`dflash.model.features.to_drafter_input`. Batches are drawn as ``dflash.prefetch`` draws them (same
 sampler order, same anchors) and pinned on CUDA, so every measurement sees the batches the pipeline
 sees, in the same order.
 
@@ -102,7 +102,7 @@ def drafter_flops(app: Any, batches: list[Any]) -> Any:
     """:class:`benchmarks.flops.Flops` of the drafter steps on ``batches`` (forward + backward, the LM
     head on trained slots, target logits when the loss needs them)."""
     from benchmarks.flops import Flops, drafter_counts, drafter_step_flops
-    from dflash.loss import needs_final_hidden
+    from dflash.train.loss import needs_final_hidden
 
     dc = app.resolved.drafter
     total = Flops(0.0, 0.0)
@@ -138,9 +138,9 @@ def attention_implementation(target: Any, impl: str) -> Iterator[Any]:
 
 def make_batches(app: Any, n: int, pin: bool) -> list[Any]:
     """The first ``n`` batches of a fresh sampler, anchors drawn as ``dflash.prefetch`` draws them."""
-    from dflash.anchors import sample_anchors
     from dflash.data import Sampler
-    from dflash.stages.prefetch import anchor_generator
+    from dflash.run.stages.prefetch import anchor_generator
+    from dflash.train.anchors import sample_anchors
 
     cfg = app.resolved.cfg
     sampler = Sampler(app.sampler.dataset, cfg.data, pad_id=app.sampler.pad_id)
@@ -174,8 +174,8 @@ def _rate(tokens: int, secs: float, steps: int) -> dict[str, Any]:
 
 def target_forward(app: Any, target: Any, device: torch.device):
     """``step(batch) -> TargetOutput``: what the ``dflash.target`` stage does for one batch."""
-    from dflash.loss import needs_final_hidden
     from dflash.messages import TargetOutput
+    from dflash.train.loss import needs_final_hidden
 
     need_final = needs_final_hidden(app.resolved.cfg.loss)
 
@@ -207,7 +207,7 @@ def drafter_stage(app: Any, device: torch.device) -> Any:
     """A ``dflash.drafter`` stage (fresh drafter, AdamW, schedule) built outside csp on ``device``.
     Call ``teardown()`` when done."""
     import csp
-    from dflash.stages.trainer import DrafterStage
+    from dflash.run.stages.trainer import DrafterStage
 
     stage = DrafterStage(ctx=csp.Context("drafter", device=device, run_dir=app.run_dir, app=app))
     with device_scope(device):
@@ -217,7 +217,7 @@ def drafter_stage(app: Any, device: torch.device) -> Any:
 
 def _drafter_input(app: Any, out: Any, device: torch.device) -> Any:
     import csp
-    from dflash.features import to_drafter_input
+    from dflash.model.features import to_drafter_input
 
     out = csp.cuda.to_device(out, device) if device != out.layer_hidden.device else out
     return to_drafter_input(out, feature_noise=app.resolved.cfg.train.feature_noise, seed=app.resolved.cfg.run.seed)
@@ -311,10 +311,9 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
 def scratch_app(graph_file: Path, overrides: list[str], run_dir: Path) -> Any:
     """The prepared run objects (config with tokenizer-derived fields, data, drafter config) for the
     measurements outside csp, from the same graph file and overrides as the pipeline runs."""
-    from dflash.config import load_config
-    from dflash.run import load_resolved, prepare
-
     from benchmarks.h200_pipeline import BENCH_SETTINGS
+    from dflash.run.cli import load_resolved, prepare
+    from dflash.run.config import load_config
 
     cfg = load_config(graph_file, [*overrides, *BENCH_SETTINGS, f"run.out_dir={run_dir}"])
     resolved, tok = load_resolved(cfg)

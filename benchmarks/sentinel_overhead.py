@@ -1,4 +1,4 @@
-"""Overhead of the NaN sentinel (``dflash.sentinel.FiniteSentinel``) on a realistic channel item.
+"""Overhead of the NaN sentinel (``dflash.train.sentinel.FiniteSentinel``) on a realistic channel item.
 
 The item is what a target replica sends: a ``TargetOutput`` with ``layer_hidden[1, T, k*H]`` and
 ``final_hidden[1, T, H]`` (bf16; T=8192, H=4096, k=5 on GPU: 403 MB). The reference step is one
@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.messages import Batch, TargetOutput  # noqa: E402
-from dflash.sentinel import FiniteSentinel, NonFiniteError, floating_tensors  # noqa: E402
+from dflash.train.sentinel import FiniteSentinel, NonFiniteError, floating_tensors  # noqa: E402
 
 TARGET_TOK_S = 29_800.0  # Qwen3-8B-shaped transformers forward, tokens/s per H200 (see the docstring)
 

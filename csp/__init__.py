@@ -1,6 +1,23 @@
 """csp: typed bounded channels and processes, for pipelines that span threads, tasks and GPUs.
 
-The public surface is ``__all__``; everything else is private.
+The public surface is ``__all__`` (``import csp``); everything else is reached through it or is
+private. The modules, by concern:
+
+* channels: :mod:`csp.channel` (the public ends; its internals are the private ``_state``,
+  ``_cores`` and ``_waiting``), :mod:`csp.errors`, :mod:`csp.stats` (the statistics records);
+* processes and their execution: :mod:`csp.process`, :mod:`csp.registry` (``kind`` strings to
+  classes), :mod:`csp.runtime`, :mod:`csp.cuda` and :mod:`csp.tensors` (device placement and
+  event-ordered hand-off of tensors), :mod:`csp.run` (``python -m csp.run``);
+* graphs: :mod:`csp.graph` (a room: load, validate, build a graph file); several processes:
+  :mod:`csp.dist` (a room: ranks, cross-rank channels);
+* observation: :mod:`csp.statslog` (writes ``stats.jsonl``), :mod:`csp.stats_reader` (reads it),
+  :mod:`csp.backpressure` (what it says), :mod:`csp.inspect` (``python -m csp.inspect``),
+  :mod:`csp.trace` (Perfetto), :mod:`csp.units`; drawing: :mod:`csp.draw`, :mod:`csp.svg`;
+  :mod:`csp.cli` (the conventions every command line shares).
+
+csp stays flat apart from its two rooms: each module's name already says its concern, the
+internals are marked private by their leading underscore, and the commands keep their module
+names (``python -m csp.inspect``). csp imports nothing of dflash (``tests/test_module_layering.py``).
 """
 
 from pathlib import Path as _Path

@@ -1,7 +1,27 @@
 """DFlash block-diffusion drafter training, expressed as a csp process graph.
 
-Entry points: ``python -m dflash.run GRAPH.toml``, ``python -m dflash.eval``,
-``python -m dflash.export``, ``python -m dflash.logs``.
+The commands (each ``python -m dflash.X``): ``run`` (train from a graph file), ``eval`` (measure a
+checkpoint by real draft-and-verify decoding), ``export`` (the public DFlash layout), ``logs`` and
+``plot`` (read a run directory), ``regenerate`` (answer the data with the target), ``pretrain``
+(train a small target).
+
+The rooms, from the bottom floor up; a module imports its own room and lower floors only
+(``tests/test_module_layering.py`` checks it; ``docs/architecture.md`` draws it):
+
+0. leaves: :mod:`dflash.errors` (the error family), :mod:`dflash.messages` (the items on the
+   graph's channels), :mod:`dflash.records` (the lines of ``metrics.jsonl``), :mod:`dflash.seeding`;
+1. :mod:`dflash.data` (conversations to packed token batches) and :mod:`dflash.model` (the target,
+   the drafter, their shared head and features);
+2. :mod:`dflash.checkpoint` (everything a run keeps on disk, written and read);
+3. :mod:`dflash.train` (the objective, the losses, one step) and :mod:`dflash.observe` (what an
+   operator reads: display, run log, metrics, logs, plot, summary);
+4. :mod:`dflash.run` (the graph file to a running graph; the stages) and :mod:`dflash.eval`;
+5. the tools: :mod:`dflash.export`, :mod:`dflash.regenerate`, :mod:`dflash.pretrain`, and the
+   thin entry modules ``dflash.logs`` and ``dflash.plot``.
+
+Where to look first: the loss is :mod:`dflash.train.objective` (blocks and labels) and
+:mod:`dflash.train.loss`; a checkpoint is written by :mod:`dflash.checkpoint.writer`; what
+``dflash.run`` does first, and in what order, is :func:`dflash.run.cli.main`.
 """
 
 from pathlib import Path as _Path

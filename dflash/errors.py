@@ -5,13 +5,13 @@
 ``ConfigError``      a bad graph file (syntax, schema, unknown key) or a mistake    exit 2
                      across tables (drafter vs target, devices, schedule): one
                      line naming the key path, raised before any data is read
-``DataError``        unusable training data (:mod:`dflash.data`, its home)          exit 2
+``DataError``        unusable training data (raised by :mod:`dflash.data`)         exit 2
 ``CheckpointError``  a checkpoint that cannot be found, read or trusted             exit 2
-                     (:mod:`dflash.checkpoint`, its home)
+                     (raised by :mod:`dflash.checkpoint`)
 ===================  =========================================================  ==========
 
 Each message is one line that says what to change. csp's own errors (``csp.GraphError`` for a
-graph that csp cannot build) stay csp's; :func:`dflash.config.load_config` turns the ones it gets
+graph that csp cannot build) stay csp's; :func:`dflash.run.config.load_config` turns the ones it gets
 while reading a graph file into :class:`ConfigError` with the same message.
 """
 
@@ -29,13 +29,14 @@ class ConfigError(DFlashError):
     the message as its one line, before any data is read or the run directory is written."""
 
 
-def __getattr__(name: str):
-    # DataError and CheckpointError live with the code that raises them; imported lazily here
-    # because their modules import this one.
-    if name == "DataError":
-        from dflash.data.config import DataError
-        return DataError
-    if name == "CheckpointError":
-        from dflash.checkpoint.format import CheckpointError
-        return CheckpointError
-    raise AttributeError(f"module 'dflash.errors' has no attribute {name!r}")
+class DataError(DFlashError, ValueError):
+    """A problem with the training data a user can fix (bad path, unusable file, bad setting).
+
+    The message names the file or the ``data.*`` key and says what to change. Raised by
+    :mod:`dflash.data` (which re-exports it).
+    """
+
+
+class CheckpointError(DFlashError, RuntimeError):
+    """A checkpoint could not be found, read or trusted; the message says which and what to do.
+    Raised by :mod:`dflash.checkpoint` (which re-exports it)."""

@@ -10,7 +10,7 @@
   ``hidden_norm.weight``, ``layers.N.self_attn.q_proj.weight``, ...; no embedding / LM head).
 
 * ``modeling_dflash.py``: this project's transformers model of the drafter (a copy of
-  :mod:`dflash.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
+  :mod:`dflash.model.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
   ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` loads it with no other package.
   Serving engines select the drafter by ``architectures`` and ignore it.
 
@@ -19,7 +19,7 @@ The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it 
 non-empty output directory unless ``--force``. It warns (a line on stderr; a
 :class:`LastLayerWarning` from :func:`export_drafter`) when the drafter's ``target_layer_ids``
 include the target's last layer: the public rule never takes it (``[1, L-3]``, see
-:func:`dflash.target.default_layer_ids`) and the vLLM speculators converter rejects such a drafter
+:func:`dflash.model.target.default_layer_ids`) and the vLLM speculators converter rejects such a drafter
 (size mismatch on ``fc.weight``). Written files get the usual ``0o666 & ~umask``
 permissions (safetensors alone writes them ``0600``).
 
@@ -72,7 +72,8 @@ if __name__ == "__main__":  # --help and usage errors answer before torch is imp
     _args = build_parser().parse_args()
     try:  # a Ctrl-C while torch imports (before main runs) is one line too, not a traceback
         import torch  # noqa: F401
-        import dflash.model_io  # noqa: F401
+
+        import dflash.checkpoint.model_files  # noqa: F401
     except KeyboardInterrupt:
         print(f"dflash.export: interrupted (Ctrl-C); nothing was written to {_args.out}", file=sys.stderr)
         raise SystemExit(130) from None
@@ -80,9 +81,9 @@ if __name__ == "__main__":  # --help and usage errors answer before torch is imp
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from dflash.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash.eval_inputs import check_checkpoint  # noqa: E402
-from dflash.model_io import load_drafter  # noqa: E402
+from dflash.checkpoint.model_files import load_drafter  # noqa: E402
+from dflash.eval.inputs import check_checkpoint  # noqa: E402
+from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 
 __all__ = ["EXPORT_FILES", "MODELING_FILE", "ExportedThenInterrupted", "LastLayerWarning", "check_output",
            "export_drafter", "hf_config_dict",
@@ -183,7 +184,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / MODELING_FILE).write_bytes((Path(__file__).parent / MODELING_FILE).read_bytes())
+        (tmp / MODELING_FILE).write_bytes((Path(__file__).parent / "model" / MODELING_FILE).read_bytes())
         umask = os.umask(0)
         os.umask(umask)
         for name in EXPORT_FILES:

@@ -80,7 +80,7 @@ class TargetOutput(msgspec.Struct, kw_only=True):
         target_s: seconds the target forward took (host-side, for monitoring).
 
     With ``[train].postprocess_side = "target"`` the feature noise is already in ``layer_hidden``
-    (:mod:`dflash.features`).
+    (:mod:`dflash.model.features`).
     """
 
     batch: Batch
@@ -110,7 +110,7 @@ class DrafterInput(msgspec.Struct, kw_only=True):
     target_s: float = 0.0
 
     def loss_input(self) -> "LossInput":
-        """The tensors :func:`dflash.objective.compute_loss` reads (no copies)."""
+        """The tensors :func:`dflash.train.objective.compute_loss` reads (no copies)."""
         b = self.batch
         return LossInput(features=self.features, input_ids=b.input_ids, loss_mask=b.loss_mask,
                          doc_ids=b.doc_ids, position_ids=b.position_ids, anchors=self.anchors,
@@ -118,7 +118,7 @@ class DrafterInput(msgspec.Struct, kw_only=True):
 
 
 class LossInput(msgspec.Struct, kw_only=True, frozen=True):
-    """What the drafter's loss reads for one batch (:func:`dflash.objective.compute_loss`), all on
+    """What the drafter's loss reads for one batch (:func:`dflash.train.objective.compute_loss`), all on
     the drafter's device.
 
     Attributes:
@@ -150,7 +150,7 @@ class StepMetrics(msgspec.Struct, kw_only=True):
         loss, ce, kl: total loss and its parts (nan for a skipped step).
         acc_per_pos: accuracy per block position 1..block_size-1 (fraction, length block_size-1).
         accepted_sim: simulated accepted length ``sum_j prod_{i<=j} acc_i``, in drafted tokens per
-            verify step (the bonus token not included; tau = accepted_sim + 1, see dflash.acceptance).
+            verify step (the bonus token not included; tau = accepted_sim + 1, see dflash.train.acceptance).
         lr: learning rate used for the step.
         grad_norm: global L2 gradient norm before clipping.
         skipped: True when the step was skipped (non-finite loss or gradient).

@@ -164,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Qwen3ForCausalLM
 
     from dflash.data.sources import read_source
-    from dflash.data.tokenizer import TINY_TOKENIZER, TINY_TOKENIZER_DIR, load_tokenizer, tokenizer_info
+    from dflash.data.tokenizer import (
+        TINY_TOKENIZER,
+        TINY_TOKENIZER_DIR,
+        load_tokenizer,
+        tokenizer_info,
+    )
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

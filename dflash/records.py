@@ -5,8 +5,8 @@ Each line is one JSON object whose ``"kind"`` names its type:
 ==========  ====================================================  =================================
 kind        written by                                            type
 ==========  ====================================================  =================================
-start       :func:`dflash.run.prepare`, once per process          :class:`StartRecord`
-resume      :func:`dflash.run.prepare`, after a resume            :class:`ResumeRecord`
+start       :func:`dflash.run.cli.prepare`, once per process          :class:`StartRecord`
+resume      :func:`dflash.run.cli.prepare`, after a resume            :class:`ResumeRecord`
 train       the monitor stage, once per fixed window of steps     :class:`TrainRecord`
 skip        the monitor stage, once per non-finite (skipped) step :class:`SkipRecord`
 checkpoint  the checkpoint writer, after each save attempt        :class:`CheckpointRecord`
@@ -111,7 +111,7 @@ class ResumeRecord(RecordBase, tag="resume"):
 
 
 class TrainRecord(RecordBase, tag="train"):
-    """One fixed window of steps ``(step - window, step]`` (:class:`dflash.metrics_writer.WindowAggregator`).
+    """One fixed window of steps ``(step - window, step]`` (:class:`dflash.observe.metrics_writer.WindowAggregator`).
 
     Averages are over the ``steps_averaged`` trained steps; NaN (``null``) when every step was skipped.
     ``acc``: accuracy per block position; ``tau_sim``: simulated tokens per verify step (accepted + 1;

@@ -149,7 +149,13 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
     Returns the number of conversations written by this call.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     eos = [t for t in {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
            if isinstance(t, int) and t >= 0 and t != tok.unk_token_id]
@@ -276,12 +282,12 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     import msgspec
     import torch
 
-    from dflash.config import load_config
     from dflash.data import DataError, load_tokenizer
     from dflash.data.sources import read_source
     from dflash.errors import DFlashError
-    from dflash.runlog import quiet_progress_bars_when_piped
-    from dflash.target import for_generation, load_target
+    from dflash.model.target import for_generation, load_target
+    from dflash.observe.runlog import quiet_progress_bars_when_piped
+    from dflash.run.config import load_config
 
     quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
     out = Path(args.out)

@@ -5,7 +5,7 @@ parameter name), never of the order things are built or run in, so a resumed run
 different number of steps, draws exactly the numbers the uninterrupted run drew.
 
 Streams that share a kind of key use different salts: anchors
-(:func:`dflash.stages.prefetch.anchor_generator`) and feature noise (:func:`dflash.features.apply_feature_noise`) are both keyed by the batch id, and
+(:func:`dflash.run.stages.prefetch.anchor_generator`) and feature noise (:func:`dflash.model.features.apply_feature_noise`) are both keyed by the batch id, and
 with one salt batch ``b``'s noise generator would be seeded exactly like its anchor generator, so
 the two "independent" draws would come from the same sequence. With the noise salt and key
 ``batch_id + 1`` the two seeds of one batch differ by ``seed * 6_000_000 + 1`` (mod 2**63), an odd

@@ -1,4 +1,4 @@
-"""dflash.anchors: blocks stay inside one document, honour the loss mask, are reproducible."""
+"""dflash.train.anchors: blocks stay inside one document, honour the loss mask, are reproducible."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.anchors import sample_anchors
+from dflash.train.anchors import sample_anchors
 
 
 def _packed(lengths, pad, T_extra=0):

@@ -1,12 +1,12 @@
-"""dflash.attention + dflash.drafter: the block mask rule, SDPA == flex, no peeking, public names."""
+"""dflash.model.attention + dflash.model.drafter: the block mask rule, SDPA == flex, no peeking, public names."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash.attention import flex_block_mask, sdpa_mask, training_layout
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.attention import flex_block_mask, sdpa_mask, training_layout
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 H, V, BS = 64, 100, 4
 
@@ -37,7 +37,7 @@ def packed_batch(seed=0):
 
 
 def reference_mask(pos, doc, anchors, bs, causal, window):
-    """The rule of dflash/attention.py's module docstring, written out element by element."""
+    """The rule of dflash/model/attention.py's module docstring, written out element by element."""
     T, A = doc.shape[1], anchors.shape[1]
     m = torch.zeros(A * bs, T + A * bs, dtype=torch.bool)
     for a in range(A):

@@ -22,8 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.h200_pipeline import (StepRecord, checkpoint_overlap, read_metrics,  # noqa: E402
-                                      steady_throughput)
+from benchmarks.h200_pipeline import (  # noqa: E402
+    StepRecord,
+    checkpoint_overlap,
+    read_metrics,
+    steady_throughput,
+)
 from benchmarks.h200_report import summarize  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "bench_h200.py"
@@ -210,10 +214,10 @@ def test_summary_takes_each_ratio_from_one_run():
 
 
 def test_model_reuse_memoises_and_restores():
-    import dflash.stages.target as target_stage
-    import dflash.target as target_mod
+    import dflash.model.target as target_mod
+    import dflash.run.stages.target as target_stage
     from benchmarks.h200_reuse import ModelReuse
-    from dflash.target import TargetConfig
+    from dflash.model.target import TargetConfig
 
     original = target_stage.load_target
     cfg = TargetConfig(preset="tiny", vocab_size=64)
@@ -250,7 +254,7 @@ def test_tiny_run_on_the_gpus(tmp_path):
 
 def test_attention_implementation_switches_in_place_and_back():
     from benchmarks.h200_stages import attention_implementation
-    from dflash.target import TargetConfig, load_target
+    from dflash.model.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(preset="tiny", vocab_size=64), "cpu", num_draft_layers=2, need_final=False)
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -7,17 +7,17 @@ import math
 
 import pytest
 import torch
+from dflash.checkpoint.resume import resolve_resume
 
 from dflash.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     is_healthy,
     list_checkpoints,
     load_train_state,
     read_meta,
     step_dir,
 )
-from dflash.resume import resolve_resume
 
 
 def _save(ck: Checkpointer, step: int, w: float = 1.0, loss: float = 1.0, **kw) -> None:

@@ -10,6 +10,10 @@ import pytest
 
 CLIS = ["dflash.run", "dflash.eval", "dflash.export", "dflash.logs", "dflash.plot", "dflash.regenerate",
         "dflash.pretrain", "csp.run", "csp.inspect", "csp.draw"]
+# the module whose main() builds each command's parser (a command that is a package or a thin
+# entry module runs the code of another)
+MAIN_OF = {"dflash.run": "dflash.run.cli", "dflash.eval": "dflash.eval.cli", "dflash.logs": "dflash.observe.logs",
+           "dflash.plot": "dflash.observe.plot"}
 
 
 class _Captured(Exception):
@@ -24,7 +28,7 @@ def parser_of(module: str, monkeypatch) -> argparse.ArgumentParser:
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
     with pytest.raises(_Captured) as info:
-        importlib.import_module(module).main(["x"])
+        importlib.import_module(MAIN_OF.get(module, module)).main(["x"])
     return info.value.parser
 
 

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.data import DataConfig, DataError, Sampler, TokenizedDataset, collate, plan_stats
+from dflash.data import (
+    DataConfig,
+    DataError,
+    Sampler,
+    TokenizedDataset,
+    collate,
+    plan_stats,
+)
 from dflash.data.batching import epoch_rng, plan_bucketed, plan_packed, plan_sorted
 from dflash.messages import Batch
 

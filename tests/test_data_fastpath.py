@@ -15,11 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data import ChatEncoder, DataConfig, TINY_TOKENIZER, load_dataset, load_tokenizer, read_source
+from dflash.data import (
+    TINY_TOKENIZER,
+    ChatEncoder,
+    DataConfig,
+    load_dataset,
+    load_tokenizer,
+    read_source,
+)
 from dflash.data import chat as chat_mod
 from dflash.data import tokenize as tokenize_mod
 from dflash.data.tokenizer import special_token_ids
-
 from tests.qwen3_style import qwen3_style_tokenizer
 
 FIX = Path(__file__).parent / "fixtures"

@@ -8,9 +8,8 @@ import json
 import pytest
 
 from dflash.data import ChatEncoder, DataConfig, load_dataset
-from dflash.data.sources import read_source
 from dflash.data.prompts import encode_prompt, heldout_prompts, source_prompts
-
+from dflash.data.sources import read_source
 from tests.qwen3_style import qwen3_style_tokenizer
 
 

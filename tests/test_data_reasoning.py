@@ -10,12 +10,17 @@ import json
 import msgspec
 import numpy as np
 import pytest
-
 from rich.console import Console
 
-from dflash.data import ChatEncoder, DataConfig, TINY_TOKENIZER, load_dataset, load_tokenizer, print_summary
+from dflash.data import (
+    TINY_TOKENIZER,
+    ChatEncoder,
+    DataConfig,
+    load_dataset,
+    load_tokenizer,
+    print_summary,
+)
 from dflash.data.sources import normalise_record, read_source
-
 from tests.qwen3_style import qwen3_style_tokenizer
 
 END = "<|im_end|>"

@@ -10,8 +10,17 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dflash.data import (ChatEncoder, DataConfig, DataError, TINY_TOKENIZER, load_dataset, load_tokenizer,
-                         read_source, tokenizer_fingerprint, tokenizer_info)
+from dflash.data import (
+    TINY_TOKENIZER,
+    ChatEncoder,
+    DataConfig,
+    DataError,
+    load_dataset,
+    load_tokenizer,
+    read_source,
+    tokenizer_fingerprint,
+    tokenizer_info,
+)
 from dflash.data import tokenize as tokenize_mod
 
 FIX = Path(__file__).parent / "fixtures"

@@ -1,14 +1,14 @@
-"""dflash.display: plain lines when not a terminal, a rich Live view that never blocks, ETA."""
+"""dflash.observe.display: plain lines when not a terminal, a rich Live view that never blocks, ETA."""
 
 from __future__ import annotations
 
 import io
 import threading
 
-from csp.stats import ChannelStatistics
 import pytest
 
-from dflash.display import TrainingDisplay, format_line, make_display
+from csp.stats import ChannelStatistics
+from dflash.observe.display import TrainingDisplay, format_line, make_display
 
 
 def _chan(name: str, fill: int, cap: int) -> ChannelStatistics:

@@ -1,4 +1,4 @@
-"""Data-parallel training through csp channels on 2 gloo ranks (dflash.parallel helpers).
+"""Data-parallel training through csp channels on 2 gloo ranks (dflash.train.parallel helpers).
 
 Graph (both ranks): ``shard[r] --batches (rank_local)--> trainer[r] --metrics (crosses)--> monitor``
 on rank 0. ``trainer`` is a tiny ``nn.Linear`` wrapped in DDP over the trainer ranks; its step
@@ -69,7 +69,7 @@ class Trainer(csp.Process):
     outputs = {"metrics": Metric}
 
     def setup(self):
-        from dflash import parallel
+        from dflash.train import parallel
 
         torch.manual_seed(self.ctx.replica)  # different per replica: DDP must broadcast replica 0's
         model = nn.Linear(4, 1)
@@ -85,7 +85,7 @@ class Trainer(csp.Process):
             torch.set_rng_state(state["rng"])
 
     def run(self, inputs, outputs):
-        from dflash import parallel
+        from dflash.train import parallel
 
         for b in inputs["batches"]:
             pred = self.model(b.x)
@@ -148,7 +148,7 @@ def test_ddp_through_channels_checkpoint_and_resume_match_uninterrupted(tmp_path
     """Two DDP replicas fed through csp channels: replicas stay identical, and 3 steps +
     checkpoint + resume for 3 more give the same weights, optimizer moments and per-rank RNG
     state on both ranks as 6 uninterrupted steps. Protects the per-rank checkpoint contract of
-    dflash.parallel."""
+    dflash.train.parallel."""
     ckpt = tmp_path / "ckpt"
     runs = {}
     for scenario in ("full", "first", "resume"):

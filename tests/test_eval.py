@@ -6,17 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.eval import (
-    CachedDrafterProposer,
-    DrafterProposer,
-    OracleProposer,
-    evaluate,
-    greedy_decode,
-    greedy_labels,
-    speculative_decode,
-)
-from dflash.target import TargetConfig, load_target
+from dflash.eval.decode import CachedDrafterProposer, DrafterProposer, OracleProposer, greedy_decode, speculative_decode
+from dflash.eval.measure import evaluate, greedy_labels
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.target import TargetConfig, load_target
 
 BS = 4
 
@@ -80,7 +73,7 @@ def test_drafter_decode_is_lossless_and_matches_teacher_forcing(models):
     rec = _Recorder(DrafterProposer(drafter, head))
     tokens, accepted, anchors = speculative_decode(target, rec, p, 10, BS)
     assert torch.equal(tokens[:19], greedy_decode(target, p, 10))
-    from dflash.attention import training_layout
+    from dflash.model.attention import training_layout
     L = tokens.shape[0]
     pos = torch.arange(L)[None]
     feats, _ = target(tokens[None], pos, torch.zeros_like(pos), need_final=False)
@@ -125,7 +118,7 @@ def test_teacher_forced_streak_equals_measured_acceptance(models):
     assert len(set(accepted)) > 1
     labels, valid, _ = greedy_labels(target, head, tokens, torch.tensor(anchors), BS)
     assert valid[:-1].all()              # the last anchor's valid slots = what remained to draft
-    from dflash.acceptance import streak_lengths
+    from dflash.train.acceptance import streak_lengths
     assert streak_lengths(torch.stack(rec) == labels, valid).tolist() == accepted
 
 
@@ -178,7 +171,7 @@ def test_heldout_prompts_are_the_training_runs_holdout(tmp_path, tok):
     dflash.run held out (dataset.split(holdout, seed)[1]), never from its training part."""
     from dflash.data import load_dataset
     from dflash.data.prompts import heldout_prompts
-    from dflash.eval_inputs import run_data_config
+    from dflash.eval.inputs import run_data_config
 
     flags = [False] * 7 + [True]
     src = _write_source(tmp_path / "d.jsonl", flags)
@@ -203,7 +196,7 @@ def test_heldout_prompts_are_the_training_runs_holdout(tmp_path, tok):
 
 @pytest.mark.parametrize("case", ["missing", "run_dir", "not_ckpt", "bad_data"])
 def test_eval_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
-    from dflash.eval import main as eval_main
+    from dflash.eval.cli import main as eval_main
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000005").mkdir(parents=True)
@@ -226,8 +219,8 @@ def test_eval_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
 def test_bad_prompt_lines_name_the_file_and_line(tmp_path, bad, says, capsys):
     """Invariant: a malformed --prompts file is a one-line error naming the line, not a bare
     KeyError or a JSON message without a location."""
-    from dflash.eval import _prompts
-    from dflash.eval_inputs import EvalInputError
+    from dflash.eval.cli import _prompts
+    from dflash.eval.inputs import EvalInputError
 
     f = tmp_path / "p.jsonl"
     f.write_text(bad + "\n")
@@ -239,7 +232,7 @@ def test_bad_prompt_lines_name_the_file_and_line(tmp_path, bad, says, capsys):
 def test_a_device_this_machine_lacks_is_a_one_line_error(tmp_path, capsys):
     """Invariant: --device cuda on a CPU-only machine (or a typo like gpu) exits 2 with one line,
     before any model is loaded."""
-    import dflash.eval as ev
+    import dflash.eval.cli as ev
 
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA: the check is for a missing device")

@@ -1,4 +1,4 @@
-"""dflash.model_io + dflash.export: checkpoint round trip, public HF layout round trip, CLIs."""
+"""dflash.checkpoint.model_files + dflash.export: checkpoint round trip, public HF layout round trip, CLIs."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash.attention import training_layout
-from dflash.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
-from dflash.export import export_drafter, load_exported, main as export_main
-from dflash.model_io import load_drafter, save_drafter
-from dflash.target import TargetConfig
+from dflash.checkpoint.model_files import load_drafter, save_drafter
+from dflash.export import export_drafter, load_exported
+from dflash.export import main as export_main
+from dflash.model.attention import training_layout
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
+from dflash.model.target import TargetConfig
 
 TCFG = TargetConfig(preset="tiny", seed=4, vocab_size=4096, tokenizer="builtin:tiny")
 
@@ -92,7 +93,7 @@ def test_export_cli_writes_bf16(tmp_path, capsys):
 
 
 def test_eval_cli_on_a_checkpoint(tmp_path, capsys):
-    from dflash.eval import main as eval_main
+    from dflash.eval.cli import main as eval_main
 
     d = make()
     save_drafter(tmp_path, d, d.cfg, TCFG)
@@ -109,7 +110,7 @@ def test_eval_of_a_flex_trained_checkpoint_decodes_as_sdpa(tmp_path, capsys):
     any device: eval decodes with sdpa, and its numbers equal those of the sdpa checkpoint."""
     import msgspec
 
-    from dflash.eval import main as eval_main
+    from dflash.eval.cli import main as eval_main
 
     d = make()
     prompts = tmp_path / "p.jsonl"
@@ -193,7 +194,7 @@ def test_a_damaged_checkpoint_is_one_line_exit_2_in_eval_and_export(tmp_path, ca
     one line naming the file, exit 2, and nothing is written."""
     from safetensors.torch import save_file
 
-    from dflash.eval import main as eval_main
+    from dflash.eval.cli import main as eval_main
 
     d = make()
     ck = tmp_path / "ckpt"
@@ -236,7 +237,7 @@ def test_eval_of_a_prompts_file_without_prompt_lines_names_the_file(tmp_path, ca
     """Regression (fresh-user run): an empty --prompts file said "every conversation opens with an
     assistant turn" (which is about --data), after loading both models. Invariant: one line naming
     the file and saying it has no prompt lines, exit 2."""
-    from dflash.eval import main as eval_main
+    from dflash.eval.cli import main as eval_main
 
     d = make()
     save_drafter(tmp_path, d, d.cfg, TCFG)

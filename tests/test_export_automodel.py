@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.attention import decode_layout
 from dflash.export import MODELING_FILE, export_drafter, load_exported
+from dflash.model.attention import decode_layout
 from tests.test_export import make
 
 CHILD = r"""
@@ -71,7 +71,7 @@ def test_automodel_loads_the_export_and_drafts_the_same(tmp_path, types):
 
 def test_the_modeling_file_imports_no_dflash_module():
     """Invariant: the shipped modeling file needs torch and transformers only."""
-    text = (Path(__file__).resolve().parent.parent / "dflash" / MODELING_FILE).read_text()
+    text = (Path(__file__).resolve().parent.parent / "dflash" / "model" / MODELING_FILE).read_text()
     imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
     assert imports and all(line.split()[1].split(".")[0] in {"__future__", "math", "torch", "transformers"}
                            for line in imports), imports

@@ -13,15 +13,28 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flops import (Flops, attention_pairs_causal, document_lengths, drafter_counts,  # noqa: E402
-                              drafter_step_flops, flex_tiles, target_forward_flops, target_linear_params)
-from dflash.anchors import sample_anchors  # noqa: E402
-from dflash.attention import sdpa_mask, training_layout  # noqa: E402
-from dflash.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash.loss import LossConfig  # noqa: E402
+from benchmarks.flops import (  # noqa: E402
+    Flops,
+    attention_pairs_causal,
+    document_lengths,
+    drafter_counts,
+    drafter_step_flops,
+    flex_tiles,
+    target_forward_flops,
+    target_linear_params,
+)
 from dflash.messages import LossInput  # noqa: E402
-from dflash.objective import compute_loss  # noqa: E402
-from dflash.target import TargetConfig, build_hf_config, document_causal_mask, load_target  # noqa: E402
+from dflash.model.attention import sdpa_mask, training_layout  # noqa: E402
+from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.model.target import (  # noqa: E402
+    TargetConfig,
+    build_hf_config,
+    document_causal_mask,
+    load_target,
+)
+from dflash.train.anchors import sample_anchors  # noqa: E402
+from dflash.train.loss import LossConfig  # noqa: E402
+from dflash.train.objective import compute_loss  # noqa: E402
 
 V = 64
 TINY = TargetConfig(preset="tiny", vocab_size=V, attn_implementation="eager")
@@ -63,7 +76,7 @@ def test_target_hand_count():
 
 def test_flex_tiles_match_the_block_mask():
     """The tiles counted are the tiles flex_attention's BlockMask of the target visits."""
-    from dflash.document_mask import _document_block_mask
+    from dflash.model.document_mask import _document_block_mask
 
     _, _, doc, _ = _packed(B=2, T=700, seed=3)
     doc[1, 300:] = -1  # a long padding tail: its diagonal tiles only
@@ -99,13 +112,13 @@ def test_target_forward_matches_flop_counter():
 def test_drafter_step_matches_flop_counter_and_mask(layer_types, loss, sync_free):
     """compute_loss + backward on CPU: the counter's matmuls (linears, LM head; CPU SDPA is not
     counted by FlopCounterMode) equal the non-attention part of ``computed``; the allowed pairs
-    equal the True entries of dflash.attention's mask at valid blocks."""
+    equal the True entries of dflash.model.attention's mask at valid blocks."""
     BS, A = 4, 6
     hf = build_hf_config(TargetConfig(preset="tiny", vocab_size=V))
     cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1,
                         layer_types=layer_types, sliding_window=6 if layer_types else None).resolve(hf, [1, 3])
     drafter = DFlashDrafter(cfg, seed=0)
-    from dflash.target import SharedHead
+    from dflash.model.target import SharedHead
 
     head = SharedHead(torch.randn(V, 128), torch.randn(V, 128))
     ids, pos, doc, lm = _packed()

@@ -51,7 +51,7 @@ def test_another_dflash_init_with_our_submodules_is_refused(tmp_path):
     (site / "dflash").mkdir(parents=True)
     # stands in for an editable finder that maps dflash.* to this checkout whatever __path__ says
     (site / "dflash" / "__init__.py").write_text(f"__path__.append({str(ROOT / 'dflash')!r})\n")
-    for module in ("dflash.run_args", "dflash.plot", "dflash.drafter"):
+    for module in ("dflash.run.args", "dflash.observe.plot", "dflash.model.drafter"):
         proc = _run(site, f"import {module}")
         assert proc.returncode == 1, (module, proc.stderr)
         err = proc.stderr.strip()

@@ -262,8 +262,14 @@ def test_head_of_line_verdict_from_averages_when_no_stage_is_busy():
     50% and the buffer was non-empty >= 83% of the time, so both held >= 33%: only an ordered channel
     can do that. Invariant: the verdict names 'tokens' instead of "none clear"; with a slow replica
     among its writers, it names that replica."""
-    from csp.backpressure import (ChannelSummary, GraphInfo, ProcessSummary, ReplicaSummary, Summary,
-                                  find_bottleneck)
+    from csp.backpressure import (
+        ChannelSummary,
+        GraphInfo,
+        ProcessSummary,
+        ReplicaSummary,
+        Summary,
+        find_bottleneck,
+    )
 
     def rep(name, r, busy, wait, blocked, out=100.0):
         return ReplicaSummary(qualname=f"{name}[{r}]", name=name, replica=r, state="done", alive_s=1.0,

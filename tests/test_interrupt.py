@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
-from dflash.model_io import save_drafter
-from dflash.target import TargetConfig
+from dflash.checkpoint.model_files import save_drafter
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
+from dflash.model.target import TargetConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TCFG = TargetConfig(preset="tiny", seed=4, vocab_size=4096, tokenizer="builtin:tiny")
@@ -73,7 +73,7 @@ def test_ctrl_c_in_eval_is_one_line_exit_130(tmp_path, checkpoint, on_import):
 
 
 def test_ctrl_c_while_decoding_is_one_line_exit_130(tmp_path, checkpoint, monkeypatch, capsys):
-    import dflash.eval as ev
+    import dflash.eval.cli as ev
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

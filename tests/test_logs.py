@@ -1,7 +1,7 @@
 """dflash.logs on a recorded run directory (tests/fixtures/runs/dflash_run) with planted events:
 a loss spike at step 120, a skipped step 73 (batch 72), a 60 s gap over the step-100 checkpoint
 write, a 45 s unexplained gap (steps 150 -> 160), an unhealthy and an incomplete checkpoint (steps
-50 and 100 are complete, tiny real checkpoints that pass dflash.resume.verify)."""
+50 and 100 are complete, tiny real checkpoints that pass dflash.checkpoint.resume.verify)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.logs import analyse, find_gaps, find_spikes, main, render
+from dflash.observe.logs import analyse, find_gaps, find_spikes, main, render
 
 RUN = Path(__file__).parent / "fixtures" / "runs" / "dflash_run"
 

@@ -1,4 +1,4 @@
-"""dflash.loss / dflash.objective / dflash.acceptance against slow references written from the formulas."""
+"""dflash.train.loss / dflash.train.objective / dflash.train.acceptance against slow references written from the formulas."""
 
 from __future__ import annotations
 
@@ -7,13 +7,18 @@ import math
 import pytest
 import torch
 
-from dflash.anchors import sample_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.loss import LossConfig, mixed_loss, needs_final_hidden, position_weights
-from dflash.acceptance import simulated_accepted_length, streak_lengths
 from dflash.messages import LossInput
-from dflash.objective import compute_loss
-from dflash.target import TargetConfig, load_target
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.target import TargetConfig, load_target
+from dflash.train.acceptance import simulated_accepted_length, streak_lengths
+from dflash.train.anchors import sample_anchors
+from dflash.train.loss import (
+    LossConfig,
+    mixed_loss,
+    needs_final_hidden,
+    position_weights,
+)
+from dflash.train.objective import compute_loss
 
 BS = 4
 
@@ -89,7 +94,7 @@ def setup():
 
 def slow_reference(s, cfg):
     """Every block run on its own; labels from the HF causal-LM logits (logits[t] predicts t+1)."""
-    from dflash.attention import training_layout
+    from dflash.model.attention import training_layout
 
     d, head, ids = s["drafter"], s["head"], s["ids"]
     num, den, ces, n = 0.0, 0.0, [], 0

@@ -1,4 +1,4 @@
-"""dflash.metrics_writer: fixed step windows (failure mode 5 of docs/failure-modes.md) and the
+"""dflash.observe.metrics_writer: fixed step windows (failure mode 5 of docs/failure-modes.md) and the
 metrics.jsonl writer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import math
 
 from dflash.messages import StepMetrics
-from dflash.metrics_writer import MetricsLog, WindowAggregator
+from dflash.observe.metrics_writer import MetricsLog, WindowAggregator
 
 
 def _m(step: int, loss: float = 1.0, skipped: bool = False, t: float = 0.0) -> StepMetrics:

@@ -1,11 +1,11 @@
-"""dflash.target: layer choice, hidden-state capture, document masking, truncation, shared head."""
+"""dflash.model.target: layer choice, hidden-state capture, document masking, truncation, shared head."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash.target import (
+from dflash.model.target import (
     TargetConfig,
     default_layer_ids,
     document_causal_mask,
@@ -208,7 +208,7 @@ def test_override_typos_are_config_errors(tmp_path):
     PretrainedConfig sets outside to_dict() (num_labels, torch_dtype alias), are accepted."""
     from transformers import Qwen3Config
 
-    from dflash.target import build_hf_config
+    from dflash.model.target import build_hf_config
 
     bad = TargetConfig(preset="tiny", overrides={"initializer_rnage": 0.1})
     with pytest.raises(ValueError, match=r"^target.overrides: 'initializer_rnage' is not a "
@@ -231,10 +231,9 @@ def test_replicas_loading_at_once_get_real_weights():
     threads loaded a local checkpoint at the same time): concurrent load_target calls each get
     a model with materialised weights, equal to a model loaded alone."""
     import threading
-
-    from dflash.target import TargetConfig, load_target
-
     from pathlib import Path
+
+    from dflash.model.target import TargetConfig, load_target
 
     cfg = TargetConfig(path=str(Path(__file__).resolve().parents[1] / "dflash/assets/target-sharegpt-7m"))
     models, errors = [None] * 4, []

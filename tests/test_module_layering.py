@@ -1,6 +1,26 @@
-"""Layering of the files split into single-purpose modules (issue 15, item 5): each module
-imports alone in a fresh interpreter, csp never imports dflash, and module-level imports form no
-cycle."""
+"""The package layout as a checked rule: rooms on floors, imports running one way, no circle.
+
+``dflash`` is split into rooms (sub-packages) on floors; a module may import its own room and the
+rooms on lower floors, never a room on its own floor or above (docs/architecture.md draws it):
+
+=====  ==========================================================================================
+floor  rooms
+=====  ==========================================================================================
+0      the leaves: ``dflash`` (the package), ``dflash.errors``, ``dflash.messages``,
+       ``dflash.records``, ``dflash.seeding``
+1      ``dflash.data``, ``dflash.model``
+2      ``dflash.checkpoint``
+3      ``dflash.train``, ``dflash.observe``
+4      ``dflash.eval``, ``dflash.run``
+5      the tools and thin entry modules: ``dflash.export``, ``dflash.regenerate``,
+       ``dflash.pretrain``, ``dflash.logs``, ``dflash.plot``
+=====  ==========================================================================================
+
+Below all of them is ``csp``, which never imports ``dflash``; above them, ``benchmarks`` (nothing in
+``csp`` or ``dflash`` imports ``benchmarks`` or ``tests``). Every import counts, at module level
+and inside functions alike (a deferred import still makes the two modules depend on each other);
+only ``if TYPE_CHECKING:`` blocks are left out, since they never run.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +33,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# the modules split out of one file: csp/graph/ (was csp/graph/__init__.py), dflash.target's and
-# dflash.eval's parts, csp.backpressure's stats reader and csp.dist.bridge's crossing channel
-SPLIT_FILES = (*sorted((ROOT / "csp" / "graph").glob("*.py")),
-               *(ROOT / "dflash" / f"{m}.py" for m in ("target", "target_config", "layer_ids",
-                                                       "document_mask", "shared_head", "eval", "decode",
-                                                       "eval_measure", "eval_report", "eval_inputs")),
-               ROOT / "dflash" / "data" / "prompts.py",
-               *(ROOT / "csp" / f"{m}.py" for m in ("backpressure", "stats_reader", "dist/bridge",
-                                                    "dist/crossing")))
+
+FLOORS = {
+    "dflash": 0, "dflash.errors": 0, "dflash.messages": 0, "dflash.records": 0, "dflash.seeding": 0,
+    "dflash.data": 1, "dflash.model": 1,
+    "dflash.checkpoint": 2,
+    "dflash.train": 3, "dflash.observe": 3,
+    "dflash.eval": 4, "dflash.run": 4,
+    "dflash.export": 5, "dflash.regenerate": 5, "dflash.pretrain": 5, "dflash.logs": 5, "dflash.plot": 5,
+}
+
+# Modules imported alone in a fresh interpreter (no hidden dependency on import order): every
+# package __init__, the leaves, and one module per room that pulls in most of its room.
+FRESH = ("csp", "csp.graph", "csp.dist", "csp.backpressure", "csp.stats_reader", "csp.dist.bridge",
+         "csp.dist.crossing", "dflash", "dflash.errors", "dflash.messages", "dflash.records", "dflash.seeding",
+         "dflash.data", "dflash.data.prompts", "dflash.model", "dflash.model.target", "dflash.model.drafter",
+         "dflash.model.layer_ids", "dflash.checkpoint", "dflash.checkpoint.model_files", "dflash.train",
+         "dflash.train.step", "dflash.observe", "dflash.observe.summary", "dflash.eval", "dflash.eval.cli",
+         "dflash.eval.decode", "dflash.run", "dflash.run.cli", "dflash.run.stages", "dflash.export")
 
 
 def _module_name(path: Path) -> str:
@@ -29,39 +58,110 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _split_modules() -> list[str]:
-    return sorted(_module_name(p) for p in SPLIT_FILES if p.name != "__main__.py")
+MODULES = {_module_name(p): p for top in ("csp", "dflash") for p in (ROOT / top).rglob("*.py")}
 
 
-def _import_time_imports(path: Path) -> set[str]:
-    """Absolute module names imported when ``path`` is imported: module level and class bodies,
-    not function bodies (those run later, so they cannot close an import cycle) nor
-    ``if TYPE_CHECKING:`` blocks (they never run)."""
+def imports_of(module: str) -> set[str]:
+    """The csp/dflash modules ``module`` imports anywhere in its file (module level, class and
+    function bodies), except under ``if TYPE_CHECKING:``. ``from P import x`` counts ``P`` and,
+    when ``P.x`` is a module, ``P.x``; relative imports are resolved."""
+    path = MODULES[module]
     found: set[str] = set()
 
-    def visit(nodes: list[ast.stmt]) -> None:
+    def visit(nodes: list[ast.AST]) -> None:
         for node in nodes:
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                visit(node.orelse)  # the body runs only under a type checker
+                continue
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-                found.update(f"{node.module}.{a.name}" for a in node.names)  # a submodule, maybe
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            elif isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-                visit(node.orelse)  # the body runs only under a type checker
-            else:
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    visit([n for n in getattr(node, field, []) if isinstance(n, ast.AST)])
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                    package = package[: len(package) - node.level + 1]
+                    base = ".".join(package + ([node.module] if node.module else []))
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit([n for n in getattr(node, field, []) if isinstance(n, ast.AST)])
 
     visit(ast.parse(path.read_text(encoding="utf-8")).body)
-    return found
+    return {m for m in found if m in MODULES and m != module}
 
 
-@pytest.mark.parametrize("module", _split_modules())
-def test_each_module_imports_alone_in_a_fresh_interpreter(module):
-    """Invariant: every module of a split package imports by itself (no hidden dependency on an
-    import order), and importing a csp module loads no dflash module."""
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return "csp" if parts[0] == "csp" else ".".join(parts[:2])
+
+
+def test_every_dflash_module_is_in_a_room_on_a_floor():
+    """Invariant: a new module lands in a room of the table above (or the table grows with it)."""
+    homeless = sorted(m for m in MODULES if m.startswith("dflash") and room_of(m) not in FLOORS)
+    assert homeless == []
+
+
+def test_imports_run_down_the_floors():
+    """Invariant: a dflash module imports only its own room, lower floors and csp; csp imports no
+    dflash. So a model can be tested without a trainer, the reports read a run directory without
+    a model, and nothing below the run knows the graph."""
+    upward = []
+    for module in sorted(MODULES):
+        for dep in sorted(imports_of(module)):
+            here, there = room_of(module), room_of(dep)
+            if here == there:
+                continue
+            if here == "csp" or (there != "csp" and FLOORS[there] >= FLOORS[here]):
+                upward.append(f"{module} -> {dep}")
+    assert upward == []
+
+
+def test_no_import_circle_in_csp_or_dflash():
+    """Invariant: the modules' imports form a DAG, deferred imports inside functions included, so
+    no module can ever see another half-initialised and no import only works by being late."""
+    edges = {m: imports_of(m) for m in MODULES}
+    done: set[str] = set()
+    circles: list[str] = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        if m in stack:
+            circles.append(" -> ".join(stack[stack.index(m):] + [m]))
+            return
+        if m in done:
+            return
+        for dep in sorted(edges[m]):
+            visit(dep, stack + [m])
+        done.add(m)
+
+    for m in sorted(MODULES):
+        visit(m, [])
+    assert circles == []
+    assert sum(map(len, edges.values())) > 100  # the walk sees the imports at all
+
+
+def test_benchmarks_and_tests_sit_above_the_packages():
+    """Invariant: benchmarks -> dflash -> csp; no module of the packages imports benchmarks or tests."""
+    offenders = [f"{m} -> {name}" for m, path in sorted(MODULES.items())
+                 for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                 for name in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                              else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                              else [])
+                 if name.split(".")[0] in ("benchmarks", "tests")]
+    assert offenders == []
+
+
+def test_every_package_says_what_it_owns():
+    """Invariant: each room's ``__init__`` has a docstring of at least a paragraph (what it owns,
+    what it may import), so the tree explains itself without the tracker."""
+    thin = sorted(m for m, p in MODULES.items() if p.name == "__init__.py"
+                  and len(ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "") < 200)
+    assert thin == []
+
+
+@pytest.mark.parametrize("module", FRESH)
+def test_module_imports_alone_in_a_fresh_interpreter(module):
+    """Invariant: the module imports by itself (no hidden dependency on an import order), and
+    importing a csp module loads no dflash module."""
     code = f"import sys, {module}\n"
     if module.startswith("csp"):
         code += ("bad = sorted(m for m in sys.modules if m.split('.')[0] == 'dflash')\n"
@@ -69,35 +169,3 @@ def test_each_module_imports_alone_in_a_fresh_interpreter(module):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
-
-
-def test_csp_never_imports_dflash():
-    """Invariant: csp is generic; no csp module imports dflash, at import time or in a function."""
-    offenders = []
-    for path in sorted((ROOT / "csp").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "dflash"]
-    assert offenders == []
-
-
-def test_split_modules_import_each_other_without_a_cycle():
-    """Invariant: the split modules' import-time imports form a DAG (a package ``__init__`` only
-    re-exports), so no module ever sees another half-initialised."""
-    modules = {m for m in _split_modules() if (ROOT / (m.replace(".", "/") + ".py")).is_file()}
-    edges = {m: _import_time_imports(ROOT / (m.replace(".", "/") + ".py")) & modules for m in modules}
-    done: set[str] = set()
-
-    def visit(m: str, stack: list[str]) -> None:
-        if m in stack:
-            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
-        if m in done:
-            return
-        for dep in sorted(edges[m]):
-            visit(dep, stack + [m])
-        done.add(m)
-
-    assert len(modules) >= 2
-    for m in sorted(modules):
-        visit(m, [])

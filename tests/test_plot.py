@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.plot import PlotUnavailable, main, make_figure, plot_run
+from dflash.observe.plot import PlotUnavailable, main, make_figure, plot_run
 
 pytest.importorskip("matplotlib", reason="dflash.plot needs matplotlib (the test extra installs it)")
 

@@ -1,4 +1,4 @@
-"""dflash.preflight through ``python -m dflash.run``: cross-table config errors are one line, exit 2,
+"""dflash.run.preflight through ``python -m dflash.run``: cross-table config errors are one line, exit 2,
 and come before any data work (no tokenization, no cache, no run directory)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.config import load_config
 from dflash.errors import ConfigError
-from dflash.preflight import check_monitor_backend, preflight
-from dflash.run import main
+from dflash.run.cli import main
+from dflash.run.config import load_config
+from dflash.run.preflight import check_monitor_backend, preflight
 from tests.test_run_e2e import GRAPH, small
 
 pytestmark = pytest.mark.timeout(60)

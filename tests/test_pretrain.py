@@ -33,7 +33,7 @@ def test_pretrained_directory_loads_as_a_target_and_records_its_run(tmp_path):
     held = json.loads((out / "heldout.json").read_text())["record_indices"]
     assert len(held) == 2 and all(isinstance(i, int) for i in held)
     from dflash.data import load_tokenizer, tokenizer_info
-    from dflash.target import TargetConfig, load_target
+    from dflash.model.target import TargetConfig, load_target
 
     tok = load_tokenizer(str(out))
     assert tokenizer_info(tok).vocab_size == 4096

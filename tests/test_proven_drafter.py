@@ -4,7 +4,7 @@ The target is trained here, in seconds, on a small learnable synthetic language:
 random sequences of 10 fixed "words" of 3-5 tokens, so inside a word the next token is determined
 and only word starts are uncertain. It is saved as a local Hugging Face directory and loaded through
 ``[target].path`` like any real Qwen3 checkpoint. A drafter trained on its features with the
-project's loss (``dflash.objective.compute_loss``, target-argmax labels) must then draft whole word
+project's loss (``dflash.train.objective.compute_loss``, target-argmax labels) must then draft whole word
 tails: the measured tau (tokens per verify step) is clearly above 1, and draft-and-verify output is
 exactly the target's own greedy output.
 """
@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.anchors import sample_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.eval import evaluate, greedy_decode
-from dflash.loss import LossConfig
+from dflash.eval.decode import greedy_decode
+from dflash.eval.measure import evaluate
 from dflash.messages import LossInput
-from dflash.objective import compute_loss
-from dflash.target import TargetConfig, load_target
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.target import TargetConfig, load_target
+from dflash.train.anchors import sample_anchors
+from dflash.train.loss import LossConfig
+from dflash.train.objective import compute_loss
 
 # ~15 s on 2 idle cores (two small trainings); the margin is for a loaded machine
 pytestmark = pytest.mark.timeout(300)
@@ -100,7 +101,7 @@ def test_drafter_trained_on_a_real_target_is_accepted_and_lossless(trained_targe
     assert res.tau == pytest.approx(res.mean_accepted + 1)
     assert abs(res.streak_visited - res.mean_accepted) < 0.05
     for p in prompts:                            # lossless: the same tokens as greedy decoding
-        from dflash.eval import CachedDrafterProposer, speculative_decode
+        from dflash.eval.decode import CachedDrafterProposer, speculative_decode
 
         out, _, _ = speculative_decode(target, CachedDrafterProposer(drafter, head), p, 40, BS)
         assert torch.equal(out, greedy_decode(target, p, 40))

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from dflash.logs import analyse, render
-from dflash.metrics_writer import MetricsLog
+from dflash.observe.logs import analyse, render
+from dflash.observe.metrics_writer import MetricsLog
 from dflash.records import (
     CheckpointRecord,
     EndRecord,
@@ -113,16 +113,6 @@ def test_dflash_logs_reports_the_bad_lines_by_file_and_line(tmp_path):
     assert rep.bad_lines == 1 and rep.counts == {"start": 1, "train": 1} and rep.last_step == 10
     text = render(rep)
     assert f"  {tmp_path / 'metrics.jsonl'} line 2: unknown record kind 'party'" in text
-
-
-def test_dflash_resume_is_the_checkpoint_packages_resume_module(monkeypatch):
-    """The older import path is the same module object, so a patch on either name reaches both."""
-    import dflash.checkpoint.resume
-    import dflash.resume
-
-    assert dflash.resume is dflash.checkpoint.resume
-    monkeypatch.setattr("dflash.resume.new_lineage", lambda: "patched")
-    assert dflash.checkpoint.resume.new_lineage() == "patched"
 
 
 def test_a_checkpoint_writes_meta_json_and_its_record_with_the_keys_of_old_runs(tmp_path):

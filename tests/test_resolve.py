@@ -1,4 +1,4 @@
-"""dflash.resolve: the one pure step from a validated graph file to the run's options.
+"""dflash.run.resolve: the one pure step from a validated graph file to the run's options.
 
 It never changes its input, its result is frozen, the config hash of the filled file is the one
 the code before issue 15 computed (checkpoints resume without a "config differs" warning), and
@@ -12,11 +12,11 @@ import re
 import msgspec
 import pytest
 
-from dflash.config import load_config
 from dflash.data import TokenizerInfo, load_tokenizer, tokenizer_info
 from dflash.errors import ConfigError, DFlashError
-from dflash.resolve import resolve
-from dflash.run import main
+from dflash.run.cli import main
+from dflash.run.config import load_config
+from dflash.run.resolve import resolve
 from tests.test_preflight import no_data_work  # noqa: F401 - the fixture
 from tests.test_run_e2e import GRAPH, small
 
@@ -47,7 +47,7 @@ def test_resolve_does_not_mutate_its_input_and_fills_a_copy(tiny_info):
 
 def test_resolve_fills_a_preset_targets_vocab_size_from_the_tokenizer():
     """Invariant: a preset target with no vocab_size takes the tokenizer's; the input keeps None."""
-    from dflash.target import TargetConfig
+    from dflash.model.target import TargetConfig
 
     cfg = msgspec.structs.replace(load_config(GRAPH, ["drafter.mask_token_id=5"]),
                                   target=TargetConfig(preset="tiny"))

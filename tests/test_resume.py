@@ -1,4 +1,4 @@
-"""dflash.resume: what resume loads is verified, a bad checkpoint falls back loudly, one lineage per
+"""dflash.checkpoint.resume: what resume loads is verified, a bad checkpoint falls back loudly, one lineage per
 checkpoints/ directory, and a changed config is named key by key (issue 14, items 6, 7, 10)."""
 
 from __future__ import annotations
@@ -7,10 +7,16 @@ import os
 
 import pytest
 import torch
+from dflash.checkpoint.resume import archive_foreign, choose, config_changes, verify
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import CheckpointError, Checkpointer, list_checkpoints, read_meta, step_dir
-from dflash.resume import archive_foreign, choose, config_changes, verify
+from dflash.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    list_checkpoints,
+    read_meta,
+    step_dir,
+)
 
 
 def _save(ck: Checkpointer, step: int) -> None:

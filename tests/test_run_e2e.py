@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 import csp
 from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
-from dflash.run import main
-from dflash.stages.postprocess import PostprocessStage
-from dflash.stages.target import TargetStage
+from dflash.run.cli import main
+from dflash.run.stages.postprocess import PostprocessStage
+from dflash.run.stages.target import TargetStage
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPH = str(ROOT / "examples" / "dflash-tiny.toml")
@@ -258,7 +258,7 @@ def test_data_parallel_drafters_need_torchrun(tmp_path, cache_dir, capsys):
 
 
 def test_two_runs_cannot_share_a_run_directory(tmp_path, cache_dir, capsys):
-    from dflash.run import acquire_run_lock
+    from dflash.run.cli import acquire_run_lock
 
     run = tmp_path / "run"
     held = acquire_run_lock(run)  # as if another dflash.run were training there
@@ -398,7 +398,7 @@ def test_earlier_segments_keep_distinct_names_when_they_end_at_the_same_step(tmp
     """Invariant (item 8): a segment's csp stats and trace moved aside never overwrite an earlier
     segment's, even when both segments were followed by a start from the same step (two fresh
     starts, or two resumes from one checkpoint); stats and trace of one segment share a name."""
-    from dflash.run import keep_previous_observability
+    from dflash.run.cli import keep_previous_observability
 
     csp_dir = tmp_path / "csp"
     csp_dir.mkdir()

@@ -13,8 +13,8 @@ import pytest
 
 import csp
 import csp.runtime
-from dflash.run import main
-from dflash.stages.postprocess import PostprocessStage
+from dflash.run.cli import main
+from dflash.run.stages.postprocess import PostprocessStage
 from tests.test_run_e2e import ROOT, cache_dir, records, small  # noqa: F401  (cache_dir: a fixture)
 
 STUCK_RELEASE = threading.Event()
@@ -89,7 +89,7 @@ def test_ctrl_c_while_tokenizing_says_what_exists_and_what_a_rerun_does(tmp_path
 def test_ctrl_c_while_reading_the_config_is_one_line_not_a_traceback(tmp_path, cache_dir, capsys, monkeypatch):
     """Regression (fresh-user run): Ctrl-C in the first seconds (config load, torch/transformers
     imports) printed a KeyboardInterrupt traceback. Invariant: one line, exit 130, no run dir."""
-    import dflash.run as run_mod
+    import dflash.run.cli as run_mod
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

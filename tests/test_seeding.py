@@ -8,10 +8,10 @@ import zlib
 import pytest
 import torch
 
-from dflash.features import apply_feature_noise
+from dflash.model.features import apply_feature_noise
+from dflash.model.target import _param_seed
+from dflash.run.stages.prefetch import anchor_generator
 from dflash.seeding import ANCHORS, FEATURE_NOISE, PARAMS, derive_seed
-from dflash.stages.prefetch import anchor_generator
-from dflash.target import _param_seed
 
 SEEDS = [0, 1, 7, 1234, 2**31 - 1, 2**62, 2**63 - 1]
 KEYS = [0, 1, 5, 999_999, 2**40]

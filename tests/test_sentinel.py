@@ -1,4 +1,4 @@
-"""dflash.sentinel: the channel-boundary NaN check names the first producer (failure mode 2 of
+"""dflash.train.sentinel: the channel-boundary NaN check names the first producer (failure mode 2 of
 docs/failure-modes.md)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.messages import TargetOutput
-from dflash.sentinel import FiniteSentinel, NonFiniteError, floating_tensors
+from dflash.train.sentinel import FiniteSentinel, NonFiniteError, floating_tensors
 from tests.helpers import make_batch
 
 

@@ -13,12 +13,12 @@ import msgspec
 import pytest
 import torch
 
-from dflash.anchors import sample_anchors
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.loss import LossConfig
 from dflash.messages import LossInput
-from dflash.objective import compute_loss
-from dflash.target import SharedHead, TargetConfig, load_target
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.target import SharedHead, TargetConfig, load_target
+from dflash.train.anchors import sample_anchors
+from dflash.train.loss import LossConfig
+from dflash.train.objective import compute_loss
 from tests.sync_probe import SyncProbe, device_syncs
 
 BS = 4
@@ -106,7 +106,7 @@ def test_features_fp32_switch_is_bitwise_equal_under_autocast(setup):
 def test_drafter_casts_features_outside_autocast(setup):
     """Without autocast the drafter still casts bf16 features to its weights' dtype (fp32 here)."""
     d = DFlashDrafter(setup["dcfg"], seed=1)
-    from dflash.attention import training_layout
+    from dflash.model.attention import training_layout
 
     lay = training_layout(setup["pos"], setup["doc"], setup["anchors"], BS)
     emb = setup["head"].embed(torch.zeros(2, setup["anchors"].shape[1], BS, dtype=torch.long))
@@ -119,12 +119,12 @@ def test_drafter_casts_features_outside_autocast(setup):
 
 def drafter_stage(tmp_path, sync_free: bool):
     import csp
-    from dflash.app import ResumeState, RunApp
-    from dflash.config import DFlashFile, RunSection, TrainSection
     from dflash.data import TokenizerInfo
-    from dflash.metrics_writer import MetricsLog
-    from dflash.resolve import resolve
-    from dflash.stages.trainer import DrafterStage
+    from dflash.observe.metrics_writer import MetricsLog
+    from dflash.run.app import ResumeState, RunApp
+    from dflash.run.config import DFlashFile, RunSection, TrainSection
+    from dflash.run.resolve import resolve
+    from dflash.run.stages.trainer import DrafterStage
 
     cfg = DFlashFile(run=RunSection(name="t", out_dir=str(tmp_path), steps=4),
                      target=TargetConfig(preset="tiny", seed=5, vocab_size=200),
@@ -165,7 +165,7 @@ def test_train_step_has_exactly_one_host_read(setup, tmp_path, sync_free):
     syncs = device_syncs(probe.syncs)
     if sync_free:
         assert [k for k, _ in syncs] == ["tolist"], syncs
-        assert syncs[0][1].startswith("dflash/train_step.py")
+        assert syncs[0][1].startswith("train/step.py")
     else:
         assert len(syncs) > 1
     assert m.num_blocks == int((setup["anchors"] >= 0).sum()) and not m.skipped
@@ -200,7 +200,7 @@ def test_train_step_metrics_equal_with_sync_free_on_and_off(setup, tmp_path):
 def test_feature_noise_in_place_equals_formula(dtype):
     """The in-place feature noise is bitwise the plain ``features + std * rms * N(0, 1)`` with the
     same generator (and leaves its input untouched)."""
-    from dflash.features import apply_feature_noise
+    from dflash.model.features import apply_feature_noise
 
     x = torch.randn(2, 7, 48, generator=torch.Generator().manual_seed(1)).to(dtype)
     before = x.clone()

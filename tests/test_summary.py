@@ -1,5 +1,5 @@
-"""dflash.summary: the closing block of a run, for every way a run ends, from the run's own files;
-dflash.runlog: piped output is never wrapped or cut."""
+"""dflash.observe.summary: the closing block of a run, for every way a run ends, from the run's own files;
+dflash.observe.runlog: piped output is never wrapped or cut."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import dflash.summary as summary_mod
-from dflash import runlog
-from dflash.summary import closing_summary, report_end, resume_command, segment
+import dflash.observe.summary as summary_mod
+from dflash.observe import runlog
+from dflash.observe.summary import closing_summary, report_end, resume_command, segment
 
 ARGV = ["examples/dflash-tiny.toml", "--set", "run.out_dir=runs/x y", "--resume", "none"]
 
@@ -248,7 +248,7 @@ def test_log_lines_and_the_live_view_share_one_console(tmp_path, monkeypatch):
     from rich.console import Console
     from rich.logging import RichHandler
 
-    from dflash.display import TrainingDisplay
+    from dflash.observe.display import TrainingDisplay
 
     out = io.StringIO()
     monkeypatch.setattr(runlog, "make_console", lambda file=None: Console(file=out, force_terminal=True, width=120))

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from dflash.features import FeaturePostprocess
 from dflash.messages import Batch, TargetOutput
-from dflash.nonfinite import NonFiniteGuard
-from dflash.optim import load_optimizer_state, lr_lambda, make_optimizer
+from dflash.model.features import FeaturePostprocess
+from dflash.train.nonfinite import NonFiniteGuard
+from dflash.train.optim import load_optimizer_state, lr_lambda, make_optimizer
 
 
 def _target_output(layer_hidden: torch.Tensor) -> TargetOutput:

@@ -1,4 +1,4 @@
-"""Checkpoints of the drafter's training state: one home for the on-disk format.
+"""Everything a run keeps on disk: one home for the checkpoint format, written and read.
 
 * :mod:`dflash.checkpoint.format`: the layout, file names and ``meta.json`` (:class:`Meta`); listing,
   reading and validating a checkpoint directory.
@@ -7,11 +7,16 @@
 * :mod:`dflash.checkpoint.files`: atomic small-file writes: JSON, :func:`mark_unhealthy`,
   per-replica state files (:func:`write_rank_state`).
 * :mod:`dflash.checkpoint.resume`: which checkpoint a run continues from, verified; one lineage
-  per directory; what a config change does. ``dflash.resume`` is this module under its older name.
+  per directory; what a config change does.
+* :mod:`dflash.checkpoint.model_files`: the drafter part of a checkpoint (weights and configs).
 
-Every public name of the three is importable from here.
+Every public name of format, writer, files and resume is importable from here (model_files is
+not re-exported: it imports the models, and the reports that read a run directory need none).
+Imports: :mod:`dflash.model` (model_files only), :mod:`dflash.records`, :mod:`dflash.errors` and
+csp; never the trainer or the run, so eval, export and the reports read a checkpoint without them.
 """
 
+from dflash.checkpoint.files import mark_unhealthy, write_rank_state
 from dflash.checkpoint.format import (
     ARCHIVE_PREFIX,
     DRAFTER_CONFIG,
@@ -53,7 +58,6 @@ from dflash.checkpoint.resume import (
     saved_config,
     verify,
 )
-from dflash.checkpoint.files import mark_unhealthy, write_rank_state
 from dflash.checkpoint.writer import Checkpointer, Snapshot, health_reason
 
 __all__ = [

@@ -15,7 +15,7 @@ Layout of one checkpoint (see docs/architecture.md)::
     RUN_DIR/checkpoints/archive-<UTC time>/                 checkpoints of another lineage
 
 :mod:`dflash.checkpoint.writer` writes this layout, :mod:`dflash.checkpoint.resume` chooses and
-verifies a checkpoint to continue from; :mod:`dflash.model_io` reads the model part.
+verifies a checkpoint to continue from; :mod:`dflash.checkpoint.model_files` reads the model part.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import msgspec
 import torch
 
 from csp.tensors import iter_tensors, map_tensors
-from dflash.errors import DFlashError
-
+from dflash.errors import CheckpointError
 
 PREFIX = "step_"
 """Name prefix of a checkpoint directory (``step_00000100``)."""
@@ -51,10 +50,6 @@ TRAIN_CONFIG = "train_config.json"
 
 REQUIRED_FILES = (META, WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG, TRAIN_STATE, TRAIN_TENSORS)
 """Every file a checkpoint needs to be resumed, evaluated or exported."""
-
-
-class CheckpointError(DFlashError, RuntimeError):
-    """A checkpoint could not be found, read or trusted; the message says which and what to do."""
 
 
 class Meta(msgspec.Struct, kw_only=True):

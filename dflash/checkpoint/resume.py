@@ -272,7 +272,7 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``"run.steps 8 -> 12 (lr schedule: ...)"`` for every training-relevant key that differs
-    between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.config.DFlashFile`)."""
+    between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.run.config.DFlashFile`)."""
     a, b = _flatten(_current_layout(old)), _flatten(_current_layout(new))
     out = []
     for key in sorted(a.keys() | b.keys()):
@@ -294,7 +294,7 @@ def saved_config(path: Path) -> dict[str, Any] | None:
 def changes_since(resumed: Resume, config: dict[str, Any], config_hash: str) -> list[str]:
     """What differs between the checkpoint's training config and ``config`` (the resolved graph
     file as plain data, :func:`config_changes`); only the hashes when the checkpoint predates
-    ``train_config.json`` (``config_hash``: :func:`dflash.config.config_hash` of the new one)."""
+    ``train_config.json`` (``config_hash``: :func:`dflash.run.config.config_hash` of the new one)."""
     saved = saved_config(resumed.path)
     if saved is not None:
         return config_changes(saved, config)
@@ -311,7 +311,7 @@ SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", 
 
 def check_architecture(ckpt: Path, drafter_cfg: Any) -> None:
     """Check that the checkpoint's ``drafter_config.json`` has the shape of ``drafter_cfg`` (a
-    :class:`dflash.drafter.DrafterConfig`); nothing to check when the file is unreadable.
+    :class:`dflash.model.drafter.DrafterConfig`); nothing to check when the file is unreadable.
 
     Raises:
         CheckpointError: names each :data:`SHAPE_KEYS` key that differs, and what to do.

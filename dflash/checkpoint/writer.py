@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import save_file
 
 from csp.tensors import map_tensors
+from dflash.checkpoint.files import fsync_dir, usual_mode, write_json
 from dflash.checkpoint.format import (
     META,
     TMP_PREFIX,
@@ -59,7 +60,6 @@ from dflash.checkpoint.format import (
     slash_path,
     step_dir,
 )
-from dflash.checkpoint.files import fsync_dir, usual_mode, write_json
 from dflash.records import CheckpointRecord
 
 log = logging.getLogger("dflash.checkpoint")

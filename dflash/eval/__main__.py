@@ -1,0 +1,19 @@
+"""``python -m dflash.eval CHECKPOINT ...``: see :mod:`dflash.eval.cli`.
+
+``--help`` and usage errors answer before torch is imported (about 2 s); a Ctrl-C while torch
+imports is one line and exit 130.
+"""
+
+import sys
+
+from dflash.eval.args import INTERRUPTED, build_parser
+
+build_parser().parse_args()
+try:
+    import torch  # noqa: F401
+
+    from dflash.eval.cli import main
+except KeyboardInterrupt:
+    print(INTERRUPTED, file=sys.stderr)
+    sys.exit(130)
+sys.exit(main())

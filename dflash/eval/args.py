@@ -1,0 +1,55 @@
+"""The command line of ``python -m dflash.eval`` (light: importing it imports no torch, so
+``--help`` answers at once)."""
+
+from __future__ import annotations
+
+import argparse
+
+from csp.cli import HelpFormatter
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash.eval`` parser (light: built before torch is imported, so ``--help`` answers at once)."""
+    p = argparse.ArgumentParser(
+        prog="python -m dflash.eval", formatter_class=HelpFormatter,
+        description="Measure a drafter's accepted length by real draft-and-verify decoding against its target.\n\n"
+                    "Next to it, the same generated text is scored teacher-forced (the simulation training "
+                    "reports).\n"
+                    "Output columns (per prompt, then over all prompts; greedy decoding):\n"
+                    "  accepted/step   drafted tokens the target accepted per verify step, measured "
+                    "(bonus token not counted)\n"
+                    "  tokens/step     accepted/step + 1: tokens each verify step emits (the bonus "
+                    "token counted)\n"
+                    "  streak@visited  teacher-forced accepted streak at the anchors the decode visited; "
+                    "equals\n"
+                    "                  accepted/step up to kernel numerics (a gap means train/inference "
+                    "mismatch)\n"
+                    "  streak@all      teacher-forced mean streak over every anchor of the generated "
+                    "text\n"
+                    "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
+                    "independent positions)\n"
+                    "  acc per position  teacher-forced accuracy of block positions 1..block_size-1",
+        epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
+               "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
+               "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
+               "usable prompt,\n       target/drafter layer mismatch\n"
+               "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
+               "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
+               "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
+    p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL file, one {"prompt": str} per line')
+    src.add_argument("--data", metavar="SOURCE", help="a dflash.data source (e.g. sharegpt): the run's "
+                     "held-out conversations when the checkpoint is in its run directory, else the last "
+                     "N of SOURCE")
+    p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to decode")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
+                   help="prompt tokens kept (the last ones)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
+    return p
+
+
+INTERRUPTED = "dflash.eval: interrupted (Ctrl-C); nothing was written (eval writes no files)"

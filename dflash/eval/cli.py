@@ -1,0 +1,159 @@
+"""``python -m dflash.eval``: a drafter's accepted length measured by real draft-and-verify decoding
+against its target, next to the teacher-forced simulation of the same text.
+
+The pieces: :mod:`dflash.eval.decode` (greedy and draft-and-verify decoding, the proposers),
+:mod:`dflash.eval.measure` (:func:`evaluate`: decode, then score the text teacher-forced),
+:mod:`dflash.eval.report` (:class:`EvalResult` and the printed table), :mod:`dflash.eval.inputs`
+(the command line's checks) and :mod:`dflash.data.prompts` (prompts built as training builds
+contexts). Their public names are re-exported here.
+
+``python -m dflash.eval CHECKPOINT [--prompts FILE.jsonl | --data SOURCE] [--num-prompts N]
+[--max-new-tokens N] [--device DEV]``. Prompts are the first N ``{"prompt": str}`` lines of
+``--prompts``, or, with ``--data SOURCE``, the context before the first assistant turn of N
+conversations that open with a user turn (others are skipped, so N is honoured when possible):
+
+* when CHECKPOINT is ``RUN_DIR/checkpoints/step_N``, ``RUN_DIR/config.toml`` exists and its
+  ``data.source`` is SOURCE: the run's held-out conversations, ``split(data.holdout, data.seed)[1]``
+  of its tokenized data (:func:`~dflash.data.prompts.heldout_prompts`), i.e. none the drafter was
+  trained on;
+* otherwise (a copied checkpoint, another source, ``data.holdout = 0``): the *last* N usable
+  conversations of SOURCE in file order (:func:`~dflash.data.prompts.source_prompts`), which may be
+  training data; a note on stderr says so.
+
+Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data``)
+is one line on stderr and exit code 2; Ctrl-C is one line and exit code 130.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import torch
+
+from dflash.data.prompts import encode_prompt, heldout_prompts, source_prompts
+from dflash.eval.args import INTERRUPTED, build_parser
+from dflash.eval.inputs import (
+    EvalInputError,
+    check_checkpoint,
+    check_device,
+    read_prompt_file,
+    run_data_config,
+)
+from dflash.eval.measure import evaluate
+from dflash.eval.report import (
+    format_prompt,
+    format_result,
+)
+
+__all__ = ["main"]
+
+
+def _prompts(args, tok, texts: list[str] | None = None) -> list[list[int]]:
+    """Token ids of the CLI's prompts (module docstring says which conversations); ``texts``: the
+    ``--prompts`` file's prompts when the caller has read them already (read here when None).
+
+    Raises:
+        EvalInputError: a malformed ``--prompts`` line or an unreadable run ``[data]`` table.
+        DataError: an unknown ``--data`` source or a chat template the data path cannot split.
+    """
+    if args.prompts:
+        texts = read_prompt_file(args.prompts) if texts is None else texts
+        convs = [[{"role": "user", "content": prompt}] for prompt in texts]
+        return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
+    data_cfg = run_data_config(Path(args.checkpoint))
+    if data_cfg is None:
+        print(f"dflash.eval: {args.checkpoint} is not inside a run directory with config.toml: "
+              f"using the last {args.num_prompts} conversations of {args.data} (may be training data)",
+              file=sys.stderr)
+    elif data_cfg.source != args.data:
+        print(f"dflash.eval: --data {args.data} is not the run's data.source ({data_cfg.source}): "
+              f"using its last {args.num_prompts} conversations", file=sys.stderr)
+    elif data_cfg.holdout == 0:
+        print("dflash.eval: the run held out no conversations (data.holdout = 0): using the last "
+              f"{args.num_prompts} conversations of {args.data} (training data)", file=sys.stderr)
+    else:
+        out = heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens)
+        if len(out) < args.num_prompts:
+            print(f"dflash.eval: only {len(out)} usable held-out conversations "
+                  f"(data.holdout = {data_cfg.holdout})", file=sys.stderr)
+        return out
+    return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI (see ``--help``); returns the exit code: 0, 2 on bad input (one line on stderr),
+    130 on Ctrl-C (one line, :data:`INTERRUPTED`) while importing, loading models or decoding."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+        p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
+    from dflash.data import DataError
+    from dflash.data.sources import resolve_source
+
+    try:
+        check_device(args.device)
+        check_checkpoint(args.checkpoint)
+        texts = None
+        if args.prompts and not Path(args.prompts).is_file():
+            raise EvalInputError(f"--prompts {args.prompts}: no such file")
+        if args.prompts and not (texts := read_prompt_file(args.prompts)):  # read once, before any model
+            raise EvalInputError(f'--prompts {args.prompts} has no prompt lines; write one '
+                                 '{"prompt": "..."} object per line')
+        if args.data:
+            resolve_source(args.data)  # an unknown source fails here, before loading any model
+    except (EvalInputError, DataError) as exc:
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
+
+    from dflash.checkpoint.model_files import load_drafter
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.model.target import for_generation, load_target
+    from dflash.observe.runlog import quiet_progress_bars_when_piped
+
+    quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
+    try:
+        drafter, dc, tc = load_drafter(args.checkpoint, args.device)
+    except ValueError as exc:
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
+    # a run trained with flex_attention decodes with sdpa: same outputs, no compile per length
+    drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
+    target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)
+    if target.layer_ids != list(dc.target_layer_ids):
+        print(f"dflash.eval: target layers {target.layer_ids} != drafter's {dc.target_layer_ids}",
+              file=sys.stderr)
+        return 2
+    drafter.to(target.model.dtype)
+    head = target.shared_head()
+    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
+    try:
+        ids = _prompts(args, tok, texts)
+    except (EvalInputError, DataError, ValueError, KeyError) as exc:
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
+    if not ids:  # --prompts has at least one line (checked above): only --data gets here
+        print(f"dflash.eval: no usable prompt in --data {args.data} (every conversation opens with an "
+              "assistant turn)", file=sys.stderr)
+        return 2
+    prompts = [torch.tensor(x, device=args.device) for x in ids]
+    res = evaluate(target, drafter, head, prompts, args.max_new_tokens)
+    if args.json:
+        print(msgspec.json.encode(res).decode())
+        return 0
+    for i, r in enumerate(res.per_prompt):
+        print(format_prompt(i, r))
+    print(format_result(res))
+    return 0
+

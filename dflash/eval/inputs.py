@@ -1,0 +1,115 @@
+"""What ``python -m dflash.eval`` reads from its command line, checked before any model loads:
+the checkpoint directory (:func:`check_checkpoint`, also used by ``dflash.export``), the device,
+the ``--prompts`` file, and the ``[data]`` table of the run that wrote the checkpoint (which says
+whose held-out conversations to decode).
+
+Each bad input raises :class:`EvalInputError` with a one-line message saying what to change; the
+CLI prints it and exits 2. The prompts themselves are built by :mod:`dflash.data.prompts`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["EvalInputError", "check_checkpoint", "check_device", "read_prompt_file", "run_data_config"]
+
+
+class EvalInputError(ValueError):
+    """Bad CLI input (checkpoint path, device, prompt source); the message says what to change."""
+
+
+def run_data_config(checkpoint: Path):
+    """The ``[data]`` table of the run that wrote ``checkpoint``, or None.
+
+    A checkpoint of ``python -m dflash.run`` lives at ``RUN_DIR/checkpoints/step_N`` and the run
+    writes its resolved graph file to ``RUN_DIR/config.toml``; only its ``[data]`` table is read.
+
+    Raises:
+        EvalInputError: ``config.toml`` exists but its ``[data]`` table does not decode.
+    """
+    try:
+        import tomllib
+    except ImportError:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    from dflash.data import DataConfig
+
+    ckpt = Path(checkpoint).resolve()
+    path = ckpt.parent.parent / "config.toml"
+    if ckpt.parent.name != "checkpoints" or not path.is_file():
+        return None
+    try:
+        return msgspec.convert(tomllib.loads(path.read_text()).get("data", {}), DataConfig)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise EvalInputError(f"{path}: cannot read its [data] table: {exc}") from None
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """The ``"prompt"`` strings of a JSONL file, one ``{"prompt": str}`` object per line (blank
+    lines skipped; a UTF-8 byte-order mark is dropped).
+
+    Raises:
+        EvalInputError: a line that is not a JSON object with a string ``"prompt"`` (names the
+            file and line).
+    """
+    lines = Path(path).read_text(encoding="utf-8-sig").split("\n")  # not splitlines: U+2028 is JSON text
+    prompts = []
+    for n, x in enumerate(lines, 1):
+        if not x.strip():
+            continue
+        try:
+            prompt = json.loads(x)["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError("not a string")
+        except (ValueError, KeyError, TypeError) as e:
+            raise EvalInputError(f"--prompts {path}:{n}: expected a JSON object with a string "
+                                 f'"prompt" ({type(e).__name__}: {e})') from None
+        prompts.append(prompt)
+    return prompts
+
+
+def check_device(name: str):
+    """``name`` as a ``torch.device`` this machine has.
+
+    Raises:
+        EvalInputError: not a torch device name, or a CUDA device this machine lacks.
+    """
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise EvalInputError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and (not torch.cuda.is_available()
+                                  or (device.index or 0) >= torch.cuda.device_count()):
+        raise EvalInputError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s); use --device cpu")
+    return device
+
+
+def check_checkpoint(path: str) -> Path:
+    """``path`` as a drafter checkpoint directory.
+
+    Raises:
+        EvalInputError: missing, not a directory, a run directory, or lacking checkpoint files.
+    """
+    from dflash.checkpoint.model_files import DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS
+
+    p = Path(path)
+    if not p.exists():
+        raise EvalInputError(f"{path}: no such checkpoint directory")
+    if not p.is_dir():
+        raise EvalInputError(f"{path}: not a directory; give a checkpoint directory "
+                             "(RUN_DIR/checkpoints/step_N)")
+    from dflash.checkpoint import run_dir_checkpoints
+
+    steps = run_dir_checkpoints(p)
+    if steps is not None:
+        hint = f", e.g. {steps[-1]}" if steps else " (it has none yet)"
+        raise EvalInputError(f"{path} is a run directory; give one of its checkpoints{hint}")
+    missing = [n for n in (WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG) if not (p / n).is_file()]
+    if missing:
+        raise EvalInputError(f"{path} is not a drafter checkpoint: {', '.join(missing)} missing")
+    return p

@@ -1,0 +1,103 @@
+"""Measure a drafter: decode each prompt for real, then score the same text teacher-forced.
+
+The decode (:func:`dflash.eval.decode.speculative_decode`) gives the measured accepted length of every
+verify step. Next to it the generated text is scored teacher-forced: a block at every anchor of
+the generated region, labels = target argmax. Its streak at the anchors the decode visited
+reproduces each measured ``m`` (up to kernel numerics), and its marginal per-position accuracies
+give the simulated figure printed in training (``tau_sim = 1 + sum_j prod_{i<=j} acc_i``;
+:mod:`dflash.train.acceptance`). The result types and the printed table are in :mod:`dflash.eval.report`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.eval.decode import (
+    CachedDrafterProposer,
+    DrafterProposer,
+    speculative_decode,
+)
+from dflash.eval.report import EvalResult, PromptResult
+from dflash.model.attention import training_layout
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.target import SharedHead, Target
+from dflash.train.acceptance import (
+    accuracy_per_position,
+    simulated_accepted_length,
+    streak_lengths,
+    tau_from_accepted,
+)
+
+__all__ = ["evaluate", "greedy_labels", "teacher_forced"]
+
+
+@torch.no_grad()
+def greedy_labels(target: Target, head: SharedHead, tokens: torch.Tensor, anchors: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What greedy verification would accept at each anchor of ``tokens [L]``.
+
+    Returns ``(labels [A, bs-1], valid [A, bs-1], features [1, L+1, k*H])``: ``labels[:, j-1]`` is
+    the target's argmax for token ``a + j``, read at position ``a + j - 1``; slot ``j`` is valid
+    iff ``a + j < L`` (token ``a + j`` is part of the text, so the decode could have drafted it).
+    """
+    L = tokens.shape[0]
+    ext = torch.cat([tokens, tokens[-1:]])[None]          # one dummy token: features stay causal
+    pos = torch.arange(L + 1, device=tokens.device)[None]
+    feats, final = target(ext, pos, torch.zeros_like(pos), need_final=True)
+    greedy = head.logits(final[0, :L]).argmax(-1)        # greedy[t] = target's token t + 1
+    lab_pos = anchors[:, None] + torch.arange(block_size - 1, device=tokens.device)   # a + j - 1
+    valid = lab_pos + 1 < L
+    return greedy[lab_pos.clamp(max=L - 1)], valid, feats
+
+
+@torch.no_grad()
+def teacher_forced(target: Target, drafter: DFlashDrafter, head: SharedHead, tokens: torch.Tensor,
+                   anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score drafter blocks at ``anchors [A]`` of ``tokens [L]`` against :func:`greedy_labels`.
+
+    Returns ``(correct, valid)``, both ``[A, bs-1]`` bool.
+    """
+    bs = drafter.cfg.block_size
+    labels, valid, feats = greedy_labels(target, head, tokens, anchors, bs)
+    pos = torch.arange(feats.shape[1], device=tokens.device)[None]
+    block = torch.full((1, anchors.shape[0], bs), drafter.cfg.mask_token_id, device=tokens.device)
+    block[0, :, 0] = tokens[anchors]
+    layout = training_layout(pos, torch.zeros_like(pos), anchors[None], bs)
+    hidden = drafter(feats, head.embed(block), layout)[0]
+    return head.logits(hidden[:, 1:]).argmax(-1) == labels, valid
+
+
+def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
+             prompts: list[torch.Tensor], max_new_tokens: int) -> EvalResult:
+    """Speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text."""
+    bs = drafter.cfg.block_size
+    cached = all(t == "full_attention" for t in drafter.cfg.types)
+    per, all_m, all_streak, all_streaks, corrects, valids = [], [], [], [], [], []
+    for prompt in prompts:
+        proposer = CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
+        tokens, acc_m, visited = speculative_decode(target, proposer, prompt, max_new_tokens, bs)
+        n = prompt.shape[0]
+        region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
+        correct, valid = teacher_forced(target, drafter, head, tokens, region)
+        streaks = streak_lengths(correct, valid)
+        s_vis = streaks[torch.tensor(visited, device=tokens.device) - n]
+        acc = accuracy_per_position(correct, valid)
+        mean_m, sim = sum(acc_m) / len(acc_m), simulated_accepted_length(acc)
+        per.append(PromptResult(
+            prompt_len=n, new_tokens=tokens.shape[0] - n, steps=len(acc_m),
+            tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+            tau_sim=tau_from_accepted(sim), accepted_sim=sim,
+            streak_all=float(streaks.float().mean()), streak_visited=float(s_vis.float().mean())))
+        all_m += acc_m
+        all_streaks.append(streaks)
+        all_streak += s_vis.tolist()
+        corrects.append(correct)
+        valids.append(valid)
+    acc = accuracy_per_position(torch.cat(corrects), torch.cat(valids))
+    mean_m = sum(all_m) / max(len(all_m), 1)
+    sim = simulated_accepted_length(acc)
+    return EvalResult(tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+                      tau_sim=tau_from_accepted(sim), accepted_sim=sim,
+                      streak_visited=sum(all_streak) / max(len(all_streak), 1),
+                      streak_all=float(torch.cat(all_streaks).float().mean()),
+                      acc_per_pos=acc.tolist(), block_size=bs, per_prompt=per)

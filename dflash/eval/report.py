@@ -1,0 +1,109 @@
+"""What ``python -m dflash.eval`` reports: the result types and the printed table.
+
+``tau*`` figures are tokens per verify step (accepted + 1, the bonus token counted); the others are
+accepted drafts per step (:mod:`dflash.train.acceptance`). No torch import: a saved ``--json`` result
+can be read and printed without it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["EvalResult", "PromptResult", "explain", "format_prompt", "format_result"]
+
+
+class PromptResult(msgspec.Struct, kw_only=True):
+    """Per-prompt numbers; ``tau*`` are tokens per verify step (accepted + 1), the others are
+    accepted drafts per step (bonus token excluded)."""
+
+    prompt_len: int
+    new_tokens: int
+    steps: int
+    tau: float
+    mean_accepted: float
+    tau_sim: float
+    accepted_sim: float
+    streak_all: float
+    streak_visited: float
+
+
+class EvalResult(msgspec.Struct, kw_only=True):
+    """Aggregate over prompts.
+
+    Attributes:
+        tau: measured tokens per verify step (accepted + 1), over all steps of all prompts: the
+            figure z-lab's decoder and SGLang report.
+        mean_accepted: measured drafted tokens accepted per verify step (``tau - 1``).
+        tau_sim: simulated tokens per step, ``1 + accepted_sim``.
+        accepted_sim: ``sum_j prod_{i<=j} acc_j`` from teacher-forced accuracies on the generated
+            text (assumes independent errors across block positions).
+        streak_visited: teacher-forced streak (accepted drafts) at the anchors the decode visited
+            (equals ``mean_accepted`` up to kernel numerics).
+        streak_all: teacher-forced mean streak over every anchor of the generated text (the
+            simulated accepted length without the independence assumption).
+        acc_per_pos: ``[bs-1]`` teacher-forced accuracies.
+        block_size: the drafter's block size (tau is at most ``block_size``).
+        per_prompt: one :class:`PromptResult` per prompt.
+    """
+
+    tau: float
+    mean_accepted: float
+    tau_sim: float
+    accepted_sim: float
+    streak_visited: float
+    streak_all: float
+    acc_per_pos: list[float]
+    block_size: int
+    per_prompt: list[PromptResult]
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Alias of :attr:`tau`."""
+        return self.tau
+
+
+def explain(res: EvalResult) -> list[str]:
+    """One line per way the measured and simulated figures differ by more than 0.05 tokens/step,
+    saying why (empty when they agree)."""
+    out = []
+    if abs(res.streak_visited - res.mean_accepted) > 0.05:
+        out.append("streak@visited != measured: the decode's cached, block-sized target forwards "
+                   "round differently from the teacher-forced full forward (kernel numerics), so "
+                   "a few near-tied argmaxes flip")
+    if res.streak_visited < res.streak_all - 0.05:
+        out.append("streak@visited < streak@all: a decode visits anchors in proportion to how short "
+                   "their streak is (an accepted run skips the anchors inside it), so the measured "
+                   "figure weighs the hard anchors more than an average over all anchors does")
+    elif res.streak_visited > res.streak_all + 0.05:
+        out.append("streak@visited > streak@all: the anchors this decode happened to visit were "
+                   "easier than the average anchor of the same text (few prompts, short texts)")
+    if abs(res.accepted_sim - res.streak_all) > 0.05:
+        sign = "above" if res.accepted_sim > res.streak_all else "below"
+        out.append(f"tau_sim is {sign} streak@all: tau_sim multiplies per-position accuracies as "
+                   "if errors were independent; in a block they are correlated (a wrong slot "
+                   "makes the next one likelier wrong)" if sign == "above" else
+                   f"tau_sim is {sign} streak@all: correct slots cluster in the same blocks, "
+                   "which the product of marginals undercounts")
+    return out
+
+
+def format_result(res: EvalResult) -> str:
+    """The side-by-side table ``dflash.eval`` prints (tau = tokens per verify step = accepted + 1)."""
+    rows = [("measured: draft-and-verify decode", res.tau, res.mean_accepted),
+            ("teacher-forced streak @ visited anchors", res.streak_visited + 1, res.streak_visited),
+            ("teacher-forced streak @ all anchors", res.streak_all + 1, res.streak_all),
+            ("simulated tau_sim (per-position accuracy)", res.tau_sim, res.accepted_sim)]
+    lines = [f"{'':44s}{'tau (tokens/step)':>18s}{'accepted/step':>15s}"]
+    lines += [f"{name:44s}{t:>18.3f}{a:>15.3f}" for name, t, a in rows]
+    lines.append(f"block size {res.block_size} (tau <= {res.block_size}); plain target decoding "
+                 "has tau = 1")
+    lines.append("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
+    lines += [f"why they differ: {why}" for why in explain(res)]
+    return "\n".join(lines)
+
+
+def format_prompt(i: int, r: PromptResult) -> str:
+    """The per-prompt line ``dflash.eval`` prints before the table."""
+    return (f"prompt {i}: len {r.prompt_len} new {r.new_tokens} steps {r.steps} "
+            f"tau {r.tau:.3f} (accepted {r.mean_accepted:.3f}) streak@visited {r.streak_visited:.3f} "
+            f"streak@all {r.streak_all:.3f} tau_sim {r.tau_sim:.3f}")

@@ -1,0 +1,149 @@
+"""Writing the training metrics: ``metrics.jsonl`` (:class:`MetricsLog`), fixed step windows, wandb.
+
+Failure mode 5 of docs/failure-modes.md: a monitor that averaged "whatever accumulated since I last
+looked" showed phantom loss resets. Here a window is a fixed range of drafter steps ``(S - W, S]``;
+each logged point carries ``step`` (its last step), ``window`` (how many steps the window spans; the
+last window of a run, or the first after a resume, may be shorter and says so) and
+``steps_averaged`` (how many of them the averages are over: skipped, non-finite steps are logged on
+their own line and excluded, so a window of 5 holding one skip averages 4; 0 when every step was
+skipped, and the averages are then null).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash.messages import StepMetrics
+from dflash.records import RecordBase, TrainRecord, encode
+
+
+class MetricsLog:
+    """Append-only, thread-safe JSONL writer for ``RUN_DIR/metrics.jsonl``; one flushed line per
+    record (the types of :mod:`dflash.records`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = open(self.path, "ab", buffering=0)
+
+    def write(self, record: RecordBase | dict[str, Any]) -> None:
+        """Append one record; sets its ``time`` to now when unset. A dict (``{"kind": ..., ...}``, the
+        older API, still what :mod:`dflash.run.stages.trainer` may pass) is converted to its record type.
+
+        Raises:
+            dflash.records.MetricsFormatError: an unknown kind, field or value type (nothing written).
+        """
+        line = encode(record)
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(line)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+class WindowAggregator:
+    """Collects :class:`StepMetrics` and emits one record per fixed window of ``window`` steps.
+
+    Windows are aligned to step numbers: with ``window=10`` the points are at steps 10, 20, 30, ...
+    whatever step a run resumed from (a resume from step 25 emits a 5-step window at 30 first).
+
+    Throughput in a record:
+        ``tok_s``: real tokens trained / wall seconds of the window (the pipeline's throughput).
+        ``target_tok_s``: real tokens / summed target forward seconds (one replica's speed).
+        ``drafter_tok_s``: real tokens / summed drafter step seconds.
+        ``padding_waste``: padding tokens / computed tokens over the window (fraction).
+    """
+
+    def __init__(self, window: int, start_time: float | None = None, skipped_total: int = 0) -> None:
+        """``skipped_total``: skipped steps before the first one added (a resumed run's count)."""
+        self.window = window
+        self._items: list[StepMetrics] = []
+        self._last_time = start_time if start_time is not None else time.time()
+        self.skipped_total = skipped_total
+
+    def add(self, m: StepMetrics) -> TrainRecord | None:
+        """Add one step; returns the window's record when ``m.step`` closes a window, else None."""
+        self._items.append(m)
+        if m.skipped:
+            self.skipped_total += 1
+        if m.step % self.window == 0:
+            return self.flush()
+        return None
+
+    def flush(self) -> TrainRecord | None:
+        """Emit the (possibly partial) open window, or None if it is empty."""
+        if not self._items:
+            return None
+        items, self._items = self._items, []
+        ok = [m for m in items if not m.skipped]
+        last = items[-1]
+        wall = max(last.time - self._last_time, 1e-9)
+        self._last_time = last.time
+        tokens = sum(m.num_tokens for m in items)
+        padding = sum(m.num_padding for m in items)
+        target_s = sum(m.target_s for m in items)
+        step_s = sum(m.step_s for m in items)
+        acc = [_mean([m.acc_per_pos[j] for m in ok]) for j in range(len(ok[0].acc_per_pos))] if ok else []
+        return TrainRecord(
+            step=last.step,
+            window=len(items),
+            steps_averaged=len(ok),
+            loss=_mean([m.loss for m in ok]),
+            ce=_mean([m.ce for m in ok]),
+            kl=_mean([m.kl for m in ok]),
+            acc=[round(a, 5) for a in acc],
+            tau_sim=_mean([m.accepted_sim + 1.0 for m in ok]),
+            accepted_sim=_mean([m.accepted_sim for m in ok]),
+            lr=last.lr,
+            grad_norm=_mean([m.grad_norm for m in ok]),
+            tok_s=tokens / wall,
+            target_tok_s=tokens / target_s if target_s > 0 else float("nan"),
+            drafter_tok_s=tokens / step_s if step_s > 0 else float("nan"),
+            padding_waste=padding / max(tokens + padding, 1),
+            blocks=sum(m.num_blocks for m in items),
+            skipped_total=self.skipped_total,
+            time=last.time,
+        )
+
+
+class WandbSink:
+    """Logs window records to wandb (offline by default: files under RUN_DIR/wandb, no network).
+
+    ``mode="online"`` needs ``wandb login``; ``"disabled"`` turns it off. The wandb step is the
+    drafter step, so curves line up with ``metrics.jsonl``.
+    """
+
+    def __init__(self, mode: str, project: str, name: str, run_dir: Path, config: dict[str, Any]) -> None:
+        self.run = None
+        if mode == "disabled":
+            return
+        import wandb
+
+        self.run = wandb.init(
+            project=project, name=name, dir=str(run_dir), mode=mode, config=config, reinit="create_new"
+        )
+
+    def log(self, record: TrainRecord) -> None:
+        if self.run is None:
+            return
+        data = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        for j, a in enumerate(record.get("acc") or [], start=1):
+            data[f"acc/pos{j}"] = a
+        data = {k: v for k, v in data.items() if not (isinstance(v, float) and math.isnan(v))}
+        self.run.log(data, step=record.step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

@@ -1,0 +1,69 @@
+"""What the DFlash stages share at run time (handed to csp as the Runtime's ``app``): the
+resolved options and the run's resources, nothing read from the graph file by a stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash.observe.metrics_writer import MetricsLog
+
+if TYPE_CHECKING:
+    from dflash.run.resolve import Resolved
+
+__all__ = ["ResumeState", "RunApp"]
+
+
+@dataclass
+class ResumeState:
+    """Where this run starts (:mod:`dflash.checkpoint.resume` chose it).
+
+    Attributes:
+        start_step: drafter steps already done (0 for a fresh run).
+        path: the checkpoint resumed from, or None.
+        train_state: that checkpoint's ``train_state.pt`` contents, or None.
+        weights: its verified ``model.safetensors`` tensors (CPU), or None; taken by the drafter
+            stage (:meth:`take_weights`) so the memory goes once the parameters hold them.
+        lineage: the lineage id written into this run's checkpoints (:mod:`dflash.checkpoint.resume`).
+    """
+
+    start_step: int = 0
+    path: Path | None = None
+    train_state: dict[str, Any] | None = None
+    weights: dict[str, Any] | None = None
+    lineage: str | None = None
+
+    def take_weights(self) -> dict[str, Any] | None:
+        """The resumed weights, once (later calls get None)."""
+        weights, self.weights = self.weights, None
+        return weights
+
+
+@dataclass
+class RunApp:
+    """Run-wide objects built once by ``dflash.run`` before the graph starts.
+
+    Attributes:
+        resolved: the checked config and each stage's options (:class:`dflash.run.resolve.Resolved`).
+        run_dir: the run directory.
+        sampler: the data sampler, already positioned at the first batch to train (after resume).
+        metrics: the run's ``metrics.jsonl`` writer (shared by monitor, drafter, checkpointer).
+        resume: where the run starts (:class:`ResumeState`).
+    """
+
+    resolved: Resolved
+    run_dir: Path
+    sampler: Any
+    metrics: MetricsLog
+    resume: ResumeState
+
+    def step_of(self, seq: int) -> int:
+        """The drafter step (1-based, counted over the whole run) that trains the batch with
+        ``Batch.seq == seq``: data-parallel drafter replicas take one batch each per step."""
+        return self.resume.start_step + seq // self.resolved.prefetch.drafters + 1
+
+    @property
+    def steps_to_run(self) -> int:
+        """Batches still to train in this process (``[run].steps`` minus steps already done)."""
+        return max(self.resolved.trainer.total_steps - self.resume.start_step, 0)

@@ -1,0 +1,192 @@
+"""The DFlash graph file: csp's ``[[channel]]``/``[[process]]``/``[trace]`` plus dflash's own tables.
+
+Every table is a msgspec Struct with unknown keys forbidden, so a typo is reported with its path
+(``Object contains unknown field 'lr_peak' - at $.train``) before anything starts. Each component
+owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]`` is
+:class:`dflash.model.target.TargetConfig`, ``[drafter]`` :class:`dflash.model.drafter.DrafterConfig`, ``[loss]``
+:class:`dflash.train.loss.LossConfig`; this module adds ``[run]``, ``[train]``, ``[checkpoint]`` and
+``[monitor]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+import csp
+from dflash.data import DataConfig
+from dflash.errors import ConfigError
+from dflash.model.drafter import DrafterConfig
+from dflash.model.target import TargetConfig
+from dflash.train.loss import LossConfig
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class _Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_Table):
+    """``[run]``: what this run is called, where it writes, how long it trains."""
+
+    name: str
+    out_dir: str
+    """Run directory (relative paths are relative to the current directory)."""
+    steps: PositiveInt
+    """Drafter steps (batches) to train in total, counting steps done before a resume."""
+    seed: int = 0
+    """Seeds the data order, anchors, feature noise and drafter init."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True); exact resume is bitwise on CPU in this mode."""
+    resume: str = "auto"
+    """"auto" (newest healthy checkpoint of out_dir, if any), "none", or a checkpoint path."""
+
+
+class TrainSection(_Table):
+    """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
+
+    num_anchors: PositiveInt = 256
+    """Training blocks (anchors) sampled per packed row, the same for every batch (a sampling
+    setting, not part of the drafter model: it was ``[drafter].num_anchors`` before issue 15)."""
+    lr: Annotated[float, Meta(gt=0.0)] = 6e-4
+    """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
+    that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
+    warmup_steps: Annotated[int, Meta(ge=0)] = 20
+    """Linear warmup length, in steps."""
+    min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
+    """Cosine decay floor, as a fraction of lr."""
+    weight_decay: NonNegFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: NonNegFloat = 1.0
+    """Global L2 gradient-norm clip; 0 disables clipping."""
+    feature_noise: NonNegFloat = 0.0
+    """Std of Gaussian noise added to the target features (relative to their RMS); 0 = off."""
+    postprocess_side: Literal["target", "drafter"] = "drafter"
+    """Where postprocess computes: on the features' source device before the move ("target") or on
+    the drafter's device after it ("drafter"). Both give the same DrafterInput (tested)."""
+    max_nonfinite_streak: PositiveInt = 8
+    """Consecutive skipped (non-finite) steps after which the run stops."""
+    check_channels: bool = False
+    """Debug: check every tensor crossing a channel for non-finite values and name the first producer."""
+    host_staging: bool = False
+    """Move features target -> drafter through host memory instead of device to device."""
+    sync_free_loss: bool = True
+    """compute_loss in fixed shapes: every block slot goes through the LM head with weight 0 where
+    it is not trained, and the counts stay tensors, so the loss never waits for the device (the
+    step's one host read then carries them). False: the trained slots are picked by boolean masks
+    (fewer LM-head rows, but each mask and count is a host sync). Same loss and gradients (tested)."""
+    features_fp32: bool = False
+    """Cast the target features to the drafter's fp32 master dtype before ``fc`` even under bf16
+    autocast: a [B, T, k*H] fp32 copy (about 1.3 GB per 16K-token batch at the 8B shape) that
+    autocast rounds straight back. False lets ``fc`` read them in bf16; bitwise equal (tested)."""
+    lm_head_chunk: Annotated[int, Meta(ge=0)] = 2048
+    """With sync_free_loss: LM head and loss this many block slots at a time (dflash.train.chunked_head),
+    so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
+    3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
+    rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
+    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, issue 17), hence the default."""
+
+    def __post_init__(self) -> None:
+        # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
+        # float32: beyond float32's range the step overflows and the drafter crashes at step 1.
+        beta1, beta2 = self.betas
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+            raise ValueError(f"train.betas = {list(self.betas)} must both be in [0, 1)")
+        limit = _FLOAT32_MAX * (1.0 - beta1)
+        if not math.isfinite(self.lr) or self.lr > limit:
+            raise ValueError(f"train.lr = {self.lr:g} is not a usable learning rate: AdamW's first "
+                             f"step lr / (1 - beta1) must fit in float32 (lr <= {limit:.3g}); "
+                             "typical values are 1e-4 .. 1e-3")
+
+
+class CheckpointSection(_Table):
+    """``[checkpoint]``: how often and how many."""
+
+    every: Annotated[int, Meta(ge=0)] = 100
+    """Save every N steps (0 = only at the end)."""
+    keep_last: PositiveInt = 3
+    """Keep the newest K complete healthy checkpoints."""
+
+
+class MonitorSection(_Table):
+    """``[monitor]``: metrics windows and sinks."""
+
+    window: PositiveInt = 10
+    """Steps per logged point; every point records its window size."""
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "dflash"
+    display: Literal["auto", "live", "plain", "off"] = "auto"
+    """"auto": a rich live view on a terminal, plain lines otherwise."""
+    spike_k: Annotated[float, Meta(gt=0.0)] = 5.0
+    """A window whose loss exceeds the median of the last 20 windows by spike_k robust standard
+    deviations (1.4826 x MAD) is flagged as a spike (the rule of python -m dflash.logs)."""
+    plot: bool = True
+    """At the end of the run write RUN_DIR/plot.png (python -m dflash.plot) when matplotlib is
+    importable; without it one line says how to get it."""
+
+
+class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):
+    """A whole DFlash graph file (``python -m dflash.run GRAPH.toml``)."""
+
+    run: RunSection
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    target: TargetConfig = msgspec.field(default_factory=TargetConfig)
+    drafter: DrafterConfig = msgspec.field(default_factory=DrafterConfig)
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    train: TrainSection = msgspec.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
+    monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashFile:
+    """Read, override (``--set section.key=value``) and validate a DFlash graph file.
+
+    Raises:
+        ConfigError: missing file, bad TOML, unknown key, wrong type (csp's message, with the
+            path), or ``drafter.num_anchors``, which is ``train.num_anchors`` now.
+    """
+    try:
+        return csp.load_spec(path, spec_type=DFlashFile, overrides=overrides or [])
+    except csp.GraphError as exc:
+        if _OLD_NUM_ANCHORS in str(exc):
+            raise ConfigError(f"{path}: drafter.num_anchors is a training-sampling setting and has moved to "
+                              "[train]: rename it to train.num_anchors (--set train.num_anchors=N)") from exc
+        raise ConfigError(str(exc)) from exc
+
+
+_OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"
+
+
+def _drop_none(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+def to_toml(cfg: DFlashFile) -> bytes:
+    """The resolved config as TOML (written to RUN_DIR/config.toml; ``None`` fields are left out,
+    which is how TOML spells "use the default")."""
+    return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg)))
+
+
+def config_hash(cfg: DFlashFile) -> str:
+    """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
+    ``[monitor]`` excluded), stored in checkpoints."""
+    raw = msgspec.to_builtins(cfg)
+    # Hashed in the layout from before issue 15, where num_anchors sat in [drafter]: the same
+    # settings give the same hash, so older checkpoints resume without a "config differs" warning.
+    raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
+    raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
+    raw.pop("monitor", None)
+    raw.pop("trace", None)
+    return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]

@@ -1,0 +1,78 @@
+"""``dflash.prefetch``: batches from the data sampler, anchors sampled, pinned when a GPU trains."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+import csp
+from dflash.messages import Batch
+from dflash.seeding import ANCHORS, derive_seed
+from dflash.train.anchors import sample_anchors
+from dflash.train.sentinel import FiniteSentinel
+
+if TYPE_CHECKING:
+    from dflash.run.app import RunApp
+
+
+class PrefetchOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.prefetch`` needs (built by :func:`dflash.run.resolve.resolve`).
+
+    Attributes:
+        seed: ``[run].seed``; with the batch id it seeds each batch's anchors.
+        num_anchors: ``[train].num_anchors``, anchor slots per row (``A``).
+        block_size: ``[drafter].block_size`` (``bs``): an anchor needs ``bs - 1`` tokens after it.
+        pin: copy each batch to page-locked memory (a CUDA device is available and the graph uses one).
+        drafters: data-parallel drafter replicas; each takes one batch per optimizer step.
+        check_channels: ``[train].check_channels``, the debug non-finite check of every item sent.
+    """
+
+    seed: int
+    num_anchors: int
+    block_size: int
+    pin: bool
+    drafters: int = 1
+    check_channels: bool = False
+
+
+def anchor_generator(seed: int, batch_id: int) -> torch.Generator:
+    """CPU generator for one batch's anchors: a pure function of (run seed, batch id), so a resumed
+    run draws exactly the anchors the uninterrupted run drew."""
+    return torch.Generator().manual_seed(derive_seed(seed, batch_id, salt=ANCHORS))
+
+
+@csp.register("dflash.prefetch")
+class PrefetchStage(csp.Process):
+    """Source stage: pulls ``steps_to_run`` batches from the sampler and sends them on ``batches``.
+
+    Anchors (``Batch.anchors``, ``[B, A]`` int64, -1 = empty slot) are drawn here on the CPU, off the
+    GPU's critical path. With ``pin`` (when any process runs on CUDA) every batch is copied to
+    page-locked memory so the target's host-to-device copy is asynchronous.
+    Stops early, after the current batch, when a graceful stop is requested.
+    Reads :class:`PrefetchOptions` and the app's sampler.
+    """
+
+    inputs: dict = {}
+    outputs = {"batches": Batch}
+
+    def setup(self) -> None:
+        self.app: RunApp = self.ctx.app
+        self.opts: PrefetchOptions = self.app.resolved.prefetch
+        self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.opts.check_channels)
+
+    def run(self, inputs, outputs) -> None:
+        o, out, sampler = self.opts, outputs["batches"], self.app.sampler
+        for seq in range(self.app.steps_to_run * o.drafters):
+            if self.ctx.stopping() and seq % o.drafters == 0:  # whole steps only: DDP replicas stay even
+                break
+            with self.ctx.span("batch"):
+                batch: Batch = next(sampler)
+                anchors = sample_anchors(batch.loss_mask, batch.doc_ids, o.num_anchors, o.block_size,
+                                         generator=anchor_generator(o.seed, batch.batch_id))
+                batch = msgspec.structs.replace(batch, seq=seq, anchors=anchors)
+                if o.pin:
+                    batch = batch.pin_memory()
+            self.sentinel.check(batch, batch_id=batch.batch_id, channel="batches", step=self.app.step_of(seq))
+            out.send(batch)

@@ -1,0 +1,175 @@
+"""``dflash.drafter``: the stage that trains the drafter; glue around :mod:`dflash.train.step`.
+
+Per batch: :func:`dflash.train.step.train_step` (loss, backward, clip, the one host read, the
+non-finite skip, AdamW, schedule), then the stop rule: ``[train].max_nonfinite_streak``
+consecutive skips stop the run, naming the last healthy checkpoint
+(:func:`dflash.train.nonfinite.last_trusted_checkpoint`). Every ``[checkpoint].every`` steps a background
+checkpoint (:mod:`dflash.checkpoint`); its ``meta.json`` carries the mean loss of the steps since
+the previous checkpoint, and a checkpoint saved while a non-finite streak runs is marked unhealthy.
+When the input ends (the data is exhausted, or a graceful stop drained the graph) a final
+checkpoint is written and waited for.
+
+Built from: :mod:`dflash.train.optim` (AdamW and schedule), :mod:`dflash.train.nonfinite` (the skip policy),
+:mod:`dflash.train.state` (restore, the checkpoint window, ``train_state.pt``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+import csp
+from dflash.checkpoint import TRAIN_CONFIG, Checkpointer
+from dflash.checkpoint.model_files import config_files
+from dflash.messages import DrafterInput, StepMetrics
+from dflash.model.drafter import DrafterConfig
+from dflash.model.target import TargetConfig
+from dflash.run.config import DFlashFile, TrainSection
+from dflash.train import parallel
+from dflash.train.loss import LossConfig
+from dflash.train.nonfinite import NonFiniteGuard, last_trusted_checkpoint
+from dflash.train.optim import make_optimizer
+from dflash.train.state import (
+    CheckpointWindow,
+    newest_sampler_state,
+    restore,
+    train_state,
+)
+from dflash.train.step import train_step
+
+if TYPE_CHECKING:
+    from dflash.run.app import RunApp
+
+__all__ = ["DrafterStage", "DrafterStageOptions"]
+
+
+class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.model.drafter`` needs (built by :func:`dflash.run.resolve.resolve`).
+
+    Attributes:
+        drafter: the resolved drafter config (every dimension set, ``target_layer_ids`` chosen).
+        target: the ``[target]`` table, for the shared embedding and LM head and the checkpoint.
+        seed: ``[run].seed``, seeds the drafter's init.
+        total_steps: ``[run].steps``, steps in total counting those before a resume (the schedule's end).
+        train: ``[train]`` (optimizer, schedule, loss switches, the non-finite streak).
+        loss: ``[loss]``.
+        checkpoint_every, keep_last: ``[checkpoint].every`` (0: only at the end) and ``keep_last``.
+        config_hash: :func:`dflash.run.config.config_hash` of the filled file, stored in checkpoints.
+        train_config: the filled graph file, written as is into each checkpoint's train_config.json.
+    """
+
+    drafter: DrafterConfig
+    target: TargetConfig
+    seed: int
+    total_steps: int
+    train: TrainSection
+    loss: LossConfig
+    checkpoint_every: int
+    keep_last: int
+    config_hash: str
+    train_config: DFlashFile
+
+
+@csp.register("dflash.drafter")
+class DrafterStage(csp.Process):
+    """Trains the DFlash drafter. Input ``features``: :class:`DrafterInput`; output ``metrics``:
+    one :class:`StepMetrics` per step (skipped steps included). Reads :class:`DrafterStageOptions`,
+    the app's run directory, metrics writer and resume state."""
+
+    inputs = {"features": DrafterInput}
+    outputs = {"metrics": StepMetrics}
+
+    def setup(self) -> None:
+        from dflash.model.drafter import DFlashDrafter
+        from dflash.model.target import load_shared_head
+
+        app: RunApp = self.ctx.app
+        self.app, o, resume = app, app.resolved.trainer, app.resume
+        self.opts: DrafterStageOptions = o
+        self.device = self.ctx.device or torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.head = load_shared_head(o.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
+        # Seeded init from its own generator: the global RNG is shared with the other stages' threads.
+        self.drafter = DFlashDrafter(o.drafter, seed=o.seed).to(self.device)  # fp32 master weights
+        # DDP over the drafter replicas' ranks under torchrun (dflash.train.parallel); the module itself otherwise.
+        self.model = parallel.wrap(self.drafter, self.ctx)
+        self.optim = make_optimizer(self.drafter, o.train, o.total_steps)
+        self.guard = NonFiniteGuard(o.train.max_nonfinite_streak)
+        self.step = resume.start_step
+        if resume.path is not None:
+            self.guard.skipped_total = restore(self.drafter, self.optim, resume, o.train, self.ctx, self.device)
+        self.ckpt = Checkpointer(
+            app.run_dir / "checkpoints",
+            keep_last=o.keep_last,
+            config_hash=o.config_hash,
+            on_event=app.metrics.write,
+            lineage=resume.lineage,
+        )
+        self.ckpt.last_healthy = resume.path
+        if self.cuda and parallel.is_writer(self.ctx):
+            # Page-lock the host buffers of the checkpoint copy now, not in the middle of training.
+            like = {str(i): {"step": torch.zeros(()), "exp_avg": p, "exp_avg_sq": p}
+                    for i, p in enumerate(self.optim.params)}
+            self.ckpt.reserve(dict(self.drafter.state_dict()), {"optimizer": {"state": like}})
+        self.window = CheckpointWindow()
+        self.saved_step = -1
+
+    def run(self, inputs, outputs) -> None:
+        metrics = outputs["metrics"]
+        every, total = self.opts.checkpoint_every, self.opts.total_steps
+        for inp in inputs["features"]:
+            m = self.train_step(inp)
+            if parallel.is_writer(self.ctx):  # one record per step, not one per replica
+                metrics.send(m)
+            if every and self.step % every == 0 and self.step < total:
+                self.save()
+        if self.window.last_batch_id >= 0 and self.saved_step != self.step:  # final checkpoint, once
+            self.save()
+        self.ckpt.wait()
+
+    def teardown(self) -> None:
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None:
+            ckpt.close()  # finishes an in-flight save; never leaves a half-written checkpoint
+
+    def train_step(self, inp: DrafterInput) -> StepMetrics:
+        """One optimizer step (or a counted skip) on one batch; raises
+        :class:`dflash.train.sentinel.NonFiniteError` when the skip streak is exhausted."""
+        self.step += 1
+        with self.ctx.span("drafter.step"):
+            m = train_step(self.model, self.head, self.optim, self.guard, inp, self.opts, step=self.step,
+                           cuda=self.cuda, before_update=self.ckpt.before_update)
+        self.window.add(m, inp.batch.sampler_state)
+        if m.skipped and self.guard.exhausted:
+            last = last_trusted_checkpoint(self.ckpt, step=self.step, streak=self.guard.streak,
+                                           writer=parallel.is_writer(self.ctx))
+            raise self.guard.stop_error(step=self.step, batch_id=m.batch_id, replica=m.replica,
+                                        reason=m.skip_reason, last=last)
+        return m
+
+    def save(self) -> None:
+        """Background checkpoint of the state after ``self.step`` (returns before the disk write)."""
+        loss, window_skipped = self.window.take()
+        window_steps = self.step - max(self.saved_step, self.app.resume.start_step)
+        self.saved_step = self.step
+        sampler_state = newest_sampler_state(self.window.last_sampler_state, self.ctx)
+        with self.ctx.span("checkpoint.snapshot"):
+            state = train_state(step=self.step, o=self.optim, sampler_state=sampler_state,
+                                skipped_total=self.guard.skipped_total)
+            if parallel.is_writer(self.ctx):
+                self.ckpt.save(
+                    step=self.step,
+                    batch_id=self.window.last_batch_id,
+                    loss=loss,
+                    window_steps=window_steps,
+                    window_skipped=window_skipped,
+                    last_skipped=self.guard.streak > 0,
+                    skipped_total=self.guard.skipped_total,
+                    weights=dict(self.drafter.state_dict()),
+                    train_state=state,
+                    configs={**config_files(self.opts.drafter, self.opts.target), TRAIN_CONFIG: self.opts.train_config},
+                )
+            if parallel.group(self.ctx) is not None:  # every replica's own state, then a barrier
+                parallel.save_rank_state(self.app.run_dir / "checkpoints", self.step, self.ctx, state)

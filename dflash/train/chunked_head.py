@@ -1,0 +1,106 @@
+"""The LM head and the per-slot loss in chunks of slots, never the whole ``[M, V]`` logits.
+
+The drafter's logits over the vocabulary for every scored slot are the step's largest activation.
+:func:`chunked_head_loss` computes, ``chunk`` slots at a time, what :func:`dflash.train.loss.mixed_loss`
+computes from full logits, and the gradient of each slot's loss with respect to its hidden state
+right away (the head is frozen, so that is the only gradient it needs); autograd later scales it
+by the incoming per-slot gradient. The same idea as the fused linear cross-entropy of Liger-Kernel
+(Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for LLM Training"), written here with
+plain torch ops for this loss (CE + temperature KL).
+
+Gradient (notation of :mod:`dflash.train.loss`, ``p = softmax(z^D)``, ``q_tau = softmax(z^D / tau)``,
+``p^T_tau = softmax(z^T / tau)``, ``e_y`` the one-hot label):
+``dl/dz^D = (1 - kl_weight) (p - e_y) + kl_weight * tau * (q_tau - p^T_tau)``, then
+``dl/dh = (dl/dz^D) W`` through the head (in the head's dtype, as autograd would).
+
+Memory, for ``M`` slots, vocabulary ``V``, hidden ``H``, ``c`` slots per chunk (fp32 = 4 bytes):
+unchunked, autograd keeps the ``[M, V]`` fp32 log-probabilities for backward (two more ``[M, V]``
+with KL: the draft and target log-softmax at ``tau``), about ``4 M V`` bytes each, plus the head's
+``[M, V]`` output; chunked, about five ``[c, V]`` fp32 buffers live while a chunk is computed and
+only ``dl/dh`` ``[M, H]`` fp32 is kept. At the 8B shape (``V = 151,936``, ``H = 4,096``) and
+``M = 3,840`` slots that is 2.3 GB per ``[M, V]`` tensor against 63 MB kept and 0.6 GB per
+``[c, V]`` chunk buffer at ``c = 1,024``. FLOPs are the same: the head's forward once, and its
+input-gradient product moves from backward into forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash.train.loss import LossConfig
+
+__all__ = ["chunked_head_loss"]
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, head, target_hidden, data_labels, cfg: LossConfig, chunk: int):
+        M = hidden.shape[0]
+        W = head.lm_head.weight
+        kw, tau = cfg.kl_weight, cfg.temperature
+        l, ce, kl = (torch.empty(M, device=hidden.device) for _ in range(3))
+        draft_arg = torch.empty(M, dtype=torch.long, device=hidden.device)
+        target_arg = torch.empty_like(draft_arg) if target_hidden is not None else None
+        grad_h = torch.empty(M, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        for s in range(0, M, chunk):
+            e = min(s + chunk, M)
+            z = head.logits(hidden[s:e]).float()                             # [c, V]
+            zt = head.logits(target_hidden[s:e]).float() if target_hidden is not None else None
+            y = zt.argmax(-1) if cfg.label == "target_argmax" else data_labels[s:e]
+            logp = F.log_softmax(z, dim=-1)
+            ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
+            draft_arg[s:e] = z.argmax(-1)
+            dz = logp.exp_()                                                 # p, in place
+            dz.scatter_add_(1, y[:, None], torch.full_like(dz[:, :1], -1.0))  # p - e_y
+            if kw > 0:
+                logp_t = F.log_softmax(zt / tau, dim=-1)
+                logq_t = F.log_softmax(z / tau, dim=-1)
+                p_t = logp_t.exp()
+                kl[s:e] = (tau * tau) * (p_t * (logp_t - logq_t)).sum(-1)
+                dz.mul_(1.0 - kw).add_(logq_t.exp_().sub_(p_t), alpha=kw * tau)
+            else:
+                kl[s:e] = 0.0
+            if target_arg is not None:
+                target_arg[s:e] = zt.argmax(-1)
+            grad_h[s:e] = (dz.to(W.dtype) @ W).float()
+            l[s:e] = (1.0 - kw) * ce[s:e] + kw * kl[s:e]
+        ctx.save_for_backward(grad_h)
+        ctx.h_dtype = hidden.dtype
+        outs = (l, ce, kl, draft_arg, target_arg if target_arg is not None else data_labels)
+        ctx.mark_non_differentiable(*outs[1:])
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_l, *_):
+        (grad_h,) = ctx.saved_tensors
+        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None
+
+
+def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | None,
+                      data_labels: torch.Tensor, cfg: LossConfig, chunk: int):
+    """Per-slot loss terms through the frozen LM head, ``chunk`` slots at a time.
+
+    Args:
+        hidden: ``[M, H]`` drafter hidden states (differentiable).
+        head: the :class:`dflash.model.target.SharedHead` (frozen).
+        target_hidden: ``[M, H]`` target final hidden states predicting the same tokens, or None
+            (required when the loss needs target logits).
+        data_labels: ``[M]`` int64 dataset tokens.
+        cfg: the loss config (label, kl_weight, temperature).
+        chunk: slots per chunk (>= 1).
+
+    Returns:
+        ``(l, ce, kl, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
+        ``hidden``; ``ce``/``kl`` fp32 as :func:`dflash.train.loss.mixed_loss`; ``draft_argmax`` the
+        drafter's argmax token; ``accept_label`` the target's argmax (or ``data_labels`` without
+        target hidden states).
+
+    Raises:
+        ValueError: ``chunk < 1``, or the config needs target logits and ``target_hidden`` is None.
+    """
+    if chunk < 1:
+        raise ValueError(f"LM-head chunk must be >= 1 slots, got {chunk}")
+    if (cfg.kl_weight > 0 or cfg.label == "target_argmax") and target_hidden is None:
+        raise ValueError("loss.kl_weight > 0 or label = 'target_argmax' needs target hidden states")
+    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk)

@@ -1,0 +1,215 @@
+"""features -> loss: the one function the training step (:mod:`dflash.train.step`) calls per batch.
+
+Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
+
+1. Blocks: ``[input_ids[a], mask, ..., mask]`` at each anchor ``a`` -> shared embedding
+   ``[B, A, bs, H]``; layout from :func:`dflash.model.attention.training_layout`.
+2. Drafter forward -> hidden ``[B, A, bs, H]``; slot ``j >= 1`` predicts token ``a + j``.
+3. A slot is trained iff its anchor is valid, ``a + j < T``, ``doc_ids[a + j] == doc_ids[a]`` and
+   ``loss_mask[a + j]``. Only block slots go through the LM head (never ``B*T*V``): all
+   ``M = B*A*(bs-1)`` of them with weight 0 where untrained (``[train].sync_free_loss``, the
+   default: fixed shapes, no host sync), or the ``N`` trained ones picked by boolean masks.
+4. Labels: ``input_ids[a + j]`` ("data") or the target argmax for token ``a + j``, read from
+   ``final_hidden[a + j - 1]`` (the target's prediction *of* token ``a + j`` is made at the
+   position before it). KL uses the target logits at the same ``a + j - 1``.
+5. Loss, CE/KL means, per-position accuracy (against the target argmax when target logits are
+   computed, which is what greedy verification accepts; else against the data token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.messages import LossInput
+from dflash.model.attention import training_layout
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.target import SharedHead
+from dflash.train.acceptance import accuracy_per_position, streak_lengths
+from dflash.train.chunked_head import chunked_head_loss
+from dflash.train.loss import (
+    LossConfig,
+    mixed_loss,
+    needs_final_hidden,
+    position_weights,
+)
+
+__all__ = ["LossOutput", "block_targets", "compute_loss"]
+
+
+@dataclass
+class LossOutput:
+    """Result of :func:`compute_loss`.
+
+    Attributes:
+        loss: scalar fp32 with grad (weighted mean, formula in :mod:`dflash.train.loss`).
+        ce, kl: unweighted means over trained slots (detached scalars; kl 0 when not computed).
+        acc_per_pos: ``[bs-1]`` fp32 accuracy per slot (nan where no slot was trained).
+        streak_mean: mean leading-correct count over valid blocks (see :mod:`dflash.train.acceptance`).
+        num_blocks: valid anchors (an int, or a 0-dim int64 tensor on the sync-free path, read
+            with the step's one host read).
+        num_predictions: trained slots ``N`` (int or 0-dim int64 tensor, as ``num_blocks``).
+    """
+
+    loss: torch.Tensor
+    ce: torch.Tensor
+    kl: torch.Tensor
+    acc_per_pos: torch.Tensor
+    streak_mean: torch.Tensor
+    num_blocks: int | torch.Tensor
+    num_predictions: int | torch.Tensor
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                  anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos [B, A, bs-1] int64, trained [B, A, bs-1] bool)``: position ``a + j`` of the token
+    slot ``j`` predicts (clamped into the row) and whether that slot is trained."""
+    T = input_ids.shape[1]
+    j = torch.arange(1, block_size, device=anchors.device)
+    raw = anchors[:, :, None] + j                                            # [B, A, bs-1]
+    pos = raw.clamp(0, T - 1)
+    B, A, S = pos.shape
+    flat = pos.reshape(B, A * S)
+    doc = doc_ids.long()
+    same_doc = doc.gather(1, flat).view(B, A, S) == doc.gather(1, anchors.clamp(min=0))[:, :, None]
+    trained = ((anchors >= 0)[:, :, None] & (raw < T) & same_doc
+               & loss_mask.bool().gather(1, flat).view(B, A, S))
+    return pos, trained
+
+
+def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: LossConfig, *,
+                 sync_free: bool = True, features_fp32: bool = False, lm_head_chunk: int = 0) -> LossOutput:
+    """One batch's loss and metrics (see the module docstring for the steps).
+
+    Args:
+        drafter: the drafter (or its DDP wrapper). head: the target's frozen embedding and LM head.
+        x: the batch's tensors (:class:`dflash.messages.LossInput`, shapes and dtypes there;
+            ``DrafterInput.loss_input()`` on the training path).
+        cfg: the ``[loss]`` table.
+        sync_free: ``[train].sync_free_loss``: fixed shapes, no host read (every slot through the
+            LM head, weight 0 where untrained; counts stay tensors). False: the trained slots are
+            picked by boolean masks (``N`` rows, a host sync each) and the counts are ints.
+        features_fp32: ``[train].features_fp32``: cast the features to the drafter's (fp32
+            master) dtype before ``fc`` even under autocast, a materialised ``[B, T, k*H]`` fp32
+            copy. False leaves them to autocast (exact: autocast casts them back to its dtype).
+        lm_head_chunk: ``[train].lm_head_chunk``: with ``sync_free``, run the LM head and the loss
+            this many slots at a time (:mod:`dflash.train.chunked_head`); 0 = all slots at once.
+
+    Raises:
+        ValueError: the config needs target logits and ``x.final_hidden`` is None, or the drafter
+            has no ``mask_token_id``.
+    """
+    features, input_ids, loss_mask, doc_ids = x.features, x.input_ids, x.loss_mask, x.doc_ids
+    position_ids, anchors, final_hidden = x.position_ids, x.anchors, x.final_hidden
+    dc = getattr(drafter, "module", drafter).cfg  # DDP-wrapped drafters keep their config inside
+    bs = dc.block_size
+    if dc.mask_token_id is None:
+        raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
+    if needs_final_hidden(cfg) and final_hidden is None:
+        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight} needs the target's "
+                         "final hidden state; run the target with need_final=True")
+    B, A = anchors.shape
+    safe = anchors.clamp(min=0)
+    if features_fp32:
+        fc = getattr(getattr(drafter, "module", drafter), "fc", None)
+        features = features.to(fc.weight.dtype if fc is not None else torch.float32)
+
+    # 1-2. blocks -> drafter hidden [B, A, bs, H]
+    block_ids = torch.full((B, A, bs), dc.mask_token_id, dtype=torch.long, device=input_ids.device)
+    block_ids[:, :, 0] = input_ids.gather(1, safe)
+    layout = training_layout(position_ids, doc_ids, anchors, bs)
+    hidden = drafter(features, head.embed(block_ids), layout)
+    pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
+    if sync_free:
+        return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg,
+                                 lm_head_chunk)
+
+    # 3. trained slots only -> logits [N, V]
+    draft_logits = head.logits(hidden[:, :, 1:][trained]).float()
+    flat_pos = pos[trained]                                                      # [N]
+    row = torch.arange(B, device=pos.device)[:, None, None].expand_as(pos)[trained]
+
+    # 4. labels; target logits at a + j - 1 predict token a + j
+    target_logits = None
+    if final_hidden is not None and (needs_final_hidden(cfg)):
+        target_logits = head.logits(final_hidden[row, flat_pos - 1]).float()
+    data_labels = input_ids[row, flat_pos]
+    labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
+
+    # 5. loss
+    per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+    grid = lambda v, fill=0.0: torch.full(trained.shape, fill, dtype=v.dtype,  # noqa: E731
+                                          device=v.device).masked_scatter(trained, v)
+    label_prob = grid(torch.exp(-ce.detach()))
+    w = position_weights(cfg, label_prob.view(B * A, bs - 1)).view(B, A, bs - 1)[trained]
+    denom = w.sum()
+    loss = (w * per_slot).sum() / denom.clamp(min=1e-12)
+
+    with torch.no_grad():
+        accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
+        correct = grid(draft_logits.argmax(-1) == accept_label, False).view(B * A, bs - 1)
+        valid = trained.view(B * A, bs - 1)
+        block_ok = (anchors >= 0).view(-1)
+        n = max(int(trained.sum()), 1)
+        return LossOutput(
+            loss=loss,
+            ce=ce.detach().sum() / n,
+            kl=kl.detach().sum() / n,
+            acc_per_pos=accuracy_per_position(correct, valid),
+            streak_mean=streak_lengths(correct, valid)[block_ok].float().mean(),
+            num_blocks=int(block_ok.sum()),
+            num_predictions=int(trained.sum()),
+        )
+
+
+def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
+                      input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
+                      cfg: LossConfig, lm_head_chunk: int = 0) -> LossOutput:
+    """Steps 3-5 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
+    the data, so nothing waits for the device. Same loss as the masked path up to summation order
+    (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors."""
+    B, A, S = pos.shape
+    M, H = B * A * S, hidden.shape[-1]
+    tw = trained.reshape(M)
+    flat_pos = pos.reshape(B, A * S)
+    slot_hidden = hidden[:, :, 1:].reshape(M, H)
+    target_hidden = None
+    if final_hidden is not None and needs_final_hidden(cfg):
+        # pos >= 1 wherever a slot is trained; the clamp only keeps empty anchors' rows in range
+        prev = (flat_pos - 1).clamp(min=0)[..., None].expand(B, A * S, final_hidden.shape[-1])
+        target_hidden = final_hidden.gather(1, prev).reshape(M, -1)
+    data_labels = input_ids.gather(1, flat_pos).reshape(M)
+    if lm_head_chunk > 0:
+        per_slot, ce, kl, draft_arg, accept_label = chunked_head_loss(
+            slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk)
+    else:
+        draft_logits = head.logits(slot_hidden).float()                          # [M, V]
+        target_logits = head.logits(target_hidden).float() if target_hidden is not None else None
+        labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
+        per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+        with torch.no_grad():
+            draft_arg = draft_logits.argmax(-1)
+            accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
+    zero = torch.zeros((), dtype=per_slot.dtype, device=per_slot.device)
+    label_prob = torch.where(tw, torch.exp(-ce.detach()), zero).view(B * A, S)
+    w = torch.where(tw, position_weights(cfg, label_prob).reshape(M), zero)
+    loss = (w * torch.where(tw, per_slot, zero)).sum() / w.sum().clamp(min=1e-12)
+
+    with torch.no_grad():
+        correct = ((draft_arg == accept_label) & tw).view(B * A, S)
+        valid = trained.view(B * A, S)
+        block_ok = (anchors >= 0).view(-1)
+        n = tw.sum()
+        nf = n.clamp(min=1).float()
+        num_blocks = block_ok.sum()
+        streak = streak_lengths(correct, valid)
+        return LossOutput(
+            loss=loss,
+            ce=torch.where(tw, ce, zero).sum() / nf,
+            kl=torch.where(tw, kl, zero).sum() / nf,
+            acc_per_pos=accuracy_per_position(correct, valid),
+            streak_mean=(streak * block_ok).sum().float() / num_blocks.float(),  # nan: no block
+            num_blocks=num_blocks,
+            num_predictions=n,
+        )

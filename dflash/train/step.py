@@ -1,0 +1,116 @@
+"""One training step of the drafter, top to bottom: loss, backward, clip, one host read, update.
+
+Shapes: B rows, T tokens, k captured target layers of hidden size H, A anchors, bs block size.
+
+1. :func:`dflash.train.objective.compute_loss` on the batch's :class:`dflash.messages.LossInput`
+   (bf16 autocast on CUDA, fp32 on CPU);
+2. backward, global gradient norm (clipped to ``[train].grad_clip``);
+3. one host read of ``[loss, grad_norm, ce, kl, blocks, acc...]``: the step's only
+   synchronisation (``[train].sync_free_loss`` keeps ``compute_loss`` free of any; with it off the
+   loss's boolean masks and counts add their own);
+4. non-finite loss or gradient (:class:`dflash.train.nonfinite.NonFiniteGuard`): the update is skipped
+   and counted. This decision is why the one read stays per step and is not deferred to the logging
+   window: a skipped update must leave the weights *and* AdamW's moments and step count untouched,
+   and no device-side form does that for the foreach AdamW used here (zeroed gradients still decay
+   the moments and advance the step; a ``torch.where`` between old and new state needs a copy of
+   weights and both moments, 3x the parameters, every step; fused AdamW's ``found_inf`` input would
+   skip on the device, but it is another kernel with its own rounding, so results change, and the
+   streak rule and the per-step metrics still need the values on the host). The read comes after
+   backward, so the only device time it costs is the launch gap before the optimizer's kernels,
+   and it carries everything the monitor needs;
+5. otherwise AdamW step; the schedule steps either way (it follows batches).
+
+The caller (:class:`dflash.run.stages.trainer.DrafterStage`) owns the step counter, checkpoints and
+the stop when the guard's streak is exhausted.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+
+from dflash.messages import DrafterInput, StepMetrics
+from dflash.model.target import SharedHead
+from dflash.train.acceptance import simulated_accepted_length
+from dflash.train.nonfinite import NonFiniteGuard
+from dflash.train.objective import compute_loss
+from dflash.train.optim import DrafterOptimizer
+
+__all__ = ["train_step"]
+
+
+def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, guard: NonFiniteGuard,
+               inp: DrafterInput, cfg: Any, *, step: int, cuda: bool,
+               before_update: Callable[[], None] = lambda: None) -> StepMetrics:
+    """One optimizer step (or a counted skip) on one batch; see the module docstring.
+
+    Args:
+        model: the drafter (or its DDP wrapper); ``o`` holds its parameters, AdamW and schedule.
+        head: the target's frozen embedding and LM head (bf16 on CUDA, fp32 on CPU).
+        inp: the batch on ``model``'s device (``features [B, T, k*H]``, ``anchors [B, A]``).
+        cfg: anything with the run's ``.train`` and ``.loss`` tables (the drafter stage passes its
+            :class:`dflash.run.stages.trainer.DrafterStageOptions`).
+        step: this step's number (1-based), reported in the metrics.
+        cuda: run the forward under bf16 autocast.
+        before_update: called just before ``opt.step()`` changes the weights (the checkpointer
+            finishes copying the previous state there).
+
+    Returns:
+        the step's :class:`StepMetrics` (``skipped`` with nan loss/ce/kl when the guard skipped it).
+    """
+    t0 = time.perf_counter()
+    b, train = inp.batch, cfg.train
+
+    # 1. loss: features [B, T, k*H] + blocks [B, A, bs] -> scalar loss, acc_per_pos [bs-1]
+    with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
+        out = compute_loss(model, head, inp.loss_input(), cfg.loss, sync_free=train.sync_free_loss,
+                           features_fp32=train.features_fp32, lm_head_chunk=train.lm_head_chunk)
+
+    # 2. backward; global L2 gradient norm before clipping (0-dim, on the device)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(o.params, train.grad_clip if train.grad_clip > 0 else float("inf"))
+
+    # 3. the step's one host read: [loss, grad_norm, ce, kl, (blocks), acc_1 .. acc_{bs-1}]
+    #    (the block count rides along when it is still a tensor: the sync-free loss)
+    blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
+    scalars = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
+    scalars += [blocks_t.float()] if blocks_t is not None else []
+    vals = torch.cat([torch.stack(scalars), out.acc_per_pos.float()]).tolist()
+    loss, gnorm, ce, kl = vals[:4]
+    num_blocks = int(vals[4]) if blocks_t is not None else int(out.num_blocks)
+    acc = vals[len(scalars):]
+    lr = o.lr  # the lr this step uses
+
+    # 4-5. skip a non-finite step, else update; the schedule follows batches, skipped or not
+    reason = guard.reason(loss, gnorm)
+    if reason is None:
+        before_update()
+        o.opt.step()
+    guard.record(reason)
+    o.opt.zero_grad(set_to_none=True)
+    o.sched.step()
+
+    skipped = reason is not None
+    return StepMetrics(
+        step=step,
+        batch_id=b.batch_id,
+        loss=float("nan") if skipped else loss,
+        ce=float("nan") if skipped else ce,
+        kl=float("nan") if skipped else kl,
+        acc_per_pos=acc,
+        accepted_sim=simulated_accepted_length(acc),
+        lr=lr,
+        grad_norm=gnorm,
+        skipped=skipped,
+        skip_reason=reason,
+        replica=inp.replica,
+        num_tokens=b.num_tokens,
+        num_padding=b.num_padding,
+        num_blocks=num_blocks,
+        step_s=time.perf_counter() - t0,
+        target_s=inp.target_s,
+        time=time.time(),
+    )
