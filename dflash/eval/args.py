@@ -28,7 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "text\n"
                     "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
                     "independent positions)\n"
-                    "  acc per position  teacher-forced accuracy of block positions 1..block_size-1",
+                    "  acc per position  teacher-forced accuracy of block positions 1..block_size-1\n"
+                    "A DFlash2 drafter (drafter.variant = \"dflash2\") drafts with its selector's walk over "
+                    "the top-K, so the\nfigures above are the walk's; beside them: the backbone top-1's "
+                    "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K.",
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
