@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         greedy_decode,
         speculative_decode,
     )
+    from dflash.eval.selector import is_dflash2, selector_proposer
     from dflash.model.target import for_generation, load_target
 
     device = torch.device(args.device)
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     ids = _prompts(args, tok)
     prompts = [torch.tensor(x, device=device) for x in ids]
     bs = dc.block_size
+    # a DFlash2 drafter drafts with its selector walk (CachedDrafterProposer runs DFlash layers only;
+    # selector_proposer keeps the same context cache)
+    proposer = (lambda: selector_proposer(drafter, head)) if is_dflash2(drafter) else (
+        lambda: CachedDrafterProposer(drafter, head))
 
     def timed(fn):
         _sync(device)
@@ -73,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         return out, time.perf_counter() - t0
 
     greedy_decode(target, prompts[0], 16)                           # warm-up (kernels, allocator)
-    speculative_decode(target, CachedDrafterProposer(drafter, head), prompts[0], 16, bs)
+    speculative_decode(target, proposer(), prompts[0], 16, bs)
     t_plain = t_spec = 0.0
     steps = accepted = tokens = same = equal = 0
     for pr in prompts:
         ref, dt = timed(lambda: greedy_decode(target, pr, args.max_new_tokens))
         t_plain += dt
         (out, acc, _), dt = timed(lambda: speculative_decode(
-            target, CachedDrafterProposer(drafter, head), pr, args.max_new_tokens, bs))
+            target, proposer(), pr, args.max_new_tokens, bs))
         t_spec += dt
         # bf16 on a GPU: a block-verify forward rounds differently from one-token forwards, so a
         # near-tie argmax can flip and the texts part; count the tokens before the first difference
@@ -92,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "target": tc.path or tc.preset, "block_size": bs, "drafter_layers": dc.num_layers,
+        "variant": dc.variant,
         "prompts": len(prompts), "new_tokens_per_prompt": args.max_new_tokens,
         "target_only_tok_s": tokens / t_plain, "speculative_tok_s": tokens / t_spec,
         "speedup": t_plain / t_spec, "tau": 1 + accepted / steps, "accepted_per_step": accepted / steps,

@@ -12,7 +12,7 @@ import torch
 from dflash.eval.decode import greedy_decode, speculative_decode
 from dflash.eval.measure import evaluate
 from dflash.eval.report import format_result
-from dflash.eval.selector import SelectorProposer
+from dflash.eval.selector import CachedSelectorProposer, SelectorProposer, selector_proposer
 from dflash.export import export_drafter, load_exported
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
@@ -106,6 +106,22 @@ def test_selector_decode_is_lossless_and_drafts_the_teacher_forced_walk(models):
     assert not torch.equal(walk, head.logits(hid).argmax(-1))
 
 
+def test_cached_selector_proposes_what_the_uncached_one_does(models):
+    """Invariant: the drafter's context KV cache changes speed, not drafts: at every step the
+    cached DFlash2 proposer's block equals the recomputing one's (the convolutions see only the
+    block either way)."""
+    target, head, d = models
+    p = prompt(5)
+    plain, cached = Recorder(SelectorProposer(d, head)), Recorder(CachedSelectorProposer(d, head))
+    tokens, _, _ = speculative_decode(target, plain, p, 14, BS)
+    tokens_c, _, _ = speculative_decode(target, cached, p, 14, BS)
+    assert torch.equal(tokens, tokens_c) and len(plain.drafts) == len(cached.drafts) > 2
+    assert all(torch.equal(a, b) for a, b in zip(plain.drafts, cached.drafts))
+    with pytest.raises(ValueError, match="needs a DFlash2 drafter"):
+        cfg = DrafterConfig(num_layers=1, block_size=BS, mask_token_id=V - 1)
+        CachedSelectorProposer(DFlashDrafter(cfg.resolve(target.hf_config, target.layer_ids)), head)
+
+
 def test_evaluate_reports_the_walk_with_recall_and_oracle(models):
     """dflash.eval on a DFlash2 drafter: measured tau is the walk's (its teacher-forced streak at
     the visited anchors equals it), and recall@K, oracle top-K tau and the backbone top-1's tau
@@ -145,7 +161,7 @@ def test_accepted_lengths_equal_zlab_dflash_generate(models, trained, tmp_path, 
     zmodel = zl.DFlash2DraftModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     for seed, new in ((5, 23), (6, 30)):
         p = prompt(seed, 11)
-        tokens, accepted, anchors = speculative_decode(target, SelectorProposer(ours, head), p, new, BS)
+        tokens, accepted, anchors = speculative_decode(target, selector_proposer(ours, head), p, new, BS)
         ref = zl.dflash_generate(zmodel, target.model, p[None], new, None, return_stats=True)
         assert torch.equal(ref.output_ids[0], tokens) and torch.equal(tokens, greedy_decode(target, p, new))
         full = [(m, p.shape[0] + new - 1 - a) for m, a in zip(accepted, anchors)]   # (m, remaining)

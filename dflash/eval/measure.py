@@ -7,7 +7,7 @@ reproduces each measured ``m`` (up to kernel numerics), and its marginal per-pos
 give the simulated figure printed in training (``tau_sim = 1 + sum_j prod_{i<=j} acc_i``;
 :mod:`dflash.train.acceptance`). The result types and the printed table are in :mod:`dflash.eval.report`.
 
-A DFlash2 drafter decodes with its selector's walk (:class:`dflash.eval.selector.SelectorProposer`)
+A DFlash2 drafter decodes with its selector's walk (:func:`dflash.eval.selector.selector_proposer`)
 and is scored by the walk; beside it the same text gives recall@K, the oracle top-K tau and the
 backbone top-1's teacher-forced tau (:func:`dflash.eval.selector.block_figures`).
 """
@@ -22,7 +22,7 @@ from dflash.eval.decode import (
     speculative_decode,
 )
 from dflash.eval.report import EvalResult, PromptResult, SelectorFigures
-from dflash.eval.selector import SelectorProposer, block_figures, is_dflash2
+from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead, Target
@@ -86,7 +86,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     per, all_m, all_streak, all_streaks, corrects, valids, extra = [], [], [], [], [], [], []
     for prompt in prompts:
         if dflash2:
-            proposer = SelectorProposer(drafter, head)
+            proposer = selector_proposer(drafter, head)
         else:
             proposer = CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
         tokens, acc_m, visited = speculative_decode(target, proposer, prompt, max_new_tokens, bs)

@@ -138,10 +138,14 @@ class CandidateSelector(nn.Module):
 
     def pair_scores(self, gate: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """``<P[prev] * gate, S[cand_k]>``: ``gate [.., r]``, ``prev [..]``, ``cand [.., K]`` -> ``[.., K]``
-        (fp32: the codebooks' dtype or wider)."""
-        ctx = self.predecessor_codebook[prev] * gate                         # [.., r]
-        succ = self.successor_codebook[cand]                                 # [.., K, r]
-        return torch.matmul(succ, ctx.to(succ.dtype).unsqueeze(-1)).squeeze(-1)
+        in the codebooks' dtype, outside autocast: the scores are compared with each other and
+        with logit gaps, so a bf16 product (3 significant digits) would reorder near-ties, and the
+        ``[.., K, r]`` product is small (16 x 256 per slot at the published sizes)."""
+        with torch.autocast(gate.device.type, enabled=False):
+            pred = self.predecessor_codebook[prev]                           # [.., r]
+            ctx = pred * gate.to(pred.dtype)
+            succ = self.successor_codebook[cand]                             # [.., K, r]
+            return torch.matmul(succ, ctx.unsqueeze(-1)).squeeze(-1)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(unary [.., K] fp32, ids [.., K] int64)``: the top-K logits, largest first."""

@@ -298,12 +298,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _forward_conv(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
-        """DFlash2: ``x += conv_1(f(conv_0(u)))`` with ``u`` the normed input; both sides' taps come
-        from ``u`` (``x [B, Q, H]``, ``Q`` a multiple of the block size: blocks never mix)."""
+        return self.apply_conv(x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask))
+
+    def apply_conv(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """DFlash2's layer: ``x += conv_1(f(conv_0(u)))`` with ``u`` the normed input, both sides'
+        taps from ``u`` (``x [B, Q, H]``, ``Q`` a multiple of the block size: blocks never mix).
+        ``attend(h [B, Q, H]) -> [B, Q, H]`` is the attention sublayer (a KV-cached decode passes
+        its own, :class:`dflash.eval.selector.CachedSelectorProposer`)."""
         u = self.input_layernorm(x)
         c = self.attention_conv.coefficients(u)                              # [B, Q, 2, K, G]
-        a = self.self_attn(self.attention_conv(u, c, 0, self.block), ctx, rope_q, rope_k, mask)
-        x = x + self.attention_conv(a, c, 1, self.block)
+        x = x + self.attention_conv(attend(self.attention_conv(u, c, 0, self.block)), c, 1, self.block)
         u = self.post_attention_layernorm(x)
         c = self.mlp_conv.coefficients(u)
         return x + self.mlp_conv(self.mlp(self.mlp_conv(u, c, 0, self.block)), c, 1, self.block)
