@@ -47,7 +47,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["CandidateSelector", "GroupedDynamicCausalConv", "walk_selector"]
@@ -99,9 +98,8 @@ class GroupedDynamicCausalConv(nn.Module):
         dyn = coef[:, :, side].reshape(B, n, block, K, G, 1)
         base = self.base_kernel[side].to(v.dtype).view(K, G, self.group_size)
         out = v5 * (base[0] + dyn[:, :, :, 0])
-        for o in range(1, min(K, block)):            # taps reaching before the anchor see zeros
-            prev = F.pad(v5[:, :, : block - o], (0, 0, 0, 0, o, 0))       # v[t - o] within the block
-            out = out + prev * (base[o] + dyn[:, :, :, o])
+        for o in range(1, min(K, block)):  # tap o reaches v[t - o]: zero (skipped) before the anchor
+            out[:, :, o:] += v5[:, :, : block - o] * (base[o] + dyn[:, :, o:, o])
         return out.reshape(B, Q, H)
 
 
@@ -136,16 +134,20 @@ class CandidateSelector(nn.Module):
         """``W h``: ``[.., H] -> [.., r]``."""
         return self.hidden_projection(hidden)
 
-    def pair_scores(self, gate: torch.Tensor, prev: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-        """``<P[prev] * gate, S[cand_k]>``: ``gate [.., r]``, ``prev [..]``, ``cand [.., K]`` -> ``[.., K]``
-        in the codebooks' dtype, outside autocast: the scores are compared with each other and
-        with logit gaps, so a bf16 product (3 significant digits) would reorder near-ties, and the
-        ``[.., K, r]`` product is small (16 x 256 per slot at the published sizes)."""
+    def successors(self, cand: torch.Tensor) -> torch.Tensor:
+        """``S[cand]``: ``[.., K] -> [.., K, r]`` (gathered once per batch; every predecessor reuses it)."""
+        return self.successor_codebook[cand]
+
+    def pair_scores(self, gate: torch.Tensor, prev: torch.Tensor, succ: torch.Tensor) -> torch.Tensor:
+        """``<P[prev] * gate, succ_k>``: ``gate [.., r]``, ``prev [..]``, ``succ [.., K, r]``
+        (:meth:`successors`) -> ``[.., K]`` in the codebooks' dtype, outside autocast: the scores are
+        compared with each other and with logit gaps, so a bf16 product (3 significant digits)
+        would reorder near-ties, and the ``[.., K, r]`` product is small (16 x 256 per slot at the
+        published sizes)."""
         with torch.autocast(gate.device.type, enabled=False):
             pred = self.predecessor_codebook[prev]                           # [.., r]
             ctx = pred * gate.to(pred.dtype)
-            succ = self.successor_codebook[cand]                             # [.., K, r]
-            return torch.matmul(succ, ctx.unsqueeze(-1)).squeeze(-1)
+            return torch.matmul(succ.to(pred.dtype), ctx.unsqueeze(-1)).squeeze(-1)
 
     def candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(unary [.., K] fp32, ids [.., K] int64)``: the top-K logits, largest first."""
@@ -161,8 +163,8 @@ class CandidateSelector(nn.Module):
 
 
 def walk_selector(selector: CandidateSelector, gate: torch.Tensor, unary: torch.Tensor, cand: torch.Tensor,
-                  anchor: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  anchor: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None,
+                  succ: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Walk the block left to right from ``anchor``, each choice the next predecessor.
 
     Args:
@@ -171,13 +173,16 @@ def walk_selector(selector: CandidateSelector, gate: torch.Tensor, unary: torch.
         anchor: ``[N]`` the block's token 0 (the last committed token).
         temperature: <= 0: argmax of the scores (greedy). > 0: sample an index from
             ``q = softmax(score / T)`` over the K candidates (``generator`` for the draws).
+        succ: ``[N, S, K, r]`` :meth:`CandidateSelector.successors` of ``cand`` when already
+            gathered (gathered here otherwise).
 
     Returns:
         ``(tokens [N, S] int64, q [N, S, K] fp32 or None when greedy)``.
     """
+    succ = selector.successors(cand) if succ is None else succ
     prev, path, qs = anchor, [], []
     for j in range(cand.shape[1]):
-        score = unary[:, j].float() + selector.pair_scores(gate[:, j], prev, cand[:, j]).float()
+        score = unary[:, j].float() + selector.pair_scores(gate[:, j], prev, succ[:, j]).float()
         if temperature > 0:
             q = torch.softmax(score / temperature, dim=-1)
             idx = torch.multinomial(q, 1, generator=generator)[:, 0]

@@ -105,7 +105,8 @@ def selector_terms(selector: CandidateSelector, slot_hidden: torch.Tensor, ancho
     known = torch.where(trained, labels, data_labels)
     prev = torch.cat([anchor_ids[:, :, None], known[:, :, :-1]], dim=2)         # [B, A, S]
     gate = selector.gate(slot_hidden)                                           # [B, A, S, r]
-    score = unary + selector.pair_scores(gate, prev, cand).float()              # [B, A, S, K]
+    succ = selector.successors(cand)                                            # [B, A, S, K, r]
+    score = unary + selector.pair_scores(gate, prev, succ).float()              # [B, A, S, K]
     hit = cand == labels[..., None]
     has = hit.any(-1)
     ce = torch.logsumexp(score, -1) - score.gather(-1, hit.long().argmax(-1, keepdim=True)).squeeze(-1)
@@ -115,7 +116,8 @@ def selector_terms(selector: CandidateSelector, slot_hidden: torch.Tensor, ancho
 
     with torch.no_grad():
         path, _ = walk_selector(selector, gate.detach().reshape(B * A, S, -1), unary.reshape(B * A, S, K),
-                                cand.reshape(B * A, S, K), anchor_ids.reshape(B * A))
+                                cand.reshape(B * A, S, K), anchor_ids.reshape(B * A),
+                                succ=succ.detach().reshape(B * A, S, K, -1))
         valid = trained.reshape(B * A, S)
         correct = (path == accept.reshape(B * A, S)) & valid
         in_k = (cand == accept[..., None]).any(-1).reshape(B * A, S) & valid
