@@ -374,3 +374,31 @@ def test_window_records_carry_the_selector_figures_only_for_dflash2():
     back = decode_line(encode(rec))
     assert all(back[k] == rec[k] for k in ("sel_loss", "sel_acc", "sel_tau", "base_tau", "recall_k",
                                            "oracle_tau", "label_missing"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch.cuda.set_sync_debug_mode")
+def test_cuda_dflash2_loss_under_sync_debug_mode(target, batch):
+    """On the GPU: the DFlash2 loss (selector CE, top-K from the chunked head, the metrics' walk)
+    forward and backward under bf16 autocast raise nothing with set_sync_debug_mode("error")."""
+    from dflash.model.target import SharedHead
+
+    h = target.shared_head()
+    emb = h.embed_tokens.weight.detach().cuda().bfloat16()
+    head = SharedHead(emb, h.lm_head.weight.detach().cuda().bfloat16())
+    x = LossInput(**{f: (getattr(batch, f).cuda() if getattr(batch, f) is not None else None)
+                     for f in batch.__struct_fields__})
+    x = LossInput(**{**{f: getattr(x, f) for f in x.__struct_fields__},
+                     "features": x.features.bfloat16(), "final_hidden": x.final_hidden.bfloat16()})
+    d = scramble(drafter(target, **D2)).cuda()
+    cfg = LossConfig(label="target_argmax")
+    for debug in ("default", "error"):    # the first pass warms up (lazy init may sync once)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(debug)
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = compute_loss(d, head, x, cfg, sync_free=True, lm_head_chunk=7)
+            out.loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss) and torch.isfinite(out.selector.loss)

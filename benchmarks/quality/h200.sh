@@ -6,6 +6,12 @@
 #   bash benchmarks/quality/h200.sh phase2 OUT   # train on the regenerated data (STEPS, and LONG); eval; decode speed
 #   N=16000 bash benchmarks/quality/h200.sh extend OUT  # answer conversations up to N (resumes REGEN_GZ)
 #   N=16000 bash benchmarks/quality/h200.sh long OUT    # one LONG run on that data alone; eval; decode speed
+#   VARIANT=dflash2 BS=16 bash benchmarks/quality/h200.sh variant OUT  # one drafter variant at block BS; eval; decode
+#
+# DFlash vs DFlash2 at equal budgets: two `variant` calls (one device call each, the GPU to itself),
+# VARIANT=dflash then VARIANT=dflash2, same STEPS, TRAIN_S, BS, data (SRC=regenerated: REGEN_GZ's
+# conversations answered by the target, the phase-2 data; SRC=sharegpt: the raw conversations)
+# and prompts. eval-VARIANT_bsBS.json has tau and, for DFlash2, recall@K / oracle top-K / backbone tau.
 #
 # Every run: examples/sharegpt-target-h200.toml (block 16, 3 drafter layers), the first 8000
 # ShareGPT conversations (regenerated: the same 8000 answered by the target), STEPS steps.
@@ -33,14 +39,15 @@ evaluate() {  # name
   python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW --json \
     > "$OUT/eval-$1.json" 2> "$R/eval-$1.err" || { tail -5 "$R/eval-$1.err"; return 1; }
   python3 -c "import json; d = json.load(open('$OUT/eval-$1.json')); print('$1', '$ck', {k: d[k] for k in
-    ('tau', 'mean_accepted', 'tau_sim', 'streak_visited', 'streak_all')}, [a if a is None else round(a, 2) for a in d['acc_per_pos']])"
+    ('tau', 'mean_accepted', 'tau_sim', 'streak_visited', 'streak_all')}, [a if a is None else round(a, 2) for a in d['acc_per_pos']],
+    d.get('selector') and {k: d['selector'][k] for k in ('top_k', 'recall', 'oracle_tau', 'backbone_tau')})"
 }
 P_FROM=${P_FROM:-8000}
 python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $P_FROM --num $NP
-decode() {  # name: target-only greedy vs draft-and-verify with its last checkpoint
+decode() {  # name [tag]: target-only greedy vs draft-and-verify with its last checkpoint -> decode[-tag].json
   local ck; ck=$(ls -d "$R/$1"/checkpoints/step_* | sort | tail -1)
   python3 -m benchmarks.decode_speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
-    --out "$OUT/decode.json" 2>&1 | tail -20
+    --out "$OUT/decode${2:+-$2}.json" 2>&1 | tail -20
 }
 case $PHASE in
 phase1)
@@ -85,5 +92,16 @@ long)
   cp "$R/regenerated_long/metrics.jsonl" "$OUT/metrics-regenerated_long.jsonl"
   cp "$R/regenerated_long.log" "$OUT/"
   decode regenerated_long;;
+variant)
+  V=${VARIANT:-dflash2}; BS=${BS:-16}; name=${V}_bs$BS; SRC=${SRC:-regenerated}
+  DATA=()
+  if [ "$SRC" = regenerated ]; then
+    [ -f "$R/regenerated.jsonl" ] || gunzip -c "${REGEN_GZ:-.quality/regenerated.jsonl.gz}" > "$R/regenerated.jsonl"
+    DATA=(--set data.source=\"$R/regenerated.jsonl\")
+  fi
+  train $name "${DATA[@]}" --set loss.label=\"target_argmax\" --set drafter.variant=\"$V\" --set drafter.block_size=$BS
+  tail -3 "$R/$name.log"; evaluate $name
+  cp "$R/$name/metrics.jsonl" "$OUT/metrics-$name.jsonl"; cp "$R/$name.log" "$OUT/"
+  decode $name $name;;
 esac
 ls -la "$OUT"
