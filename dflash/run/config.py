@@ -93,6 +93,10 @@ class TrainSection(_Table):
     3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
     rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
     62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, issue 17), hence the default."""
+    lm_head: Literal["chunked", "liger"] = "chunked"
+    """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
+    cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only, so loss.kl_weight must be 0).
+    Same loss and gradients to bf16 rounding (a GPU test)."""
 
     def __post_init__(self) -> None:
         # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
@@ -162,6 +166,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
         raise ConfigError(str(exc)) from exc
 
 
+_SPEED_DEFAULTS = {
+    "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
+    "drafter": {"kernels": "torch", "compile": False},
+    "train": {"lm_head": "chunked"},
+}
+
 _OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"
 
 
@@ -183,6 +193,12 @@ def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
+    # Speed-only switches (same loss to rounding, tested) are hashed only when set, so the hash of
+    # a file that leaves them at their defaults is the one it had before they existed.
+    for table, defaults in _SPEED_DEFAULTS.items():
+        for key, default in defaults.items():
+            if raw[table].get(key) == default:
+                raw[table].pop(key, None)
     # Hashed in the layout from before issue 15, where num_anchors sat in [drafter]: the same
     # settings give the same hash, so older checkpoints resume without a "config differs" warning.
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")

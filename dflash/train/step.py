@@ -67,7 +67,8 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     # 1. loss: features [B, T, k*H] + blocks [B, A, bs] -> scalar loss, acc_per_pos [bs-1]
     with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
         out = compute_loss(model, head, inp.loss_input(), cfg.loss, sync_free=train.sync_free_loss,
-                           features_fp32=train.features_fp32, lm_head_chunk=train.lm_head_chunk)
+                           features_fp32=train.features_fp32, lm_head_chunk=train.lm_head_chunk,
+                           lm_head=train.lm_head)
 
     # 2. backward; global L2 gradient norm before clipping (0-dim, on the device)
     out.loss.backward()
