@@ -291,7 +291,7 @@ class DFlashDrafter(nn.Module):
         if cfg.kernels != "torch" or cfg.compile:  # fused kernels / compiled layers, same weights
             from dflash.model.drafter_kernels import apply_kernels
 
-            apply_kernels(self, cfg.kernels, cfg.compile)
+            apply_kernels(self, cfg.kernels, cfg.compile, RMSNorm, MLP)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:

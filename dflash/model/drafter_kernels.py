@@ -58,10 +58,12 @@ def _liger_mlp_forward(mlp: nn.Module):
     return forward
 
 
-def apply_kernels(drafter: nn.Module, kernels: str, compile: bool) -> None:
+def apply_kernels(drafter: nn.Module, kernels: str, compile: bool, norm_type: type, mlp_type: type) -> None:
     """Put ``drafter`` (a :class:`dflash.model.drafter.DFlashDrafter`) on fused kernels in place.
 
     Args:
+        norm_type, mlp_type: the drafter's RMSNorm and MLP classes (passed in, so this module does
+            not import the drafter's).
         kernels: "torch" (no swap) | "liger" (RMSNorm and SwiGLU, see the module docstring).
         compile: ``torch.compile`` each of ``drafter.layers`` in place.
 
@@ -69,17 +71,15 @@ def apply_kernels(drafter: nn.Module, kernels: str, compile: bool) -> None:
         ConfigError: ``kernels = "liger"`` and the liger_kernel (or triton) package is missing;
             an unknown ``kernels`` value.
     """
-    from dflash.model.drafter import MLP, RMSNorm
-
     if kernels == "liger":
         missing = [p for p in ("liger_kernel", "triton") if importlib.util.find_spec(p) is None]
         if missing:
             raise ConfigError(f"drafter.kernels = 'liger' needs the {' and '.join(missing)} package(s) "
                               "(pip install liger-kernel; CUDA only): set drafter.kernels = 'torch'")
         for module in drafter.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, norm_type):
                 module.forward = _liger_norm_forward(module)
-            elif isinstance(module, MLP):
+            elif isinstance(module, mlp_type):
                 module.forward = _liger_mlp_forward(module)
     elif kernels != "torch":
         raise ConfigError(f"drafter.kernels = {kernels!r}: expected 'torch' or 'liger'")
