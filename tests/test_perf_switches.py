@@ -16,6 +16,7 @@ the default path within its tolerance.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import sys
@@ -161,7 +162,7 @@ def run(b, cfg=LossConfig(), device="cpu", autocast=False, lm_head=None, **dcfg_
     x = b["x"] if device == "cpu" else LossInput(**{
         f: (getattr(b["x"], f).to(device) if getattr(b["x"], f) is not None else None)
         for f in LossInput.__struct_fields__})
-    head = b["head"].to(device) if device != "cpu" else b["head"]
+    head = copy.deepcopy(b["head"]).to(device) if device != "cpu" else b["head"]
     with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False):
         out = compute_loss(d, head, x, cfg, **({"lm_head": lm_head} if lm_head else {}), lm_head_chunk=16)
     out.loss.backward()
