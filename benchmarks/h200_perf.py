@@ -245,7 +245,7 @@ class Perf:
             return
         ref = self._features()
         self.doc["fp8_quantized_linears"] = quantize_fp8(self.target.decoder_layers)
-        self.row("fp8_feature_error", 10, lambda: self._feature_error(ref))
+        self.row("fp8_feature_error", 10, lambda r=ref: self._feature_error(r))
         del ref
         self.row("target_fp8", est("target_fp8"), lambda: self._time_target(None, False, self.peak_fp8))
         self.row("target_fp8_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_fp8))

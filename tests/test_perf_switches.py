@@ -25,7 +25,6 @@ import types
 import msgspec
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dflash.errors import ConfigError
 from dflash.messages import LossInput
@@ -36,6 +35,7 @@ from dflash.model.target import TargetConfig, load_target
 from dflash.train.anchors import sample_anchors
 from dflash.train.loss import LossConfig
 from dflash.train.objective import compute_loss
+from tests.helpers import varlen_reference
 
 CUDA = torch.cuda.is_available()
 HAS = {p: importlib.util.find_spec(p) is not None for p in ("liger_kernel", "torchao", "triton")}
@@ -60,24 +60,12 @@ def test_varlen_boundaries_split_documents_and_padding():
     assert target_engine.varlen_kwargs(DOC, max_length=16)["max_length_q"] == 16
 
 
-def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
-    """Per-sequence causal SDPA in the varlen layout ``[T, h, d]`` (GQA by repeat)."""
-    assert window_size == (-1, 0)
-    out = torch.empty_like(q)
-    rep = q.shape[1] // k.shape[1]
-    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
-        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
-    return out
-
-
 def test_varlen_path_equals_document_mask_on_cpu(monkeypatch):
     """The varlen path through transformers (registration, no mask, the cu_seq_lens keyword
     arguments reaching every layer, the [B*T, h, d] layout and back) gives the document mask's
     features at every real token, with a per-sequence SDPA in place of the CUDA-only kernel."""
     varlen = pytest.importorskip("torch.nn.attention.varlen")
-    monkeypatch.setattr(varlen, "varlen_attn", _varlen_reference)
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_reference)
     monkeypatch.setattr(target_mod, "check_engine", lambda *a: None)  # the real one refuses the CPU
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     feats = {}
