@@ -3,15 +3,15 @@
     python benchmarks/h200_perf.py --out OUT [--set data.source=PATH] [--budget-s 420] [--rows a,b,..]
     python benchmarks/h200_perf.py --smoke --out OUT     # tiny shapes on the CPU: the plumbing only
 
-Rows (in this order; each skipped when it would end past ``--budget-s``, each saved as it ends):
+Rows (run in the priority order of :meth:`Perf.plan`; each skipped when it would end past ``--budget-s``, each saved as it ends):
 
 * ``matmul_bf16`` / ``matmul_fp8``: ``8192^3`` bf16 ``torch.mm`` and float8 e4m3
   ``torch._scaled_mm`` (per-row scales, bf16 out, fast accumulation: the kernel torchao's fp8 path
   calls), the MFU denominators;
 * ``target_<variant>``: the target forward alone (:func:`benchmarks.h200_stages.time_target`) for
-  the graph's attention (flex), ``varlen``, ``varlen`` compiled, then, after quantizing the same
-  model in place, ``fp8`` with flex, varlen and varlen compiled; MFU against the matching peak
-  (``mfu``) and against bf16 (``mfu_vs_bf16``);
+  the graph's attention (flex) and ``varlen`` (``target_bf16_varlen_compile`` only when named in
+  ``--rows``), then, after quantizing the same model in place, ``fp8`` with flex, varlen and varlen
+  compiled; MFU against the matching peak (``mfu``) and against bf16 (``mfu_vs_bf16``);
 * ``fp8_feature_error``: per captured layer, ``||f_fp8 - f_bf16|| / ||f_bf16||`` and the cosine
   over the real tokens of two batches;
 * ``drafter_<variant>``: the drafter step alone (:func:`benchmarks.h200_stages.time_drafter`) with
@@ -218,7 +218,10 @@ class Perf:
                               "cosine": dot / (den * nn2) ** 0.5})
         return {"layers": per_layer, "batches": len(ref), "max_rel_error": max(p["rel_error"] for p in per_layer)}
 
-    def targets(self) -> None:
+    def plan(self) -> None:
+        """The rows in priority order (a row past the budget is skipped, so the first ones matter
+        most): bf16 target, drafter without and with Liger, then the target quantized in place for
+        the fp8 rows, then the compile rows (the slowest to set up)."""
         from dflash.model.target import load_target
         from dflash.model.target_engine import quantize_fp8
         from dflash.train.loss import needs_final_hidden
@@ -235,23 +238,27 @@ class Perf:
         self.row("target_bf16", est("target_bf16"), lambda: self._time_target(None, False, self.peak_bf16))
         if cuda:
             self.row("target_bf16_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_bf16))
-            self.row("target_bf16_varlen_compile", est("target_bf16_varlen_compile"),
-                     lambda: self._time_target("varlen", True, self.peak_bf16))
+            if "target_bf16_varlen_compile" in self.args.rows:  # asked for by name only: before fp8, costly
+                self.row("target_bf16_varlen_compile", est("target_bf16_varlen_compile"),
+                         lambda: self._time_target("varlen", True, self.peak_bf16))
         self._profile_target("profile_target_bf16", None)
-        if cuda:
-            self._profile_target("profile_target_bf16_varlen", "varlen")
-        if not cuda or torch.cuda.get_device_capability(self.dev) < (8, 9) or not _has("torchao"):
+        for name in ("drafter_default", "drafter_liger_kernels", "drafter_liger_head"):
+            self._drafter_row(name)
+        fp8 = cuda and torch.cuda.get_device_capability(self.dev) >= (8, 9) and _has("torchao")
+        if not fp8:
             self.doc["rows"]["fp8"] = {"status": "skipped", "reason": "needs CUDA >= 8.9 and torchao"}
-            return
-        ref = self._features()
-        self.doc["fp8_quantized_linears"] = quantize_fp8(self.target.decoder_layers)
-        self.row("fp8_feature_error", 10, lambda r=ref: self._feature_error(r))
-        del ref
-        self.row("target_fp8", est("target_fp8"), lambda: self._time_target(None, False, self.peak_fp8))
-        self.row("target_fp8_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_fp8))
-        self.row("target_fp8_varlen_compile", est("target_fp8_varlen_compile"),
-                 lambda: self._time_target("varlen", True, self.peak_fp8))
-        self._profile_target("profile_target_fp8_varlen", "varlen")
+        elif not self.args.rows or self.args.rows & ({r for r in TARGET_ROWS if "fp8" in r} | {"profile_target_fp8_varlen"}):
+            ref = self._features()
+            self.doc["fp8_quantized_linears"] = quantize_fp8(self.target.decoder_layers)
+            self.row("fp8_feature_error", 10, lambda r=ref: self._feature_error(r))
+            del ref
+            self.row("target_fp8", est("target_fp8"), lambda: self._time_target(None, False, self.peak_fp8))
+            self.row("target_fp8_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_fp8))
+            self._profile_target("profile_target_fp8_varlen", "varlen")
+            self.row("target_fp8_varlen_compile", est("target_fp8_varlen_compile"),
+                     lambda: self._time_target("varlen", True, self.peak_fp8))
+        for name in ("drafter_compile", "drafter_all"):  # on the fp8 target's features: same drafter cost
+            self._drafter_row(name)
 
     def _profile_target(self, name: str, impl: str | None) -> None:
         from benchmarks.h200_stages import attention_implementation, target_forward
@@ -264,28 +271,27 @@ class Perf:
         self.row(name, 25, fn)
 
     # -- drafter --------------------------------------------------------------------------------------
-    def drafters(self) -> None:
+    def _drafter_row(self, name: str) -> None:
         from benchmarks.h200_stages import scratch_app, time_drafter
 
+        sets = DRAFTER_ROWS[name]
         n = self.args.warmup + self.args.steps
         step = 0.5 if not self.args.smoke else 0.05
-        for name, sets in DRAFTER_ROWS.items():
-            if self.args.rows and name not in self.args.rows and f"profile_{name}" not in self.args.rows:
-                continue
-            if self.dev.type != "cuda" and any("liger" in s or "compile" in s for s in sets):
-                self.doc["rows"][name] = {"status": "skipped", "reason": "Liger and inductor rows run on CUDA"}
-                continue
-            app = self.app if not sets else scratch_app(GRAPH_1GPU, [*self.overrides, *sets],
-                                                        self.args.run_root / name)
-            try:
-                self.row(name, FIXED_S.get(name, 30) + n * step,
-                         lambda a=app: {"settings": sets, **time_drafter(a, self.target, self.batches, self.dev,
-                                                                         self.dev, self.args.warmup, self.peak_bf16)})
-                if f"profile_{name}" in PROFILE_ROWS:
-                    self.row(f"profile_{name}", 30, lambda a=app: self._profile_drafter(a, name))
-            finally:
-                if app is not self.app:
-                    app.metrics.close()
+        if self.args.rows and name not in self.args.rows and f"profile_{name}" not in self.args.rows:
+            return
+        if self.dev.type != "cuda" and any("liger" in s or "compile" in s for s in sets):
+            self.doc["rows"][name] = {"status": "skipped", "reason": "Liger and inductor rows run on CUDA"}
+            return
+        app = self.app if not sets else scratch_app(GRAPH_1GPU, [*self.overrides, *sets], self.args.run_root / name)
+        try:
+            self.row(name, FIXED_S.get(name, 30) + n * step,
+                     lambda: {"settings": sets, **time_drafter(app, self.target, self.batches, self.dev,
+                                                               self.dev, self.args.warmup, self.peak_bf16)})
+            if f"profile_{name}" in PROFILE_ROWS:
+                self.row(f"profile_{name}", 30, lambda: self._profile_drafter(app, name))
+        finally:
+            if app is not self.app:
+                app.metrics.close()
 
     def _profile_drafter(self, app: Any, name: str) -> dict[str, Any]:
         from benchmarks.h200_stages import _drafter_input, drafter_stage, target_forward
@@ -314,8 +320,7 @@ class Perf:
         self.peak_bf16 = mm["tflops"] if mm else float("nan")
         mm8 = self.row("matmul_fp8", 5, lambda: scaled_mm_tflops(self.dev)) if self.dev.type == "cuda" else None
         self.peak_fp8 = mm8["tflops"] if mm8 else float("nan")
-        self.targets()  # bf16 rows, then the same model quantized in place for the fp8 rows
-        self.drafters()  # on the fp8-quantized target's features where fp8 ran: the drafter's cost is the same
+        self.plan()
         self.app.metrics.close()
         self.doc["complete"] = True
         self.save()

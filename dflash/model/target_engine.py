@@ -191,13 +191,13 @@ class CompiledLayers:
         self.shape: tuple[int, ...] | None = None
         self._seen: set[tuple[int, ...]] = set()
         self._on = False
-        # every layer's forward is one code object: dynamo keeps one cache entry per layer (its own
-        # guards), so the per-code-object limit (8 by default) must hold them all, or the deeper
-        # layers would silently stay eager
+        # every layer's forward is one code object: dynamo may keep a cache entry per layer (and a
+        # second once the varlen boundaries' length turns dynamic), so the per-code-object limit
+        # (8 by default) must hold them all, or the deeper layers would silently stay eager
         import torch._dynamo
 
         limit = torch._dynamo.config.cache_size_limit
-        torch._dynamo.config.cache_size_limit = max(limit, len(layers) + 8)
+        torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
         for layer in layers:
             eager = layer.forward
             compiled = torch.compile(eager, mode=mode)
