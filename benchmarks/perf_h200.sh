@@ -38,7 +38,7 @@ python3 -c "import torch, importlib.util as u; print('torch', torch.__version__,
 
 if [ "${SUITE:-engine}" = engine ]; then
   if [ "${TESTS:-1}" = 1 ]; then
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_perf_switches.py \
+    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/test_perf_switches.py \
       tests/test_step_sync.py > "$OUT/gpu-tests.log" 2>&1
     echo "gpu tests rc=$? ($(tail -1 "$OUT/gpu-tests.log"))"
   fi

@@ -238,12 +238,22 @@ def test_preflight_refuses_fused_head_with_kl_and_cpu_engines(monkeypatch):
 
 
 # -- GPU: the real kernels ------------------------------------------------------------------------
+# Triton, torchao and Liger warn about versions and deprecations outside this project's control.
+_third_party_warnings = [pytest.mark.filterwarnings(f"ignore::{w}") for w in
+                         ("UserWarning", "DeprecationWarning", "FutureWarning")]
+
+
+def gpu_test(fn):
+    for mark in [pytest.mark.gpu, pytest.mark.timeout(180), *_third_party_warnings]:
+        fn = mark(fn)
+    return fn
+
 
 def _gpu_target(**fields):
     return load_target(TargetConfig(preset="tiny", seed=3, dtype="bfloat16", **fields), "cuda", 2)
 
 
-@pytest.mark.gpu
+@gpu_test
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: varlen_attn is FlashAttention-2 in aten")
 def test_gpu_varlen_features_equal_sdpa():
     """bf16 features of the varlen path equal the dense document mask's at every real token within
@@ -257,7 +267,7 @@ def test_gpu_varlen_features_equal_sdpa():
     torch.testing.assert_close(fb[real].float(), fa[real].float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.gpu
+@gpu_test
 @pytest.mark.skipif(not (CUDA and HAS["torchao"]), reason="needs CUDA and torchao")
 def test_gpu_fp8_quantizes_decoder_linears_only():
     """fp8: every decoder Linear weight becomes a float8 tensor, the embedding and LM head stay
@@ -277,7 +287,7 @@ def test_gpu_fp8_quantizes_decoder_linears_only():
     assert rel < 0.1, rel
 
 
-@pytest.mark.gpu
+@gpu_test
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_target_compile_equals_eager():
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
@@ -296,7 +306,7 @@ def _assert_same_training(ref, new, rtol=2e-2, atol=2e-3):
         assert rel < 3e-2, (n, rel.item())
 
 
-@pytest.mark.gpu
+@gpu_test
 @pytest.mark.skipif(not (CUDA and HAS["liger_kernel"]), reason="needs CUDA and liger-kernel")
 def test_gpu_liger_kernels_same_loss_and_grads(batch):
     """drafter.kernels = "liger" under bf16 autocast: loss, CE and every gradient equal the torch
@@ -305,14 +315,14 @@ def test_gpu_liger_kernels_same_loss_and_grads(batch):
                           run(batch, device="cuda", autocast=True, kernels="liger"))
 
 
-@pytest.mark.gpu
+@gpu_test
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (inductor on the CPU takes minutes)")
 def test_gpu_drafter_compile_same_loss_and_grads(batch):
     _assert_same_training(run(batch, device="cuda", autocast=True),
                           run(batch, device="cuda", autocast=True, compile=True))
 
 
-@pytest.mark.gpu
+@gpu_test
 @pytest.mark.skipif(not (CUDA and HAS["liger_kernel"]), reason="needs CUDA and liger-kernel")
 @pytest.mark.parametrize("cfg", [LossConfig(), LossConfig(label="target_argmax", weighting="streak")])
 def test_gpu_liger_lm_head_same_loss_and_grads(batch, cfg):
