@@ -331,3 +331,27 @@ def test_gpu_liger_lm_head_same_loss_and_grads(batch, cfg):
     new = run(batch, cfg, device="cuda", autocast=True, lm_head="liger")
     _assert_same_training(ref, new)
     torch.testing.assert_close(new[1].acc_per_pos, ref[1].acc_per_pos, equal_nan=True, atol=0.05, rtol=0)
+
+
+# -- the harness ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_perf_harness_smoke_writes_every_row(tmp_path):
+    """benchmarks/h200_perf.py --smoke (tiny shapes, CPU) runs its plan and records every CPU row as
+    ok and every CUDA-only row as skipped with its reason, in OUT/perf.json."""
+    import json
+
+    from benchmarks import h200_perf
+
+    out = tmp_path / "out"
+    h200_perf.main(["--smoke", "--out", str(out), "--warmup", "1", "--steps", "1",
+                    "--run-root", str(tmp_path / "runs")])
+    doc = json.loads((out / "perf.json").read_text())
+    rows = doc["rows"]
+    assert doc["complete"]
+    for name in ("matmul_bf16", "target_bf16", "drafter_default", "profile_target_bf16", "profile_drafter_default"):
+        assert rows[name]["status"] == "ok", (name, rows[name])
+    assert rows["target_bf16"]["tok_s"] > 0 and rows["drafter_default"]["mfu"] > 0
+    for name in ("drafter_liger_kernels", "drafter_liger_head", "drafter_compile", "drafter_all", "fp8"):
+        assert rows[name]["status"] == "skipped" and rows[name]["reason"], name
+    assert (out / "profile_target_bf16.txt").read_text().strip()
