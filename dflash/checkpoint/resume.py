@@ -245,7 +245,7 @@ _EFFECTS = (
 
 
 def _current_layout(config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config in today's layout: ``drafter.num_anchors`` (before issue 15) is
+    """A saved config in today's layout: ``drafter.num_anchors`` (the older layout) is
     ``train.num_anchors``, so an unchanged setting is not reported as a change."""
     drafter = config.get("drafter")
     if not isinstance(drafter, dict) or "num_anchors" not in drafter:
