@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 17's H200 measurements in one device call (one H200; results in benchmarks/results/):
+# The performance measurements (per-stage MFU, attention variants, drafter switches) in one
+# device call (one H200; results in benchmarks/results/):
 #
 #   bash benchmarks/perf_h200.sh OUT
 #

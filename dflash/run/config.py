@@ -55,7 +55,7 @@ class TrainSection(_Table):
 
     num_anchors: PositiveInt = 256
     """Training blocks (anchors) sampled per packed row, the same for every batch (a sampling
-    setting, not part of the drafter model: it was ``[drafter].num_anchors`` before issue 15)."""
+    setting, not part of the drafter model: it was ``[drafter].num_anchors`` in older configs)."""
     lr: Annotated[float, Meta(gt=0.0)] = 6e-4
     """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
     that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
@@ -92,7 +92,7 @@ class TrainSection(_Table):
     so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
     3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
     rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
-    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, issue 17), hence the default."""
+    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, the performance switches), hence the default."""
 
     def __post_init__(self) -> None:
         # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
@@ -183,7 +183,7 @@ def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
-    # Hashed in the layout from before issue 15, where num_anchors sat in [drafter]: the same
+    # Hashed in the older layout, where num_anchors sat in [drafter]: the same
     # settings give the same hash, so older checkpoints resume without a "config differs" warning.
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
