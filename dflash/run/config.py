@@ -179,6 +179,9 @@ def to_toml(cfg: DFlashFile) -> bytes:
     return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg)))
 
 
+_LOSS_KEYS_HASHED_WHEN_SET = ("tv_weight", "conf_weight")
+
+
 def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
@@ -187,6 +190,11 @@ def config_hash(cfg: DFlashFile) -> str:
     # settings give the same hash, so older checkpoints resume without a "config differs" warning.
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
+    # Loss terms added later are hashed only when switched on, so a file that leaves them at 0 keeps
+    # the hash it had before they existed (its checkpoints resume without a config-differs warning).
+    for key in _LOSS_KEYS_HASHED_WHEN_SET:
+        if raw["loss"].get(key) == 0.0:
+            raw["loss"].pop(key)
     raw.pop("monitor", None)
     raw.pop("trace", None)
     return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]
