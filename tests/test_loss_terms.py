@@ -10,12 +10,20 @@ import pytest
 import torch
 
 from dflash.errors import ConfigError
-from dflash.train.loss import LossConfig, confidence_term, mixed_loss, needs_final_hidden, tv_term
+from dflash.train.loss import (
+    LossConfig,
+    confidence_term,
+    mixed_loss,
+    needs_final_hidden,
+    tv_term,
+)
 from dflash.train.objective import compute_loss
 from tests.test_loss import loss_input, slow_reference
 from tests.test_loss import setup as blockwise_setup  # noqa: F401 - the fixture
-from tests.test_step_sync import run_loss
-from tests.test_step_sync import setup  # noqa: F401 - the fixture
+from tests.test_step_sync import (
+    run_loss,
+    setup,  # noqa: F401 - the fixture
+)
 
 pytestmark = pytest.mark.timeout(120)
 
