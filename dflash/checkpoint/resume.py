@@ -247,9 +247,18 @@ _EFFECTS = (
 )
 
 
+_ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0}
+"""Keys a config saved before they existed lacks, with the value that means what that code did."""
+
+
 def _current_layout(config: dict[str, Any]) -> dict[str, Any]:
     """A saved config in today's layout: ``drafter.num_anchors`` (the older layout) is
-    ``train.num_anchors``, so an unchanged setting is not reported as a change."""
+    ``train.num_anchors``, and keys added later (:data:`_ADDED_LATER`) take the value that
+    reproduces the older code, so an unchanged setting is not reported as a change."""
+    for (table, key), value in _ADDED_LATER.items():
+        section = config.get(table)
+        if isinstance(section, dict) and key not in section:
+            config = {**config, table: {**section, key: value}}
     drafter = config.get("drafter")
     if not isinstance(drafter, dict) or "num_anchors" not in drafter:
         return config
