@@ -1,4 +1,5 @@
-"""FLOP accounting for the H200 harness: the target forward and the drafter training step (issue 17).
+"""FLOP accounting for the H200 harness: the target forward and the drafter training step,
+the numerators of every MFU and HFU the harness reports.
 
 Two counts for every measurement (:class:`Flops`):
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# H200 measurements in one device call (at most ~9 minutes; results under OUT):
+# The performance measurements of the target and drafter stages in one device call (one H200,
+# at most ~9 minutes; results under OUT):
 #
 #   bash benchmarks/perf_h200.sh OUT                 # SUITE=engine (default), see below
 #   SUITE=stages bash benchmarks/perf_h200.sh OUT    # the earlier stage/pipeline suite

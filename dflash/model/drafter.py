@@ -33,6 +33,7 @@ from torch import nn
 
 from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
+from dflash.model.target_config import TargetConfig
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
 
@@ -151,7 +152,7 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("drafter.num_attention_heads must be a multiple of num_key_value_heads")
 
 
-def resolve_drafter_config(cfg: DrafterConfig, target_cfg) -> DrafterConfig:
+def resolve_drafter_config(cfg: DrafterConfig, target_cfg: TargetConfig) -> DrafterConfig:
     """:meth:`DrafterConfig.resolve` against the target described by ``target_cfg``
     (a :class:`dflash.model.target.TargetConfig`), without building the target."""
     from dflash.model.target import build_hf_config, resolve_layer_ids

@@ -60,7 +60,8 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         path: local Hugging Face model directory (never a hub id: nothing is downloaded), or None
-            for a ``preset``-shaped model with seeded random weights.
+            for a ``preset``-shaped model with seeded random weights. Relative: to the graph
+            file's directory; given with ``--set``, to the current one (:mod:`dflash.run.config`).
         preset: shape used when ``path`` is None: "tiny" | "qwen3-0.6b" | "qwen3-1.7b" | "qwen3-8b".
         overrides: transformers config fields applied on top of the preset or the local config;
             a key the config class does not know is an error (:func:`check_overrides`).
@@ -80,8 +81,8 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "max-autotune-no-cudagraphs" | "reduce-overhead".
         layer_ids: 0-based decoder layers whose outputs feed the drafter; None = the DFlash evenly
             spaced choice for the drafter's layer count (:func:`default_layer_ids`).
-        tokenizer: tokenizer spec for the data path ("builtin:tiny" or a local directory);
-            None = ``path`` (or "builtin:tiny" without a path). Not used by the model code.
+        tokenizer: tokenizer spec for the data path ("builtin:tiny" or a local directory,
+            resolved like ``path``); None = ``path`` (or "builtin:tiny" without a path). Not used by the model code.
     """
 
     path: str | None = None

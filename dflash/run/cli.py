@@ -335,7 +335,7 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
     except csp.ProcessFailed as exc:
         _error(exc)
         error = str(exc)
-    except csp.ProcessStuck as exc:  # issue 14: one line naming it, exit 3 (the stack is in run.log)
+    except csp.ProcessStuck as exc:  # not a traceback: one line naming it, exit 3 (the stack is in run.log)
         status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
         _error(error)
     finally:

@@ -11,8 +11,8 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
    default: fixed shapes, no host sync), or the ``N`` trained ones picked by boolean masks.
 4. Labels: ``input_ids[a + j]`` ("data") or the target argmax for token ``a + j``, read from
    ``final_hidden[a + j - 1]`` (the target's prediction *of* token ``a + j`` is made at the
-   position before it). KL uses the target logits at the same ``a + j - 1``.
-5. Loss, CE/KL means, per-position accuracy (against the target argmax when target logits are
+   position before it). KL and TV use the target logits at the same ``a + j - 1``.
+5. Loss (CE, KL, TV, confidence: :mod:`dflash.train.loss`), CE/KL means, per-position accuracy (against the target argmax when target logits are
    computed, which is what greedy verification accepts; else against the data token).
 """
 
@@ -110,7 +110,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     if dc.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
     if needs_final_hidden(cfg) and final_hidden is None:
-        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight} needs the target's "
+        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight}, tv_weight={cfg.tv_weight} "
+                         "needs the target's "
                          "final hidden state; run the target with need_final=True")
     B, A = anchors.shape
     safe = anchors.clamp(min=0)
