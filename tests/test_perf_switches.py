@@ -9,7 +9,7 @@ the default path within its tolerance.
 * ``[drafter].kernels = "liger"``: off CUDA the torch ops run (bitwise the default); on the GPU the
   Liger kernels give the same loss and gradients to bf16 rounding.
 * ``[drafter].compile``: in place (same state-dict keys), same loss and gradients.
-* ``[train].lm_head = "liger"``: refused with a KL term; on the GPU the same loss, metrics and
+* ``[train].lm_head = "liger"``: refused with a KL, TV or confidence term; on the GPU the same loss, metrics and
   gradients as the chunked head.
 * The config hash of a file that leaves every switch at its default is unchanged.
 """
@@ -227,6 +227,8 @@ def test_preflight_refuses_fused_head_with_kl_and_cpu_engines(monkeypatch):
                           'target.attn_implementation="varlen"'))
     with pytest.raises(ConfigError, match="loss.kl_weight = 0.5"):
         check_fast_paths(_cfg('train.lm_head="liger"', "loss.kl_weight=0.5"))
+    with pytest.raises(ConfigError, match="loss.conf_weight = 1"):
+        check_fast_paths(_cfg('train.lm_head="liger"', "loss.conf_weight=1.0"))
     with pytest.raises(ConfigError, match="train.sync_free_loss = true"):
         check_fast_paths(_cfg('train.lm_head="liger"', "train.sync_free_loss=false"))
     with pytest.raises(ConfigError, match="process 'target' runs on cpu"):

@@ -114,7 +114,8 @@ class TrainSection(_Table):
     62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, the performance switches), hence the default."""
     lm_head: Literal["chunked", "liger"] = "chunked"
     """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
-    cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only, so loss.kl_weight must be 0).
+    cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only: loss.kl_weight, tv_weight and
+    conf_weight must be 0).
     Same loss and gradients to bf16 rounding (a GPU test)."""
 
     def __post_init__(self) -> None:

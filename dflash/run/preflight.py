@@ -116,16 +116,17 @@ def check_fast_paths(cfg: DFlashFile) -> None:
     """The fused/quantized paths against the loss, the installed packages and the devices.
 
     Raises:
-        ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight > 0`` (the fused loss is
-            the hard-label CE only), with ``train.sync_free_loss = false`` (it replaces the
+        ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight``, ``tv_weight`` or
+            ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with ``train.sync_free_loss = false`` (it replaces the
             fixed-shape head) or with a CPU drafter; a Liger switch without liger_kernel installed;
             ``target.quantization = "fp8"`` without torchao, or ``fp8``/``varlen`` on a CPU target.
     """
     t, d, tr = cfg.target, cfg.drafter, cfg.train
     if tr.lm_head == "liger":
-        if cfg.loss.kl_weight > 0:
+        soft = [k for k in ("kl_weight", "tv_weight", "conf_weight") if getattr(cfg.loss, k) > 0]
+        if soft:
             raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
-                              f"loss.kl_weight = {cfg.loss.kl_weight:g}: set loss.kl_weight = 0 or "
+                              f"loss.{soft[0]} = {getattr(cfg.loss, soft[0]):g}: set it to 0 or "
                               "train.lm_head = \"chunked\"")
         if not tr.sync_free_loss:
             raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "

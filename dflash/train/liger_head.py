@@ -7,9 +7,9 @@ holding the ``[M, V]`` logits, and the drafter's argmax token on the way
 weighted afterwards by :func:`dflash.train.loss.position_weights`, and Liger then recomputes the
 chunked logits in backward to fold each slot's incoming gradient in.
 
-Only the hard-label loss fuses this way: with ``loss.kl_weight > 0`` the soft term needs the
-target's distribution per slot (Liger's fused JSD returns one mean, not per-slot values, so the
-position weights could not be applied); :func:`dflash.run.preflight.check_fast_paths` refuses that
+Only the hard-label loss fuses this way: with ``loss.kl_weight``, ``tv_weight`` or ``conf_weight``
+above 0 the other terms need the drafter's (and the target's) distribution per slot (Liger's fused
+JSD returns one mean, not per-slot values, so the position weights could not be applied); :func:`dflash.run.preflight.check_fast_paths` refuses that
 combination. With ``label = "target_argmax"`` the target's argmax is computed here in chunks
 without gradient.
 
@@ -45,23 +45,24 @@ def liger_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | No
         target_hidden: ``[M, H]`` target final hidden states, or None (needed for
             ``label = "target_argmax"``).
         data_labels: ``[M]`` int64 dataset tokens.
-        cfg: the loss config; ``kl_weight`` must be 0.
+        cfg: the loss config; ``kl_weight``, ``tv_weight`` and ``conf_weight`` must be 0.
         chunk: rows per chunk of the target-argmax logits (``label = "target_argmax"`` only).
 
     Returns:
         ``(l, ce, kl, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
-        ``hidden`` (``= ce`` since ``kl_weight`` is 0), ``ce`` detached, ``kl`` zeros,
+        ``hidden`` (``= ce``: the other terms are 0), ``ce`` detached, ``kl`` zeros,
         ``draft_argmax`` the drafter's argmax, ``accept_label`` the target's argmax (or
         ``data_labels`` without target hidden states).
 
     Raises:
-        ValueError: ``kl_weight > 0``, or ``label = "target_argmax"`` without ``target_hidden``.
+        ValueError: ``kl_weight``, ``tv_weight`` or ``conf_weight`` > 0, or ``label = "target_argmax"`` without ``target_hidden``.
     """
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    if cfg.kl_weight > 0:
-        raise ValueError("train.lm_head = 'liger' fuses the hard-label CE only; loss.kl_weight must be 0 "
-                         "(or use train.lm_head = 'chunked')")
+    soft = {k: getattr(cfg, k) for k in ("kl_weight", "tv_weight", "conf_weight") if getattr(cfg, k) > 0}
+    if soft:
+        raise ValueError(f"train.lm_head = 'liger' fuses the hard-label CE only; loss.{next(iter(soft))} must "
+                         "be 0 (or use train.lm_head = 'chunked')")
     if cfg.label == "target_argmax" and target_hidden is None:
         raise ValueError("loss.label = 'target_argmax' needs target hidden states")
     W = head.lm_head.weight
