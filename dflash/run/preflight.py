@@ -58,10 +58,11 @@ def check_model_shapes(cfg: DFlashFile) -> DrafterConfig:
 
     Raises:
         ConfigError: unreadable ``target.path`` config, an unknown ``target.overrides`` key,
-            ``target.layer_ids`` out of range, a target too shallow for ``drafter.num_layers``
+            ``target.layer_ids`` out of range or naming the last layer, a target too shallow for ``drafter.num_layers``
             default layers, a ``drafter.hidden_size`` unlike the target's, or drafter heads that
             do not divide.
     """
+    from dflash.model.layer_ids import check_not_last_layer
     from dflash.model.target import build_hf_config, resolve_layer_ids
 
     try:
@@ -70,6 +71,7 @@ def check_model_shapes(cfg: DFlashFile) -> DrafterConfig:
         raise ConfigError(_one_line(exc)) from None
     try:
         layer_ids = resolve_layer_ids(cfg.target, hf, cfg.drafter.num_layers)
+        check_not_last_layer(layer_ids, hf.num_hidden_layers)
         drafter = cfg.drafter.resolve(hf, layer_ids)
         drafter.check_resolved()
     except ValueError as exc:
