@@ -55,7 +55,8 @@ def build_parser():
         exit_codes={0: "exported", 1: "an unexpected error (traceback)",
                     2: "bad input: no such checkpoint, a run directory instead of a checkpoint, the "
                        "output is a\n       checkpoint, the input itself, a file, or a non-empty directory "
-                       "without --force",
+                       "without --force;\n       an unhealthy checkpoint (healthy: false or NaN/Inf weights) "
+                       "without --allow-unhealthy",
                     130: "interrupted (Ctrl-C): -o holds all of the export or none of it (the line on "
                          "stderr says which)"},
         examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
@@ -65,6 +66,9 @@ def build_parser():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the written weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.add_argument("--allow-unhealthy", action="store_true",
+                   help="export a checkpoint marked healthy: false or holding NaN/Inf weights (refused "
+                        "otherwise, naming the nearest healthy one)")
     return p
 
 
@@ -313,7 +317,7 @@ def _export(args, written: list[Path]) -> bool:
     """Check, load and export (appending the output directory to ``written`` once it is complete,
     then printing what was written); False after a bad-input line."""
     try:
-        check_checkpoint(args.checkpoint)  # a run directory: "give one of its checkpoints"
+        check_checkpoint(args.checkpoint, args.allow_unhealthy)  # a run directory, an unhealthy one
         check_output(args.checkpoint, args.out, args.force)
         drafter, _, _ = load_drafter(args.checkpoint)
         with warnings.catch_warnings(record=True) as caught:
