@@ -143,3 +143,27 @@ def test_export_loads_its_weights_under_transformers_5_8(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     version, diff = proc.stdout.split()[-2:]
     assert version == "5.8.1" and float(diff) == 0.0, proc.stdout
+
+
+def test_the_export_says_trust_remote_code_is_required(tmp_path, capsys):
+    """Invariant: forgetting trust_remote_code silently gives a plain Qwen3Model (checked here, so
+    the warning stays true), and the export's card and the CLI's closing lines say so."""
+    from transformers import AutoModel
+
+    from dflash.checkpoint.model_files import save_drafter
+    from dflash.export import CARD_FILE
+    from dflash.export import main as export_main
+    from tests.test_export import TCFG
+
+    d = make()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    out_dir = tmp_path / "export"
+    assert export_main([str(ck), "-o", str(out_dir), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert MODELING_FILE in out and "trust_remote_code=True" in out and "plain Qwen3Model" in out
+    card = (out_dir / CARD_FILE).read_text()
+    assert "trust_remote_code=True" in card and "plain Qwen3Model" in card and "dflash_generate" in card
+    plain = AutoModel.from_pretrained(out_dir, dtype=torch.float32)
+    assert type(plain).__name__ == "Qwen3Model"
