@@ -106,7 +106,7 @@ def test_a_full_disk_during_a_checkpoint_stops_cleanly_with_exit_4(tmp_path, cap
     """Invariant: ENOSPC while a checkpoint is written: one error line naming the device and saying
     it is full, the partial .tmp-step_* removed, the previous checkpoint intact and healthy, no
     traceback on the terminal, and the documented exit code 4."""
-    import dflash.checkpoint.writer as writer
+    from dflash.checkpoint import writer
 
     real = writer.save_file
     calls = {"n": 0}

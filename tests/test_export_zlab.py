@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def _recorded(model, calls: list):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # z-lab passes past_key_values (renamed in transformers 5.2x)
 @pytest.mark.parametrize("types", [None, ["sliding_attention", "full_attention"]])
-def test_automodel_export_decodes_in_zlab_dflash_generate_like_zlab_own_class(tmp_path, zl, types):
+def test_automodel_export_decodes_in_zlab_dflash_generate_like_zlab_own_class(tmp_path, zl, types, monkeypatch):
     """Invariant: ``dflash_generate(AutoModel.from_pretrained(export, trust_remote_code=True),
     target, ...)`` runs (block_size, mask_token_id, target_layer_ids, compute_logits, the draft KV
     cache and the tensor return are what z-lab's loop reads), is lossless (the target's own greedy
@@ -71,8 +72,8 @@ def test_automodel_export_decodes_in_zlab_dflash_generate_like_zlab_own_class(tm
     _recorded(theirs, theirs_calls)
 
     prompt = torch.randint(5, 4000, (1, 11), generator=torch.Generator().manual_seed(2))
-    kw = dict(input_ids=prompt, max_new_tokens=40, stop_token_ids=None, return_stats=True)
-    zl._cuda_time = __import__("time").perf_counter  # the loop's timer synchronises CUDA
+    kw = {"input_ids": prompt, "max_new_tokens": 40, "stop_token_ids": None, "return_stats": True}
+    monkeypatch.setattr(zl, "_cuda_time", time.perf_counter)  # the loop's timer synchronises CUDA
     got = zl.dflash_generate(ours, target, **kw)
     want = zl.dflash_generate(theirs, target, **kw)
     with torch.no_grad():

@@ -5,7 +5,6 @@ WARNING line)."""
 
 from __future__ import annotations
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.checkpoint import Checkpointer, mark_unhealthy, step_dir

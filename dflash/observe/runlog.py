@@ -114,7 +114,7 @@ class RunLogHandler(logging.FileHandler):
         except OSError as exc:
             self._give_up(exc)
 
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+    def handleError(self, record: logging.LogRecord) -> None:  # logging's name
         self._give_up(sys.exc_info()[1])
 
     def _give_up(self, exc: BaseException | None) -> None:

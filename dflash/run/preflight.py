@@ -250,9 +250,9 @@ def disk_space_warnings(out_dir: str, drafter: DrafterConfig, keep_last: int) ->
     need = one * (keep_last + 1)
     if free >= need:
         return []
-    return [f"run.out_dir = {out_dir!r}: {device_of(existing)} has {_size(free)} free, short of the "
-            f"{_size(need)} that {keep_last + 1} checkpoints of about {_size(one)} need (checkpoint.keep_last = "
-            f"{keep_last}, plus the one being written); a full disk stops the run (exit 4)"]
+    return [(f"run.out_dir = {out_dir!r}: {device_of(existing)} has {_size(free)} free, short of the "
+             f"{_size(need)} that {keep_last + 1} checkpoints of about {_size(one)} need (checkpoint.keep_last = "
+             f"{keep_last}, plus the one being written); a full disk stops the run (exit 4)")]
 
 
 def _one_line(exc: BaseException) -> str:
