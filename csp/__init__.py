@@ -91,7 +91,7 @@ __all__ = [
     "item_nbytes",
 ]
 
-# --- processes, graphs, runtime (issue 2: process.py, registry.py, graph.py, runtime.py) ---
+# --- processes, graphs, runtime (process.py, registry.py, graph/, runtime.py) ---
 from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, TraceSpec, load_spec  # noqa: E402
 from csp.process import Context, Process  # noqa: E402
 from csp.registry import Registry, register, registry  # noqa: E402

@@ -1,7 +1,8 @@
 """An exported drafter loads through transformers alone: ``AutoModel.from_pretrained(DIR,
 trust_remote_code=True)`` in a fresh process builds the shipped modeling_dflash.DFlashDraftModel
 with no missing or unexpected keys, imports no dflash module, and drafts what
-dflash.export.load_exported drafts; weights stay loaded through transformers' post-load init."""
+dflash.export.load_exported drafts, so transformers users need no other package; the weights stay
+as loaded through transformers' post-load init."""
 
 from __future__ import annotations
 

@@ -363,7 +363,7 @@ def test_validation_errors(make, message):
 
 
 def test_cuda_means_cuda_0_and_is_ambiguous_for_several_replicas():
-    """Regression (issue 16): ``device = "cuda"`` was rejected, needing "cuda:N". Invariant: "cuda"
+    """Regression: ``device = "cuda"`` was rejected, needing "cuda:N". Invariant: "cuda"
     is stored as "cuda:0" (torch's meaning without set_device) for one replica and in a
     ``devices`` list; ``device = "cuda"`` for several replicas is one error saying what to write
     (all on GPU 0, or one GPU each), since either reading is plausible."""

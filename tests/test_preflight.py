@@ -43,7 +43,7 @@ CASES = [
     ("target.overrides={initializer_rnage=0.1}",
      r"target.overrides: 'initializer_rnage' is not a Qwen3Config field; did you mean "
      r"'initializer_range'"),
-    # issue 16: a missing directory said "has no config.json"
+    # a missing directory said "has no config.json"; it must say the path does not exist
     ("target.path=\"/nonexistent/dflash-target\"",
      r"target.path = '/nonexistent/dflash-target' does not exist \(or is not a directory\); point it at"),
     (f"target.path=\"{Path(__file__).parent}\"",

@@ -14,6 +14,11 @@ from msgspec import Meta
 
 Name = Annotated[str, Meta(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")]
 
+MAX_REPLICAS = 4096
+"""Most replicas one ``[[process]]`` may have: each is a thread or task of its own (or one rank
+under torchrun), and a value beyond that is a typo, refused at load rather than by the OS when
+the threads start."""
+
 
 class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One ``[[channel]]``: a bounded, typed channel.
@@ -39,7 +44,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Attributes:
         name: unique process name (replicas are ``name[0]``, ``name[1]``, ...).
         kind: registry kind of the Process class.
-        replicas: number of instances.
+        replicas: number of instances, 1 .. :data:`MAX_REPLICAS`.
         device: one device for every replica ("cpu", "cuda:N", or "cuda", which means "cuda:0" and
             is accepted for a single replica only: for several, write "cuda:0" to put them all on
             GPU 0, or ``devices``); omitted = no device (CPU).
@@ -53,7 +58,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: Name
     kind: Annotated[str, Meta(min_length=1)]
-    replicas: Annotated[int, Meta(ge=1)] = 1
+    replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS)] = 1
     device: str | None = None
     devices: list[str] | None = None
     inputs: dict[str, str] = {}
@@ -96,4 +101,4 @@ class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
 
 
-__all__ = ["ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "TraceSpec"]
+__all__ = ["MAX_REPLICAS", "ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "TraceSpec"]

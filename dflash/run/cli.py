@@ -361,7 +361,7 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
         error = str(exc)
         if isinstance(exc.__cause__, DiskFullError):
             status, code = "disk full", EXIT_DISK_FULL
-    except csp.ProcessStuck as exc:  # issue 14: one line naming it, exit 3 (the stack is in run.log)
+    except csp.ProcessStuck as exc:  # not a traceback: one line naming it, exit 3 (the stack is in run.log)
         status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
         _error(error)
     finally:

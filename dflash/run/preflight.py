@@ -20,9 +20,9 @@ from dflash.errors import ConfigError
 from dflash.model.drafter import DrafterConfig
 from dflash.run.config import DFlashFile
 
-__all__ = ["check_block_fits", "check_drafter_attention", "check_drafter_replicas", "check_model_shapes",
-           "check_monitor_backend", "check_run_dir", "checkpoint_bytes", "disk_space_warnings",
-           "drafter_replicas", "lr_warnings", "preflight"]
+__all__ = ["check_block_fits", "check_drafter_attention", "check_drafter_replicas", "check_fast_paths",
+           "check_model_shapes", "check_monitor_backend", "check_run_dir", "checkpoint_bytes",
+           "disk_space_warnings", "drafter_replicas", "lr_warnings", "preflight"]
 
 DRAFTER_KIND = "dflash.drafter"
 MONITOR_KIND = "dflash.monitor"
@@ -114,6 +114,47 @@ def check_drafter_attention(cfg: DFlashFile) -> None:
             "drafter.attn_implementation = \"sdpa\" or put the drafter on a cuda:N device")
 
 
+TARGET_KIND = "dflash.target"
+
+
+def check_fast_paths(cfg: DFlashFile) -> None:
+    """The fused/quantized paths against the loss, the installed packages and the devices.
+
+    Raises:
+        ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight``, ``tv_weight`` or
+            ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with ``train.sync_free_loss = false`` (it replaces the
+            fixed-shape head) or with a CPU drafter; a Liger switch without liger_kernel installed;
+            ``target.quantization = "fp8"`` without torchao, or ``fp8``/``varlen`` on a CPU target.
+    """
+    t, d, tr = cfg.target, cfg.drafter, cfg.train
+    if tr.lm_head == "liger":
+        soft = [k for k in ("kl_weight", "tv_weight", "conf_weight") if getattr(cfg.loss, k) > 0]
+        if soft:
+            raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
+                              f"loss.{soft[0]} = {getattr(cfg.loss, soft[0]):g}: set it to 0 or "
+                              "train.lm_head = \"chunked\"")
+        if not tr.sync_free_loss:
+            raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "
+                              "train.sync_free_loss = true or train.lm_head = \"chunked\"")
+        cpu = [x for x in _devices(cfg, DRAFTER_KIND) if not x.startswith("cuda")]
+        if cpu:
+            raise ConfigError(f"train.lm_head = \"liger\" runs Triton kernels on CUDA, but process "
+                              f"'drafter' runs on {cpu[0]}: set train.lm_head = \"chunked\"")
+    if (tr.lm_head == "liger" or d.kernels == "liger") and importlib.util.find_spec("liger_kernel") is None:
+        key = "train.lm_head" if tr.lm_head == "liger" else "drafter.kernels"
+        raise ConfigError(f"{key} = \"liger\" needs the liger-kernel package (pip install liger-kernel); "
+                          f"set {key} = \"{'chunked' if key == 'train.lm_head' else 'torch'}\"")
+    if t.quantization == "fp8" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("target.quantization = \"fp8\" needs the torchao package (pip install torchao); "
+                          "set target.quantization = \"none\"")
+    engine = [f"target.quantization = \"{t.quantization}\""] if t.quantization != "none" else []
+    engine += ["target.attn_implementation = \"varlen\""] if t.attn_implementation == "varlen" else []
+    cpu = [x for x in _devices(cfg, TARGET_KIND) if not x.startswith("cuda")]
+    if engine and cpu:
+        raise ConfigError(f"{engine[0]} runs on CUDA only, but process 'target' runs on {cpu[0]}; "
+                          "put the target on a cuda:N device or leave the setting at its default")
+
+
 def drafter_replicas(cfg: DFlashFile) -> int:
     """Replicas of the ``dflash.drafter`` process (data-parallel drafters; 1 when there is none)."""
     return next((p.replicas for p in cfg.process if p.kind == DRAFTER_KIND), 1)
@@ -155,6 +196,7 @@ def preflight(cfg: DFlashFile) -> list[str]:
     check_model_shapes(cfg)
     check_block_fits(cfg)
     check_drafter_attention(cfg)
+    check_fast_paths(cfg)
     return lr_warnings(cfg)
 
 
