@@ -40,7 +40,9 @@ def _cases(tmp_path):
         "out_dir is a file": (a_file, rf"{a_file} is a file, not a directory"),
         "under a file": (a_file / "run", rf"{a_file} is a file, not a directory, so .* cannot be created"),
         "checkpoints is a file": (with_ckpt_file, rf"{with_ckpt_file / 'checkpoints'} is a file, not a directory"),
-        "component over 255": (tmp_path / ("r" * 300), r"is 300 bytes, over the filesystem's limit of 255"),
+        # the config's own path check may name it first; check_run_dir does too (below)
+        "component over 255": (tmp_path / ("r" * 300), r"(path component of 300 bytes \(at most 255\)|"
+                                                     r"is 300 bytes, over the filesystem's limit of 255)"),
     }
 
 
@@ -56,6 +58,13 @@ def test_an_unusable_run_dir_is_one_line_exit_2_before_data_work(tmp_path, capsy
     assert "Traceback" not in err
     (line,) = [x for x in err.splitlines() if not x.startswith("warning:")]
     assert line.startswith("error: run.out_dir = ") and re.search(message, line), err
+
+
+def test_check_run_dir_names_an_over_long_component(tmp_path):
+    """Invariant: check_run_dir itself refuses a component over the filesystem's name limit (it
+    never stats such a path, which would raise ENAMETOOLONG)."""
+    with pytest.raises(ConfigError, match=r"is 300 bytes, over the filesystem's limit of 255"):
+        check_run_dir(str(tmp_path / ("r" * 300) / "run"))
 
 
 def test_a_read_only_filesystem_is_named(tmp_path, monkeypatch):
