@@ -307,7 +307,7 @@ def test_a_streak_right_after_a_checkpoint_marks_it_and_names_the_one_before(tmp
                                                                              capsys):
     """Invariant: when the non-finite streak that stops a run began on the step right after
     a checkpoint, that checkpoint (whose weights every later step failed on) is marked unhealthy and
-    the stop message names the healthy one before it."""
+    the stop message names the healthy one before it; metrics.jsonl records the demotion."""
     monkeypatch.setenv("DFLASH_TEST_BAD_BATCHES", json.dumps(list(range(4, 100))))  # steps 5.. fail
     run = tmp_path / "run"
     code = main(small(run, cache_dir, "process.postprocess.kind=\"tests.nan_features\"", "checkpoint.every=2",
@@ -318,6 +318,8 @@ def test_a_streak_right_after_a_checkpoint_marks_it_and_names_the_one_before(tmp
     step4 = read_meta(run / "checkpoints" / "step_00000004")
     assert step4["healthy"] is False and "were all non-finite" in step4["reason"]
     assert is_healthy(run / "checkpoints" / "step_00000002")
+    demoted = [r for r in records(run, "checkpoint") if r.get("step") == 4][-1]  # metrics.jsonl agrees
+    assert demoted["healthy"] is False and demoted.get("demoted") is True
 
 
 def test_resume_auto_rejects_a_poisoned_checkpoint_loudly_and_falls_back(tmp_path, cache_dir):

@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
-               "usable prompt,\n       target/drafter layer mismatch\n"
+               "usable prompt,\n       target/drafter layer mismatch, an unhealthy checkpoint without "
+               "--allow-unhealthy\n"
                "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
                "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
+    p.add_argument("--allow-unhealthy", action="store_true",
+                   help="evaluate a checkpoint marked healthy: false or holding NaN/Inf weights (refused "
+                        "otherwise, naming the nearest healthy one)")
     return p
 
 

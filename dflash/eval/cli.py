@@ -104,7 +104,7 @@ def _main(argv: list[str] | None) -> int:
 
     try:
         check_device(args.device)
-        check_checkpoint(args.checkpoint)
+        check_checkpoint(args.checkpoint, args.allow_unhealthy)  # unhealthy: refused unless allowed
         texts = None
         if args.prompts and not Path(args.prompts).is_file():
             raise EvalInputError(f"--prompts {args.prompts}: no such file")
