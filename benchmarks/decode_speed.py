@@ -21,6 +21,13 @@ first difference, and the speedup over ``hf_generate``. On a GPU every timed reg
         [--num-prompts 16] [--max-new-tokens 256] [--dtypes float32,bfloat16] [--threads 1]
         [--out benchmarks/results/decode_speed_h200.json]
 
+Why bf16 can be slower than fp32 at the shipped 7M target: batch-1 decode there is bound by
+kernel launches, not by weight reads, and bf16 adds kernels. Counted with ``torch.profiler`` on
+CPU per greedy token of that target: 2,171 aten ops in bf16 against 1,967 in fp32, 274 copies /
+dtype casts against 138 (RMSNorm and RoPE compute in fp32 and cast back; in fp32 those casts are
+no-ops). Halving bytes buys nothing while the weights fit in cache; at 8B the weight reads
+dominate and bf16 wins (``benchmarks/decode_projection.py`` times those shapes).
+
 Prompts are chosen as ``dflash.eval`` chooses them (the run's held-out conversations). Without a
 checkpoint, ``--random-drafter`` times a seeded random drafter against ``--target`` (speed does
 not need a trained drafter; tau is then about 1).
