@@ -38,7 +38,7 @@ def _reference_decode(target, proposer, prompt, max_new_tokens, block_size):
     kw = decode._cache_kwarg(target)
 
     def step(ids, start):
-        pos = torch.arange(start, start + ids.shape[0])[None]
+        pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
         out = target.model.model(input_ids=ids[None], position_ids=pos, use_cache=True, **{kw: cache})
         feats = target.collect()
         return feats, target.model.get_output_embeddings()(out.last_hidden_state[0]).argmax(-1)
@@ -218,3 +218,22 @@ def test_sampled_decode_is_reproducible_from_its_generator(models):
                                top_p=0.9, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
     assert runs[0][0].shape[0] == 5 + 12
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the no-host-read greedy loop on a GPU")
+def test_cuda_buffered_loop_accepts_what_the_reference_loop_accepts():
+    """Invariant: on a GPU (fp32, where queued kernels run ahead of the host) the buffered loop's
+    output and per-step accepted lengths equal the reference loop's and plain greedy decoding's."""
+    target = load_target(TargetConfig(preset="tiny", seed=11, vocab_size=64, dtype="float32"), "cuda",
+                         num_draft_layers=2)
+    head = target.shared_head()
+    cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=63).resolve(target.hf_config,
+                                                                               target.layer_ids)
+    drafter = DFlashDrafter(cfg, seed=3).cuda().eval()
+    prompt = torch.randint(0, 63, (9,), generator=torch.Generator().manual_seed(0)).cuda()
+    spoiled = _Spoiled(CachedDrafterProposer(drafter, head), target)
+    out, acc, _ = speculative_decode(target, spoiled, prompt, 40, BS)
+    ref, ref_acc = _reference_decode(target, _Spoiled(CachedDrafterProposer(drafter, head), target),
+                                     prompt, 40, BS)
+    assert acc == ref_acc and torch.equal(out, ref) and torch.equal(out, greedy_decode(target, prompt, 40))
