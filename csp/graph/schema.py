@@ -1,4 +1,5 @@
-"""The graph file's TOML schema: ``[[channel]]``, ``[[process]]``, ``[trace]`` and ``plugins``.
+"""The graph file's TOML schema: ``[[channel]]``, ``[[process]]``, ``[trace]``, ``[runtime]`` and
+``plugins``.
 
 msgspec Structs with unknown keys forbidden and limits in the types, so a typo or a bad value is a
 ``msgspec.ValidationError`` with its path (``$.channel[0].capacity``); :func:`csp.graph.load_spec`
@@ -80,6 +81,21 @@ class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_events: Annotated[int, Meta(ge=0)] = 1_000_000
 
 
+class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[runtime]``: how the runtime supervises a run.
+
+    Attributes:
+        deadlock_timeout_s: stop the run as deadlocked once every live process has been waiting
+            inside a channel call (a blocked send or receive) with no item moving anywhere for
+            this many seconds, in s; 0 turns the check off. A process computing, sleeping or
+            polling outside channel calls is not waiting, so it never counts towards a deadlock.
+            Checked only when one runtime runs the whole graph (not per rank under ``csp.dist``,
+            where a peer on another rank may be busy).
+    """
+
+    deadlock_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+
+
 class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A whole graph file. Applications subclass it to add their own tables.
 
@@ -88,12 +104,14 @@ class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         channel: the ``[[channel]]`` tables.
         process: the ``[[process]]`` tables.
         trace: the ``[trace]`` table.
+        runtime: the ``[runtime]`` table.
     """
 
     plugins: list[str] = []
     channel: list[ChannelSpec] = []
     process: list[ProcessSpec] = []
     trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
+    runtime: RuntimeSpec = msgspec.field(default_factory=RuntimeSpec)
 
 
-__all__ = ["ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "TraceSpec"]
+__all__ = ["ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "RuntimeSpec", "TraceSpec"]

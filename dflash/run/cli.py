@@ -332,6 +332,9 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
     try:
         result = runtime.run()
         status, code, stopped_by = result.status, result.exit_code, result.stopped_by
+        if result.deadlock is not None:  # one line naming the cycle of waits (exit 4)
+            error = f"deadlock: {result.deadlock}"
+            _error(error)
     except csp.ProcessFailed as exc:
         _error(exc)
         error = str(exc)
