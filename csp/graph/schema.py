@@ -23,7 +23,9 @@ class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: unique channel name; ports refer to it.
         capacity: buffer size in items; 0 is a rendezvous. Required: there is no unbounded channel.
         ordered: deliver items in ``seq`` order (ordered fan-in after replicas). One process
-            (any number of its replicas) and one port may send to it: it restores one seq stream.
+            (any number of its replicas) and one port may send to it: it restores one seq stream,
+            so its seqs must also trace back to one origin upstream (one source with one replica,
+            or a process declaring ``seq_origin = True``; ``csp.graph.validation.seq_origins``).
         rank_local: under torch.distributed (``csp.dist``), every rank gets its own copy of this
             channel: items never leave the rank they were sent on. Ignored in a single process.
     """
