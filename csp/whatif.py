@@ -38,6 +38,7 @@ from typing import Mapping
 
 import msgspec
 
+from csp.errors import UnknownProcess
 from csp.units import count
 
 MIN_ITEMS = 10  # fewer reference items in the window than this: no prediction (too little evidence)
@@ -121,11 +122,12 @@ def fit(summary, link_bytes_per_s: Mapping[str, float] | None = None) -> Model |
 
 def predict(model: Model, replicas: Mapping[str, int]) -> tuple[float, str]:
     """Predicted throughput (reference items/s) and bottleneck with ``replicas`` (process name ->
-    replica count; processes not named keep theirs). Raises KeyError for an unknown process."""
+    replica count; processes not named keep theirs). Raises UnknownProcess (a KeyError) for a
+    process that is not in the model."""
     names = {b.name for b in model.bounds if b.kind == "process"}
     for n in replicas:
         if n not in names:
-            raise KeyError(f"no busy process {n!r} in the model (processes: {sorted(names)})")
+            raise UnknownProcess(f"no busy process {n!r} in the model (processes: {sorted(names)})")
     scaled = [(b.capacity * replicas.get(b.name, b.replicas) / b.replicas if b.kind == "process"
                else b.capacity, b.name) for b in model.bounds]
     cap, name = min(scaled)
