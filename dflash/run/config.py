@@ -189,4 +189,5 @@ def config_hash(cfg: DFlashFile) -> str:
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
     raw.pop("monitor", None)
     raw.pop("trace", None)
+    raw.pop("runtime", None)  # supervision only (the deadlock timeout): not what is trained
     return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]
