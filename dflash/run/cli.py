@@ -62,6 +62,9 @@ log = logging.getLogger("dflash.run")
 
 EXIT_DISK_FULL = 4
 """A checkpoint could not be written for lack of space (:class:`dflash.errors.DiskFullError`)."""
+EXIT_DEADLOCK = 5
+"""Every stage waited on a channel and nothing moved for ``[runtime].deadlock_timeout_s``; csp.run
+itself uses 4 for it, which dflash.run gives to a full disk."""
 
 
 def _error(exc: BaseException | str) -> None:
@@ -356,6 +359,10 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
     try:
         result = runtime.run()
         status, code, stopped_by = result.status, result.exit_code, result.stopped_by
+        if result.deadlock is not None:  # one line naming the cycle of waits
+            # csp.run's deadlock code is 4; dflash.run's 4 is a full disk, so a deadlock is 5 here
+            error, code = f"deadlock: {result.deadlock}", EXIT_DEADLOCK
+            _error(error)
     except csp.ProcessFailed as exc:
         _error(exc)
         error = str(exc)

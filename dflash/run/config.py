@@ -278,4 +278,5 @@ def config_hash(cfg: DFlashFile) -> str:
             raw["loss"].pop(key)
     raw.pop("monitor", None)
     raw.pop("trace", None)
+    raw.pop("runtime", None)  # supervision only (the deadlock timeout): not what is trained
     return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]
