@@ -102,8 +102,10 @@ def _prompt_ids(args, tc) -> list[list[int]]:
 def _decoders(args, target, drafter, head, tmp: Path):
     """``{name: decode(prompt [n]) -> (tokens [n + N], verify steps)}`` and ``{name: why skipped}``."""
     from dflash.eval.decode import CachedDrafterProposer, greedy_decode, speculative_decode
+    from dflash.eval.selector import is_dflash2, selector_proposer
 
     N, bs = args.max_new_tokens, drafter.cfg.block_size
+    dflash2 = is_dflash2(drafter)  # drafts with its selector walk; z-lab's row loads DFlash2DraftModel
 
     def hf_generate(pr):
         out = target.model.generate(pr[None], attention_mask=torch.ones_like(pr[None]), do_sample=False,
@@ -112,7 +114,8 @@ def _decoders(args, target, drafter, head, tmp: Path):
         return out[0], N
 
     def spec(pr):
-        out, acc, _ = speculative_decode(target, CachedDrafterProposer(drafter, head), pr, N, bs)
+        proposer = selector_proposer(drafter, head) if dflash2 else CachedDrafterProposer(drafter, head)
+        out, acc, _ = speculative_decode(target, proposer, pr, N, bs)
         return out, len(acc)
 
     found = {"hf_generate": hf_generate, "greedy": lambda pr: (greedy_decode(target, pr, N), N),
@@ -125,7 +128,7 @@ def _decoders(args, target, drafter, head, tmp: Path):
         from dflash.export import export_drafter
 
         export_drafter(drafter, tmp / f"export-{target.model.dtype}", dtype=target.model.dtype)
-        zmodel = zl.DFlashDraftModel.from_pretrained(
+        zmodel = (zl.DFlash2DraftModel if dflash2 else zl.DFlashDraftModel).from_pretrained(
             str(tmp / f"export-{target.model.dtype}"), dtype=target.model.dtype).to(target.device).eval()
 
         calls = [0]

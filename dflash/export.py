@@ -9,6 +9,15 @@
 * ``model.safetensors``: the drafter weights under the public names (``fc.weight``,
   ``hidden_norm.weight``, ``layers.N.self_attn.q_proj.weight``, ...; no embedding / LM head).
 
+A DFlash2 drafter (``[drafter].variant = "dflash2"``) is written as z-lab's DFlash2 checkpoints are:
+``architectures = ["DFlash2DraftModel"]``, ``conv_kernel_size``, ``conv_group_size``,
+``selector_top_k`` and ``selector_rank`` in ``dflash_config``, and the extra tensors under the
+published names (``layers.N.{attention,mlp}_conv.base_kernel``, ``...kernel_projection.weight``,
+``candidate_selector.hidden_projection.weight`` and the two codebooks *bare*,
+``candidate_selector.predecessor_codebook`` / ``successor_codebook``, no ``.weight``: z-lab's
+``DFlash2DraftModel.from_pretrained`` maps them onto its embeddings, its MLX loader reads only the
+bare names). That class loads it with no missing or unexpected key (tested).
+
 * ``modeling_dflash.py``: this project's transformers model of the drafter (a copy of
   :mod:`dflash.model.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
   ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` loads it with no other package.
@@ -53,7 +62,7 @@ def build_parser():
         "python -m dflash.export", "Export a trained drafter checkpoint to the public DFlash Hugging Face "
         "layout (config.json + model.safetensors + modeling_dflash.py + README.md).",
         details="The output loads where DFlash drafters are served (architectures = [\"DFlashDraftModel\"], "
-                "the public\nparameter names) and back with dflash.export.load_exported. It also holds "
+                "the public\nparameter names; [\"DFlash2DraftModel\"] and z-lab's DFlash2 layout for a drafter.variant = \"dflash2\"\ndrafter) and back with dflash.export.load_exported. It also holds "
                 "modeling_dflash.py, the\ntransformers model class (torch and transformers only): load it "
                 "with\nAutoModel.from_pretrained(DIR, trust_remote_code=True); without trust_remote_code, "
                 "transformers\nsilently builds a plain Qwen3Model instead, which is not a drafter. Files "
@@ -102,6 +111,8 @@ __all__ = ["CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NO_REMOTE_CODE", "Expo
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 CARD_FILE = "README.md"  # the model card: how to load it (trust_remote_code) and decode with it
 EXPORT_FILES = ("model.safetensors", "config.json", MODELING_FILE, CARD_FILE)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # by [drafter].variant
+DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
 
 NO_REMOTE_CODE = ("without trust_remote_code=True, AutoModel ignores modeling_dflash.py and silently "
                   "builds a plain Qwen3Model from config.json, which is not a drafter")
@@ -114,7 +125,7 @@ def model_card(cfg: DrafterConfig, dtype: torch.dtype) -> str:
 library_name: transformers
 tags: [dflash, speculative-decoding, drafter]
 ---
-# DFlash drafter
+# {"DFlash2" if cfg.variant == "dflash2" else "DFlash"} drafter
 
 A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
 mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of a
@@ -138,7 +149,7 @@ from dflash.model import dflash_generate   # z-lab's dflash package
 out = dflash_generate(drafter, target, input_ids, max_new_tokens=256, stop_token_ids=None)
 ```
 
-Serving engines pick the drafter by `architectures = ["DFlashDraftModel"]` and read
+Serving engines pick the drafter by `architectures = ["{ARCHITECTURES[cfg.variant]}"]` and read
 `dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`).
 """
 
@@ -171,15 +182,19 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
     if cfg.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset; the exported config must name it")
     sliding = "sliding_attention" in cfg.types
+    arch = ARCHITECTURES[cfg.variant]
+    dflash_config = {
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+    }
+    if cfg.variant == "dflash2":
+        dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_CONFIG_KEYS})
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [arch],
         "model_type": "qwen3",
         "block_size": cfg.block_size,
-        "dflash_config": {
-            "block_size": cfg.block_size,
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-        },
+        "dflash_config": dflash_config,
         "num_target_layers": cfg.num_target_layers,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -203,7 +218,7 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
         "initializer_range": 0.02,
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
-        "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.DFlashDraftModel"},
+        "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{arch}"},
     }
 
 
@@ -301,18 +316,27 @@ def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = Fals
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
                   dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
-    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one).
+    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one; DFlash or
+    DFlash2, whose codebooks may be stored bare or as ``.weight``).
 
     Raises:
-        ValueError: ``architectures`` is not ``["DFlashDraftModel"]``.
+        ValueError: ``architectures`` is neither ``["DFlashDraftModel"]`` nor ``["DFlash2DraftModel"]``.
         RuntimeError: the weights do not match the config.
     """
     d = Path(directory)
     raw = json.loads((d / "config.json").read_text())
-    if raw.get("architectures") != ["DFlashDraftModel"]:
-        raise ValueError(f"{d}/config.json: architectures {raw.get('architectures')} is not "
-                         "['DFlashDraftModel']")
+    variants = {v: k for k, v in ARCHITECTURES.items()}
+    arch = raw.get("architectures")
+    if not (isinstance(arch, list) and len(arch) == 1 and arch[0] in variants):
+        raise ValueError(f"{d}/config.json: architectures {arch} is not one of "
+                         f"{[[a] for a in variants]}")
+    variant = variants[arch[0]]
     dfc = raw.get("dflash_config", {})
+    extra = {}
+    for k in DFLASH2_CONFIG_KEYS if variant == "dflash2" else ():
+        if dfc.get(k, raw.get(k)) is None:
+            raise ValueError(f"{d}/config.json: a DFlash2DraftModel config needs dflash_config.{k}")
+        extra[k] = int(dfc.get(k, raw.get(k)))
     rope = raw.get("rope_parameters") or {}
     n = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["full_attention"] * n
@@ -333,11 +357,19 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
         vocab_size=raw.get("vocab_size"),
         target_layer_ids=list(dfc["target_layer_ids"]),
         num_target_layers=raw.get("num_target_layers"),
+        variant=variant,
+        **extra,
     )
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(load_file(str(d / "model.safetensors")), strict=True)
+    weights = {_BARE.get(k, k): t for k, t in load_file(str(d / "model.safetensors")).items()}
+    drafter.load_state_dict(weights, strict=True)
     drafter.to(device=device, dtype=dtype or torch.float32)
     return drafter.eval(), cfg
+
+
+# z-lab's save_pretrained writes the codebooks with ".weight" (its nn.Embedding names); ours are bare
+_BARE = {f"candidate_selector.{n}_codebook.weight": f"candidate_selector.{n}_codebook"
+         for n in ("predecessor", "successor")}
 
 
 def _interrupted(out: str, complete: bool) -> str:

@@ -162,6 +162,17 @@ class StepMetrics(msgspec.Struct, kw_only=True):
         step_s: seconds the drafter step took.
         target_s: seconds the target forward took for this batch.
         time: unix time when the step finished.
+
+    DFlash2 only (None for a DFlash drafter; :mod:`dflash.train.selector_loss` defines them):
+        sel_loss: the selector's loss (nan for a skipped step).
+        sel_acc_per_pos: the selector walk's accuracy per block position 1..block_size-1.
+        sel_accepted: the walk's teacher-forced accepted length (mean leading correct slots per
+            block: drafted tokens per verify step a greedy verifier accepts from these blocks).
+        base_accepted: the same for the backbone's top-1 (what a DFlash drafter would draft).
+        recall_k: fraction of trained slots whose label is among the drafter's top-K.
+        oracle_accepted: accepted length if the drafter always picked the label when it is in the
+            top-K (drafted tokens per verify step; oracle top-K tau = oracle_accepted + 1).
+        label_missing: trained slots whose label is not in the top-K (left out of the selector loss).
     """
 
     step: int
@@ -182,3 +193,10 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     step_s: float = 0.0
     target_s: float = 0.0
     time: float = 0.0
+    sel_loss: float | None = None
+    sel_acc_per_pos: list[float] | None = None
+    sel_accepted: float | None = None
+    base_accepted: float | None = None
+    recall_k: float | None = None
+    oracle_accepted: float | None = None
+    label_missing: int | None = None

@@ -119,6 +119,11 @@ class TrainRecord(RecordBase, tag="train"):
     ``acc``: accuracy per block position; ``tau_sim``: simulated tokens per verify step (accepted + 1;
     the accepted length itself in logs without ``accepted_sim``); throughputs in tokens per second;
     ``padding_waste``: a fraction. ``spike``: set (True) only when the monitor flagged the loss.
+    DFlash2 runs add the selector's figures (:mod:`dflash.train.selector_loss`), averaged like the
+    others: ``sel_loss``; ``sel_acc``, the walk's accuracy per block position; ``sel_tau`` and
+    ``base_tau``, the tokens per verify step (teacher-forced streak + 1) of the walk and of the
+    backbone's top-1; ``recall_k`` (label in the top-K); ``oracle_tau``, oracle top-K tokens per
+    verify step; ``label_missing``, the window's total of slots whose label missed the top-K.
     """
 
     step: int
@@ -140,6 +145,13 @@ class TrainRecord(RecordBase, tag="train"):
     skipped_total: int | UnsetType = UNSET
     time: float | UnsetType = UNSET
     spike: bool | UnsetType = UNSET
+    sel_loss: Float = UNSET
+    sel_acc: list[float | None] | UnsetType = UNSET
+    sel_tau: Float = UNSET
+    base_tau: Float = UNSET
+    recall_k: Float = UNSET
+    oracle_tau: Float = UNSET
+    label_missing: int | UnsetType = UNSET
 
 
 class SkipRecord(RecordBase, tag="skip"):

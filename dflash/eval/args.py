@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "  sampled         with --temperature T: measured tau of sampled draft-and-verify "
                     "(accept with\n"
                     "                  prob min(1, p/q), else resample from max(p - q, 0); Leviathan et "
-                    "al. 2023)",
+                    "al. 2023)\n\n"
+                    "A DFlash2 drafter (drafter.variant = \"dflash2\") drafts with its selector's walk over "
+                    "the top-K, so the\nfigures above are the walk's; beside them: the backbone top-1's "
+                    "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K.",
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "

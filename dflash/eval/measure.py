@@ -6,6 +6,10 @@ the generated region, labels = target argmax. Its streak at the anchors the deco
 reproduces each measured ``m`` (up to kernel numerics), and its marginal per-position accuracies
 give the simulated figure printed in training (``tau_sim = 1 + sum_j prod_{i<=j} acc_i``;
 :mod:`dflash.train.acceptance`). The result types and the printed table are in :mod:`dflash.eval.report`.
+
+A DFlash2 drafter decodes with its selector's walk (:func:`dflash.eval.selector.selector_proposer`)
+and is scored by the walk; beside it the same text gives recall@K, the oracle top-K tau and the
+backbone top-1's teacher-forced tau (:func:`dflash.eval.selector.block_figures`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dflash.eval.decode import (
     DrafterProposer,
     speculative_decode,
 )
-from dflash.eval.report import EvalResult, PromptResult
+from dflash.eval.report import EvalResult, PromptResult, SelectorFigures
+from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead, Target
@@ -59,14 +64,19 @@ def teacher_forced(target: Target, drafter: DFlashDrafter, head: SharedHead, tok
 
     Returns ``(correct, valid)``, both ``[A, bs-1]`` bool.
     """
+    hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, anchors)
+    return head.logits(hidden[:, 1:]).argmax(-1) == labels, valid
+
+
+def _teacher_forced_blocks(target, drafter, head, tokens, anchors):
+    """``(hidden [A, bs, H], labels [A, bs-1], valid [A, bs-1])`` of the blocks at ``anchors``."""
     bs = drafter.cfg.block_size
     labels, valid, feats = greedy_labels(target, head, tokens, anchors, bs)
     pos = torch.arange(feats.shape[1], device=tokens.device)[None]
     block = torch.full((1, anchors.shape[0], bs), drafter.cfg.mask_token_id, device=tokens.device)
     block[0, :, 0] = tokens[anchors]
     layout = training_layout(pos, torch.zeros_like(pos), anchors[None], bs)
-    hidden = drafter(feats, head.embed(block), layout)[0]
-    return head.logits(hidden[:, 1:]).argmax(-1) == labels, valid
+    return drafter(feats, head.embed(block), layout)[0], labels, valid
 
 
 def _clock(device: torch.device) -> float:
@@ -88,11 +98,17 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     """
     bs = drafter.cfg.block_size
     cached = all(t == "full_attention" for t in drafter.cfg.types)
+    dflash2 = is_dflash2(drafter)
+    if dflash2 and temperature > 0:
+        raise ValueError("a sampled decode of a DFlash2 drafter (q restricted to the selector's K "
+                         "candidates) is not implemented: evaluate it with --temperature 0")
 
     def proposer():
+        if dflash2:  # drafts with the selector's walk over its top-K
+            return selector_proposer(drafter, head)
         return CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
 
-    per, all_m, all_streak, all_streaks, corrects, valids = [], [], [], [], [], []
+    per, all_m, all_streak, all_streaks, corrects, valids, extra = [], [], [], [], [], [], []
     seconds = 0.0
     for prompt in prompts:
         t0 = _clock(prompt.device)
@@ -100,7 +116,12 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         seconds += _clock(prompt.device) - t0
         n = prompt.shape[0]
         region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
-        correct, valid = teacher_forced(target, drafter, head, tokens, region)
+        if dflash2:  # scored by the walk it drafts with; the backbone's top-1 and the top-K beside it
+            hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
+            correct, top1, in_k = block_figures(drafter, head, hidden, tokens[region], labels)
+            extra.append((top1, in_k, valid))
+        else:
+            correct, valid = teacher_forced(target, drafter, head, tokens, region)
         streaks = streak_lengths(correct, valid)
         s_vis = streaks[torch.tensor(visited, device=tokens.device) - n]
         acc = accuracy_per_position(correct, valid)
@@ -132,8 +153,20 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         dtype=str(target.model.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, seconds=seconds,
         sampled_tau=None if sampled_m is None else tau_from_accepted(sampled_m),
-        sampled_accepted=sampled_m,tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+        sampled_accepted=sampled_m, tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
                       tau_sim=tau_from_accepted(sim), accepted_sim=sim,
                       streak_visited=sum(all_streak) / max(len(all_streak), 1),
                       streak_all=float(torch.cat(all_streaks).float().mean()),
-                      acc_per_pos=acc.tolist(), block_size=bs, per_prompt=per)
+                      acc_per_pos=acc.tolist(), block_size=bs, per_prompt=per,
+                      selector=_selector_figures(drafter, extra) if dflash2 else None)
+
+
+def _selector_figures(drafter: DFlashDrafter, extra) -> SelectorFigures:
+    """recall@K, oracle top-K tau and the backbone top-1's tau over every teacher-forced block."""
+    top1, in_k, valid = (torch.cat(x) for x in zip(*extra))
+    return SelectorFigures(
+        top_k=drafter.cfg.selector_top_k,
+        recall=float((in_k & valid).sum() / valid.sum().clamp(min=1)),
+        oracle_tau=tau_from_accepted(float(streak_lengths(in_k, valid).float().mean())),
+        backbone_tau=tau_from_accepted(float(streak_lengths(top1, valid).float().mean())),
+        backbone_acc_per_pos=accuracy_per_position(top1, valid).tolist())

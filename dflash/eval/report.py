@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["EvalResult", "PromptResult", "explain", "format_prompt", "format_result"]
+__all__ = ["EvalResult", "PromptResult", "SelectorFigures", "explain", "format_prompt", "format_result"]
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -25,6 +25,27 @@ class PromptResult(msgspec.Struct, kw_only=True):
     accepted_sim: float
     streak_all: float
     streak_visited: float
+
+
+class SelectorFigures(msgspec.Struct, kw_only=True):
+    """What a DFlash2 drafter's selector adds, teacher-forced over the generated text (every anchor;
+    :func:`dflash.eval.selector.block_figures`).
+
+    Attributes:
+        top_k: candidates per position (``drafter.selector_top_k``).
+        recall: fraction of slots whose label (the target's greedy token) is in the top-K.
+        oracle_tau: tokens per verify step of a drafter that picks the label whenever it is in the
+            top-K (1 + mean leading run of "label in top-K"): the ceiling of any selector.
+        backbone_tau: tokens per verify step of the backbone's top-1 on the same blocks (what a
+            DFlash drafter of these weights would draft), to set beside ``streak_all + 1`` of the walk.
+        backbone_acc_per_pos: ``[bs-1]`` the backbone top-1's accuracy per position.
+    """
+
+    top_k: int
+    recall: float
+    oracle_tau: float
+    backbone_tau: float
+    backbone_acc_per_pos: list[float]
 
 
 class EvalResult(msgspec.Struct, kw_only=True):
@@ -51,6 +72,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
         sampled_tau: measured tokens per verify step of the sampled decode (None when greedy
             only), over all its steps; ``sampled_accepted`` = ``sampled_tau - 1``.
         seconds: wall time of the greedy decodes (and the sampled ones), in seconds.
+        selector: a DFlash2 drafter's :class:`SelectorFigures` (its measured and teacher-forced
+            figures above are those of the selector's walk, the tokens it drafts); None for DFlash.
     """
 
     tau: float
@@ -71,6 +94,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     sampled_tau: float | None = None
     sampled_accepted: float | None = None
     seconds: float | None = None
+    selector: SelectorFigures | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -119,7 +143,17 @@ def format_result(res: EvalResult) -> str:
                  "has tau = 1")
     secs = f", decode {res.seconds:.1f} s" if res.seconds is not None else ""
     lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){secs}")
+    sel = res.selector
+    if sel is not None:  # DFlash2: the rows above are the selector walk's
+        lines[5:5] = [f"{name:44s}{t:>18.3f}{t - 1:>15.3f}" for name, t in (
+            ("backbone top-1 streak @ all anchors", sel.backbone_tau),
+            (f"oracle top-{sel.top_k} (label in top-{sel.top_k}) @ all", sel.oracle_tau))]
+        lines.append(f"DFlash2: drafts are the selector's walk over the top-{sel.top_k}; recall@{sel.top_k} "
+                     f"{sel.recall:.3f} (label in the top-{sel.top_k}); walk vs backbone top-1 "
+                     f"{res.streak_all + 1:.3f} vs {sel.backbone_tau:.3f} tokens/step")
     lines.append("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
+    if sel is not None:
+        lines.append("backbone top-1 acc per position: " + " ".join(f"{a:.2f}" for a in sel.backbone_acc_per_pos))
     lines += [f"why they differ: {why}" for why in explain(res)]
     return "\n".join(lines)
 

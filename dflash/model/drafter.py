@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import torch
@@ -34,12 +34,17 @@ from torch import nn
 from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
 from dflash.model.target_config import TargetConfig
+from dflash.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
 
-__all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config", "rope_theta_of"]
+__all__ = ["DFLASH2_FIELDS", "DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config",
+           "rope_theta_of"]
 
 LayerType = Literal["full_attention", "sliding_attention"]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+DFLASH2_FIELDS = ("variant", "conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+"""The ``[drafter]`` fields DFlash2 added; a DFlash drafter's model does not depend on them."""
 
 
 class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -60,6 +65,14 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (Triton, CUDA only; :mod:`dflash.model.drafter_kernels`). Same parameters and
             state-dict keys; equal loss and gradients to bf16 rounding (tested on the GPU).
         compile: ``torch.compile`` each decoder layer in place (same state-dict keys).
+        variant: "dflash" (the DFlash drafter) | "dflash2" (z-lab's DFlash2: adds a grouped
+            dynamic causal convolution around every sublayer and a candidate selector,
+            :mod:`dflash.model.dflash2`). The four fields below are read by "dflash2" only; their
+            defaults are the published checkpoints' values.
+        conv_kernel_size: convolution taps (in block tokens, the current one included).
+        conv_group_size: channels sharing one dynamic tap (``hidden_size`` must be a multiple).
+        selector_top_k: candidates per block position the selector re-ranks.
+        selector_rank: rank of the selector's predecessor/successor codebooks.
     """
 
     num_layers: int = 5
@@ -81,6 +94,11 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_target_layers: int | None = None
     kernels: Literal["torch", "liger"] = "torch"
     compile: bool = False
+    variant: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: Positive = 2
+    conv_group_size: Positive = 16
+    selector_top_k: Positive = 16
+    selector_rank: Positive = 256
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -94,6 +112,10 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if self.sliding_window is None or self.sliding_window < self.block_size:
                 raise ValueError("drafter.sliding_window must be set and >= block_size when a "
                                  "layer is 'sliding_attention'")
+        if self.variant == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ValueError(f"drafter.conv_kernel_size = {self.conv_kernel_size} is longer than a block "
+                             f"(block_size = {self.block_size}): the convolution restarts at every block, so "
+                             "taps past its start only see zeros; use at most block_size (published: 2)")
 
     @property
     def types(self) -> list[str]:
@@ -150,6 +172,14 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"drafter.{f} is unset; call DrafterConfig.resolve(target config)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("drafter.num_attention_heads must be a multiple of num_key_value_heads")
+        if self.variant == "dflash2":
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(f"drafter.conv_group_size = {self.conv_group_size} does not divide the "
+                                 f"hidden size {self.hidden_size} (the target's); use a divisor of it "
+                                 "(published: 16)")
+            if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
+                raise ValueError(f"drafter.selector_top_k = {self.selector_top_k} exceeds the vocabulary "
+                                 f"({self.vocab_size} tokens); published: 16")
 
 
 def resolve_drafter_config(cfg: DrafterConfig, target_cfg: TargetConfig) -> DrafterConfig:
@@ -261,10 +291,33 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.block = c.block_size
+        if c.variant == "dflash2":  # around each sublayer (dflash.model.dflash2)
+            self.attention_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
+        if self.attention_conv is not None:
+            return self._forward_conv(x, ctx, rope_q, rope_k, mask)
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_conv(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
+        return self.apply_conv(x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask))
+
+    def apply_conv(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """DFlash2's layer: ``x += conv_1(f(conv_0(u)))`` with ``u`` the normed input, both sides'
+        taps from ``u`` (``x [B, Q, H]``, ``Q`` a multiple of the block size: blocks never mix).
+        ``attend(h [B, Q, H]) -> [B, Q, H]`` is the attention sublayer (a KV-cached decode passes
+        its own, :class:`dflash.eval.selector.CachedSelectorProposer`)."""
+        u = self.input_layernorm(x)
+        c = self.attention_conv.coefficients(u)                              # [B, Q, 2, K, G]
+        x = x + self.attention_conv(attend(self.attention_conv(u, c, 0, self.block)), c, 1, self.block)
+        u = self.post_attention_layernorm(x)
+        c = self.mlp_conv.coefficients(u)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(u, c, 0, self.block)), c, 1, self.block)
 
 
 class DFlashDrafter(nn.Module):
@@ -284,6 +337,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.types)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        if cfg.variant == "dflash2":
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, H, cfg.selector_rank, cfg.selector_top_k)
         # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
         self._inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).double()
                                                   / cfg.head_dim)).float()
@@ -296,12 +351,24 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
+        """Backbone: ``N(0, 0.02)`` matrices, unit norms. DFlash2's modules are skipped in that loop
+        and initialised after it (:mod:`dflash.model.dflash2`), so the backbone's draws, and with
+        them a fresh DFlash2 drafter's outputs, equal the DFlash drafter's of the same seed."""
         gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed) if seed is not None else None
+        added = {id(p) for m in self.modules() if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector))
+                 for p in m.parameters()}
         for name, p in self.named_parameters():
+            if id(p) in added:
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        for m in self.modules():
+            if isinstance(m, GroupedDynamicCausalConv):
+                m.reset_parameters()
+            elif isinstance(m, CandidateSelector):
+                m.reset_parameters(gen)
 
     def _rope_table(self, positions: torch.Tensor):
         """``cos, sin [B, 1, N, head_dim]`` fp32 for ``positions [B, N]``."""

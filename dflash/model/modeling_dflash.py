@@ -275,3 +275,163 @@ class DFlashDraftModel(PreTrainedModel):
 
 
 __all__ = ["DFlashDraftModel"]
+
+
+# -- DFlash2 (z-lab's DFlash2DraftModel layout): a grouped dynamic causal convolution around each
+# sublayer and a candidate selector; the same math as dflash.model.dflash2 (tested against it).
+
+
+class DFlash2Conv(nn.Module):
+    """``K``-tap causal convolution over the block tokens: ``y[t, c] = sum_o (base_kernel[s, o, c]
+    + dyn[t, s, o, c // group_size]) * v[t - o, c]`` (zeros before the block's first token), with
+    ``dyn = kernel_projection(normed sublayer input)`` and side ``s`` 0 before the sublayer, 1 after."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0  # the identity until weights are loaded
+
+    def coefficients(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.kernel_projection(normed).unflatten(-1, (2, self.kernel_size, self.groups))
+
+    def forward(self, v: torch.Tensor, coef: torch.Tensor, side: int) -> torch.Tensor:
+        B, Q, H = v.shape
+        v4 = v.reshape(B, Q, self.groups, self.group_size)
+        base = self.base_kernel[side].to(v.dtype).view(self.kernel_size, self.groups, self.group_size)
+        out = torch.zeros_like(v4)
+        for o in range(min(self.kernel_size, Q)):
+            shifted = F.pad(v4[:, : Q - o], (0, 0, 0, 0, o, 0))
+            out = out + shifted * (base[o] + coef[:, :, side, o, :, None])
+        return out.reshape(B, Q, H)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """A DFlash layer with ``attention_conv`` and ``mlp_conv`` around its two sublayers."""
+
+    def __init__(self, c: Qwen3Config, layer_type: str) -> None:
+        super().__init__(c, layer_type)
+        k, g = int(c.dflash_config["conv_kernel_size"]), int(c.dflash_config["conv_group_size"])
+        self.attention_conv = DFlash2Conv(c.hidden_size, k, g)
+        self.mlp_conv = DFlash2Conv(c.hidden_size, k, g)
+
+    def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
+        u = self.input_layernorm(x)
+        c = self.attention_conv.coefficients(u)
+        a = self.self_attn(self.attention_conv(u, c, 0), ctx, rope_q, rope_k, mask)
+        x = x + self.attention_conv(a, c, 1)
+        u = self.post_attention_layernorm(x)
+        c = self.mlp_conv.coefficients(u)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(u, c, 0)), c, 1)
+
+
+class DFlash2Selector(nn.Module):
+    """Re-ranks the drafter's top-K tokens per block position by a low-rank bigram term:
+    ``score[k] = logit[c_k] + <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[c_k]>``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))  # bare, as published
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy walk: ``hidden [B, L, H]`` and ``logits [B, L, V]`` of the drafted positions,
+        ``anchor_ids [B]`` (the last committed token) -> ``[B, L]`` drafted ids, each position's
+        choice the predecessor of the next."""
+        unary, cand = torch.topk(logits.float(), self.top_k, dim=-1)
+        gate = self.hidden_projection(hidden)
+        prev, out = anchor_ids, []
+        for j in range(cand.shape[1]):
+            ctx = (self.predecessor_codebook[prev] * gate[:, j]).to(self.successor_codebook.dtype)
+            pair = torch.matmul(self.successor_codebook[cand[:, j]], ctx.unsqueeze(-1)).squeeze(-1)
+            prev = cand[:, j].gather(1, (unary[:, j] + pair.float()).argmax(-1, keepdim=True))[:, 0]
+            out.append(prev)
+        return torch.stack(out, 1)
+
+
+class DFlash2DraftModel(PreTrainedModel):
+    """The DFlash2 drafter: DFlash's plus the convolutions and ``candidate_selector``.
+
+    ``config.dflash_config`` also holds ``conv_kernel_size``, ``conv_group_size``,
+    ``selector_top_k`` and ``selector_rank``. :meth:`forward` is :class:`DFlashDraftModel`'s (one
+    block per row); :meth:`select` drafts the block's tokens from its output::
+
+        h = drafter(target_hidden=feats, noise_embedding=block_emb).last_hidden_state[:, 1:]
+        draft = drafter.select(h, target.lm_head(h), anchor_ids=block_ids[:, 0])
+    """
+
+    config_class = Qwen3Config
+    base_model_prefix = "dflash_draft"
+    _no_split_modules = ["DFlash2DecoderLayer"]
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        dc, H = config.dflash_config, config.hidden_size
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self.block_size = int(dc["block_size"])
+        self.fc = nn.Linear(len(dc["target_layer_ids"]) * H, H, bias=False)
+        self.hidden_norm = DFlashRMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlash2DecoderLayer(config, t) for t in types)
+        self.norm = DFlashRMSNorm(H, config.rms_norm_eps)
+        self.candidate_selector = DFlash2Selector(config.vocab_size, H, int(dc["selector_rank"]),
+                                                  int(dc["selector_top_k"]))
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, self.config.initializer_range)
+        elif isinstance(module, DFlashRMSNorm):
+            module.weight.data.fill_(1.0)
+
+    def _masks(self, T: int, Q: int, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Bool ``[B, 1, Q, T+Q]`` per layer type: all of the context (within the window for sliding
+        layers) and the block (causally for sliding layers)."""
+        out = {}
+        qpos = positions[:, T:]
+        for t in {layer.layer_type for layer in self.layers}:
+            mask = torch.ones(positions.shape[0], Q, T + Q, dtype=torch.bool, device=positions.device)
+            if t == "sliding_attention":
+                mask &= (qpos[:, :, None] - positions[:, None, :]) < self.config.sliding_window
+                mask[:, :, T:] &= torch.ones(Q, Q, dtype=torch.bool, device=positions.device).tril()
+            out[t] = mask[:, None]
+        return out
+
+    def forward(self, target_hidden: torch.Tensor, noise_embedding: torch.Tensor,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                return_dict: bool | None = None, **kwargs) -> BaseModelOutput:
+        """As :meth:`DFlashDraftModel.forward`: ``target_hidden [B, T, k*H]``, ``noise_embedding
+        [B, Q, H]`` (one block: the convolutions run over these ``Q`` tokens) ->
+        ``last_hidden_state [B, Q, H]``."""
+        B, T, _ = target_hidden.shape
+        Q = noise_embedding.shape[1]
+        dtype = self.fc.weight.dtype
+        if position_ids is None:
+            position_ids = torch.arange(T + Q, device=target_hidden.device)[None].expand(B, -1)
+        ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
+        x = noise_embedding.to(dtype)
+        d = self.layers[0].self_attn.d
+        inv_freq = (1.0 / _rope_theta(self.config) ** (torch.arange(0, d, 2, device=x.device).double() / d)).float()
+        ang = position_ids.float()[..., None] * inv_freq
+        ang = torch.cat([ang, ang], dim=-1)[:, None]
+        rope_k = (ang.cos(), ang.sin())
+        rope_q = (rope_k[0][:, :, T:], rope_k[1][:, :, T:])
+        masks = None if attention_mask is not None else self._masks(T, Q, position_ids)
+        for layer in self.layers:
+            mask = attention_mask.bool() if attention_mask is not None else masks[layer.layer_type]
+            x = layer(x, ctx, rope_q, rope_k, mask)
+        return BaseModelOutput(last_hidden_state=self.norm(x))
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """The drafted tokens ``[B, L]`` of positions whose post-norm states are ``hidden [B, L, H]``
+        and logits (the target's LM head) ``logits [B, L, V]``, after ``anchor_ids [B]``."""
+        return self.candidate_selector(hidden, logits, anchor_ids)
+
+
+__all__.append("DFlash2DraftModel")

@@ -64,6 +64,13 @@ def _eta(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def _selector_line(record: Mapping[str, Any]) -> str:
+    """DFlash2's window figures: teacher-forced tau of the walk and of the backbone's top-1, the
+    oracle top-K tau and recall@K (dflash.train.selector_loss)."""
+    return (f"walk tau {_num(record.get('sel_tau'), '.3g')} (top-1 {_num(record.get('base_tau'), '.3g')}, "
+            f"oracle {_num(record.get('oracle_tau'), '.3g')}, recall@K {_num(record.get('recall_k'), '.3g')})")
+
+
 def _partly_averaged(record: Mapping[str, Any]) -> bool:
     """True when the window's averages leave out some of its steps (skipped ones)."""
     averaged, window = record.get("steps_averaged"), record.get("window")
@@ -88,6 +95,8 @@ def format_line(record: Mapping[str, Any], channels: Iterable[Any] = (), *,
              f"target {_si(record.get('target_tok_s'))} tok/s drafter "
              f"{_si(record.get('drafter_tok_s'))} tok/s",
              f"lr {_num(record.get('lr'), '.1e')}"]
+    if "sel_tau" in record:  # DFlash2: the selector walk's figures beside the backbone's
+        parts.insert(2, _selector_line(record))
     if record.get("skipped_total"):
         parts.append(f"skipped {record['skipped_total']}")
     if _partly_averaged(record):
@@ -203,6 +212,8 @@ class TrainingDisplay:
             f"lr {_num(record.get('lr'), '.1e')}",
             f"skipped {record.get('skipped_total', 0)}",
         )
+        if "sel_tau" in record:
+            stats.add_row("selector", _selector_line(record), "", "", "")
         if self.start_step:
             stats.add_row("resumed", f"from step {self.start_step}", "", "", "")
         if _partly_averaged(record):

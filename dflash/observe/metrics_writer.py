@@ -104,6 +104,7 @@ class WindowAggregator:
         step_s = sum(m.step_s for m in items)
         acc = [_mean([m.acc_per_pos[j] for m in ok]) for j in range(len(ok[0].acc_per_pos))] if ok else []
         return TrainRecord(
+            **_selector_fields(items, ok),
             step=last.step,
             window=len(items),
             steps_averaged=len(ok),
@@ -123,6 +124,24 @@ class WindowAggregator:
             skipped_total=self.skipped_total,
             time=last.time,
         )
+
+
+def _selector_fields(items: list[StepMetrics], ok: list[StepMetrics]) -> dict[str, Any]:
+    """DFlash2's window fields (none for a DFlash run): means over the trained steps, the
+    missing-label count summed over the window."""
+    sel = [m for m in ok if m.sel_acc_per_pos is not None]
+    if not any(m.sel_acc_per_pos is not None for m in items):
+        return {}
+    acc = [_mean([m.sel_acc_per_pos[j] for m in sel]) for j in range(len(sel[0].sel_acc_per_pos))] if sel else []
+    return {
+        "sel_loss": _mean([m.sel_loss for m in sel]),
+        "sel_acc": [round(a, 5) for a in acc],
+        "sel_tau": _mean([m.sel_accepted + 1.0 for m in sel]),
+        "base_tau": _mean([m.base_accepted + 1.0 for m in sel]),
+        "recall_k": _mean([m.recall_k for m in sel]),
+        "oracle_tau": _mean([m.oracle_accepted + 1.0 for m in sel]),
+        "label_missing": sum(m.label_missing or 0 for m in items),
+    }
 
 
 class WandbSink:
@@ -148,6 +167,8 @@ class WandbSink:
         data = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
         for j, a in enumerate(record.get("acc") or [], start=1):
             data[f"acc/pos{j}"] = a
+        for j, a in enumerate(record.get("sel_acc") or [], start=1):
+            data[f"sel_acc/pos{j}"] = a
         data = {k: v for k, v in data.items() if not (isinstance(v, float) and math.isnan(v))}
         self.run.log(data, step=record.step)
 

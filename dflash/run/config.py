@@ -31,7 +31,7 @@ import csp
 from csp.graph.load import cut
 from dflash.data import DataConfig
 from dflash.errors import ConfigError
-from dflash.model.drafter import DrafterConfig
+from dflash.model.drafter import DFLASH2_FIELDS, DrafterConfig
 from dflash.model.target import TargetConfig
 from dflash.train.loss import LossConfig
 
@@ -270,6 +270,12 @@ def config_hash(cfg: DFlashFile) -> str:
     # Hashed in the older layout, where num_anchors sat in [drafter]: the same
     # settings give the same hash, so older checkpoints resume without a "config differs" warning.
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
+    # DFlash2's settings change nothing a DFlash drafter trains: left out, a DFlash run hashes as
+    # before they existed (its checkpoints resume without a "config differs" warning).
+    if raw["drafter"]["variant"] == "dflash":
+        for key in DFLASH2_FIELDS:
+            raw["drafter"].pop(key)
+        raw["loss"].pop("selector_weight")
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
     # Loss terms added later are hashed only when switched on, so a file that leaves them at 0 keeps
     # the hash it had before they existed (its checkpoints resume without a config-differs warning).

@@ -133,6 +133,9 @@ def check_fast_paths(cfg: DFlashFile) -> None:
             raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
                               f"loss.{soft[0]} = {getattr(cfg.loss, soft[0]):g}: set it to 0 or "
                               "train.lm_head = \"chunked\"")
+        if d.variant == "dflash2":
+            raise ConfigError("train.lm_head = \"liger\" gives no top-K candidates for DFlash2's selector: "
+                              "set train.lm_head = \"chunked\" with drafter.variant = \"dflash2\"")
         if not tr.sync_free_loss:
             raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "
                               "train.sync_free_loss = true or train.lm_head = \"chunked\"")

@@ -38,7 +38,7 @@ __all__ = ["chunked_head_loss"]
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, head, target_hidden, data_labels, cfg: LossConfig, chunk: int):
+    def forward(ctx, hidden, head, target_hidden, data_labels, cfg: LossConfig, chunk: int, topk: int):
         M = hidden.shape[0]
         W = head.lm_head.weight
         kw, tau = cfg.kl_weight, cfg.temperature
@@ -46,6 +46,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         draft_arg = torch.empty(M, dtype=torch.long, device=hidden.device)
         target_arg = torch.empty_like(draft_arg) if target_hidden is not None else None
         grad_h = torch.empty(M, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        top_v = torch.empty(M, topk, device=hidden.device) if topk else None
+        top_i = torch.empty(M, topk, dtype=torch.long, device=hidden.device) if topk else None
         for s in range(0, M, chunk):
             e = min(s + chunk, M)
             z = head.logits(hidden[s:e]).float()                             # [c, V]
@@ -54,6 +56,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if target_arg is not None:
                 target_arg[s:e] = zt.argmax(-1)
             draft_arg[s:e] = z.argmax(-1)
+            if topk:  # DFlash2's selector candidates, before z is consumed
+                top_v[s:e], top_i[s:e] = torch.topk(z, topk, dim=-1)
             if cfg.tv_weight > 0 or cfg.conf_weight > 0:
                 with torch.enable_grad():
                     z_leaf = z.detach().requires_grad_(True)
@@ -79,17 +83,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = hidden.dtype
         outs = (l, ce, kl, draft_arg, target_arg if target_arg is not None else data_labels)
+        outs += (top_v, top_i) if topk else ()
         ctx.mark_non_differentiable(*outs[1:])
         return outs
 
     @staticmethod
     def backward(ctx, grad_l, *_):
         (grad_h,) = ctx.saved_tensors
-        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None
+        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None, None
 
 
 def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | None,
-                      data_labels: torch.Tensor, cfg: LossConfig, chunk: int):
+                      data_labels: torch.Tensor, cfg: LossConfig, chunk: int, topk: int = 0):
     """Per-slot loss terms through the frozen LM head, ``chunk`` slots at a time.
 
     Args:
@@ -100,12 +105,15 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
         data_labels: ``[M]`` int64 dataset tokens.
         cfg: the loss config (label, kl_weight, tv_weight, conf_weight, temperature).
         chunk: slots per chunk (>= 1).
+        topk: > 0: also the drafter's ``topk`` largest logits per slot (DFlash2's selector
+            candidates, :mod:`dflash.train.selector_loss`), taken from the same chunk logits.
 
     Returns:
         ``(l, ce, kl, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
         ``hidden``; ``ce``/``kl`` fp32 as :func:`dflash.train.loss.mixed_loss`; ``draft_argmax`` the
         drafter's argmax token; ``accept_label`` the target's argmax (or ``data_labels`` without
-        target hidden states).
+        target hidden states). With ``topk``, then ``(top_values [M, topk] fp32, top_ids [M, topk]
+        int64)``, largest first (no gradient).
 
     Raises:
         ValueError: ``chunk < 1``, or the config needs target logits and ``target_hidden`` is None.
@@ -114,4 +122,4 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
         raise ValueError(f"LM-head chunk must be >= 1 slots, got {chunk}")
     if (cfg.kl_weight > 0 or cfg.tv_weight > 0 or cfg.label == "target_argmax") and target_hidden is None:
         raise ValueError("loss.kl_weight > 0, tv_weight > 0 or label = 'target_argmax' needs target hidden states")
-    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk)
+    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk, topk)

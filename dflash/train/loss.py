@@ -69,6 +69,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         weighting: "exp_decay" | "streak" | "none".
         gamma: exp_decay scale, in block positions.
         alpha: streak floor in [0, 1].
+        selector_weight: weight (>= 0) of DFlash2's selector loss, added to the loss above
+            (:mod:`dflash.train.selector_loss`); read only when ``drafter.variant = "dflash2"``.
     """
 
     label: Literal["data", "target_argmax"] = "data"
@@ -79,6 +81,7 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weighting: Literal["exp_decay", "streak", "none"] = "exp_decay"
     gamma: float = 7.0
     alpha: float = 0.1
+    selector_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kl_weight <= 1.0:
@@ -94,6 +97,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"loss.gamma must be > 0, got {self.gamma}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"loss.alpha must be in [0, 1], got {self.alpha}")
+        if not self.selector_weight >= 0.0:
+            raise ValueError(f"loss.selector_weight must be >= 0, got {self.selector_weight}")
 
 
 def needs_final_hidden(cfg: LossConfig) -> bool:

@@ -14,6 +14,8 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
    position before it). KL and TV use the target logits at the same ``a + j - 1``.
 5. Loss (CE, KL, TV, confidence: :mod:`dflash.train.loss`), CE/KL means, per-position accuracy (against the target argmax when target logits are
    computed, which is what greedy verification accepts; else against the data token).
+6. DFlash2 (``drafter.variant = "dflash2"``): the selector's loss over each slot's top-K
+   candidates, ``loss += selector_weight * L_sel``, and its metrics (:mod:`dflash.train.selector_loss`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dflash.train.loss import (
     needs_final_hidden,
     position_weights,
 )
+from dflash.train.selector_loss import SelectorOutput, selector_terms
 
 __all__ = ["LossOutput", "block_targets", "compute_loss"]
 
@@ -50,6 +53,8 @@ class LossOutput:
         num_blocks: valid anchors (an int, or a 0-dim int64 tensor on the sync-free path, read
             with the step's one host read).
         num_predictions: trained slots ``N`` (int or 0-dim int64 tensor, as ``num_blocks``).
+        selector: DFlash2's selector loss and metrics (already weighted into ``loss``), None for
+            a DFlash drafter.
     """
 
     loss: torch.Tensor
@@ -59,6 +64,7 @@ class LossOutput:
     streak_mean: torch.Tensor
     num_blocks: int | torch.Tensor
     num_predictions: int | torch.Tensor
+    selector: SelectorOutput | None = None
 
 
 def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
@@ -106,6 +112,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     features, input_ids, loss_mask, doc_ids = x.features, x.input_ids, x.loss_mask, x.doc_ids
     position_ids, anchors, final_hidden = x.position_ids, x.anchors, x.final_hidden
     dc = getattr(drafter, "module", drafter).cfg  # DDP-wrapped drafters keep their config inside
+    selector = getattr(getattr(drafter, "module", drafter), "candidate_selector", None)  # DFlash2 only
     bs = dc.block_size
     if dc.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
@@ -127,7 +134,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
     if sync_free:
         return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg,
-                                 lm_head_chunk, lm_head)
+                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0])
 
     # 3. trained slots only -> logits [N, V]
     draft_logits = head.logits(hidden[:, :, 1:][trained]).float()
@@ -149,12 +156,28 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     w = position_weights(cfg, label_prob.view(B * A, bs - 1)).view(B, A, bs - 1)[trained]
     denom = w.sum()
     loss = (w * per_slot).sum() / denom.clamp(min=1e-12)
-
     with torch.no_grad():
         accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
+    block_ok = (anchors >= 0).view(-1)
+
+    sel = None
+    if selector is not None:  # 6. on the [B, A, bs-1] grid: the walk needs each block whole
+        unary, cand = selector.candidates(draft_logits)                            # [N, K]
+        K, S = unary.shape[1], bs - 1
+        mask_k = trained[..., None].expand(B, A, S, K)
+        data_grid = input_ids.gather(1, pos.reshape(B, A * S)).view(B, A, S)
+        sel = selector_terms(
+            selector, hidden[:, :, 1:], block_ids[:, :, 0],
+            torch.zeros(B, A, S, K, device=unary.device).masked_scatter(mask_k, unary),
+            torch.zeros(B, A, S, K, dtype=torch.long, device=cand.device).masked_scatter(mask_k, cand),
+            data_grid.masked_scatter(trained, labels), data_grid,
+            data_grid.masked_scatter(trained, accept_label), trained,
+            torch.zeros(B, A, S, device=w.device).masked_scatter(trained, w), block_ok)
+        loss = loss + cfg.selector_weight * sel.loss
+
+    with torch.no_grad():
         correct = grid(draft_logits.argmax(-1) == accept_label, False).view(B * A, bs - 1)
         valid = trained.view(B * A, bs - 1)
-        block_ok = (anchors >= 0).view(-1)
         n = max(int(trained.sum()), 1)
         return LossOutput(
             loss=loss,
@@ -164,15 +187,18 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
             streak_mean=streak_lengths(correct, valid)[block_ok].float().mean(),
             num_blocks=int(block_ok.sum()),
             num_predictions=int(trained.sum()),
+            selector=sel,
         )
 
 
 def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
                       input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
-                      cfg: LossConfig, lm_head_chunk: int = 0, lm_head: str = "chunked") -> LossOutput:
-    """Steps 3-5 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
+                      cfg: LossConfig, lm_head_chunk: int = 0, lm_head: str = "chunked", selector=None,
+                      anchor_ids: torch.Tensor | None = None) -> LossOutput:
+    """Steps 3-6 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
     the data, so nothing waits for the device. Same loss as the masked path up to summation order
-    (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors."""
+    (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors. ``selector``
+    (DFlash2's, with ``anchor_ids [B, A]`` the blocks' token 0) adds step 6."""
     B, A, S = pos.shape
     M, H = B * A * S, hidden.shape[-1]
     tw = trained.reshape(M)
@@ -184,14 +210,21 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         prev = (flat_pos - 1).clamp(min=0)[..., None].expand(B, A * S, final_hidden.shape[-1])
         target_hidden = final_hidden.gather(1, prev).reshape(M, -1)
     data_labels = input_ids.gather(1, flat_pos).reshape(M)
+    unary = cand = None
     if lm_head == "liger":
+        if selector is not None:
+            raise ValueError("train.lm_head = 'liger' gives no top-K candidates for DFlash2's selector: "
+                             "use train.lm_head = 'chunked' with drafter.variant = 'dflash2'")
         from dflash.train.liger_head import liger_head_loss
 
         per_slot, ce, kl, draft_arg, accept_label = liger_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk or 2048)
     elif lm_head_chunk > 0:
-        per_slot, ce, kl, draft_arg, accept_label = chunked_head_loss(
-            slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk)
+        per_slot, ce, kl, draft_arg, accept_label, *top = chunked_head_loss(
+            slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk,
+            topk=selector.top_k if selector is not None else 0)
+        if selector is not None:
+            unary, cand = top
     else:
         draft_logits = head.logits(slot_hidden).float()                          # [M, V]
         target_logits = head.logits(target_hidden).float() if target_hidden is not None else None
@@ -200,15 +233,25 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         with torch.no_grad():
             draft_arg = draft_logits.argmax(-1)
             accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
+        if selector is not None:
+            unary, cand = selector.candidates(draft_logits)
     zero = torch.zeros((), dtype=per_slot.dtype, device=per_slot.device)
     label_prob = torch.where(tw, torch.exp(-ce.detach()), zero).view(B * A, S)
     w = torch.where(tw, position_weights(cfg, label_prob).reshape(M), zero)
     loss = (w * torch.where(tw, per_slot, zero)).sum() / w.sum().clamp(min=1e-12)
+    block_ok = (anchors >= 0).view(-1)
+
+    sel = None
+    if selector is not None:  # 6. (the training label: the data token, or the target argmax = accept_label)
+        grid = lambda t: t.view(B, A, S, *t.shape[1:])  # noqa: E731
+        train_label = data_labels if cfg.label == "data" else accept_label
+        sel = selector_terms(selector, hidden[:, :, 1:], anchor_ids, grid(unary), grid(cand), grid(train_label),
+                             grid(data_labels), grid(accept_label), trained, grid(w), block_ok)
+        loss = loss + cfg.selector_weight * sel.loss
 
     with torch.no_grad():
         correct = ((draft_arg == accept_label) & tw).view(B * A, S)
         valid = trained.view(B * A, S)
-        block_ok = (anchors >= 0).view(-1)
         n = tw.sum()
         nf = n.clamp(min=1).float()
         num_blocks = block_ok.sum()
@@ -221,4 +264,5 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
             streak_mean=(streak * block_ok).sum().float() / num_blocks.float(),  # nan: no block
             num_blocks=num_blocks,
             num_predictions=n,
+            selector=sel,
         )

@@ -5,8 +5,8 @@ Shapes: B rows, T tokens, k captured target layers of hidden size H, A anchors, 
 1. :func:`dflash.train.objective.compute_loss` on the batch's :class:`dflash.messages.LossInput`
    (bf16 autocast on CUDA, fp32 on CPU);
 2. backward, global gradient norm (clipped to ``[train].grad_clip``);
-3. one host read of ``[loss, grad_norm, ce, kl, blocks, acc...]``: the step's only
-   synchronisation (``[train].sync_free_loss`` keeps ``compute_loss`` free of any; with it off the
+3. one host read of ``[loss, grad_norm, ce, kl, blocks, acc..., (DFlash2's selector figures)]``:
+   the step's only synchronisation (``[train].sync_free_loss`` keeps ``compute_loss`` free of any; with it off the
    loss's boolean masks and counts add their own);
 4. non-finite loss or gradient (:class:`dflash.train.nonfinite.NonFiniteGuard`): the update is skipped
    and counted. This decision is why the one read stays per step and is not deferred to the logging
@@ -90,13 +90,22 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
 
     # 3. the step's one host read: [loss, grad_norm, ce, kl, (blocks), acc_1 .. acc_{bs-1}]
     #    (the block count rides along when it is still a tensor: the sync-free loss)
+    #    DFlash2 appends [sel_loss, sel_streak, base_streak, recall, oracle, missing, sel_acc_1 ..]
     blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
     scalars = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
     scalars += [blocks_t.float()] if blocks_t is not None else []
-    vals = torch.cat([torch.stack(scalars), out.acc_per_pos.float()]).tolist()
+    parts = [torch.stack(scalars), out.acc_per_pos.float()]
+    sel = out.selector
+    if sel is not None:
+        parts += [torch.stack([sel.loss.detach().float(), sel.streak.float(), out.streak_mean.float(),
+                               sel.recall.float(), sel.oracle_streak.float(), sel.missing.float()]),
+                  sel.acc_per_pos.float()]
+    vals = torch.cat(parts).tolist()
     loss, gnorm, ce, kl = vals[:4]
     num_blocks = int(vals[4]) if blocks_t is not None else int(out.num_blocks)
-    acc = vals[len(scalars):]
+    S = out.acc_per_pos.shape[0]
+    acc = vals[len(scalars):len(scalars) + S]
+    sel_vals = vals[len(scalars) + S:] if sel is not None else None
     lr = o.lr  # the lr this step uses
 
     # 4-5. skip a non-finite step, else update; the schedule follows batches, skipped or not
@@ -128,4 +137,14 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
         step_s=time.perf_counter() - t0,
         target_s=inp.target_s,
         time=time.time(),
+        **(_selector_metrics(sel_vals, skipped) if sel_vals is not None else {}),
     )
+
+
+def _selector_metrics(vals: list[float], skipped: bool) -> dict[str, Any]:
+    """The :class:`StepMetrics` fields of DFlash2's selector from its part of the host read
+    (``[sel_loss, sel_streak, base_streak, recall, oracle_streak, missing, sel_acc...]``)."""
+    sel_loss, sel_streak, base_streak, recall, oracle, missing, *acc = vals
+    return {"sel_loss": float("nan") if skipped else sel_loss, "sel_acc_per_pos": acc,
+            "sel_accepted": sel_streak, "base_accepted": base_streak, "recall_k": recall,
+            "oracle_accepted": oracle, "label_missing": int(missing)}

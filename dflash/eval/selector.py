@@ -1,0 +1,133 @@
+"""Decoding with a DFlash2 drafter: its blocks drafted by the candidate selector's walk, and the
+figures that say what the selector adds.
+
+:class:`SelectorProposer` is a :class:`dflash.eval.decode.Proposer`: the drafter's forward over
+one block after the context (the same forward training runs, so the convolutions see exactly the
+block they were trained on), the target's LM head on slots 1..bs-1, their top-K, then
+:meth:`dflash.model.dflash2.CandidateSelector.walk` from the anchor. This is z-lab's
+``dflash_generate`` rule for a ``DFlash2DraftModel`` (greedy); its per-step accepted lengths equal
+that decoder's on the same export (tested). It recomputes the drafter's context each step:
+``fc`` and the context keys/values over ``n`` tokens per step. :class:`CachedSelectorProposer`
+keeps them instead (the context cache of :class:`dflash.eval.decode.CachedDrafterProposer`: the
+context is never convolved, so DFlash2's context keys/values are DFlash's) and runs only the
+block through the layers; same drafts (tested), full-attention drafters only.
+
+:func:`block_figures` scores teacher-forced blocks of a text the way :mod:`dflash.eval.measure`
+scores a DFlash drafter: per slot, whether the walk hits the label (the drafts the decode
+makes), whether the backbone's top-1 does (what a DFlash drafter of the same weights would
+draft), and whether the label is in the top-K at all (recall@K; its leading run per block is the
+oracle top-K accepted length, the most any selector over these candidates can accept).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash.eval.decode import CachedDrafterProposer
+from dflash.model.attention import decode_layout
+from dflash.model.drafter import DFlashDrafter, _rope
+from dflash.model.target import SharedHead
+
+__all__ = ["CachedSelectorProposer", "SelectorProposer", "block_figures", "is_dflash2", "selector_proposer"]
+
+
+def is_dflash2(drafter: DFlashDrafter) -> bool:
+    """Whether ``drafter`` is a DFlash2 drafter (has a candidate selector)."""
+    return getattr(drafter, "candidate_selector", None) is not None
+
+
+class SelectorProposer:
+    """Drafts a block with a DFlash2 drafter's selector walk (module docstring).
+
+    Raises:
+        ValueError: ``drafter`` has no candidate selector (``variant = "dflash"``).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head: SharedHead) -> None:
+        if not is_dflash2(drafter):
+            raise ValueError("SelectorProposer needs a DFlash2 drafter (drafter.variant = \"dflash2\")")
+        self.drafter, self.head = drafter, head
+        self.bs = drafter.cfg.block_size
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``tokens [n]`` (last = anchor), ``features [1, n-1, k*H]`` -> ``[bs-1]`` drafted ids."""
+        n, d = tokens.shape[0], self.drafter
+        block = torch.full((1, 1, self.bs), d.cfg.mask_token_id, device=tokens.device)
+        block[0, 0, 0] = tokens[-1]
+        hidden = d(features, self.head.embed(block), decode_layout(n - 1, n - 1, self.bs, tokens.device))
+        slots = hidden[0, :, 1:]                                             # [1, bs-1, H]
+        unary, cand = d.candidate_selector.candidates(self.head.logits(slots))
+        path, _ = d.candidate_selector.walk(slots, unary, cand, tokens[-1:])
+        return path[0]
+
+
+class CachedSelectorProposer(CachedDrafterProposer):
+    """:class:`SelectorProposer` with the drafter's context keys/values cached (module docstring).
+    One instance per generation.
+
+    Raises:
+        ValueError: no candidate selector, or sliding-window layers (use :class:`SelectorProposer`).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head: SharedHead) -> None:
+        if not is_dflash2(drafter):
+            raise ValueError("CachedSelectorProposer needs a DFlash2 drafter (drafter.variant = \"dflash2\")")
+        super().__init__(drafter, head)
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        d, bs = self.drafter, self.bs
+        self._extend(features)
+        block = torch.full((1, bs), d.cfg.mask_token_id, device=tokens.device)
+        block[0, 0] = tokens[-1]
+        x = self.head.embed(block).to(d.fc.weight.dtype)                     # [1, bs, H]
+        qpos = torch.arange(tokens.shape[0] - 1, tokens.shape[0] - 1 + bs, device=tokens.device)[None]
+        rope = d._rope_table(qpos)
+        for i, layer in enumerate(d.layers):
+            x = layer.apply_conv(x, lambda h, i=i, a=layer.self_attn: self._attend(a, i, h, rope))
+        slots = d.norm(x)[:, 1:]                                             # [1, bs-1, H]
+        unary, cand = d.candidate_selector.candidates(self.head.logits(slots))
+        return d.candidate_selector.walk(slots, unary, cand, tokens[-1:])[0][0]
+
+    def _attend(self, a, i: int, h: torch.Tensor, rope) -> torch.Tensor:
+        """Layer ``i``'s attention of the block ``h [1, bs, H]`` over the cached context and itself."""
+        n = h.shape[1]
+        q = _rope(a.q_norm(a.q_proj(h).view(1, n, a.nh, a.d)).transpose(1, 2), *rope)
+        kb = _rope(a.k_norm(a.k_proj(h).view(1, n, a.nkv, a.d)).transpose(1, 2), *rope)
+        vb = a.v_proj(h).view(1, n, a.nkv, a.d).transpose(1, 2)
+        k = torch.cat([self.keys[i], kb], dim=2) if self.keys[i] is not None else kb
+        v = torch.cat([self.values[i], vb], dim=2) if self.values[i] is not None else vb
+        out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(a.d), enable_gqa=a.nh != a.nkv)
+        return a.o_proj(out.transpose(1, 2).reshape(1, n, a.nh * a.d))
+
+
+def selector_proposer(drafter: DFlashDrafter, head: SharedHead) -> SelectorProposer | CachedSelectorProposer:
+    """The DFlash2 proposer for ``drafter``: cached when every layer is full attention."""
+    if all(t == "full_attention" for t in drafter.cfg.types):
+        return CachedSelectorProposer(drafter, head)
+    return SelectorProposer(drafter, head)
+
+
+@torch.no_grad()
+def block_figures(drafter: DFlashDrafter, head: SharedHead, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                  labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced hits of ``A`` blocks.
+
+    Args:
+        hidden: ``[A, bs, H]`` the drafter's hidden states of the blocks (slot 0 = the anchor).
+        anchor_ids: ``[A]`` the blocks' token 0. labels: ``[A, bs-1]`` what verification accepts.
+
+    Returns:
+        ``(walk, top1, in_top_k)``, each ``[A, bs-1]`` bool: the selector walk's token is the label,
+        the backbone's argmax is, the label is among the top-K.
+    """
+    sel = drafter.candidate_selector
+    slots = hidden[:, 1:]
+    logits = head.logits(slots)
+    unary, cand = sel.candidates(logits)
+    path, _ = sel.walk(slots, unary, cand, anchor_ids)
+    return path == labels, logits.argmax(-1) == labels, (cand == labels[..., None]).any(-1)

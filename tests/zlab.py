@@ -1,0 +1,34 @@
+"""z-lab's reference DFlash code (their ``dflash`` 0.1.0 wheel), imported beside ours for the tests
+that compare against it.
+
+The wheel's top-level package is ``dflash``, like ours, so it is never installed here: a directory
+holding its package renamed ``zlab_dflash/`` (the wheel's ``dflash/`` folder; ``model.py`` needs only
+torch and transformers) is named by the environment variable ``ZLAB_DFLASH_PATH``, and
+:func:`zlab_model` imports ``zlab_dflash.model`` from it. Without the variable the tests that need it
+skip with :data:`SKIP_REASON`; with the variable pointing at a directory that does not hold the
+package they fail (a misconfigured CI should not pass silently).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = "ZLAB_DFLASH_PATH"
+SKIP_REASON = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH)"
+
+
+def zlab_model():
+    """The module ``zlab_dflash.model``; skips the calling test when ``ZLAB_DFLASH_PATH`` is unset."""
+    root = os.environ.get(ENV)
+    if not root:
+        pytest.skip(SKIP_REASON)
+    if not (Path(root) / "zlab_dflash" / "model.py").is_file():
+        pytest.fail(f"{ENV}={root} holds no zlab_dflash/model.py (the wheel's dflash/ folder, renamed)")
+    if root not in sys.path:
+        sys.path.append(root)  # last: it must shadow nothing
+    return importlib.import_module("zlab_dflash.model")
