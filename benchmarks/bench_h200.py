@@ -1,5 +1,5 @@
 """DFlash training on H200: the csp pipeline against a serial loop, efficiency against the slowest
-stage, MFU, memory, channel capacity and checkpoint cost (issue 8). Results: benchmarks/RESULTS.md.
+stage, MFU, memory, channel capacity and checkpoint cost. Results: benchmarks/RESULTS.md.
 
     python benchmarks/bench_h200.py [--set data.source=PATH] [--out benchmarks/results/h200.json]
     python benchmarks/bench_h200.py --smoke                  # tiny shapes on the CPU: every code path
@@ -174,7 +174,7 @@ class Bench:
         }
         self.runs[self.name] = self.run
         # step-time guesses for the budget, replaced by measured ones as they come in (seconds)
-        self.t_target, self.t_drafter = (0.05, 0.05) if self.tiny else (0.6, 0.5)  # H200, issue 8
+        self.t_target, self.t_drafter = (0.05, 0.05) if self.tiny else (0.6, 0.5)  # first H200 measurements
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -258,7 +258,8 @@ class Bench:
             steps[f"checkpoint_{mode}"] = (lambda m=mode: 20 + self._pipeline_estimate(m, ckpt_n),
                                            lambda m=mode: self._checkpoint(m))
         variants = [f"target_alone_{i}" for i in TARGET_VARIANTS if i != default_impl]
-        # priority order: issue 17's goal rows first, then the attention variants and baselines, extras last
+        # priority order: the rows the performance goals need first, then the attention variants and
+        # baselines, extras last (a budget cut drops the least needed)
         plan = {
             # CPU smoke: flex runs unfused off CUDA (slow; its equivalence is tests/test_model_target.py's)
             # and two spawned ranks cost a minute (tests/test_bench_colocated.py runs them)
@@ -270,7 +271,7 @@ class Bench:
             "2gpu": ["target_alone", "drafter_alone", "serial", "colocated_2gpu", "pipeline_2gpu", "checkpoint_2gpu",
                      "sweep_2gpu", "pipeline_1gpu", "plain_forward", *variants, "colocated_1gpu"],
         }[self.mode]
-        # the whole invocation's estimate, from the step-time guesses (H200 numbers of issue 8)
+        # the whole invocation's estimate, from the step-time guesses (the first H200 measurements)
         sweep_s = lambda m: (len(a.capacities) - 1) * self._pipeline_estimate(m, a.warmup + a.sweep_steps)  # noqa: E731
         estimates = {p: (sweep_s(p.removeprefix("sweep_")) if p.startswith("sweep_") else steps[p][0]())
                      for p in plan if p not in a.skip}

@@ -1,6 +1,7 @@
 """Tokenization on the CPU: the chat-template path with loss masks against plain ``encode_batch``.
 
-Measures, on the same ShareGPT conversations and the same cores (issue 17, item 5):
+Measures, on the same ShareGPT conversations and the same cores, whether preprocessing runs at
+tokenizer speed:
 
 * ``encode_batch``: the fast tokenizer on each conversation's rendered chat-template text
   (``apply_chat_template(conv, tokenize=False)``), offsets included, as transformers calls it;
@@ -164,8 +165,8 @@ def estimate(doc: dict) -> dict:
                        "conversations/s; the time scales with tokens, so shorter completions take less"}
 
 
-ISSUE_16CORE_TOK_S = 8.1e6 / 1.3
-"""encode_batch on the 16-core H200 host, as issue 17 measured it (8.1M tokens in 1.3 s)."""
+H200_16CORE_TOK_S = 8.1e6 / 1.3
+"""encode_batch on the 16-core H200 host, as measured there (8.1M tokens in 1.3 s)."""
 
 
 def projection(doc: dict, n: int = 16) -> dict:
@@ -175,7 +176,7 @@ def projection(doc: dict, n: int = 16) -> dict:
     assembly) holds the GIL and does not scale; the Rust share does. With two encoding threads
     the two overlap, so on ``n`` cores ``max(python, rust_n) <= chat <= python + rust_n``, against
     ``encode_batch_n``. Two scalings of the Rust work are given: linear from this machine's 1-core
-    rate, and the one issue 17 measured for encode_batch on the 16-core H200 host.
+    rate, and the one measured for encode_batch on the 16-core H200 host.
     """
     one = next((r for r in doc["runs"] if r["cores"] == 1 and "split_1core" in r), None)
     if one is None:
@@ -184,7 +185,7 @@ def projection(doc: dict, n: int = 16) -> dict:
     tokens = one["encode_batch"]["tokens"]
     out = {"cores": n, "python_seconds": sp["python_seconds"], "rust_seconds_1core": sp["rust_seconds"],
            "conversations": one["conversations"]}
-    for name, batch_n in (("linear_scaling", batch1 / n), ("issue_17_h200_rate", tokens / ISSUE_16CORE_TOK_S)):
+    for name, batch_n in (("linear_scaling", batch1 / n), ("h200_16core_rate", tokens / H200_16CORE_TOK_S)):
         rust_n = sp["rust_seconds"] * batch_n / batch1  # the Rust work scales like encode_batch
         out[name] = {"encode_batch_seconds": round(batch_n, 3),
                      "ratio_best": round(max(sp["python_seconds"], rust_n) / batch_n, 2),

@@ -1,24 +1,46 @@
-"""Wall-clock decode speed: target-only greedy decoding vs DFlash draft-and-verify.
+"""Wall-clock decode speed, four decoders side by side, batch 1, greedy, per dtype.
 
-Both loops are this repo's own (``dflash.eval.decode.greedy_decode`` and ``speculative_decode`` with a
-:class:`~dflash.eval.decode.CachedDrafterProposer`): the target keeps a transformers KV cache in both, the
-drafter keeps its context KV cache, batch size 1, greedy, and the outputs are checked equal (a
-speculative decoder that changes the text is not faster, it is wrong). On a GPU every timed
-region ends with ``torch.cuda.synchronize()``; one warm-up prompt is not timed.
+Rows (each on the same target, drafter, prompts and GPU):
 
-    python -m benchmarks.decode_speed CHECKPOINT --data SOURCE [--num-prompts 16] [--max-new-tokens 256]
-        [--out benchmarks/results/decode_h200.json]
+* ``hf_generate``: target-only ``transformers`` ``generate`` (``do_sample=False``, exactly
+  ``--max-new-tokens`` tokens): the baseline users compare against;
+* ``greedy``: this project's target-only loop (:func:`dflash.eval.decode.greedy_decode`);
+* ``dflash``: this project's draft-and-verify (:func:`~dflash.eval.decode.speculative_decode`, a
+  :class:`~dflash.eval.decode.CachedDrafterProposer`);
+* ``zlab``: z-lab's ``dflash_generate`` on the drafter exported by :func:`dflash.export.export_drafter`
+  and loaded by its ``DFlashDraftModel.from_pretrained``, where its package is importable
+  (``import zlab_dflash.model``; the directory holding it from ``ZLAB_DFLASH_PATH``, else
+  ``/tmp/zl/pkg``); otherwise the row says why it is missing.
 
-Prompts are the run's held-out conversations, as ``dflash.eval --data`` picks them. Reports tokens/s
-of each loop, the speedup, and the measured tau (tokens per verify step) of the timed decodes.
+Each row gives tok/s, ms per verify step (a target forward: one token for the target-only rows),
+tau (tokens per verify step), whether every output equals ``hf_generate``'s, tokens before the
+first difference, and the speedup over ``hf_generate``. On a GPU every timed region ends with
+``torch.cuda.synchronize()``; one warm-up decode per decoder is not timed.
+
+    python -m benchmarks.decode_speed CHECKPOINT (--data SOURCE | --prompts FILE.jsonl)
+        [--num-prompts 16] [--max-new-tokens 256] [--dtypes float32,bfloat16] [--threads 1]
+        [--out benchmarks/results/decode_speed_h200.json]
+
+Why bf16 can be slower than fp32 at the shipped 7M target: batch-1 decode there is bound by
+kernel launches, not by weight reads, and bf16 adds kernels. Counted with ``torch.profiler`` on
+CPU per greedy token of that target: 2,171 aten ops in bf16 against 1,967 in fp32, 274 copies /
+dtype casts against 138 (RMSNorm and RoPE compute in fp32 and cast back; in fp32 those casts are
+no-ops). Halving bytes buys nothing while the weights fit in cache; at 8B the weight reads
+dominate and bf16 wins (``benchmarks/decode_projection.py`` times those shapes).
+
+Prompts are chosen as ``dflash.eval`` chooses them (the run's held-out conversations). Without a
+checkpoint, ``--random-drafter`` times a seeded random drafter against ``--target`` (speed does
+not need a trained drafter; tau is then about 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,81 +51,178 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _zlab():
+    """``(zlab_dflash.model, None)`` or ``(None, why it is not importable)``."""
+    where = os.environ.get("ZLAB_DFLASH_PATH", "/tmp/zl/pkg")
+    if where not in sys.path:
+        sys.path.insert(0, where)
+    try:
+        import zlab_dflash.model as zl
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip the row
+        return None, f"zlab_dflash.model not importable from {where} ({type(exc).__name__}: {exc})"
+    return zl, None
+
+
+def _load(args, dtype: str, device: torch.device):
+    """``(target, drafter, head, target_config)`` at ``dtype`` (drafter cast to the target's)."""
+    import msgspec
+
+    from dflash.model.target import TargetConfig, for_generation, load_target
+
+    if args.random_drafter:
+        from dflash.model.drafter import DFlashDrafter, DrafterConfig
+
+        tc = TargetConfig(path=args.target, dtype=dtype, tokenizer=args.target)
+        target = load_target(for_generation(tc), device, args.drafter_layers, need_final=True)
+        dc = DrafterConfig(num_layers=args.drafter_layers, block_size=args.block_size,
+                           mask_token_id=args.mask_token_id).resolve(target.hf_config, target.layer_ids)
+        drafter = DFlashDrafter(dc, seed=0).to(device)
+    else:
+        from dflash.checkpoint.model_files import load_drafter
+
+        drafter, dc, tc = load_drafter(args.checkpoint, device)
+        drafter.cfg = msgspec.structs.replace(dc, attn_implementation="sdpa")  # as dflash.eval
+        tc = msgspec.structs.replace(tc, dtype=dtype)
+        target = load_target(for_generation(tc), device, dc.num_layers, need_final=True)
+    drafter.eval().to(target.model.dtype)
+    return target, drafter, target.shared_head(), tc
+
+
+def _prompt_ids(args, tc) -> list[list[int]]:
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.eval.cli import _prompts
+
+    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
+    if args.random_drafter and args.data:
+        from dflash.data.prompts import source_prompts
+        return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
+    return _prompts(args, tok)
+
+
+def _decoders(args, target, drafter, head, tmp: Path):
+    """``{name: decode(prompt [n]) -> (tokens [n + N], verify steps)}`` and ``{name: why skipped}``."""
+    from dflash.eval.decode import CachedDrafterProposer, greedy_decode, speculative_decode
+    from dflash.eval.selector import is_dflash2, selector_proposer
+
+    N, bs = args.max_new_tokens, drafter.cfg.block_size
+    dflash2 = is_dflash2(drafter)  # drafts with its selector walk; z-lab's row loads DFlash2DraftModel
+
+    def hf_generate(pr):
+        out = target.model.generate(pr[None], attention_mask=torch.ones_like(pr[None]), do_sample=False,
+                                    max_new_tokens=N, min_new_tokens=N, pad_token_id=0,
+                                    top_p=None, top_k=None, temperature=None)
+        return out[0], N
+
+    def spec(pr):
+        proposer = selector_proposer(drafter, head) if dflash2 else CachedDrafterProposer(drafter, head)
+        out, acc, _ = speculative_decode(target, proposer, pr, N, bs)
+        return out, len(acc)
+
+    found = {"hf_generate": hf_generate, "greedy": lambda pr: (greedy_decode(target, pr, N), N),
+             "dflash": spec}
+    skipped = {}
+    zl, why = _zlab()
+    if zl is None:
+        skipped["zlab"] = why
+    else:
+        from dflash.export import export_drafter
+
+        export_drafter(drafter, tmp / f"export-{target.model.dtype}", dtype=target.model.dtype)
+        zmodel = (zl.DFlash2DraftModel if dflash2 else zl.DFlashDraftModel).from_pretrained(
+            str(tmp / f"export-{target.model.dtype}"), dtype=target.model.dtype).to(target.device).eval()
+
+        calls = [0]
+
+        def count(*_):
+            calls[0] += 1
+
+        target.model.register_forward_pre_hook(count)  # one target call per verify step + prefill
+
+        def zlab(pr):
+            before = calls[0]   # (return_stats would give the steps too, but synchronizes CUDA only)
+            with warnings.catch_warnings():  # its past_key_values= spelling, deprecated in transformers 5.x
+                warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+                out = zl.dflash_generate(zmodel, target.model, pr[None], N, None, block_size=bs)
+            return out[0], calls[0] - before - 1
+
+        found["zlab"] = zlab
+    return found, skipped
+
+
+def _time_rows(decoders, prompts, device, N):
+    rows: dict[str, dict] = {}
+    outs: dict[str, list[torch.Tensor]] = {}
+    for name, fn in decoders.items():
+        with torch.no_grad():
+            fn(prompts[0])                                          # warm-up (kernels, allocator)
+            secs, steps, outs[name] = 0.0, 0, []
+            for pr in prompts:
+                _sync(device)
+                t0 = time.perf_counter()
+                out, k = fn(pr)
+                _sync(device)
+                secs += time.perf_counter() - t0
+                steps += k
+                outs[name].append(out[: pr.shape[0] + N].cpu())
+        rows[name] = {"tok_s": N * len(prompts) / secs, "ms_per_verify_step": 1e3 * secs / steps,
+                      "tau": N * len(prompts) / steps, "seconds": secs, "verify_steps": steps}
+    ref = outs["hf_generate"]
+    for name, row in rows.items():
+        same = []
+        for a, b, pr in zip(outs[name], ref, prompts):
+            diff = (a != b).nonzero()
+            same.append(int(diff[0, 0]) - pr.shape[0] if len(diff) else N)
+        row["outputs_equal"] = sum(s == N for s in same)
+        row["tokens_before_first_difference"] = sum(same) / len(same)
+        row["speedup_vs_hf_generate"] = rows["hf_generate"]["seconds"] / row["seconds"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode_speed", description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", nargs="?", help="a dflash drafter checkpoint (or --random-drafter)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="the run's data source (its held-out prompts, as dflash.eval)")
     src.add_argument("--prompts", help='JSONL of {"prompt": str}, as dflash.eval --prompts')
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, one block of rows each")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (batch 1 is launch-bound)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.add_argument("--random-drafter", action="store_true", help="a seeded random drafter instead of CHECKPOINT")
+    p.add_argument("--target", default="dflash/assets/target-sharegpt-7m", help="with --random-drafter")
+    p.add_argument("--block-size", type=int, default=16, help="with --random-drafter")
+    p.add_argument("--drafter-layers", type=int, default=3, help="with --random-drafter")
+    p.add_argument("--mask-token-id", type=int, default=3, help="with --random-drafter")
+    p.add_argument("--out", default=None, help="write the result JSON here (e.g. benchmarks/results/decode_speed_h200.json)")
     args = p.parse_args(argv)
-
-    import msgspec
-
-    from dflash.checkpoint.model_files import load_drafter
-    from dflash.data.tokenizer import load_tokenizer
-    from dflash.eval.cli import _prompts
-    from dflash.eval.decode import (
-        CachedDrafterProposer,
-        greedy_decode,
-        speculative_decode,
-    )
-    from dflash.eval.selector import is_dflash2, selector_proposer
-    from dflash.model.target import for_generation, load_target
+    if (args.checkpoint is None) != args.random_drafter:
+        p.error("give CHECKPOINT or --random-drafter (one of them)")
+    torch.set_num_threads(args.threads)
+    import tempfile
 
     device = torch.device(args.device)
-    drafter, dc, tc = load_drafter(args.checkpoint, device)
-    drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")  # as dflash.eval
-    target = load_target(for_generation(tc), device, dc.num_layers, need_final=True)
-    drafter.to(target.model.dtype)
-    head = target.shared_head()
-    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
-    ids = _prompts(args, tok)
-    prompts = [torch.tensor(x, device=device) for x in ids]
-    bs = dc.block_size
-    # a DFlash2 drafter drafts with its selector walk (CachedDrafterProposer runs DFlash layers only;
-    # selector_proposer keeps the same context cache)
-    proposer = (lambda: selector_proposer(drafter, head)) if is_dflash2(drafter) else (
-        lambda: CachedDrafterProposer(drafter, head))
-
-    def timed(fn):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        return out, time.perf_counter() - t0
-
-    greedy_decode(target, prompts[0], 16)                           # warm-up (kernels, allocator)
-    speculative_decode(target, proposer(), prompts[0], 16, bs)
-    t_plain = t_spec = 0.0
-    steps = accepted = tokens = same = equal = 0
-    for pr in prompts:
-        ref, dt = timed(lambda: greedy_decode(target, pr, args.max_new_tokens))
-        t_plain += dt
-        (out, acc, _), dt = timed(lambda: speculative_decode(
-            target, proposer(), pr, args.max_new_tokens, bs))
-        t_spec += dt
-        # bf16 on a GPU: a block-verify forward rounds differently from one-token forwards, so a
-        # near-tie argmax can flip and the texts part; count the tokens before the first difference
-        diff = (out != ref[: out.shape[0]]).nonzero()
-        same += int(diff[0, 0]) - pr.shape[0] if len(diff) else args.max_new_tokens
-        equal += not len(diff)
-        steps, accepted, tokens = steps + len(acc), accepted + sum(acc), tokens + args.max_new_tokens
-    res = {
-        "command": "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "target": tc.path or tc.preset, "block_size": bs, "drafter_layers": dc.num_layers,
-        "variant": dc.variant,
-        "prompts": len(prompts), "new_tokens_per_prompt": args.max_new_tokens,
-        "target_only_tok_s": tokens / t_plain, "speculative_tok_s": tokens / t_spec,
-        "speedup": t_plain / t_spec, "tau": 1 + accepted / steps, "accepted_per_step": accepted / steps,
-        "verify_steps": steps, "outputs_equal": equal, "tokens_before_first_difference": same / len(prompts),
-    }
-    print(json.dumps(res, indent=1))
+    res: dict = {"command": "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv),
+                 "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "threads": args.threads, "new_tokens_per_prompt": args.max_new_tokens, "by_dtype": {}}
+    if device.type == "cpu" and hasattr(os, "getloadavg"):
+        res["load_average_1min"] = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes.split(","):
+            target, drafter, head, tc = _load(args, dtype, device)
+            prompts = [torch.tensor(x, device=device) for x in _prompt_ids(args, tc)]
+            decoders, skipped = _decoders(args, target, drafter, head, Path(tmp))
+            rows = _time_rows(decoders, prompts, device, args.max_new_tokens)
+            res.update(target=tc.path or tc.preset, block_size=drafter.cfg.block_size,
+                       drafter_layers=drafter.cfg.num_layers, prompts=len(prompts))
+            res["by_dtype"][dtype] = {"rows": rows, "skipped": skipped}
+            for name, r in rows.items():
+                print(f"{dtype:9s} {name:12s} {r['tok_s']:8.1f} tok/s {r['ms_per_verify_step']:7.2f} ms/step "
+                      f"tau {r['tau']:.3f} equal {r['outputs_equal']}/{len(prompts)} "
+                      f"speedup {r['speedup_vs_hf_generate']:.2f}x", flush=True)
+            for name, why in skipped.items():
+                print(f"{dtype:9s} {name:12s} skipped: {why}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -1,4 +1,5 @@
-"""FLOP accounting for the H200 harness: the target forward and the drafter training step (issue 17).
+"""FLOP accounting for the H200 harness: the target forward and the drafter training step,
+the numerators of every MFU and HFU the harness reports.
 
 Two counts for every measurement (:class:`Flops`):
 
@@ -39,7 +40,7 @@ import torch
 
 __all__ = ["DrafterCounts", "Flops", "attention_pairs_causal", "document_lengths", "drafter_counts",
            "drafter_linear_params", "drafter_step_flops", "flex_tiles", "target_forward_flops",
-           "target_linear_params"]
+           "target_linear_params", "varlen_tiles"]
 
 TILE = 128  # flex_attention's default block size (BlockMask tiles are TILE x TILE)
 ATTN_BWD_MODEL = 2.0  # backward / forward attention FLOPs without recompute
@@ -96,6 +97,13 @@ def attention_pairs_causal(lengths: list[int]) -> int:
     return sum(L * (L + 1) // 2 for L in lengths)
 
 
+def varlen_tiles(lengths: list[int], tile: int = TILE) -> int:
+    """``TILE x TILE`` tiles a causal variable-length kernel (FlashAttention-2 varlen) visits: per
+    sequence of length ``L``, the ``n (n + 1) / 2`` lower tiles of its own ``n = ceil(L / TILE)``
+    tile grid (nothing across sequences; a partial tile counts whole)."""
+    return sum((n := -(-L // tile)) * (n + 1) // 2 for L in lengths)
+
+
 def flex_tiles(doc_ids: torch.Tensor, tile: int = TILE) -> int:
     """``TILE x TILE`` tiles of the document-causal mask that hold an allowed pair, summed over the
     rows of ``doc_ids [B, T]`` (what flex_attention computes; a partial tile counts whole).
@@ -129,7 +137,8 @@ def target_forward_flops(hf_config: Any, layers: int, doc_ids: torch.Tensor, att
         doc_ids: ``[B, T]`` document of each token (-1 padding); each document is its own causal
             sequence (the document mask). For a plain causal forward pass ``zeros(B, T)``.
         attn_implementation: "sdpa" | "eager" (dense kernels: ``T^2`` pairs per row computed) |
-            "flex_attention" (:func:`flex_tiles`) | "causal" (a causal kernel: ``T (T+1) / 2``).
+            "flex_attention" (:func:`flex_tiles`) | "varlen" (:func:`varlen_tiles`) | "causal"
+            (a causal kernel: ``T (T+1) / 2``).
         lm_head: the LM head runs on every position (the plain transformers forward).
         num_tokens: real tokens (default: the non-padding entries of ``doc_ids``).
 
@@ -146,11 +155,13 @@ def target_forward_flops(hf_config: Any, layers: int, doc_ids: torch.Tensor, att
         visited = B * T * T
     elif attn_implementation == "flex_attention":
         visited = flex_tiles(doc_ids) * TILE * TILE
+    elif attn_implementation == "varlen":
+        visited = varlen_tiles(document_lengths(doc_ids)) * TILE * TILE
     elif attn_implementation == "causal":
         visited = B * T * (T + 1) // 2
     else:
         raise ValueError(f"attn_implementation {attn_implementation!r}: expected sdpa, eager, "
-                         "flex_attention or causal")
+                         "flex_attention, varlen or causal")
     return Flops(model=2.0 * per_token * real + per_pair * allowed,
                  computed=2.0 * per_token * B * T + per_pair * visited,
                  attention_model=per_pair * allowed, attention_computed=per_pair * visited)

@@ -1,8 +1,8 @@
-"""The colocated data-parallel baseline (issue 17, goal 4): every GPU runs the target forward and then
-the drafter step on its own batches, one thread, one stream, with the drafters in
-``DistributedDataParallel`` (gradients all-reduced during backward). This is how SpecForge-style
-trainers run; on one GPU it is the serial loop of :func:`benchmarks.h200_stages.time_serial` with a
-one-rank DDP wrapper.
+"""The colocated data-parallel baseline, the fair competitor for any multi-GPU layout: every GPU
+runs the target forward and then the drafter step on its own batches, one thread, one stream, with
+the drafters in ``DistributedDataParallel`` (gradients all-reduced during backward). This is how
+SpecForge-style trainers run; on one GPU it is the serial loop of
+:func:`benchmarks.h200_stages.time_serial` with a one-rank DDP wrapper.
 
 Used by ``benchmarks/bench_h200.py``:
 

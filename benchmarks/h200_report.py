@@ -22,7 +22,7 @@ from typing import Any
 SINGLE = ("1gpu", "2gpu", "smoke")
 DOUBLE = ("2gpu", "smoke")
 
-# goal name -> (summary key, op, bound); issue 8's goals, then issue 17's
+# goal name -> (summary key, op, bound); the 2-GPU pipeline's goals, then the per-stage performance ones
 GOALS = {
     "efficiency_2gpu": ("efficiency_2gpu", ">=", 0.95),
     "speedup_2gpu_vs_serial": ("speedup_2gpu_vs_serial", ">=", 1.8),

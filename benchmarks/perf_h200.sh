@@ -1,20 +1,61 @@
 #!/usr/bin/env bash
-# Issue 17's H200 measurements in one device call (one H200; results in benchmarks/results/):
+# The performance measurements of the target and drafter stages in one device call (one H200,
+# at most ~9 minutes; results under OUT):
 #
-#   bash benchmarks/perf_h200.sh OUT
+#   bash benchmarks/perf_h200.sh OUT                 # SUITE=engine (default), see below
+#   SUITE=stages bash benchmarks/perf_h200.sh OUT    # the earlier stage/pipeline suite
 #
-# 1. the GPU-only sync test of the training step (torch.cuda.set_sync_debug_mode("error"));
-# 2. bench_h200.py on one GPU: matmul peak, target alone per attention implementation, the plain
-#    transformers forward, drafter alone, serial loop, colocated baseline, csp pipeline (MFU, HFU,
-#    peak memory, the 2-GPU bounds, goal rows);
-# 3. drafter alone again under each switch in VARIANTS (each its own invocation, same shapes).
+# 0. Packages: every wheel in .whl/ (torchao, liger-kernel, msgspec, tomli-w: carried, not in the
+#    image) installed with --no-deps into a --target dir put on PYTHONPATH; the ShareGPT subset
+#    .whl/data/sharegpt-subset.jsonl.gz unpacked to .devdata/ when present (DATA= overrides the source).
+# SUITE=engine:
+#   1. the GPU tests of the engine and kernel switches (tests/test_perf_switches.py -m gpu) and the
+#      sync test of the training step -> OUT/gpu-tests.log;
+#   2. benchmarks/h200_perf.py: bf16 and fp8 matmul peaks, the target alone (flex, varlen, varlen
+#      compiled; then fp8 in place: flex, varlen, varlen compiled) with MFU against the matching peak,
+#      the fp8 feature error per captured layer, the drafter alone (default, Liger kernels, Liger
+#      head, compiled, all three) with its peak memory at the 151,936 vocabulary, and torch.profiler
+#      top kernels -> OUT/perf.json, OUT/profile_*.txt, OUT/perf.log.
+#   Knobs: ROWS (comma list, default all), PERF_STEPS (8), PERF_WARMUP (3), TOTAL_S (530), TESTS=0 skips 1.
+# SUITE=stages: the sync test, bench_h200.py on one GPU, and the drafter under each switch in VARIANTS.
 set -uo pipefail
-OUT=$1; mkdir -p "$OUT/v"
+OUT=$1; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
+left() { echo $(( ${TOTAL_S:-530} - ($(date +%s) - T0) )); }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  LIB=${PYLIB:-/tmp/dflash-pylib}
+  python3 -m pip install -q --no-index --no-deps --target "$LIB" .whl/*.whl > "$OUT/pip.log" 2>&1
+  echo "wheels rc=$? -> $LIB: $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+  export PYTHONPATH="$LIB${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ -f .whl/data/sharegpt-subset.jsonl.gz ] && [ ! -f .devdata/sharegpt-subset.jsonl ]; then
+  mkdir -p .devdata && gunzip -c .whl/data/sharegpt-subset.jsonl.gz > .devdata/sharegpt-subset.jsonl
+fi
+DATA=${DATA:-$( [ -f .devdata/sharegpt-subset.jsonl ] && echo .devdata/sharegpt-subset.jsonl || echo sharegpt )}
+python3 -c "import torch, importlib.util as u; print('torch', torch.__version__, torch.cuda.get_device_name(0), \
+{p: u.find_spec(p) is not None for p in ('torchao', 'liger_kernel', 'msgspec', 'tomli_w', 'triton')})"
+
+if [ "${SUITE:-engine}" = engine ]; then
+  if [ "${TESTS:-1}" = 1 ]; then
+    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/test_perf_switches.py \
+      tests/test_step_sync.py > "$OUT/gpu-tests.log" 2>&1
+    echo "gpu tests rc=$? ($(tail -1 "$OUT/gpu-tests.log"))"
+  fi
+  b=$(( $(left) - 25 ))
+  timeout $(( b + 20 )) python3 benchmarks/h200_perf.py --out "$OUT" --budget-s $b \
+    --warmup ${PERF_WARMUP:-3} --steps ${PERF_STEPS:-8} --set data.source="$DATA" ${ROWS:+--rows $ROWS} \
+    > "$OUT/perf.log" 2>&1
+  echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 "$OUT/perf.log"
+  ls -la "$OUT"
+  exit 0
+fi
+
+mkdir -p "$OUT/v"
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_sync.py > "$OUT/v/gpu-sync.log" 2>&1
 echo "sync test rc=$? ($(tail -1 "$OUT/v/gpu-sync.log"))"
-timeout ${MAIN_S:-360} python3 benchmarks/bench_h200.py --budget-s ${BUDGET_S:-320} \
+timeout ${MAIN_S:-360} python3 benchmarks/bench_h200.py --budget-s ${BUDGET_S:-320} --set data.source="$DATA" \
   --skip sweep_1gpu,checkpoint_1gpu,target_alone_eager --out "$OUT/h200-x1.json" --artifacts "$OUT/x1" \
   > "$OUT/bench.log" 2>&1
 echo "main bench rc=$?"; tail -30 "$OUT/bench.log"
@@ -22,10 +63,10 @@ ONLY_DRAFTER=target_alone,target_alone_sdpa,target_alone_flex_attention,target_a
 i=0
 for v in ${VARIANTS:-train.sync_free_loss=false drafter.attn_implementation=\"flex_attention\" train.lm_head_chunk=2048}; do
   i=$((i + 1))
-  left=$(( ${TOTAL_S:-570} - ($(date +%s) - T0) ))
-  [ $left -lt 60 ] && { echo "variant $v: skipped, ${left}s left"; continue; }
-  timeout $((left - 5)) python3 benchmarks/bench_h200.py --budget-s $((left - 20)) --skip $ONLY_DRAFTER \
-    --set "$v" --out "$OUT/v/variant-$i.json" > "$OUT/v/variant-$i.log" 2>&1
+  l=$(left)
+  [ $l -lt 60 ] && { echo "variant $v: skipped, ${l}s left"; continue; }
+  timeout $((l - 5)) python3 benchmarks/bench_h200.py --budget-s $((l - 20)) --skip $ONLY_DRAFTER \
+    --set data.source="$DATA" --set "$v" --out "$OUT/v/variant-$i.json" > "$OUT/v/variant-$i.log" 2>&1
   echo "variant $i $v rc=$?"; grep -m3 "drafter_alone\|drafter_stage_mfu" "$OUT/v/variant-$i.log"
 done
 tar czf "$OUT/variants.tgz" -C "$OUT" v && rm -rf "$OUT/v"

@@ -91,8 +91,8 @@ __all__ = [
     "item_nbytes",
 ]
 
-# --- processes, graphs, runtime (issue 2: process.py, registry.py, graph.py, runtime.py) ---
-from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, TraceSpec, load_spec  # noqa: E402
+# --- processes, graphs, runtime (process.py, registry.py, graph/, runtime.py) ---
+from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, RuntimeSpec, TraceSpec, load_spec  # noqa: E402
 from csp.process import Context, Process  # noqa: E402
 from csp.registry import Registry, register, registry  # noqa: E402
 from csp.runtime import RunResult, Runtime  # noqa: E402
@@ -107,6 +107,7 @@ __all__ += [
     "Registry",
     "RunResult",
     "Runtime",
+    "RuntimeSpec",
     "TraceSpec",
     "load_spec",
     "register",

@@ -113,7 +113,8 @@ class ProcessSummary(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
-    """``text`` starts with ``bottleneck:``; ``stage`` is None when no stage is clearly the cause;
+    """``text`` starts with ``bottleneck:`` (or ``deadlock:`` for a run the runtime stopped as
+    deadlocked, ``deadlock`` True); ``stage`` is None when no stage is clearly the cause;
     ``channel`` names an ordered channel found head-of-line blocked."""
 
     text: str
@@ -121,6 +122,7 @@ class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     replica: str | None = None
     score: float = 0.0
     channel: str | None = None
+    deadlock: bool = False
 
 
 class Summary(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,6 +221,9 @@ def summarize(log: StatsReader, window_s: float | None = None) -> Summary:
     summary = Summary(t_start=t_start, t_end=end.t, elapsed_s=dt, samples=len(window),
                       status=end.status, exit_code=end.exit_code, channels=channels,
                       processes=processes, verdict=Verdict(text=""))
+    if end.deadlock is not None:  # no stage is slow: nothing can move at all
+        return msgspec.structs.replace(summary, verdict=Verdict(text=f"deadlock: {end.deadlock}",
+                                                                deadlock=True))
     return msgspec.structs.replace(summary, verdict=find_bottleneck(summary, graph))
 
 

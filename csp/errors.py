@@ -29,7 +29,7 @@ class                   also a                 raised by
 ``PinnedPoolError``     ``ValueError``         ``csp.cuda.PinnedPool``: ``max_bytes`` or a request too big
 ``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
 ``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
-``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``: no process of that name
+``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``, ``whatif.predict``: unknown process
 ``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
 ``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
 ``StatsNotFound``       ``FileNotFoundError``  reading a directory that has no stats log

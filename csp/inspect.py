@@ -3,8 +3,10 @@
 Reads ``RUN_DIR/csp/stats.jsonl`` (or a stats file given directly) and prints, per channel, its fill
 (now, average, peak against capacity), how much of the time its senders were blocked and its
 receivers waited, and its items/s and bytes/s; per process replica and per process name, the
-fraction of alive time spent busy, waiting for input and blocked on output; and a one-line verdict
-starting with ``bottleneck:``. How each number is normalised, and the bottleneck rule, are in
+fraction of alive time spent busy, waiting for input and blocked on output; a one-line verdict
+starting with ``bottleneck:`` (``deadlock:`` for a run stopped as deadlocked); and what-if lines:
+the items/s predicted with one more replica of the slowest stages, and where the bottleneck moves
+(:mod:`csp.whatif`). How each number is normalised, and the bottleneck rule, are in
 :mod:`csp.backpressure`.
 
 Usage::
@@ -37,6 +39,7 @@ from csp.backpressure import (ChannelSummary, StatsFormatError, StatsReader, Sum
                               summarize)
 from csp.cli import make_parser, positive_float
 from csp.units import bytes_rate, count
+from csp.whatif import fit, what_if_lines
 
 
 def _bytes(c: ChannelSummary) -> str:
@@ -87,9 +90,14 @@ def _plain_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(head)] + [fmt(r) for r in rows])
 
 
+def _what_if(summary: Summary) -> list[str]:
+    """The what-if lines (:mod:`csp.whatif`); none for a deadlocked run (nothing moves)."""
+    return [] if summary.verdict.deadlock else what_if_lines(fit(summary))
+
+
 def render_plain(summary: Summary, source: str = "run") -> str:
     """The report as plain text (what a non-terminal gets)."""
-    parts = [_header_line(summary, source), summary.verdict.text]
+    parts = [_header_line(summary, source), summary.verdict.text, *_what_if(summary)]
     if summary.channels:
         parts += ["", _plain_table(*_channel_rows(summary))]
     if summary.processes:
@@ -101,7 +109,8 @@ def render_rich(summary: Summary, source: str = "run") -> Group:
     """The report as rich renderables (tables with the verdict on top)."""
     items: list = [Text(_header_line(summary, source), style="dim"),
                    Text(summary.verdict.text,
-                        style="bold yellow" if summary.verdict.stage or summary.verdict.channel else "bold")]
+                        style="bold yellow" if summary.verdict.stage or summary.verdict.channel else "bold"),
+                   *(Text(line) for line in _what_if(summary))]
     for (head, rows), title in ((_channel_rows(summary), "channels"),
                                 (_process_rows(summary), "processes")):
         if not rows:
@@ -216,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"csp.inspect: {e}", file=sys.stderr)
         return 2
     if args.json:
-        sys.stdout.write(msgspec.json.encode(summary).decode() + "\n")
+        doc = msgspec.to_builtins(summary) | {"what_if": _what_if(summary)}
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
     elif console.is_terminal:
         console.print(render_rich(summary, args.run))
     else:

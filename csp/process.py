@@ -122,6 +122,11 @@ class Process:
             cycle of channels on its own (a producer waiting for acknowledgements). Graph
             validation rejects a cycle that neither a source (a process without inputs) nor such
             a process feeds. Default False.
+        seq_origin: True if the ``seq`` this process passes to ordered sends is its own count,
+            one stream across all its replicas, not the seq of what it received. Graph
+            validation traces each ordered channel's seqs upstream to their origins (sources,
+            or such processes) and rejects more than one (``csp.graph.validation.seq_origins``).
+            Default False.
 
     Instance attributes (set by the runtime): ``options`` (decoded ``Options``), ``ctx``
     (:class:`Context`).
@@ -133,6 +138,7 @@ class Process:
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
     sends_first: ClassVar[bool] = False
+    seq_origin: ClassVar[bool] = False
 
     def __init__(self, options: Any = None, ctx: Context | None = None) -> None:
         self.options = options if options is not None else type(self).Options()

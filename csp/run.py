@@ -3,7 +3,7 @@
 Reads and validates the file (``plugins`` are imported so their kinds register), builds the graph,
 runs it, prints how it ended and a per-process summary, and exits with the run's exit code:
 0 completed, 130 stopped by Ctrl-C or SIGTERM (graceful drain; a second signal aborts), 1 a process failed,
-2 bad graph or config, 3 a process did not stop after an abort (``EXIT_CODES``). Statistics and the trace go to ``RUN_DIR/csp/`` (default
+2 bad graph or config, 3 a process did not stop after an abort, 4 deadlocked (``EXIT_CODES``). Statistics and the trace go to ``RUN_DIR/csp/`` (default
 ``runs/<graph file stem>``; ``--no-run-dir`` writes nothing).
 
 Examples::
@@ -31,6 +31,8 @@ EXIT_CODES = {
     1: "a process failed (the error line names it, e.g. tokenize[1])",
     2: "bad graph file, --set value or plugin (nothing started)",
     3: "a process did not stop within 10 s of an abort (stuck outside a channel call); the line names it",
+    4: "deadlocked: every live process waited on a channel and nothing moved for "
+       "[runtime].deadlock_timeout_s (30 s; 0 = off); the error line names the cycle of waits",
     130: "stopped by Ctrl-C or SIGTERM (graceful drain), or aborted by a second signal",
 }
 
@@ -89,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProcessStuck as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_STUCK
-    how = f"{result.status} by {result.stopped_by}" if result.stopped_by else result.status
+    if result.deadlock is not None:
+        print(f"error: deadlock: {result.deadlock}", file=sys.stderr)
+    how = f"{result.status} by {result.stopped_by}" if result.stopped_by and not result.deadlock else result.status
     print(f"{how} in {result.duration_s:.2f} s (exit code {result.exit_code})")
     for q, st in runtime.statistics()["processes"].items():
         print(f"  {q:<20} busy {st.busy_s:7.3f} s  wait_input {st.wait_input_s:7.3f} s  "

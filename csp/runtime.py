@@ -19,6 +19,10 @@ Stopping:
   ``ChannelAborted`` raised in other processes because of it is not reported.
 * **abort** - :meth:`Runtime.abort` or a second signal (SIGINT or SIGTERM, either order): the
   same teardown, without an error.
+* **deadlock** - every live process has waited inside a channel call with nothing moving for
+  ``deadlock_timeout_s`` (``[runtime]``, default 30 s; 0 = off; :mod:`csp.deadlock`): the cycle of
+  waits is logged and kept in ``RunResult.deadlock`` and the stats log, then the same teardown;
+  ``run()`` returns status "deadlocked".
 
 Exit codes (``RunResult.exit_code``; ``python -m csp.run`` exits with it):
 
@@ -30,6 +34,8 @@ Exit codes (``RunResult.exit_code``; ``python -m csp.run`` exits with it):
 2     bad graph or config (GraphError before anything starts; set by the CLI)
 3     a process did not stop: after an abort a thread was still running ``join_timeout_s`` later
       (``run()`` raises ProcessStuck naming it; the CLI prints one line and exits 3)
+4     deadlocked: every live process waited on a channel and nothing moved for
+      ``deadlock_timeout_s``; ``RunResult.deadlock`` names the cycle of waits
 ====  ==========================================================================
 
 No thread is left behind silently: after the loop ends every process thread is joined; one still
@@ -57,6 +63,7 @@ import anyio
 import msgspec
 
 from csp.channel import channel
+from csp.deadlock import DeadlockWatch
 from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck, RuntimeReused
 from csp.graph import Graph, ProcessNode, TraceSpec
 from csp.process import Context, is_async
@@ -67,21 +74,23 @@ from csp.trace import FlowTap, Tracer
 log = logging.getLogger("csp.runtime")
 stack_log = logging.getLogger("csp.runtime.stack")  # stacks of stuck threads (long, multi-line)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_STUCK, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_STUCK, EXIT_DEADLOCK, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 JOIN_TIMEOUT_S = 10.0  # default Runtime.join_timeout_s (seconds)
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
-    """How a run ended: ``status`` ("completed" | "stopped" | "failed" | "aborted"),
-    ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``), and
-    ``stopped_by``: what stopped or aborted it ("SIGINT", "SIGTERM", "request_stop", "abort";
-    for an abort by a second signal, the second signal), None when it completed."""
+    """How a run ended: ``status`` ("completed" | "stopped" | "failed" | "aborted" |
+    "deadlocked"), ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``),
+    ``stopped_by``: what stopped or aborted it ("SIGINT", "SIGTERM", "request_stop", "abort",
+    "deadlock"; for an abort by a second signal, the second signal), None when it completed; and
+    ``deadlock``: the cycle of waits of a deadlocked run (one line, :func:`csp.deadlock.explain`)."""
 
     status: str
     exit_code: int
     duration_s: float
     stopped_by: str | None = None
+    deadlock: str | None = None
 
 
 class _Worker:
@@ -139,11 +148,17 @@ class Runtime:
         channel_factory: ``f(item_type=, capacity=, name=, ordered=) -> (Sender, Receiver)`` used
             instead of :func:`csp.channel` to build each channel (``csp.dist`` builds cross-rank
             channels with it); None uses :func:`csp.channel`.
+        deadlock_timeout_s: seconds of "every live process waits on a channel, nothing moves"
+            before the run stops as deadlocked (:mod:`csp.deadlock`); 0 = off; None follows
+            ``graph.runtime.deadlock_timeout_s``. Off whenever ``instances`` or
+            ``channel_factory`` is given: this runtime then sees only part of the graph, and a
+            peer it cannot see may be busy.
     """
 
     def __init__(self, graph: Graph, *, run_dir: Path | str | None = None, app: Any = None,
                  trace: bool | TraceSpec | None = None, join_timeout_s: float | None = None,
-                 instances: Any = None, channel_factory: Any = None) -> None:
+                 instances: Any = None, channel_factory: Any = None,
+                 deadlock_timeout_s: float | None = None) -> None:
         self.graph = graph
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.app = app
@@ -154,6 +169,10 @@ class Runtime:
         self.join_timeout_s = JOIN_TIMEOUT_S if join_timeout_s is None else join_timeout_s
         self.instances = None if instances is None else set(instances)
         self.channel_factory = channel_factory if channel_factory is not None else channel
+        partial = instances is not None or channel_factory is not None
+        timeout = graph.runtime.deadlock_timeout_s if deadlock_timeout_s is None else deadlock_timeout_s
+        self.deadlock_timeout_s = 0.0 if partial else float(timeout)
+        self._deadlock: str | None = None
         self.tracer: Tracer | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -214,10 +233,16 @@ class Runtime:
         statslog = self._start_observers()
         old_handlers = self._install_signals()
         status, exit_code, stuck = "failed", EXIT_FAILED, []
+        watch = None
+        if self.deadlock_timeout_s > 0:
+            watch = DeadlockWatch(self._workers, self.deadlock_timeout_s, self._on_deadlock)
+            watch.start()
         try:
             if not self._aborted:
                 anyio.run(self._supervise, backend="asyncio")
         finally:
+            if watch is not None:
+                watch.stop()
             self._loop = None
             for sig, old in old_handlers.items():
                 signal.signal(sig, old)
@@ -226,6 +251,8 @@ class Runtime:
                 w.close_ends()
             if self._failure is not None:
                 status, exit_code = "failed", EXIT_FAILED
+            elif self._deadlock is not None:
+                status, exit_code = "deadlocked", EXIT_DEADLOCK
             elif self._aborted or stuck:
                 status, exit_code = "aborted", EXIT_INTERRUPTED
             elif self._stop.is_set():
@@ -233,7 +260,7 @@ class Runtime:
             else:
                 status, exit_code = "completed", EXIT_OK
             if statslog is not None:
-                statslog.close(status, exit_code)
+                statslog.close(status, exit_code, deadlock=self._deadlock)
             if self.tracer is not None and self.run_dir is not None:
                 self.tracer.write(self.run_dir / "csp" / "trace.json")
         stuck_note = f"; threads still running: {', '.join(stuck)}" if stuck else ""
@@ -247,7 +274,8 @@ class Runtime:
                                "collective, a blocking read); its thread was abandoned; its stack is "
                                "logged", stuck, self.join_timeout_s)
         return RunResult(status=status, exit_code=exit_code, duration_s=perf_counter() - t0,
-                         stopped_by=None if status == "completed" else self._stopped_by)
+                         stopped_by=None if status == "completed" else self._stopped_by,
+                         deadlock=self._deadlock)
 
     def _build(self) -> None:
         g = self.graph
@@ -422,6 +450,16 @@ class Runtime:
         log.error("process %s failed: %r; stopping the graph", w.qualname, exc, exc_info=exc)
         self._shutdown(f"process {w.qualname} failed: {exc!r}")
 
+    def _on_deadlock(self, why: str) -> None:
+        """From the deadlock watch: record the cycle of waits and stop everything (exit 4)."""
+        with self._lock:
+            if self._failure is not None or self._shutting_down:
+                return
+            self._deadlock = why
+            self._stopped_by = "deadlock"
+        log.error("deadlock: %s; stopping the graph (exit %d)", why, EXIT_DEADLOCK)
+        self._shutdown(f"deadlock: {why}")
+
     def _shutdown(self, reason: str) -> None:
         self._shutting_down = True
         self._stop.set()
@@ -523,4 +561,5 @@ def _cuda_scope(ctx: Context) -> Iterator[None]:
         yield
 
 
-__all__ = ["EXIT_BAD_GRAPH", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "RunResult", "Runtime"]
+__all__ = ["EXIT_BAD_GRAPH", "EXIT_DEADLOCK", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STUCK",
+           "RunResult", "Runtime"]

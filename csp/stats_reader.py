@@ -56,6 +56,8 @@ class Sample(msgspec.Struct, frozen=True):
     processes: dict[str, ProcessStatistics]
     status: str | None = None
     exit_code: int | None = None
+    deadlock: str | None = None
+    """The final record of a deadlocked run: its cycle of waits (``csp.deadlock``)."""
 
 
 class StatsReader:

@@ -6,7 +6,8 @@ One JSON object per line (format fixed by ``docs/architecture.md``):
    "processes": [{"name", "replicas", "inputs": {port: channel}, "outputs": {...}}]}}``
 2. ``{"kind": "snapshot", "t": <s since start>, "channels": {name: ChannelStatistics},
    "processes": {"target[0]": ProcessStatistics}}`` every ``stats_interval_s`` seconds;
-3. ``{"kind": "final", ...same as a snapshot..., "status": "completed", "exit_code": 0}``.
+3. ``{"kind": "final", ...same as a snapshot..., "status": "completed", "exit_code": 0}``; a
+   deadlocked run's also has ``"deadlock": "<the cycle of waits>"`` (status "deadlocked", exit 4).
 
 The sampler is one daemon thread that only *reads* statistics (channel cores take their own lock
 for a few microseconds; process statistics are plain attribute reads), so it never blocks a
@@ -103,8 +104,9 @@ class StatsWriter:
             self._file.write(msgspec.json.encode(record) + b"\n")
             self._file.flush()
 
-    def close(self, status: str, exit_code: int) -> None:
-        """Stop the sampler, write the ``final`` line and close the file. Idempotent."""
+    def close(self, status: str, exit_code: int, deadlock: str | None = None) -> None:
+        """Stop the sampler, write the ``final`` line (with ``deadlock``, the cycle of waits of a
+        deadlocked run, when given) and close the file. Idempotent."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10.0)
@@ -114,6 +116,8 @@ class StatsWriter:
             return
         record = self.snapshot()
         record.update(kind="final", status=status, exit_code=exit_code)
+        if deadlock is not None:
+            record["deadlock"] = deadlock
         self._write(record)
         with self._lock:
             self._file.close()

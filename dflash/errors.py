@@ -8,6 +8,8 @@
 ``DataError``        unusable training data (raised by :mod:`dflash.data`)         exit 2
 ``CheckpointError``  a checkpoint that cannot be found, read or trusted             exit 2
                      (raised by :mod:`dflash.checkpoint`)
+``DiskFullError``    a checkpoint could not be written: no space left on the         exit 4
+                     device (a ``CheckpointError``; the line names the device)
 ===================  =========================================================  ==========
 
 Each message is one line that says what to change. csp's own errors (``csp.GraphError`` for a
@@ -17,7 +19,7 @@ while reading a graph file into :class:`ConfigError` with the same message.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "DFlashError", "DataError"]
+__all__ = ["CheckpointError", "ConfigError", "DFlashError", "DataError", "DiskFullError"]
 
 
 class DFlashError(Exception):
@@ -40,3 +42,9 @@ class DataError(DFlashError, ValueError):
 class CheckpointError(DFlashError, RuntimeError):
     """A checkpoint could not be found, read or trusted; the message says which and what to do.
     Raised by :mod:`dflash.checkpoint` (which re-exports it)."""
+
+
+class DiskFullError(CheckpointError):
+    """No space left on the device while writing a checkpoint (``ENOSPC``). The message names the
+    device and the last good checkpoint; the partial save was removed. ``python -m dflash.run``
+    stops with exit code 4."""

@@ -21,7 +21,10 @@ bare names). That class loads it with no missing or unexpected key (tested).
 * ``modeling_dflash.py``: this project's transformers model of the drafter (a copy of
   :mod:`dflash.model.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
   ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` loads it with no other package.
-  Serving engines select the drafter by ``architectures`` and ignore it.
+  Serving engines select the drafter by ``architectures`` and ignore it. Without
+  ``trust_remote_code=True`` transformers ignores it too and silently builds a plain ``Qwen3Model``
+  (not a drafter); the CLI says so when it finishes;
+* ``README.md``: the model card (:func:`model_card`): what the drafter is and how to load it.
 
 The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
 ``meta.json`` or ``train_state.pt``) or the input itself, an output path that is a file, and a
@@ -57,15 +60,18 @@ def build_parser():
     """The ``dflash.export`` parser (light: built before torch is imported, so ``--help`` answers at once)."""
     p = make_parser(
         "python -m dflash.export", "Export a trained drafter checkpoint to the public DFlash Hugging Face "
-        "layout (config.json + model.safetensors).",
+        "layout (config.json + model.safetensors + modeling_dflash.py + README.md).",
         details="The output loads where DFlash drafters are served (architectures = [\"DFlashDraftModel\"], "
-                "the public\nparameter names; [\"DFlash2DraftModel\"] and z-lab's DFlash2 layout for a "
-                "drafter.variant = \"dflash2\"\ndrafter) and back with dflash.export.load_exported. Files are "
-                "written with the usual\npermissions (0644 under umask 022).",
+                "the public\nparameter names; [\"DFlash2DraftModel\"] and z-lab's DFlash2 layout for a drafter.variant = \"dflash2\"\ndrafter) and back with dflash.export.load_exported. It also holds "
+                "modeling_dflash.py, the\ntransformers model class (torch and transformers only): load it "
+                "with\nAutoModel.from_pretrained(DIR, trust_remote_code=True); without trust_remote_code, "
+                "transformers\nsilently builds a plain Qwen3Model instead, which is not a drafter. Files "
+                "are written with\nthe usual permissions (0644 under umask 022).",
         exit_codes={0: "exported", 1: "an unexpected error (traceback)",
                     2: "bad input: no such checkpoint, a run directory instead of a checkpoint, the "
                        "output is a\n       checkpoint, the input itself, a file, or a non-empty directory "
-                       "without --force",
+                       "without --force;\n       an unhealthy checkpoint (healthy: false or NaN/Inf weights) "
+                       "without --allow-unhealthy",
                     130: "interrupted (Ctrl-C): -o holds all of the export or none of it (the line on "
                          "stderr says which)"},
         examples=["python -m dflash.export runs/dflash-tiny/checkpoints/step_00000300 -o exports/dflash-tiny",
@@ -75,6 +81,9 @@ def build_parser():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the written weights")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.add_argument("--allow-unhealthy", action="store_true",
+                   help="export a checkpoint marked healthy: false or holding NaN/Inf weights (refused "
+                        "otherwise, naming the nearest healthy one)")
     return p
 
 
@@ -95,14 +104,54 @@ from dflash.checkpoint.model_files import load_drafter  # noqa: E402
 from dflash.eval.inputs import check_checkpoint  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 
-__all__ = ["EXPORT_FILES", "MODELING_FILE", "ExportedThenInterrupted", "LastLayerWarning", "check_output",
-           "export_drafter", "hf_config_dict",
-           "build_parser", "last_layer_problem", "load_exported", "main"]
+__all__ = ["CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NO_REMOTE_CODE", "ExportedThenInterrupted",
+           "LastLayerWarning", "build_parser", "check_output", "export_drafter", "hf_config_dict",
+           "last_layer_problem", "load_exported", "main", "model_card"]
 
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
-EXPORT_FILES = ("model.safetensors", "config.json", MODELING_FILE)
+CARD_FILE = "README.md"  # the model card: how to load it (trust_remote_code) and decode with it
+EXPORT_FILES = ("model.safetensors", "config.json", MODELING_FILE, CARD_FILE)
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}  # by [drafter].variant
 DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+
+NO_REMOTE_CODE = ("without trust_remote_code=True, AutoModel ignores modeling_dflash.py and silently "
+                  "builds a plain Qwen3Model from config.json, which is not a drafter")
+"""The one-line warning about forgetting ``trust_remote_code`` (printed by the CLI, in the card)."""
+
+
+def model_card(cfg: DrafterConfig, dtype: torch.dtype) -> str:
+    """The export's ``README.md``: what it is and the load-and-decode calls that work."""
+    return f"""---
+library_name: transformers
+tags: [dflash, speculative-decoding, drafter]
+---
+# {"DFlash2" if cfg.variant == "dflash2" else "DFlash"} drafter
+
+A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
+mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of a
+{cfg.num_target_layers}-layer target; weights in {str(dtype).removeprefix("torch.")}. It has no embedding
+and no LM head: it uses the target's.
+
+## Load it
+
+```python
+from transformers import AutoModel
+drafter = AutoModel.from_pretrained(DIR, trust_remote_code=True)
+```
+
+**`trust_remote_code=True` is required**: {NO_REMOTE_CODE}.
+`modeling_dflash.py` (torch and transformers only) is the model class.
+
+## Decode with z-lab's loop
+
+```python
+from dflash.model import dflash_generate   # z-lab's dflash package
+out = dflash_generate(drafter, target, input_ids, max_new_tokens=256, stop_token_ids=None)
+```
+
+Serving engines pick the drafter by `architectures = ["{ARCHITECTURES[cfg.variant]}"]` and read
+`dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`).
+"""
 
 
 class LastLayerWarning(UserWarning):
@@ -175,13 +224,13 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                    dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and ``modeling_dflash.py`` into ``out_dir``
-    (created if needed, with its parents).
+    """Write ``config.json``, ``model.safetensors``, ``modeling_dflash.py`` and the model card
+    ``README.md`` into ``out_dir`` (created if needed, with its parents).
 
     The files are written into a temporary sibling directory (``.NAME.tmp-*``), which is then
     renamed to ``out_dir`` when that is missing or empty, so an interrupted export leaves nothing
-    there; into a non-empty ``out_dir`` (``--force``) the three files are moved in one by one,
-    each atomically (a Ctrl-C is held until all three are in place; only a hard kill in that
+    there; into a non-empty ``out_dir`` (``--force``) the files are moved in one by one,
+    each atomically (a Ctrl-C is held until all are in place; only a hard kill in that
     instant can leave a mix of old and new files). The temporary directory is always removed.
 
     Raises:
@@ -201,6 +250,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / MODELING_FILE).write_bytes((Path(__file__).parent / "model" / MODELING_FILE).read_bytes())
+        (tmp / CARD_FILE).write_text(model_card(drafter.cfg, dtype))
         umask = os.umask(0)
         os.umask(umask)
         for name in EXPORT_FILES:
@@ -261,7 +311,7 @@ def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = Fals
                          "its weights; give a new directory")
     if any(out.iterdir()) and not force:
         raise ValueError(f"-o {out_dir} is not empty; give an empty or new directory, or --force "
-                         f"to overwrite config.json, model.safetensors and {MODELING_FILE} there")
+                         f"to overwrite config.json, model.safetensors, {MODELING_FILE} and {CARD_FILE} there")
 
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
@@ -346,7 +396,7 @@ def _export(args, written: list[Path]) -> bool:
     """Check, load and export (appending the output directory to ``written`` once it is complete,
     then printing what was written); False after a bad-input line."""
     try:
-        check_checkpoint(args.checkpoint)  # a run directory: "give one of its checkpoints"
+        check_checkpoint(args.checkpoint, args.allow_unhealthy)  # a run directory, an unhealthy one
         check_output(args.checkpoint, args.out, args.force)
         drafter, _, _ = load_drafter(args.checkpoint)
         with warnings.catch_warnings(record=True) as caught:
@@ -362,7 +412,9 @@ def _export(args, written: list[Path]) -> bool:
         print(f"dflash.export: {e}", file=sys.stderr)
         return False
     n = sum(t.numel() for t in drafter.state_dict().values())
-    print(f"wrote {out}/config.json and model.safetensors ({n / 1e6:.1f}M parameters, {args.dtype})")
+    print(f"wrote {out}/config.json, model.safetensors ({n / 1e6:.1f}M parameters, {args.dtype}), "
+          f"{MODELING_FILE} (the transformers model class) and {CARD_FILE}")
+    print(f"load it with AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True); {NO_REMOTE_CODE}")
     return True
 
 

@@ -9,7 +9,9 @@ start       :func:`dflash.run.cli.prepare`, once per process          :class:`St
 resume      :func:`dflash.run.cli.prepare`, after a resume            :class:`ResumeRecord`
 train       the monitor stage, once per fixed window of steps     :class:`TrainRecord`
 skip        the monitor stage, once per non-finite (skipped) step :class:`SkipRecord`
-checkpoint  the checkpoint writer, after each save attempt        :class:`CheckpointRecord`
+checkpoint  the checkpoint writer, after each save attempt; the     :class:`CheckpointRecord`
+            trainer again (``demoted: true``) when it later marks
+            a checkpoint unhealthy
 end         :mod:`dflash.run`, when the process ends              :class:`EndRecord`
 ==========  ====================================================  =================================
 
@@ -164,13 +166,20 @@ class SkipRecord(RecordBase, tag="skip"):
 
 class CheckpointRecord(RecordBase, tag="checkpoint"):
     """A save attempt at ``step``: ``path`` None when nothing was written (non-finite state);
-    ``reason`` set when not healthy; ``save_s``: seconds from snapshot to rename."""
+    ``reason`` set when not healthy; ``save_s``: seconds from snapshot to rename.
+
+    ``demoted: true`` marks a later record for a checkpoint already recorded healthy, written when
+    it is marked unhealthy after the fact (``healthy: false`` and the ``reason``; no ``save_s``).
+    For a step, the last checkpoint record is the one that holds, as ``meta.json`` does (which
+    ``python -m dflash.logs`` and resume read).
+    """
 
     step: int
     path: str | None | UnsetType = UNSET
     healthy: bool | UnsetType = UNSET
     reason: str | None | UnsetType = UNSET
     save_s: Float = UNSET
+    demoted: bool | UnsetType = UNSET
     time: float | UnsetType = UNSET
 
 

@@ -21,7 +21,8 @@ record's index in the source file, ``finished`` False when a turn hit ``--max-ne
 Resumable: lines are appended and flushed one finished conversation at a time; a second run with
 the same ``-o`` skips the ``source_index`` values already written (a torn last line from a kill is
 cut off first), so an interrupted run loses at most the chunk in flight. The generation settings
-are kept in ``OUT.meta.json``; resuming with different settings is refused.
+are kept in ``OUT.meta.json`` (rewritten at every start, atomically: a temporary file renamed over
+it); resuming with different settings is refused, and an unreadable one is an error naming it.
 
 Counted, never silently dropped: the source's own skip reasons (``malformed_json``...),
 ``leading_assistant_turns_dropped`` (assistant turns before the first user turn are dropped, the
@@ -47,7 +48,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["done_indices", "excluded_indices", "generation_settings", "main", "regenerate"]
+__all__ = ["done_indices", "excluded_indices", "generation_settings", "main", "read_meta_settings",
+           "regenerate", "write_meta"]
 
 _FORMAT_VERSION = 1
 
@@ -57,6 +59,46 @@ def generation_settings(args: argparse.Namespace, source: str) -> dict[str, Any]
     return {"version": _FORMAT_VERSION, "source": source, "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "seed": args.seed, "max_turns": args.max_turns}
+
+
+def read_meta_settings(meta: Path, out: Path) -> dict[str, Any] | None:
+    """The ``settings`` recorded in ``meta`` (``OUT.meta.json``), or None when there is none.
+
+    Raises:
+        DataError: ``meta`` is unreadable, not JSON (torn) or has no ``settings`` object; the
+            message names the file and what to do.
+    """
+    from dflash.data import DataError
+
+    try:
+        text = meta.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise DataError(f"{meta}: cannot read the settings file of {out}: {e}") from None
+    try:
+        settings = json.loads(text)["settings"]
+        if not isinstance(settings, dict):
+            raise TypeError("settings is not an object")
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{meta} is damaged (not the JSON settings dflash.regenerate writes: {e}); it "
+                        f"records the settings {out} was generated with: delete it to resume {out} with "
+                        "this command's settings, or use another -o") from None
+    return settings
+
+
+def write_meta(meta: Path, obj: dict[str, Any]) -> None:
+    """Write ``meta`` atomically and durably: a temporary file in the same directory, fsynced, then
+    renamed over it, so a crash leaves the old file or the new one, never half of one."""
+    tmp = meta.with_name(f".{meta.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, meta)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def excluded_indices(path: Path) -> set[int]:
@@ -306,17 +348,17 @@ def _main(args: argparse.Namespace, locks: list) -> int:
         except OSError:
             raise DataError(f"{out} is being written by another dflash.regenerate (lock "
                             f"{lock.name}); wait for it or use another -o") from None
-        if meta.exists() and json.loads(meta.read_text())["settings"] != settings:
+        recorded = read_meta_settings(meta, out)
+        if recorded is not None and recorded != settings:
             raise DataError(f"{out} was written with other settings ({meta}); use another -o or "
                             "the same --max-new-tokens/--temperature/--top-p/--seed")
         done = done_indices(out)
         excluded = excluded_indices(Path(args.exclude)) if args.exclude else set()
+        write_meta(meta, {"settings": settings, "graph": str(args.graph),
+                          "target": cfg.target.path or cfg.target.preset})
     except (OSError, ValueError, DFlashError, msgspec.ValidationError) as e:  # DataError, ConfigError
         print(f"dflash.regenerate: {e}", file=sys.stderr)
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps({"settings": settings, "graph": str(args.graph),
-                                "target": cfg.target.path or cfg.target.preset}, indent=1) + "\n")
     todo = [(c, i) for c, i in zip(records.conversations, records.source_index)
             if i not in done and i not in excluded]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -45,3 +45,19 @@ def joined(t: threading.Thread, timeout: float = 10.0) -> None:
     """Join ``t``, failing the test if it is still alive after ``timeout`` seconds."""
     t.join(timeout)
     assert not t.is_alive(), "thread did not finish"
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
+    """A CPU stand-in for ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2, CUDA only):
+    per-sequence causal SDPA in the varlen layout ``q [T, h, d]``, ``k, v [T, kv_h, d]`` (GQA by
+    repeat), sequences ``cu_q [N + 1]``; only the causal window ``(-1, 0)`` the target uses."""
+    import torch.nn.functional as F
+
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k)
+    out = torch.empty_like(q)
+    rep = q.shape[1] // k.shape[1]
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+    return out

@@ -1,7 +1,7 @@
-"""The H200 benchmark harness (benchmarks/bench_h200.py, issue 8) is right before it meets a GPU.
+"""The H200 benchmark harness (benchmarks/bench_h200.py) is right before it meets a GPU.
 
-The whole harness runs in ``--smoke`` mode (tiny shapes, CPU) and must produce every key the issue
-asks for, each ratio computed from the numbers beside it, one target build for all runs (model reuse),
+The whole harness runs in ``--smoke`` mode (tiny shapes, CPU) and must produce every key RESULTS.md
+reports, each ratio computed from the numbers beside it, one target build for all runs (model reuse),
 and a plot. The arithmetic the H200 numbers rest on -- steady-state throughput from metrics.jsonl,
 steps overlapping a checkpoint, attention FLOPs, which run a summary number comes from -- is checked
 on hand-made inputs. On a GPU (marked ``gpu``) the harness runs with tiny shapes on the real devices.
@@ -68,7 +68,7 @@ def test_smoke_run_reports_every_key_consistently(smoke):
     assert math.isclose(doc["efficiency_2gpu"], ms["pipeline_2gpu"]["tok_s"] / slowest)
     assert math.isclose(doc["speedup_2gpu_vs_serial"], ms["pipeline_2gpu"]["tok_s"] / ms["serial"]["tok_s"])
     assert doc["checkpoint_slowdown"] == ms["checkpoint_1gpu"]["slowdown"]
-    # every stage measurement has its FLOP rate and MFU against the run's matmul rate (issue 17)
+    # every stage measurement has its FLOP rate and MFU against the run's matmul rate
     peak = ms["matmul"]["tflops"]
     for name in ("target_alone", "target_alone_eager", "plain_forward", "drafter_alone", "serial",
                  "colocated_1gpu", "pipeline_1gpu", "pipeline_2gpu"):

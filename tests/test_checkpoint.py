@@ -129,7 +129,7 @@ def test_resume_auto_skips_a_truncated_tensor_file(tmp_path, name):
         resolve_resume(tmp_path, str(newest))
 
 
-# -- health of what is written (issue 14, item 5) ---------------------------------------------------
+# -- health of what is written: a checkpoint is healthy only if its recent steps trained -----------
 
 
 def test_a_checkpoint_saved_during_a_nonfinite_streak_is_written_unhealthy(tmp_path):
@@ -172,7 +172,7 @@ def test_nonfinite_optimizer_state_is_never_written(tmp_path):
     assert events[0]["healthy"] is False and "/optimizer/state/0/exp_avg_sq" in events[0]["reason"]
 
 
-# -- retention (issue 14, item 7) --------------------------------------------------------------------
+# -- retention: only the current lineage's checkpoints are ever removed -----------------------------
 
 
 def test_retention_never_deletes_another_lineage(tmp_path):

@@ -1,5 +1,5 @@
 """Every command line's --help: one line of what it does, every option explained with its default,
-the exit codes, and no raw docstring markup (issue 16)."""
+the exit codes, and no raw docstring markup."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_help_says_what_it_does_explains_every_option_and_lists_exit_codes(modul
 
 
 def test_eval_help_explains_its_output_columns(monkeypatch):
-    """Issue 16: eval explains streak@visited and streak@all in --help, not only in a docstring."""
+    """Invariant: eval explains its output columns (streak@visited, streak@all ...) in --help, not
+    only in a docstring, since --help is all a user reads."""
     text = parser_of("dflash.eval", monkeypatch).format_help()
     for column in ("accepted/step", "tokens/step", "streak@visited", "streak@all", "tau_sim"):
         assert f"\n  {column} " in text, column

@@ -1,4 +1,4 @@
-"""The fast tokenization path (issue 17, item 5) gives exactly what the old path gave.
+"""The fast tokenization path gives exactly what the old path gave, so it needs no switch.
 
 The fast path renders each conversation structure's skeleton once, renders conversations with the
 compiled template, and tokenizes segments of many conversations per ``encode_batch`` call. The
@@ -53,7 +53,8 @@ def _literal(tok):
 
 
 def old_encode(tok, conv, *, max_length, last_turn_only=False, min_loss_tokens=0):
-    """The pre-issue-17 path (conversations without reasoning): two renders, one encode per segment."""
+    """The path before the fast one (conversations without reasoning): two renders, one encode per
+    segment."""
     literal, special = _literal(tok)
     skeleton = tok.apply_chat_template([{"role": m["role"], "content": f"\ue000{i}\ue001"}
                                         for i, m in enumerate(conv)], tokenize=False)

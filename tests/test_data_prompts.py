@@ -1,5 +1,5 @@
-"""Eval prompts are built exactly as training builds contexts (issue 14, item 2): same chat
-template pieces, same thinking mode, with a Qwen3-style template."""
+"""Eval prompts are built exactly as training builds contexts, so eval measures what was trained:
+same chat template pieces, same thinking mode, with a Qwen3-style template."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def q3(tmp_path_factory):
 
 
 def test_eval_prompt_has_the_training_contexts_thinking_mode(q3):
-    """Regression (issue 14.2): eval prompts ended in thinking mode (``assistant\\n``) while
+    """Regression: eval prompts ended in thinking mode (``assistant\\n``) while
     training contexts end in non-thinking mode (``assistant\\n<think>\\n\\n</think>\\n\\n``). The
     prompt is now the training context of an assistant turn after the given messages."""
     user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]

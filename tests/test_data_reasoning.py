@@ -1,4 +1,4 @@
-"""Reasoning data (issue 14, item 2): conversations with ``<think>`` or ``reasoning_content`` are
+"""Reasoning data: conversations with ``<think>`` or ``reasoning_content`` are
 kept, ``data.reasoning`` says whether reasoning is trained, the loss mask is right with a
 Qwen3-style template, and what cannot be handled is counted under its own reason."""
 
@@ -173,7 +173,7 @@ def test_template_without_reasoning_support_gets_it_inline(tiny):
 
 
 def test_inline_reasoning_with_a_template_that_splits_think_itself(tiny):
-    """Regression (issue 14.2): a template that moves ``<think>...</think>`` out of the content
+    """Regression: a template that moves ``<think>...</think>`` out of the content
     (as Qwen3 does) used to give template_mismatch and drop the conversation; it is kept."""
     from tests.test_data_tokenize import QWEN_LIKE
 
@@ -186,7 +186,7 @@ def test_inline_reasoning_with_a_template_that_splits_think_itself(tiny):
 
 
 def test_load_dataset_keeps_reasoning_and_reports_it(q3, tmp_path):
-    """Regression (issue 14.2): half of a file with reasoning was lost as template_mismatch. Every
+    """Regression: half of a file with reasoning was lost as template_mismatch. Every
     conversation is kept, the summary counts turns with reasoning and those not in the tokens,
     and data.reasoning is part of the cache key."""
     path = tmp_path / "reasoning.jsonl"

@@ -98,7 +98,7 @@ def test_live_view_renders_and_update_is_cheap():
 
 
 def test_a_window_that_averaged_fewer_steps_says_so():
-    """Invariant (issue 14, item 11): a window whose averages leave out skipped steps is labelled
+    """Invariant: a window whose averages leave out skipped steps is labelled
     with how many it averaged; a full window carries no label."""
     partly = format_line(_rec(10, 1.0, window=5, steps_averaged=4, skipped_total=1))
     assert "averaged 4/5 steps" in partly

@@ -138,7 +138,7 @@ def _svg_geometry(svg: str):
 
 
 def test_svg_without_graphviz_is_drawn_in_python(graph_file, tmp_path, monkeypatch, capsys):
-    """Regression (issue 16): ``-o graph.svg`` failed without Graphviz's dot, which pip cannot
+    """Regression: ``-o graph.svg`` failed without Graphviz's dot, which pip cannot
     install. Invariant: without dot the SVG is drawn in pure Python, well-formed, with every
     process and channel labelled and every label inside the picture."""
     from csp.svg import CW
@@ -205,7 +205,7 @@ def _front_boxes(svg: str) -> list[tuple[float, float, float, float]]:
 
 @pytest.mark.parametrize("devices", [None, '["cuda:0","cuda:0","cuda:0","cuda:1","cuda:1","cuda:1"]'])
 def test_six_replicas_read_well(tmp_path, monkeypatch, devices):
-    """Regression (issue 16): a graph with 6 target replicas drew a strip 13-15 times as wide as
+    """Regression: a graph with 6 target replicas drew a strip 13-15 times as wide as
     tall (all devices on one line). Invariant: one stacked box with a x6 badge whose replicas are
     listed one per row inside it, so the picture is about as wide as with one replica and under 8
     times as wide as tall; no process boxes overlap; every label lies inside the picture."""

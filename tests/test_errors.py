@@ -1,4 +1,4 @@
-"""csp's error family: every error csp raises is a ``csp.CspError`` (issue 15, item 5), and the
+"""csp's error family: every error csp raises is a ``csp.CspError`` (one ``except`` catches them all), and the
 classes that replaced a builtin are still that builtin, so ``except ValueError`` callers keep
 working. The exceptions are the ones csp/errors.py's docstring lists."""
 

@@ -132,6 +132,32 @@ def test_evaluate_reports_consistent_numbers(models):
         assert r.new_tokens >= 8 and r.steps >= 1
 
 
+def test_evaluate_records_dtype_threads_and_sampled_tau(models):
+    """Invariant: an eval result says the dtype and CPU threads it decoded with, and with a
+    temperature its sampled tau beside greedy (reproducible from the seed); greedy-only leaves it
+    None."""
+    target, head, drafter = models
+    greedy = evaluate(target, drafter, head, [prompt(3)], max_new_tokens=8)
+    assert greedy.sampled_tau is None and greedy.temperature == 0.0
+    assert greedy.dtype == "float32" and greedy.threads == torch.get_num_threads()
+    runs = [evaluate(target, drafter, head, [prompt(3), prompt(4)], max_new_tokens=8, temperature=1.0,
+                     top_k=20, seed=4) for _ in range(2)]
+    assert runs[0].sampled_tau == runs[1].sampled_tau
+    assert 1.0 <= runs[0].sampled_tau <= BS
+    assert runs[0].sampled_accepted == pytest.approx(runs[0].sampled_tau - 1)
+    from dflash.eval.report import format_result
+    assert "measured: sampled (T=1, top-k 20)" in format_result(runs[0])
+
+
+@pytest.mark.parametrize("flags", [["--threads", "0"], ["--temperature", "-1"], ["--top-p", "0"]])
+def test_eval_cli_bad_decode_flags_exit_2(tmp_path, flags, capsys):
+    from dflash.eval.cli import main as eval_main
+
+    with pytest.raises(SystemExit) as exc:
+        eval_main([str(tmp_path), "--data", "sharegpt", *flags])
+    assert exc.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
 # -- prompt selection and CLI input (QA regressions) -------------------------------------------
 
 def _conv(i, assistant_first=False):

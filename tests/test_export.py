@@ -44,7 +44,7 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_drafter_config_json_has_no_num_anchors_and_an_old_one_still_loads(tmp_path):
-    """Invariant (issue 15): num_anchors is a training-sampling setting, so a saved
+    """Invariant: num_anchors is a training-sampling setting, so a saved
     drafter_config.json does not carry it; a checkpoint written before the move (its
     drafter_config.json has "num_anchors") still loads, the key dropped, weights unchanged."""
     d, ck = make(), tmp_path / "ckpt"

@@ -1,5 +1,5 @@
 """Checkpoint files get the mode open() gives (0644 under umask 022), not safetensors' 0600, so the
-user's group can read them (issue 16; the export has its own check in test_export.py)."""
+user's group can read them (the export has its own check in test_export.py)."""
 
 from __future__ import annotations
 

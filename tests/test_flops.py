@@ -22,6 +22,7 @@ from benchmarks.flops import (  # noqa: E402
     flex_tiles,
     target_forward_flops,
     target_linear_params,
+    varlen_tiles,
 )
 from dflash.messages import LossInput  # noqa: E402
 from dflash.model.attention import sdpa_mask, training_layout  # noqa: E402
@@ -70,8 +71,11 @@ def test_target_hand_count():
     head = target_forward_flops(hf, 2, doc, "causal", lm_head=True)
     assert head.model == f.model + 2 * H * V * 11
     assert head.computed == 2 * (2 * per_layer + H * V) * 12 + 4 * nh * d * 2 * 2 * 21
+    varlen = target_forward_flops(hf, 2, doc, "varlen")  # one 128 x 128 tile per sequence here
+    assert varlen.model == f.model and varlen.computed == 2 * 2 * per_layer * 12 + 4 * nh * d * 2 * 3 * 128 * 128
+    assert varlen_tiles([3, 2, 6], tile=2) == 3 + 1 + 6  # ceil(L / 2) = 2, 1, 3 tiles per side
     with pytest.raises(ValueError, match="attn_implementation"):
-        target_forward_flops(hf, 2, doc, "varlen")
+        target_forward_flops(hf, 2, doc, "paged")
 
 
 def test_flex_tiles_match_the_block_mask():

@@ -363,7 +363,7 @@ def test_validation_errors(make, message):
 
 
 def test_cuda_means_cuda_0_and_is_ambiguous_for_several_replicas():
-    """Regression (issue 16): ``device = "cuda"`` was rejected, needing "cuda:N". Invariant: "cuda"
+    """Regression: ``device = "cuda"`` was rejected, needing "cuda:N". Invariant: "cuda"
     is stored as "cuda:0" (torch's meaning without set_device) for one replica and in a
     ``devices`` list; ``device = "cuda"`` for several replicas is one error saying what to write
     (all on GPU 0, or one GPU each), since either reading is plausible."""
@@ -530,3 +530,84 @@ def test_ordered_channel_with_two_producers_is_rejected(tmp_path, reg):
         """)
     with pytest.raises(csp.GraphError, match="channel 'items' is ordered but has 2 producers"):
         csp.Graph.from_spec(csp.load_spec(write(tmp_path, text)), reg)
+
+
+class Renumber(csp.Process):
+    """Merges two inputs and numbers what it sends itself (one stream across its replicas)."""
+
+    inputs = {"a": object, "b": object}
+    outputs = {"out": object}
+    seq_origin = True
+
+    def run(self, inputs, outputs):  # pragma: no cover
+        pass
+
+
+def test_ordered_channel_with_two_seq_origins_upstream_is_rejected():
+    """Invariant: an ordered channel accepts each seq once, so every item reaching it must be
+    numbered by one counter; two sources upstream of it (both feeding an unordered channel the
+    forwarding replicas read), or one source with two replicas, are rejected at validation naming
+    the ordered channel, the origins and the processes between, where before the run failed with
+    a SeqError after the data loaded."""
+    g = csp.Graph().channel("lines", capacity=2).channel("items", capacity=2, ordered=True)
+    g.process("emit1", Emit, outputs={"out": "lines"}).process("emit2", Emit, outputs={"out": "lines"})
+    g.process("relay", Relay, replicas=2, inputs={"inp": "lines"}, outputs={"out": "items"})
+    g.process("take", Take, inputs={"inp": "items"})
+    with pytest.raises(csp.GraphError, match=r"ordered channel 'items' gets its seq numbers from 2 origins "
+                                             r"\('emit1' and 'emit2', reaching it through 'relay'\)"):
+        g.validate()
+    rep = csp.Graph().channel("lines", capacity=2).channel("items", capacity=2, ordered=True)
+    rep.process("emit", Emit, replicas=2, outputs={"out": "lines"})
+    rep.process("relay", Relay, inputs={"inp": "lines"}, outputs={"out": "items"})
+    rep.process("take", Take, inputs={"inp": "items"})
+    with pytest.raises(csp.GraphError, match=r"from 2 origins \('emit' \(2 replicas\), reaching it through 'relay'\)"):
+        rep.validate()
+    # a process that renumbers is the one origin: what is upstream of it does not matter
+    ok = csp.Graph().channel("x", capacity=2).channel("y", capacity=2).channel("items", capacity=2, ordered=True)
+    ok.process("emit1", Emit, outputs={"out": "x"}).process("emit2", Emit, replicas=3, outputs={"out": "y"})
+    ok.process("renumber", Renumber, replicas=2, inputs={"a": "x", "b": "y"}, outputs={"out": "items"})
+    ok.process("take", Take, inputs={"inp": "items"})
+    ok.validate()
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_example_has_one_seq_origin_per_ordered_channel(path):
+    """Invariant: the shipped graphs pass the seq-origin rule (dflash's target replicas fan into
+    the ordered 'hidden' with the batch seqs of its one prefetch). Checked on the wiring alone, so
+    GPU devices and dflash kinds need no machine to resolve them."""
+    import tomllib
+
+    from csp.graph.nodes import ChannelNode, ProcessNode
+    from csp.graph.validation import check_seq_origins, seq_origins
+
+    raw = tomllib.loads(path.read_text())
+    chans = {c["name"]: ChannelNode(name=c["name"], capacity=c["capacity"], ordered=c.get("ordered", False))
+             for c in raw.get("channel", [])}
+    procs = {p["name"]: ProcessNode(name=p["name"], cls=csp.Process, options=None,
+                                    replicas=p.get("replicas", 1), inputs=p.get("inputs", {}),
+                                    outputs=p.get("outputs", {})) for p in raw.get("process", [])}
+    senders = {c: [(p, port) for p in procs.values() for port, ch in p.outputs.items() if ch == c] for c in chans}
+    check_seq_origins(procs, chans, senders)
+    for name, c in chans.items():
+        if c.ordered:
+            assert len(seq_origins(procs, senders, name)[0]) == 1
+
+
+def test_text_pipeline_with_a_second_source_is_rejected(tmp_path):
+    """Invariant: the text pipeline validates as shipped, and a second source into its 'lines'
+    (upstream of the ordered 'tokens') is a GraphError naming both sources and 'tokens'."""
+    import examples.textpipe  # noqa: F401  (registers the textpipe.* kinds)
+
+    root = Path(__file__).parent.parent / "examples"
+    text = (root / "text_pipeline.toml").read_text().replace('plugins = ["examples.textpipe"]', "")
+    csp.Graph.from_spec(csp.load_spec(write(tmp_path, text)))
+    text += textwrap.dedent("""
+        [[process]]
+        name = "read2"
+        kind = "textpipe.lines"
+        outputs = { line = "lines" }
+        """)
+    with pytest.raises(csp.GraphError, match=r"ordered channel 'tokens' gets its seq numbers from 2 origins "
+                                             r"\('read' and 'read2', reaching it through 'tokenize'\)"):
+        csp.Graph.from_spec(csp.load_spec(write(tmp_path, text)))

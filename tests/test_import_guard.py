@@ -1,5 +1,6 @@
 """csp._guard: another distribution installing a top-level 'csp' or 'dflash' is refused at import
-with one line, instead of silently mixing its modules with this project's (issue 16)."""
+with one line, instead of silently mixing its modules with this project's (PyPI's ``csp`` and
+``dflash`` install the same top-level names)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_another_distribution_owning_the_package_directory_is_one_line_exit_1(tm
 
 
 def test_another_dflash_init_with_our_submodules_is_refused(tmp_path):
-    """Regression (issue 16): with upstream dflash installed, ``import dflash`` loaded its
+    """Regression: with upstream dflash installed, ``import dflash`` loaded its
     ``__init__`` while ``python -m dflash.run`` loaded ours. Invariant: our entry modules refuse
     to run under another package's ``__init__``, with one line."""
     site = tmp_path / "site"

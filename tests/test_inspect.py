@@ -246,7 +246,7 @@ def test_one_slow_replica_is_named(tmp_path):
 
 
 def test_late_item_in_an_ordered_channel_is_head_of_line_blocking(tmp_path):
-    """Issue 16: head-of-line blocking gave "bottleneck: none clear". Invariant: when every 4th item
+    """Regression: head-of-line blocking gave "bottleneck: none clear". Invariant: when every 4th item
     is slow, whichever of 3 replicas gets it, the sink waits on the ordered channel 'b' while later
     items sit in it; the verdict names 'b' as holding everyone back, not a stage."""
     s = _run_pipeline(tmp_path, middle=0.05, replicas=3, ordered=True, slow_every=4)
@@ -257,7 +257,7 @@ def test_late_item_in_an_ordered_channel_is_head_of_line_blocking(tmp_path):
 
 
 def test_head_of_line_verdict_from_averages_when_no_stage_is_busy():
-    """Issue 16, the numbers of examples/text_pipeline.toml on a slower machine: 'tokens' (ordered) 53/64
+    """Regression, the numbers of examples/text_pipeline.toml on a slower machine: 'tokens' (ordered) 53/64
     full, senders blocked 72%, receivers waiting 50%, no stage busy half the time. Receivers waited
     50% and the buffer was non-empty >= 83% of the time, so both held >= 33%: only an ordered channel
     can do that. Invariant: the verdict names 'tokens' instead of "none clear"; with a slow replica
@@ -342,7 +342,7 @@ def test_threads_not_leaked_by_follow(tmp_path):
 
 
 def test_window_zero_is_a_usage_error_not_a_traceback(capsys):
-    """Regression (issue 14 item 15): ``--window 0`` gave ZeroDivisionError. Invariant: a window
+    """Regression: ``--window 0`` gave ZeroDivisionError. Invariant: a window
     that is not > 0 is a one-line usage error, exit 2; summarize() itself never divides by an
     empty window."""
     with pytest.raises(SystemExit) as info:
@@ -355,7 +355,7 @@ def test_window_zero_is_a_usage_error_not_a_traceback(capsys):
 
 
 def test_rates_are_human_readable(capsys):
-    """Issue 16: rates read ``3.7e+04`` items/s. Invariant: SI prefixes (37K items/s, 1.2 GB/s), a
+    """Regression: rates read ``3.7e+04`` items/s. Invariant: SI prefixes (37K items/s, 1.2 GB/s), a
     decimal only below 10, and "-" for bytes of items without tensors instead of "0 B/s"."""
     from csp.units import bytes_rate, count, rate
 

@@ -127,7 +127,7 @@ def test_an_export_interrupted_while_writing_leaves_the_output_as_it_was(tmp_pat
         assert (out / "config.json").read_text() == "old"
     monkeypatch.setattr(ex, "save_file", real_save)
     assert ex.main([str(checkpoint), "-o", str(out), "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", ex.MODELING_FILE]
+    assert sorted(p.name for p in out.iterdir()) == sorted(ex.EXPORT_FILES)  # the card README.md too
 
 
 def test_ctrl_c_while_export_loads_the_checkpoint_writes_nothing(tmp_path, checkpoint, monkeypatch, capsys):

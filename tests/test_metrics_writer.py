@@ -63,7 +63,7 @@ def test_metrics_log_appends_lines(tmp_path):
 
 
 def test_a_window_records_how_many_steps_it_averaged():
-    """Invariant (issue 14, item 11): ``window`` is the span in steps, ``steps_averaged`` the steps
+    """Invariant: ``window`` is the span in steps, ``steps_averaged`` the steps
     its averages are over: a 5-step window holding one skip says 5 and 4; an all-skipped one 0."""
     agg = WindowAggregator(window=5, start_time=0.0)
     records = [agg.add(_m(s, loss=1.0, skipped=(s == 3), t=float(s))) for s in range(1, 6)]
@@ -74,7 +74,7 @@ def test_a_window_records_how_many_steps_it_averaged():
 
 
 def test_skipped_total_counts_on_from_a_resumed_run():
-    """Invariant (issue 14, item 9): a resumed run's skipped_total continues from the checkpoint's."""
+    """Invariant: a resumed run's skipped_total continues from the checkpoint's."""
     agg = WindowAggregator(window=2, start_time=0.0, skipped_total=3)
     agg.add(_m(5, skipped=True, t=1.0))
     assert agg.add(_m(6, t=2.0))["skipped_total"] == 4

@@ -153,7 +153,7 @@ def test_shared_head_and_target_from_local_dir(tmp_path, tie):
                                src(ids, pos, torch.zeros_like(ids))[0])
 
 
-ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flex_attention"]   # every value TargetConfig accepts
+ATTN_IMPLEMENTATIONS = ["sdpa", "eager", "flex_attention", "varlen"]   # every value TargetConfig accepts
 
 
 def test_every_accepted_attn_implementation_is_tested():
@@ -165,11 +165,20 @@ def test_every_accepted_attn_implementation_is_tested():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch-internal import on the flex path
 @pytest.mark.parametrize("attn", ATTN_IMPLEMENTATIONS)
-def test_target_features_never_see_the_future_or_other_documents(attn):
+def test_target_features_never_see_the_future_or_other_documents(attn, monkeypatch):
     """Invariant (every target attn_implementation): a feature at position p depends only on
     tokens at positions <= p of its own document. Changing later tokens or another packed document
     changes nothing at positions <= the change; changing earlier tokens of the same document does
-    change position p. (Regression: eager added the bool mask as +1 and masked nothing.)"""
+    change position p. (Regression: eager added the bool mask as +1 and masked nothing.)
+    "varlen" runs on CUDA only: here its sequence boundaries and layout are checked with a
+    per-sequence SDPA in place of the kernel (tests/test_perf_switches.py has the GPU test)."""
+    if attn == "varlen":
+        from dflash.model import target as target_mod
+        from tests.helpers import varlen_reference
+
+        varlen = pytest.importorskip("torch.nn.attention.varlen")
+        monkeypatch.setattr(varlen, "varlen_attn", varlen_reference)
+        monkeypatch.setattr(target_mod, "check_engine", lambda *a: None)
     tgt = load_target(TargetConfig(**{**_fields(TINY), "attn_implementation": attn}), "cpu",
                       num_draft_layers=2)
     ids = _row(20, seed=5)

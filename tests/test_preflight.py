@@ -31,6 +31,9 @@ def no_data_work(monkeypatch):
 CASES = [
     ("drafter.num_layers=9", r"drafter.num_layers = 9: a 8-layer target is too shallow"),
     ("target.layer_ids=[99]", r"target.layer_ids = \[99\] must be distinct ids in \[0, 7\]"),
+    # the last layer's feature is post-norm in z-lab's and SpecForge's decoders: an export would draft wrong
+    ("target.layer_ids=[1,7]", r"target.layer_ids = \[1, 7\] include 7, the last layer of the 8-layer "
+     r"target: .*after the final norm.*use ids in \[0, 6\]"),
     ("drafter.hidden_size=64", r"drafter.hidden_size = 64 must equal the target's hidden size 256"),
     ("drafter.attn_implementation=\"flex_attention\"",
      r"drafter.attn_implementation = \"flex_attention\" needs a CUDA drafter, but process 'drafter' "
@@ -40,7 +43,7 @@ CASES = [
     ("target.overrides={initializer_rnage=0.1}",
      r"target.overrides: 'initializer_rnage' is not a Qwen3Config field; did you mean "
      r"'initializer_range'"),
-    # issue 16: a missing directory said "has no config.json"
+    # a missing directory said "has no config.json"; it must say the path does not exist
     ("target.path=\"/nonexistent/dflash-target\"",
      r"target.path = '/nonexistent/dflash-target' does not exist \(or is not a directory\); point it at"),
     (f"target.path=\"{Path(__file__).parent}\"",
@@ -52,7 +55,7 @@ CASES = [
 def test_cross_table_errors_are_one_line_exit_2_before_any_data_work(
         tmp_path, capsys, no_data_work, override, message):
     """Invariant: a config whose tables disagree (drafter vs target depth/width, layer ids out of
-    range, flex attention on a CPU drafter, an lr AdamW cannot represent, a typo in
+    range or naming the target's last layer, flex attention on a CPU drafter, an lr AdamW cannot represent, a typo in
     target.overrides, a target.path that is missing or holds no config.json) exits 2 with one
     plain line on stderr naming the key, before any
     tokenization: no data cache and no run directory are written."""

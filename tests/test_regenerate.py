@@ -154,3 +154,36 @@ def test_a_flex_attention_target_regenerates_as_sdpa(tmp_path):
         assert regen.main(_args(src, out, "--set", f'target.attn_implementation="{impl}"')) == 0
         outs.append(_lines(out))
     assert outs[0] == outs[1] and outs[0]
+
+
+def test_a_torn_meta_file_is_one_line_naming_it(tmp_path, capsys):
+    """Invariant: an OUT.meta.json cut short (a crash while it was written by older code, a full
+    disk) is refused with exit 2 and one line that names the file and the way out, before the
+    target is loaded; the file is left as it was for the user to judge."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    meta = tmp_path / "out.jsonl.meta.json"
+    torn = '{\n "settings": {\n  "version": 1,\n  "source": "'
+    meta.write_text(torn)
+    assert regen.main(_args(src, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{meta} is damaged" in err and "delete it" in err and "another -o" in err
+    assert meta.read_text() == torn and not out.exists()
+
+
+def test_the_meta_file_is_replaced_atomically(tmp_path, monkeypatch):
+    """Invariant: a failure while OUT.meta.json is rewritten (here: fsync fails, as on a full disk)
+    leaves the previous file whole and no temporary beside it; a plain write_text would have
+    truncated it first."""
+    meta = tmp_path / "out.jsonl.meta.json"
+    regen.write_meta(meta, {"settings": {"version": 1}})
+    before = meta.read_text()
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(regen.os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space"):
+        regen.write_meta(meta, {"settings": {"version": 2}})
+    assert meta.read_text() == before and json.loads(before)["settings"] == {"version": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [meta.name]

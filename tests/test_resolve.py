@@ -1,7 +1,7 @@
 """dflash.run.resolve: the one pure step from a validated graph file to the run's options.
 
 It never changes its input, its result is frozen, the config hash of the filled file is the one
-the code before issue 15 computed (checkpoints resume without a "config differs" warning), and
+the code before resolve computed (checkpoints resume without a "config differs" warning), and
 each cross-table mistake is one line with exit 2 from ``python -m dflash.run`` before any data
 is read or any run directory is written."""
 
@@ -65,7 +65,7 @@ def test_resolved_and_every_stage_option_are_frozen(tiny_info):
             setattr(obj, field, getattr(obj, field))
 
 
-def test_config_hash_is_the_one_computed_before_issue_15(tiny_info):
+def test_config_hash_is_the_one_computed_before_resolve(tiny_info):
     """Invariant: the hash of the filled file is byte-identical to the one dflash.run computed
     before num_anchors moved to [train] and resolve replaced the in-place filling (the values
     below were printed by commit 26e5e8b for the same files), so checkpoints of that code resume

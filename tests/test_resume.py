@@ -1,5 +1,5 @@
 """dflash.checkpoint.resume: what resume loads is verified, a bad checkpoint falls back loudly, one lineage per
-checkpoints/ directory, and a changed config is named key by key (issue 14, items 6, 7, 10)."""
+checkpoints/ directory, and a changed config is named key by key."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def test_config_changes_name_the_key_and_what_it_affects():
 
 
 def test_config_saved_with_drafter_num_anchors_is_compared_in_todays_layout():
-    """Invariant (issue 15): a checkpoint's train_config.json from before num_anchors moved from
+    """Invariant: a checkpoint's train_config.json from before num_anchors moved from
     [drafter] to [train] compares equal to today's config with the same value, and a changed
     value is named under its new key."""
     before = {"run": {"steps": 40}, "drafter": {"num_layers": 1, "num_anchors": 64}, "train": {"lr": 3e-3}}

@@ -279,7 +279,7 @@ def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir,
     assert "num_layers: checkpoint 1, config 3" in err and "--resume none" in err
 
 
-# -- checkpoints that must not lie, resume that must not change the run (issue 14) -----------------
+# -- checkpoints that must not lie, resume that must not change the run ---------------------------
 
 
 def run_log(run_dir: Path) -> str:
@@ -287,7 +287,7 @@ def run_log(run_dir: Path) -> str:
 
 
 def test_blown_up_weights_never_make_a_healthy_checkpoint(tmp_path, cache_dir, capsys):
-    """Invariant (item 5): with lr = 1e30 the weights blow up (finite, ~1e30) and every later step
+    """Invariant: with lr = 1e30 the weights blow up (finite, ~1e30) and every later step
     is skipped; the checkpoints saved during that streak are unhealthy, carry the loss of their own
     window (not a stale one), and the stop message recommends none of them."""
     run = tmp_path / "run"
@@ -305,9 +305,9 @@ def test_blown_up_weights_never_make_a_healthy_checkpoint(tmp_path, cache_dir, c
 
 def test_a_streak_right_after_a_checkpoint_marks_it_and_names_the_one_before(tmp_path, cache_dir, monkeypatch,
                                                                              capsys):
-    """Invariant (item 5): when the non-finite streak that stops a run began on the step right after
+    """Invariant: when the non-finite streak that stops a run began on the step right after
     a checkpoint, that checkpoint (whose weights every later step failed on) is marked unhealthy and
-    the stop message names the healthy one before it."""
+    the stop message names the healthy one before it; metrics.jsonl records the demotion."""
     monkeypatch.setenv("DFLASH_TEST_BAD_BATCHES", json.dumps(list(range(4, 100))))  # steps 5.. fail
     run = tmp_path / "run"
     code = main(small(run, cache_dir, "process.postprocess.kind=\"tests.nan_features\"", "checkpoint.every=2",
@@ -318,10 +318,12 @@ def test_a_streak_right_after_a_checkpoint_marks_it_and_names_the_one_before(tmp
     step4 = read_meta(run / "checkpoints" / "step_00000004")
     assert step4["healthy"] is False and "were all non-finite" in step4["reason"]
     assert is_healthy(run / "checkpoints" / "step_00000002")
+    demoted = [r for r in records(run, "checkpoint") if r.get("step") == 4][-1]  # metrics.jsonl agrees
+    assert demoted["healthy"] is False and demoted.get("demoted") is True
 
 
 def test_resume_auto_rejects_a_poisoned_checkpoint_loudly_and_falls_back(tmp_path, cache_dir):
-    """Invariant (item 6): resume = "auto" verifies the tensors it loads: a newest checkpoint marked
+    """Invariant: resume = "auto" verifies the tensors it loads: a newest checkpoint marked
     healthy but holding NaN weights is rejected with a line naming it and why, the run continues from
     the previous one, and the rejected one is kept aside (archived), not overwritten."""
     from safetensors.torch import save_file
@@ -342,7 +344,7 @@ def test_resume_auto_rejects_a_poisoned_checkpoint_loudly_and_falls_back(tmp_pat
 
 
 def test_a_fresh_start_never_loses_its_checkpoints_to_an_old_lineage(tmp_path, cache_dir):
-    """Invariant (item 7): --resume none in a directory holding an older run's higher-step
+    """Invariant: --resume none in a directory holding an older run's higher-step
     checkpoints moves them to checkpoints/archive-*/ (nothing deleted); retention then keeps the new
     run's checkpoints, and the next auto resume continues the new run, not the old one."""
     run = tmp_path / "run"
@@ -358,8 +360,8 @@ def test_a_fresh_start_never_loses_its_checkpoints_to_an_old_lineage(tmp_path, c
 
 
 def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, cache_dir, capfd):
-    """Invariant (item 8): re-running a finished run (nothing to do) keeps csp/stats.jsonl and
-    trace.json where csp.inspect reads them, and moves nothing aside. Regression (issue 16): that
+    """Invariant: re-running a finished run (nothing to do) keeps csp/stats.jsonl and
+    trace.json where csp.inspect reads them, and moves nothing aside. Regression: that
     re-run printed no closing summary; it prints the short one (the checkpoint, what to run next)."""
     from csp.inspect import main as inspect_main
 
@@ -395,7 +397,7 @@ def test_resume_counts_skips_on_and_names_what_changed(tmp_path, cache_dir, monk
 
 
 def test_earlier_segments_keep_distinct_names_when_they_end_at_the_same_step(tmp_path):
-    """Invariant (item 8): a segment's csp stats and trace moved aside never overwrite an earlier
+    """Invariant: a segment's csp stats and trace moved aside never overwrite an earlier
     segment's, even when both segments were followed by a start from the same step (two fresh
     starts, or two resumes from one checkpoint); stats and trace of one segment share a name."""
     from dflash.run.cli import keep_previous_observability

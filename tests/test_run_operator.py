@@ -34,7 +34,7 @@ class StuckPostprocess(PostprocessStage):
 
 
 def test_run_log_holds_the_whole_story_and_the_run_ends_with_a_summary_and_a_plot(tmp_path, cache_dir, capfd):
-    """Regression (issue 16): run.log held 6 lines; piped output wrapped at 80 columns. Invariant:
+    """Regression: run.log held 6 lines; piped output wrapped at 80 columns. Invariant:
     run.log has the data summary, every window line, every checkpoint, the closing summary, each
     on one unwrapped line; the terminal (a pipe here) gets the same lines unwrapped, then the
     summary; plot.png is written at the end."""
@@ -52,15 +52,15 @@ def test_run_log_holds_the_whole_story_and_the_run_ends_with_a_summary_and_a_plo
     err = capfd.readouterr().err
     assert f"checkpoint step 8 written to {run}/checkpoints/step_00000008" in err  # one line, whole path
     assert "…" not in err and "\x1b[" not in err
-    assert "Loading weights" not in err and "\r" not in err  # issue 16: no transformers tqdm bar in a pipe
-    assert not set("┌┐└┘│├┤") & set(err)  # issue 16: the data table is plain lines in a pipe
+    assert "Loading weights" not in err and "\r" not in err  # no transformers tqdm bar in a pipe
+    assert not set("┌┐└┘│├┤") & set(err)  # the data table is plain lines in a pipe
     assert re.search(r"^  conversations kept +[\d,]+$", err, re.M)
     assert err.count("run summary: completed (exit 0)") == 1 and f"  plot         {run}/plot.png" in err
     assert all(f"step {s}/8 " in err for s in range(1, 9))
 
 
 def test_ctrl_c_while_tokenizing_says_what_exists_and_what_a_rerun_does(tmp_path, cache_dir, capsys, monkeypatch):
-    """Regression (issue 16): Ctrl-C during tokenizing said "nothing was written" although run.log
+    """Regression: Ctrl-C during tokenizing said "nothing was written" although run.log
     and .lock were there. Invariant: the one line (exit 130) names the files the run directory
     holds, and says a re-run starts from step 0, or resumes from the healthy checkpoint there."""
     import dflash.data
@@ -103,7 +103,7 @@ def test_ctrl_c_while_reading_the_config_is_one_line_not_a_traceback(tmp_path, c
 
 
 def test_a_stage_stuck_outside_channel_calls_is_one_line_and_exit_3(tmp_path, cache_dir, capsys, monkeypatch):
-    """Regression (issue 14 item 12): Ctrl-C, a drain that never ends, a second Ctrl-C, and after
+    """Regression: Ctrl-C, a drain that never ends, a second Ctrl-C, and after
     the join timeout an uncaught CspError traceback, exit 1. Invariant: one 'error:' line naming
     the stage that did not stop, exit code 3; its stack goes to run.log, not the terminal."""
     import os
@@ -140,7 +140,7 @@ def test_a_stage_stuck_outside_channel_calls_is_one_line_and_exit_3(tmp_path, ca
 
 
 def test_help_answers_without_importing_torch_and_lists_exit_codes():
-    """Regression (issue 16): ``dflash.run --help`` took 2.9 s importing torch and transformers.
+    """Regression: ``dflash.run --help`` took 2.9 s importing torch and transformers.
     Invariant: --help imports neither, and names every exit code."""
     code = ("import runpy, sys\nsys.argv = ['dflash.run', '--help']\n"
             "try:\n    runpy.run_module('dflash.run', run_name='__main__')\nexcept SystemExit:\n    pass\n"

@@ -297,7 +297,7 @@ def test_stuck_thread_is_reported_loudly(caplog):
 
 
 def test_stuck_thread_after_abort_raises_process_stuck_naming_it(caplog):
-    """Regression (issue 14 item 12): a process stuck outside any channel call made run() die with
+    """Regression: a process stuck outside any channel call made run() die with
     a bare CspError. Invariant: after an abort, a thread still alive join_timeout_s later gives
     ProcessStuck whose one-line message and ``processes`` name it; its stack goes to the
     csp.runtime.stack logger, not into the message."""
@@ -355,7 +355,7 @@ class CliStuck(csp.Process):
 
 
 def test_csp_run_cli_stuck_process_is_one_line_and_exit_3(tmp_path, capsys, monkeypatch):
-    """Regression (issue 14 item 12): Ctrl-C starts a drain the stuck process never finishes, the
+    """Regression: Ctrl-C starts a drain the stuck process never finishes, the
     second Ctrl-C aborts, and after the join timeout csp.run died with an uncaught CspError
     traceback, exit 1. Invariant: one 'error:' line naming the process, exit code 3 (EXIT_STUCK,
     documented in --help)."""

@@ -21,7 +21,7 @@ def test_finds_nested_floating_tensors_only():
 
 
 def test_names_producer_channel_batch_and_tensor():
-    """Invariant (failure mode 2 of docs/failure-modes.md; issue 14, item 16): the error names the
+    """Invariant (failure mode 2 of docs/failure-modes.md): the error names the
     producer replica, the channel, the training step the batch was for, the batch and the tensor."""
     s = FiniteSentinel("target[1]", enabled=True)
     h = torch.zeros(1, 4, 6)

@@ -65,7 +65,7 @@ def test_completed_run_reports_steps_loss_tau_throughput_checkpoint_and_next_com
 
 
 def test_sigterm_stop_names_the_signal_the_final_checkpoint_and_the_resume_command(tmp_path, ckpt):
-    """Regression (issue 14 item 15): after SIGTERM the log said "stopped by Ctrl-C". Invariant: the
+    """Regression: after SIGTERM the log said "stopped by Ctrl-C". Invariant: the
     summary names the signal, what was saved, and a resume command with the same arguments and
     --resume auto (an earlier --resume none replaced)."""
     run = tmp_path / "run"
@@ -81,7 +81,7 @@ def test_sigterm_stop_names_the_signal_the_final_checkpoint_and_the_resume_comma
 
 
 def test_abort_without_any_checkpoint_does_not_promise_one(tmp_path, ckpt):
-    """Regression (issue 14 item 15): the double-Ctrl-C message promised "the last periodic
+    """Regression: the double-Ctrl-C message promised "the last periodic
     checkpoint" when none existed. Invariant: with no healthy checkpoint the summary says the next
     run starts from step 0, and offers no eval/export of a checkpoint."""
     run = tmp_path / "run"
@@ -121,7 +121,7 @@ def test_failed_run_gives_the_error_and_only_this_segments_numbers(tmp_path, ckp
 
 
 def test_nothing_to_do_names_the_checkpoint_and_offers_no_resume(tmp_path, ckpt):
-    """Regression (issue 16): a re-run of a run already at its last step printed no summary.
+    """Regression: a re-run of a run already at its last step printed no summary.
     Invariant: the "nothing to do" summary says so, names the final checkpoint and the eval/export
     commands, and offers no resume (there is nothing left to train)."""
     run = tmp_path / "run"
@@ -137,7 +137,7 @@ def test_nothing_to_do_names_the_checkpoint_and_offers_no_resume(tmp_path, ckpt)
 
 
 def test_wandb_commands_only_when_wandb_ran(tmp_path, ckpt):
-    """Regression (issue 16): after a resume with monitor.wandb = "disabled" the summary still
+    """Regression: after a resume with monitor.wandb = "disabled" the summary still
     suggested `wandb leet` / `wandb sync` for an earlier segment's offline run. Invariant: the
     wandb commands appear only when this segment ran wandb."""
     run = tmp_path / "run"
@@ -186,7 +186,7 @@ def test_report_end_prints_once_logs_to_file_only_and_never_raises(tmp_path, ckp
 
 
 def test_piped_console_never_wraps_or_cuts_a_path():
-    """Regression (issue 16): piped output wrapped at 80 columns and cut paths with '…'.
+    """Regression: piped output wrapped at 80 columns and cut paths with '…'.
     Invariant: a non-terminal console prints a 300-character path, and a table holding it, whole."""
     from rich.table import Table
 
@@ -240,7 +240,7 @@ def test_last_healthy_is_the_newest_checkpoint_that_passes_the_health_check(tmp_
 
 
 def test_log_lines_and_the_live_view_share_one_console(tmp_path, monkeypatch):
-    """Regression (issue 14 item 15): in a terminal the live view repainted over the "graceful stop
+    """Regression: in a terminal the live view repainted over the "graceful stop
     requested" and "checkpoint written" lines while it drained, because the log handler wrote to
     its own console. rich keeps printed lines above a Live only when both use one console.
     Invariant: on a terminal the log handler and the default TrainingDisplay use the same console,
@@ -276,7 +276,7 @@ def _data_summary():
 
 
 def test_data_table_is_plain_aligned_lines_when_piped_and_a_box_on_a_terminal():
-    """Regression (issue 16): piped output drew the data summary as a rich box. Invariant: a
+    """Regression: piped output drew the data summary as a rich box. Invariant: a
     non-terminal console gets a title and aligned ``label  value`` lines (no box drawing, no
     trailing blanks); a terminal keeps the table."""
     from rich.console import Console
@@ -300,7 +300,7 @@ def test_data_table_is_plain_aligned_lines_when_piped_and_a_box_on_a_terminal():
 
 
 def test_transformers_progress_bars_are_off_when_piped_only(monkeypatch):
-    """Regression (issue 16): transformers' tqdm "Loading weights" bars landed in piped logs.
+    """Regression: transformers' tqdm "Loading weights" bars landed in piped logs.
     Invariant: a non-terminal stderr turns them off through transformers' own switch; a
     terminal leaves them on."""
     from transformers.utils import logging as hf_logging

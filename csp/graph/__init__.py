@@ -24,7 +24,7 @@ msgspec path (``$.process[2].options``) or the node.
 
 Modules, each importable alone (the public names are re-exported here)::
 
-    schema.py      GraphSpec, ChannelSpec, ProcessSpec, TraceSpec: the TOML tables
+    schema.py      GraphSpec, ChannelSpec, ProcessSpec, TraceSpec, RuntimeSpec: the TOML tables
     load.py        load_spec(), apply_override(): TOML + --set overrides -> a GraphSpec
     plugins.py     import_plugins_near(), import_plugins(): the modules that register kinds
     nodes.py       ProcessNode, ChannelNode: resolved nodes
@@ -39,9 +39,9 @@ from csp.graph.load import apply_override, load_spec
 from csp.graph.nodes import ChannelNode, ProcessNode
 from csp.graph.plugins import import_plugins_near
 from csp.graph.port_types import compatible
-from csp.graph.schema import ChannelSpec, GraphSpec, ProcessSpec, TraceSpec
+from csp.graph.schema import ChannelSpec, GraphSpec, ProcessSpec, RuntimeSpec, TraceSpec
 
 __all__ = [
-    "ChannelNode", "ChannelSpec", "Graph", "GraphSpec", "ProcessNode", "ProcessSpec", "TraceSpec",
+    "ChannelNode", "ChannelSpec", "Graph", "GraphSpec", "ProcessNode", "ProcessSpec", "RuntimeSpec", "TraceSpec",
     "apply_override", "compatible", "import_plugins_near", "load_spec",
 ]

@@ -14,7 +14,7 @@ import msgspec
 from csp.errors import GraphError
 from csp.graph.nodes import ChannelNode, ProcessNode
 from csp.graph.plugins import import_plugins
-from csp.graph.schema import GraphSpec, TraceSpec
+from csp.graph.schema import GraphSpec, RuntimeSpec, TraceSpec
 from csp.graph.validation import check_wiring
 from csp.process import Process
 from csp.registry import Registry, registry as default_registry
@@ -32,10 +32,11 @@ class Graph:
         g.validate()
     """
 
-    def __init__(self, trace: TraceSpec | None = None) -> None:
+    def __init__(self, trace: TraceSpec | None = None, runtime: RuntimeSpec | None = None) -> None:
         self.channels: dict[str, ChannelNode] = {}
         self.processes: dict[str, ProcessNode] = {}
         self.trace = trace if trace is not None else TraceSpec()
+        self.runtime = runtime if runtime is not None else RuntimeSpec()
 
     @classmethod
     def from_spec(
@@ -49,7 +50,7 @@ class Graph:
         """
         reg = registry if registry is not None else default_registry
         import_plugins(spec.plugins)
-        graph = cls(trace=spec.trace)
+        graph = cls(trace=spec.trace, runtime=spec.runtime)
         for c in spec.channel:
             graph.channel(c.name, capacity=c.capacity, ordered=c.ordered, rank_local=c.rank_local)
         for i, p in enumerate(spec.process):

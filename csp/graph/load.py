@@ -1,15 +1,23 @@
 """Reading a graph file: TOML, ``--set`` overrides, decoding into a :class:`GraphSpec`.
 
 Every problem (missing file, bad TOML, a malformed or dangling override, a decode error) is one
-:class:`csp.GraphError` naming the file and the msgspec path, and the ``--set`` that caused it.
+:class:`csp.GraphError` naming the file and the msgspec path, and the ``--set`` that caused it;
+user text echoed in a message (a key, an override) is cut to its start and end past
+:data:`ECHO_LIMIT` characters.
+
+Relative paths: the application names which keys hold paths (``file_paths`` of
+:func:`load_spec`); a relative path written in the graph file is taken relative to the file's own
+directory (as plugins are found next to it), and one given by ``--set`` relative to the current
+directory, like any command-line path.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 
@@ -24,9 +32,21 @@ else:  # pragma: no cover - Python 3.10
 
 S = typing.TypeVar("S", bound=GraphSpec)
 
+ECHO_LIMIT = 200
+"""Longest piece of user text (a key, an override) a message repeats whole, in characters."""
+
+
+def cut(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text``, or its start and end around ``...(N characters)...`` when longer than ``limit``."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}...({len(text)} characters)...{text[-half:]}"
+
 
 def load_spec(
-    path: str | Path, spec_type: type[S] = GraphSpec, overrides: Sequence[str] = ()  # type: ignore[assignment]
+    path: str | Path, spec_type: type[S] = GraphSpec, overrides: Sequence[str] = (),  # type: ignore[assignment]
+    file_paths: Callable[[str, str], bool] | None = None,
 ) -> S:
     """Read a graph TOML file, apply ``--set`` overrides, decode it into ``spec_type``.
 
@@ -37,6 +57,13 @@ def load_spec(
     ``plugins`` not importable from ``sys.path`` but found in the file's directory or a parent
     are imported here (:func:`import_plugins_near`); the rest are imported by
     :meth:`Graph.from_spec`.
+
+    ``file_paths(key, value)`` says whether the string ``value`` the file gives at the dotted
+    ``key`` (the addressing of ``--set``: ``run.out_dir``, ``process.NAME.options.path``) is a
+    path. Each relative one is re-spelled for the current directory before the overrides apply:
+    joined to the file's directory (relative to the current directory when the file lies in or
+    below it, else absolute) and normalised, so ``examples/../models/x`` reads ``models/x``.
+    Absolute, ``~`` and empty values, and every value set by ``--set``, are left as given.
 
     Raises:
         GraphError: the file is missing or unreadable, is not valid TOML, an override is
@@ -54,15 +81,48 @@ def load_spec(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise GraphError(f"{path}: invalid TOML: {exc}") from None
+    if file_paths is not None:
+        _rebase_paths(data, _spelled_base(path), file_paths)
     overridden: dict[str, str] = {}
     for item in overrides:
         overridden[apply_override(data, item)] = item
     try:
         spec = msgspec.convert(data, spec_type)
     except msgspec.ValidationError as exc:
-        raise GraphError(f"{path}: {exc}{_override_note(str(exc), overridden)}") from None
+        raise GraphError(f"{path}: {_cut_quoted(str(exc))}{_override_note(str(exc), overridden)}") from None
     import_plugins_near(spec.plugins, path)
     return spec
+
+
+def _spelled_base(graph_file: Path) -> str:
+    """The graph file's directory as a relative path joins onto it: relative to the current
+    directory when the file lies in or below it, else absolute."""
+    here = os.path.realpath(os.path.dirname(os.path.abspath(graph_file)))
+    rel = os.path.relpath(here)
+    return here if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+
+
+def _rebase_paths(node: Any, base: str, is_path: Callable[[str, str], bool], prefix: str = "") -> None:
+    """Re-spell, in place, every relative path value of raw TOML ``node`` onto ``base``."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            if isinstance(value, str):
+                if value.strip() and not os.path.isabs(value) and not value.startswith("~") \
+                        and is_path(dotted, value):
+                    node[key] = os.path.normpath(os.path.join(base, value))
+            else:
+                _rebase_paths(value, base, is_path, dotted + ".")
+    elif isinstance(node, list):  # arrays of tables, addressed by name as --set addresses them
+        for item in node:
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                _rebase_paths(item, base, is_path, f"{prefix}{item['name']}.")
+
+
+def _cut_quoted(message: str) -> str:
+    """msgspec's message with each backquoted piece of user text (a field name) cut."""
+    parts = message.split("`")
+    return "`".join(cut(p) if i % 2 else p for i, p in enumerate(parts))
 
 
 def _override_note(message: str, overridden: dict[str, str]) -> str:
@@ -74,27 +134,37 @@ def _override_note(message: str, overridden: dict[str, str]) -> str:
         inside = where.startswith((msgspec_path + ".", msgspec_path + "["))
         created = bool(field) and msgspec_path.startswith(where + ".")  # a table the --set made
         if where == msgspec_path or inside or created:
-            return f" (from --set {item})"
+            return f" (from --set {cut(item)})"
     return ""
+
+
+_TOML_OPENERS = ('"', "'", "[", "{")
 
 
 def apply_override(data: dict[str, Any], item: str) -> str:
     """Apply one ``dotted.key=value`` override to raw TOML ``data`` in place.
 
+    The value is TOML when it parses as TOML, else plain text; one that opens like TOML (a quote,
+    ``[`` or ``{``) but does not parse (``run.name="abc``) is an error, never taken literally.
+
     Returns:
         The key's msgspec error path, e.g. ``$.process[2].options.generate``.
 
     Raises:
-        GraphError: no ``=``, an empty key part, a name not found in an array of tables, or a
-            path through a value that is not a table.
+        GraphError: no ``=``, an empty key part, a value opening like TOML that is not TOML, a
+            name not found in an array of tables, or a path through a value that is not a table.
     """
     key, eq, raw = item.partition("=")
     parts = [p.strip() for p in key.strip().split(".")]
+    shown = repr(cut(item))
     if not eq or not all(parts):
-        raise GraphError(f"override {item!r}: expected dotted.key=value, e.g. channel.batches.capacity=2")
+        raise GraphError(f"override {shown}: expected dotted.key=value, e.g. channel.batches.capacity=2")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        if raw.strip()[:1] in _TOML_OPENERS:  # meant as TOML (a quote, array, table), not plain text
+            raise GraphError(f"override {shown}: the value is not valid TOML ({exc}); close the quote or "
+                             "bracket, or leave the quotes out for a plain string") from None
         value = raw.strip()
     node: Any = data
     walked: list[str] = []
@@ -106,10 +176,10 @@ def apply_override(data: dict[str, Any], item: str) -> str:
             if not matches:
                 names = [t.get("name") for t in node if isinstance(t, dict)]
                 raise GraphError(
-                    f"override {item!r}: no [[{'.'.join(walked)}]] named {part!r} (known: {names})"
+                    f"override {shown}: no [[{'.'.join(walked)}]] named {cut(part)!r} (known: {names})"
                 )
             if last:
-                raise GraphError(f"override {item!r}: give a field of {'.'.join(walked)}.{part}")
+                raise GraphError(f"override {shown}: give a field of {'.'.join(walked)}.{part}")
             mpath += f"[{next(j for j, t in enumerate(node) if t is matches[0])}]"
             node = matches[0]
         elif isinstance(node, dict):
@@ -119,8 +189,8 @@ def apply_override(data: dict[str, Any], item: str) -> str:
                 return mpath
             node = node.setdefault(part, {})
         else:
-            raise GraphError(f"override {item!r}: {'.'.join(walked)} is a value, not a table")
+            raise GraphError(f"override {shown}: {cut('.'.join(walked))} is a value, not a table")
         walked.append(part)
 
 
-__all__ = ["apply_override", "load_spec"]
+__all__ = ["ECHO_LIMIT", "apply_override", "cut", "load_spec"]

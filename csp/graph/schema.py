@@ -1,4 +1,5 @@
-"""The graph file's TOML schema: ``[[channel]]``, ``[[process]]``, ``[trace]`` and ``plugins``.
+"""The graph file's TOML schema: ``[[channel]]``, ``[[process]]``, ``[trace]``, ``[runtime]`` and
+``plugins``.
 
 msgspec Structs with unknown keys forbidden and limits in the types, so a typo or a bad value is a
 ``msgspec.ValidationError`` with its path (``$.channel[0].capacity``); :func:`csp.graph.load_spec`
@@ -14,6 +15,11 @@ from msgspec import Meta
 
 Name = Annotated[str, Meta(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")]
 
+MAX_REPLICAS = 4096
+"""Most replicas one ``[[process]]`` may have: each is a thread or task of its own (or one rank
+under torchrun), and a value beyond that is a typo, refused at load rather than by the OS when
+the threads start."""
+
 
 class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One ``[[channel]]``: a bounded, typed channel.
@@ -22,7 +28,9 @@ class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         name: unique channel name; ports refer to it.
         capacity: buffer size in items; 0 is a rendezvous. Required: there is no unbounded channel.
         ordered: deliver items in ``seq`` order (ordered fan-in after replicas). One process
-            (any number of its replicas) and one port may send to it: it restores one seq stream.
+            (any number of its replicas) and one port may send to it: it restores one seq stream,
+            so its seqs must also trace back to one origin upstream (one source with one replica,
+            or a process declaring ``seq_origin = True``; ``csp.graph.validation.seq_origins``).
         rank_local: under torch.distributed (``csp.dist``), every rank gets its own copy of this
             channel: items never leave the rank they were sent on. Ignored in a single process.
     """
@@ -39,7 +47,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Attributes:
         name: unique process name (replicas are ``name[0]``, ``name[1]``, ...).
         kind: registry kind of the Process class.
-        replicas: number of instances.
+        replicas: number of instances, 1 .. :data:`MAX_REPLICAS`.
         device: one device for every replica ("cpu", "cuda:N", or "cuda", which means "cuda:0" and
             is accepted for a single replica only: for several, write "cuda:0" to put them all on
             GPU 0, or ``devices``); omitted = no device (CPU).
@@ -53,7 +61,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: Name
     kind: Annotated[str, Meta(min_length=1)]
-    replicas: Annotated[int, Meta(ge=1)] = 1
+    replicas: Annotated[int, Meta(ge=1, le=MAX_REPLICAS)] = 1
     device: str | None = None
     devices: list[str] | None = None
     inputs: dict[str, str] = {}
@@ -80,6 +88,21 @@ class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_events: Annotated[int, Meta(ge=0)] = 1_000_000
 
 
+class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[runtime]``: how the runtime supervises a run.
+
+    Attributes:
+        deadlock_timeout_s: stop the run as deadlocked once every live process has been waiting
+            inside a channel call (a blocked send or receive) with no item moving anywhere for
+            this many seconds, in s; 0 turns the check off. A process computing, sleeping or
+            polling outside channel calls is not waiting, so it never counts towards a deadlock.
+            Checked only when one runtime runs the whole graph (not per rank under ``csp.dist``,
+            where a peer on another rank may be busy).
+    """
+
+    deadlock_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+
+
 class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A whole graph file. Applications subclass it to add their own tables.
 
@@ -88,12 +111,14 @@ class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         channel: the ``[[channel]]`` tables.
         process: the ``[[process]]`` tables.
         trace: the ``[trace]`` table.
+        runtime: the ``[runtime]`` table.
     """
 
     plugins: list[str] = []
     channel: list[ChannelSpec] = []
     process: list[ProcessSpec] = []
     trace: TraceSpec = msgspec.field(default_factory=TraceSpec)
+    runtime: RuntimeSpec = msgspec.field(default_factory=RuntimeSpec)
 
 
-__all__ = ["ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "TraceSpec"]
+__all__ = ["MAX_REPLICAS", "ChannelSpec", "GraphSpec", "Name", "ProcessSpec", "RuntimeSpec", "TraceSpec"]

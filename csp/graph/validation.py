@@ -84,6 +84,8 @@ def check_topology(processes: dict[str, ProcessNode], channels: dict[str, Channe
     * An ordered channel fed by more than one process or port. It restores one ``seq`` stream;
       two producers number their items independently and collide. Replicas of one process share
       one stream (they split the items of an upstream channel) and are fine.
+    * An ordered channel whose ``seq`` numbers come from more than one origin upstream
+      (:func:`check_seq_origins`).
 
     Raises:
         GraphError: naming the channels (and processes) involved.
@@ -104,6 +106,7 @@ def check_topology(processes: dict[str, ProcessNode], channels: dict[str, Channe
                 f"channel {name!r} is ordered but has {len(feeds)} producers ({listed}); an ordered "
                 "channel restores one seq stream, so feed it from one process (replicas of it may "
                 "share it) or set ordered = false")
+    check_seq_origins(processes, channels, senders)
     # processes reachable from a source, following channels downstream
     reached = {n for n, p in processes.items() if not p.inputs or getattr(p.cls, "sends_first", False)}
     frontier = list(reached)
@@ -137,4 +140,67 @@ def check_topology(processes: dict[str, ProcessNode], channels: dict[str, Channe
         "sends_first = True on that class")
 
 
-__all__ = ["check_topology", "check_wiring"]
+def seq_origins(processes: dict[str, ProcessNode], senders: dict[str, list[tuple[ProcessNode, str]]],
+                channel: str) -> tuple[dict[str, int], list[str]]:
+    """Where the ``seq`` numbers sent on ``channel`` come from: ``(origins, path)``.
+
+    The rule the runtime needs: an ordered channel accepts each ``seq`` once, so every item
+    reaching it must be numbered by one counter. A process that forwards seqs (its items keep the
+    seq of what it received, as ``textpipe.tokenize`` and ``dflash.target`` do) takes them from
+    its inputs, so the walk goes upstream through every input channel to the processes that
+    number items themselves: a process without inputs (a source), or one whose class declares
+    ``seq_origin = True`` (it numbers what it sends as one stream across all its replicas, e.g. it
+    renumbers merged inputs). Each replica of a source without ``seq_origin`` numbers its own
+    items from 0, so it counts once per replica. Returns ``{origin: counters}`` in graph order
+    and the processes walked through on the way.
+    """
+    origins: dict[str, int] = {}
+    via: list[str] = []
+    seen: set[str] = set()
+    frontier = [p for p, _ in senders[channel]]
+    while frontier:
+        p = frontier.pop()
+        if p.name in seen:
+            continue
+        seen.add(p.name)
+        if getattr(p.cls, "seq_origin", False):
+            origins[p.name] = 1
+        elif not p.inputs:
+            origins[p.name] = p.replicas
+        else:
+            via.append(p.name)
+            for chan in p.inputs.values():
+                frontier += [sp for sp, _ in senders.get(chan, ())]
+    order = list(processes)
+    return ({n: origins[n] for n in sorted(origins, key=order.index)}, sorted(via, key=order.index))
+
+
+def check_seq_origins(processes: dict[str, ProcessNode], channels: dict[str, ChannelNode],
+                      senders: dict[str, list[tuple[ProcessNode, str]]]) -> None:
+    """Reject an ordered channel whose ``seq`` numbers come from more than one origin
+    (:func:`seq_origins`): two sources upstream (``read`` and ``read2`` both feeding ``lines``
+    before the ordered ``tokens``), or one source with several replicas, each numbering its
+    items 0, 1, 2, ...; at run time the second seq 0 is a SeqError. Replicas of a forwarding
+    process (``tokenize``, ``target``) share the one stream and are fine.
+
+    Raises:
+        GraphError: naming the ordered channel, its origins and the processes in between.
+    """
+    for name, c in channels.items():
+        if not c.ordered:
+            continue
+        origins, via = seq_origins(processes, senders, name)
+        n = sum(origins.values())
+        if n <= 1:
+            continue
+        path = f" through {', '.join(repr(v) for v in via)}" if via else ""
+        listed = " and ".join(repr(o) + (f" ({k} replicas)" if k > 1 else "") for o, k in origins.items())
+        raise GraphError(
+            f"ordered channel {name!r} gets its seq numbers from {n} origins ({listed}, "
+            f"reaching it{path}): each numbers its items 0, 1, 2, ..., so the seqs collide (a SeqError "
+            "at run time). Feed it from one source with one replica, merge the sources into one "
+            "process that numbers the items, declare seq_origin = True on a process that renumbers "
+            "them as one stream, or set ordered = false")
+
+
+__all__ = ["check_seq_origins", "check_topology", "check_wiring", "seq_origins"]

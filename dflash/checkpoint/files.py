@@ -18,7 +18,32 @@ import torch
 
 from dflash.checkpoint.format import META, TMP_PREFIX, rank_state_path, read_meta
 
-__all__ = ["current_umask", "fsync_dir", "mark_unhealthy", "usual_mode", "write_json", "write_rank_state"]
+__all__ = ["current_umask", "device_of", "fsync_dir", "mark_unhealthy", "usual_mode", "write_json",
+           "write_rank_state"]
+
+
+def device_of(path: Path) -> str:
+    """The filesystem holding ``path`` (or its nearest existing parent), for error lines:
+    ``"/dev/sda1 (mounted at /data)"``, from ``/proc/self/mounts``; ``"the filesystem at MOUNT"``
+    where that is unreadable. Never raises."""
+    try:
+        p = Path(os.path.abspath(path))
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        mount = p
+        while not os.path.ismount(mount) and mount != mount.parent:
+            mount = mount.parent
+    except (OSError, ValueError):
+        return f"the filesystem of {path}"
+    source = None
+    try:
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 2 and fields[1] == str(mount):
+                source = fields[0]  # the last entry for a mount point is the one in effect
+    except OSError:
+        pass
+    return f"{source} (mounted at {mount})" if source else f"the filesystem at {mount}"
 
 
 def fsync_dir(path: Path) -> None:

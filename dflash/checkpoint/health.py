@@ -4,6 +4,11 @@ Every ``checkpoints/step_*`` (and leftover ``.tmp-*``) directory with its ``meta
 which one ``resume = "auto"`` would pick: the newest complete healthy one whose files and tensors
 pass :func:`dflash.checkpoint.resume.verify`; the newer ones are listed with why they were passed
 over. ``checkpoints/archive-*`` directories (an earlier lineage moved aside) are counted only.
+
+The rule for every reader of a checkpoint's weights outside resume (``dflash.eval``,
+``dflash.export``): :func:`reader_problem` (marked ``healthy: false`` in ``meta.json``, or a NaN/Inf
+in ``model.safetensors``) refuses it, naming :func:`nearest_healthy`; resume applies the stricter
+:func:`dflash.checkpoint.resume.verify` (the train state too).
 """
 
 from __future__ import annotations
@@ -13,9 +18,78 @@ from typing import Any
 
 import msgspec
 
-from dflash.checkpoint.format import ARCHIVE_PREFIX, META, PREFIX, TMP_PREFIX
+from dflash.checkpoint.format import (
+    ARCHIVE_PREFIX,
+    META,
+    PREFIX,
+    TMP_PREFIX,
+    WEIGHTS,
+    is_healthy,
+    list_checkpoints,
+    read_meta,
+)
 
-__all__ = ["CheckpointInfo", "scan_archives", "scan_checkpoints"]
+__all__ = ["CheckpointInfo", "nearest_healthy", "nonfinite_weights", "reader_problem", "scan_archives",
+           "scan_checkpoints"]
+
+
+def nonfinite_weights(path: Path, limit: int = 3) -> list[str]:
+    """Names (up to ``limit``) of the floating-point tensors of ``path/model.safetensors`` holding a
+    NaN or an Inf; read one tensor at a time. An unreadable file gives none here (loading it
+    reports that)."""
+    import torch
+    from safetensors import safe_open
+
+    bad: list[str] = []
+    try:
+        with safe_open(str(Path(path) / WEIGHTS), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                t = f.get_tensor(name)
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    bad.append(name)
+                    if len(bad) >= limit:
+                        break
+    except Exception:  # noqa: BLE001 - SafetensorError, OSError: the loader names an unusable file
+        return []
+    return bad
+
+
+def reader_problem(path: Path) -> str | None:
+    """Why the weights of checkpoint ``path`` must not be trusted, or None: ``meta.json`` says
+    ``healthy: false`` (with its reason), or ``model.safetensors`` holds NaN/Inf (names them). A
+    checkpoint without ``meta.json`` (weights and configs copied alone) is judged by its tensors."""
+    meta = read_meta(Path(path))
+    if meta is not None and meta.get("healthy") is False:
+        return f"marked unhealthy ({meta.get('reason') or 'no reason recorded'})"
+    bad = nonfinite_weights(path)
+    if bad:
+        return f"non-finite weights in {WEIGHTS} ({', '.join(bad)})"
+    return None
+
+
+def _step(path: Path) -> int | None:
+    meta = read_meta(path) or {}
+    if isinstance(meta.get("step"), int):
+        return meta["step"]
+    digits = path.name.removeprefix(PREFIX)
+    return int(digits) if digits.isdigit() else None
+
+
+def nearest_healthy(path: Path) -> Path | None:
+    """The sibling checkpoint (same ``checkpoints/`` directory) nearest in step to ``path`` that is
+    complete, marked healthy and has finite weights (:func:`reader_problem`); the older one on a tie.
+    None when there is none."""
+    path = Path(path)
+    here = _step(path)
+    others = [p for p in list_checkpoints(path.parent) if p.resolve() != path.resolve()]
+    if here is not None:
+        others.sort(key=lambda p: (abs((_step(p) or 0) - here), (_step(p) or 0)))
+    else:
+        others.reverse()
+    for p in others:
+        if is_healthy(p) and reader_problem(p) is None:
+            return p
+    return None
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):

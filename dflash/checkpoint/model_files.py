@@ -53,8 +53,8 @@ def save_drafter(directory: str | Path, drafter: DFlashDrafter, drafter_cfg: Dra
 
 def load_configs(directory: str | Path) -> tuple[DrafterConfig, TargetConfig]:
     """Read ``drafter_config.json`` and ``target_config.json``. A ``num_anchors`` key in
-    ``drafter_config.json`` (checkpoints and exports from before issue 15, when it was a
-    ``[drafter]`` setting) is dropped: it is a training-sampling setting, not part of the model.
+    ``drafter_config.json`` (checkpoints and exports from when it was a ``[drafter]`` setting)
+    is dropped: it is a training-sampling setting, not part of the model.
 
     Raises:
         FileNotFoundError: a file is missing (the directory is not a drafter checkpoint).
@@ -68,7 +68,7 @@ def load_configs(directory: str | Path) -> tuple[DrafterConfig, TargetConfig]:
         try:
             raw = msgspec.json.decode((d / name).read_bytes())
             if kind is DrafterConfig and isinstance(raw, dict):
-                raw.pop("num_anchors", None)  # written before issue 15 moved it to [train]
+                raw.pop("num_anchors", None)  # written before it moved to [train]: older files still load
             return msgspec.convert(raw, kind)
         except (msgspec.MsgspecError, ValueError) as e:  # a damaged or foreign config file
             raise ValueError(f"{d / name} is unreadable ({e}); the checkpoint is damaged: use "

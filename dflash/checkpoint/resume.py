@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from dflash.checkpoint.format import (
     read_meta,
     run_dir_checkpoints,
 )
+
+if TYPE_CHECKING:  # a real import would load the models, which the run-directory reports never need
+    from dflash.model.drafter import DrafterConfig
 
 log = logging.getLogger("dflash.resume")
 
@@ -244,9 +247,18 @@ _EFFECTS = (
 )
 
 
+_ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0}
+"""Keys a config saved before they existed lacks, with the value that means what that code did."""
+
+
 def _current_layout(config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config in today's layout: ``drafter.num_anchors`` (before issue 15) is
-    ``train.num_anchors``, so an unchanged setting is not reported as a change."""
+    """A saved config in today's layout: ``drafter.num_anchors`` (the older layout) is
+    ``train.num_anchors``, and keys added later (:data:`_ADDED_LATER`) take the value that
+    reproduces the older code, so an unchanged setting is not reported as a change."""
+    for (table, key), value in _ADDED_LATER.items():
+        section = config.get(table)
+        if isinstance(section, dict) and key not in section:
+            config = {**config, table: {**section, key: value}}
     drafter = config.get("drafter")
     if not isinstance(drafter, dict) or "num_anchors" not in drafter:
         return config
@@ -309,7 +321,7 @@ SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", 
 """The drafter config keys that fix its tensor shapes (a resume cannot change them)."""
 
 
-def check_architecture(ckpt: Path, drafter_cfg: Any) -> None:
+def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
     """Check that the checkpoint's ``drafter_config.json`` has the shape of ``drafter_cfg`` (a
     :class:`dflash.model.drafter.DrafterConfig`); nothing to check when the file is unreadable.
 

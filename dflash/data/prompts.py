@@ -27,7 +27,7 @@ __all__ = ["encode_prompt", "heldout_prompts", "source_prompts"]
 _PLACEHOLDER = {"role": "assistant", "content": "x"}
 
 
-def _prompt_encoder(tok, data_cfg=None, **override):
+def _prompt_encoder(tok, data_cfg: DataConfig | None = None, **override):
     """The training encoder of ``data_cfg`` (default ``DataConfig()``), without a length limit."""
     kwargs = {**encoder_kwargs(data_cfg or DataConfig()), "max_length": 1 << 40, "min_loss_tokens": 0}
     return ChatEncoder(tok, **{**kwargs, **override})
@@ -41,7 +41,7 @@ def _context(encoder, conv: list[dict]) -> list[int]:
     return ids.tolist()
 
 
-def _min_prompt_tokens(tok, data_cfg=None) -> int:
+def _min_prompt_tokens(tok, data_cfg: DataConfig | None = None) -> int:
     """Tokens of the shortest real prompt: a one-character user turn and the header of the
     assistant turn after it, as training renders it (first turn of two, or the only turn: a
     Qwen3 template heads them differently). A tokenized training prompt shorter than this holds
@@ -52,7 +52,7 @@ def _min_prompt_tokens(tok, data_cfg=None) -> int:
                len(_context(enc, [user, _PLACEHOLDER, user, _PLACEHOLDER])))
 
 
-def heldout_prompts(data_cfg, tok, num: int, max_tokens: int) -> list[list[int]]:
+def heldout_prompts(data_cfg: DataConfig, tok, num: int, max_tokens: int) -> list[list[int]]:
     """Prompt ids of the first ``num`` usable held-out conversations of a training run.
 
     Loads the run's tokenized data (``load_dataset``: a cache hit when run from the training
@@ -75,7 +75,8 @@ def heldout_prompts(data_cfg, tok, num: int, max_tokens: int) -> list[list[int]]
     return out
 
 
-def source_prompts(source: str, tok, num: int, max_tokens: int, data_cfg=None) -> list[list[int]]:
+def source_prompts(source: str, tok, num: int, max_tokens: int,
+                   data_cfg: DataConfig | None = None) -> list[list[int]]:
     """Prompt ids of the *last* ``num`` usable conversations of a dflash.data source (file order).
 
     A conversation's prompt is the context training gives its first trained assistant turn (the
@@ -98,7 +99,7 @@ def source_prompts(source: str, tok, num: int, max_tokens: int, data_cfg=None) -
     return [_context(enc, conv)[-max_tokens:] for conv in reversed(picked)]
 
 
-def encode_prompt(tok, conv: list[dict], max_tokens: int, data_cfg=None) -> list[int]:
+def encode_prompt(tok, conv: list[dict], max_tokens: int, data_cfg: DataConfig | None = None) -> list[int]:
     """Prompt ids for an assistant reply to ``conv`` (messages ``{"role", "content"}``), cut to
     the last ``max_tokens``: the context training gives an assistant turn that follows ``conv``
     (``data_cfg``: the training settings, default ``DataConfig()``), so the generation prompt and

@@ -29,16 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "  tau_sim         sum_j prod_{i<=j} acc_i from per-position accuracies (assumes "
                     "independent positions)\n"
                     "  acc per position  teacher-forced accuracy of block positions 1..block_size-1\n"
+                    "  sampled         with --temperature T: measured tau of sampled draft-and-verify "
+                    "(accept with\n"
+                    "                  prob min(1, p/q), else resample from max(p - q, 0); Leviathan et "
+                    "al. 2023)\n\n"
                     "A DFlash2 drafter (drafter.variant = \"dflash2\") drafts with its selector's walk over "
                     "the top-K, so the\nfigures above are the walk's; beside them: the backbone top-1's "
                     "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K.",
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
-               "usable prompt,\n       target/drafter layer mismatch\n"
+               "usable prompt,\n       target/drafter layer mismatch, an unhealthy checkpoint without "
+               "--allow-unhealthy\n"
                "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
-               "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json")
+               "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json\n"
+               "  python -m dflash.eval CKPT --data sharegpt --temperature 1 --top-p 0.95 --seed 1")
     p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL file, one {"prompt": str} per line')
@@ -51,7 +57,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens kept (the last ones)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype of target and drafter during the decode (auto: the run's [target].dtype, "
+                   "i.e. bf16 on CUDA and fp32 on CPU unless the run set it); recorded in the JSON")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch intra-op CPU threads (default 1: batch-1 decode is launch-bound, and "
+                   "torch's default of one thread per core made a decode on a busy 2-core machine "
+                   "50x slower)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="also decode sampled at temperature T > 0 (lossless speculative rejection "
+                   "sampling) and report its measured tau beside greedy; 0 = greedy only")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling mass for --temperature (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K most likely tokens for --temperature (0 = off)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed of the sampled decode")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
+    p.add_argument("--allow-unhealthy", action="store_true",
+                   help="evaluate a checkpoint marked healthy: false or holding NaN/Inf weights (refused "
+                        "otherwise, naming the nearest healthy one)")
     return p
 
 

@@ -8,7 +8,10 @@ The pieces: :mod:`dflash.eval.decode` (greedy and draft-and-verify decoding, the
 contexts). Their public names are re-exported here.
 
 ``python -m dflash.eval CHECKPOINT [--prompts FILE.jsonl | --data SOURCE] [--num-prompts N]
-[--max-new-tokens N] [--device DEV]``. Prompts are the first N ``{"prompt": str}`` lines of
+[--max-new-tokens N] [--device DEV] [--dtype auto|float32|bfloat16] [--threads N]
+[--temperature T [--top-p P] [--top-k K] [--seed S]]``. The decode runs with ``--threads`` torch
+CPU threads (default 1: batch-1 decode is launch-bound, more threads only contend), in
+``--dtype`` (default: the run's ``[target].dtype``); both are recorded in the result. Prompts are the first N ``{"prompt": str}`` lines of
 ``--prompts``, or, with ``--data SOURCE``, the context before the first assistant turn of N
 conversations that open with a user turn (others are skipped, so N is honoured when possible):
 
@@ -99,12 +102,17 @@ def _main(argv: list[str] | None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
+    if not args.temperature >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    torch.set_num_threads(args.threads)
     from dflash.data import DataError
     from dflash.data.sources import resolve_source
 
     try:
         check_device(args.device)
-        check_checkpoint(args.checkpoint)
+        check_checkpoint(args.checkpoint, args.allow_unhealthy)  # unhealthy: refused unless allowed
         texts = None
         if args.prompts and not Path(args.prompts).is_file():
             raise EvalInputError(f"--prompts {args.prompts}: no such file")
@@ -130,6 +138,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # a run trained with flex_attention decodes with sdpa: same outputs, no compile per length
     drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
+    if args.dtype != "auto":
+        tc = msgspec.structs.replace(tc, dtype=args.dtype)
     target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)
     if target.layer_ids != list(dc.target_layer_ids):
         print(f"dflash.eval: target layers {target.layer_ids} != drafter's {dc.target_layer_ids}",
@@ -148,7 +158,8 @@ def _main(argv: list[str] | None) -> int:
               "assistant turn)", file=sys.stderr)
         return 2
     prompts = [torch.tensor(x, device=args.device) for x in ids]
-    res = evaluate(target, drafter, head, prompts, args.max_new_tokens)
+    res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
+                   top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.json:
         print(msgspec.json.encode(res).decode())
         return 0

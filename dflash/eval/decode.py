@@ -1,24 +1,37 @@
-"""Greedy decoding with a target: plain, and draft-and-verify with a drafter proposing blocks.
+"""Decoding with a target: plain greedy, and draft-and-verify with a drafter proposing blocks.
 
-One step of speculative decoding (greedy; DFlash / speculative decoding, Leviathan et al. 2023):
+One step of speculative decoding (DFlash; speculative decoding, Leviathan et al. 2023, Chen et
+al. 2023):
 
 1. The last accepted token is the anchor; its target features are not known yet. The drafter
    sees the features of every earlier token and proposes ``bs - 1`` tokens for the block
    ``[anchor, mask, ..., mask]`` in one forward.
-2. The target runs over ``[anchor, d_1 .. d_{bs-1}]`` with its KV cache and takes its argmax
-   ``g_0 .. g_{bs-1}`` (``g_i`` is its token for the position after block slot ``i``).
-3. Accept ``m`` = the longest prefix with ``d_i == g_{i-1}``, then the bonus token ``g_m``; the
-   target's features of the anchor and the ``m`` accepted drafts join the context, its cache is
-   cropped to the accepted tokens. Output equals plain greedy decoding (tested).
+2. The target runs over ``[anchor, d_1 .. d_{bs-1}]`` with its KV cache: ``g_i`` (greedy: its
+   argmax; sampled: its distribution ``p_i``) is for the position after block slot ``i``.
+3. Greedy: accept ``m`` = the longest prefix with ``d_i == g_{i-1}``, then the bonus token
+   ``g_m``. Sampled (``temperature > 0``): accept ``d_i`` with probability
+   ``min(1, p_{i-1}(d_i) / q_i(d_i))`` while they are accepted; at the first rejection sample
+   from ``norm(max(p - q, 0))``, after ``bs - 1`` acceptances the bonus from ``p_{bs-1}``; ``p``
+   and ``q`` are the target's and the drafter's distributions after the same processing
+   (:func:`sampling_probs`). The output is distributed exactly as the target's own sampling
+   (the rejection-sampling theorem of both papers; a chi-square test checks it).
+4. The target's features of the anchor and the ``m`` accepted drafts join the context, its cache
+   is cropped to the accepted tokens. Greedy output equals plain greedy decoding (tested).
 
 ``m`` is the *accepted length* of the step (bonus not counted); the step produces ``tau = m + 1``
-tokens, the figure z-lab's reference decoder and SGLang report (:mod:`dflash.train.acceptance`). Near the
-end of a generation only as many tokens are drafted as remain (``min(bs - 1, remaining)``), and
-the output is cut to exactly ``max_new_tokens``.
+tokens, the figure z-lab's reference decoder and SGLang report (:mod:`dflash.train.acceptance`).
+Near the end of a generation only as many tokens are drafted as remain
+(``min(bs - 1, remaining)``), and the output is cut to exactly ``max_new_tokens``.
+
+Speed (batch 1 is launch-bound at small targets): tokens and features live in buffers allocated
+once per generation (no ``torch.cat`` growth), positions are slices of one ``arange``, the
+KV-cache keyword is looked up once, greedy decoding reads nothing back to the host (the next
+input is a slice of the device buffer), and a verify step reads one integer (``m``) back.
 
 Proposers: :class:`DrafterProposer` (recomputes the drafter's context each step),
 :class:`CachedDrafterProposer` (a drafter KV cache; same drafts), :class:`OracleProposer` (the
-target's own continuation: every draft accepted). Used by ``python -m dflash.eval``
+target's own continuation: every draft accepted). A proposer that also has ``logits`` (the two
+drafter proposers) can be used with ``temperature > 0``. Used by ``python -m dflash.eval``
 (:mod:`dflash.eval.measure`) and ``benchmarks/decode_speed.py``.
 """
 
@@ -36,13 +49,14 @@ from dflash.model.drafter import DFlashDrafter, _rope
 from dflash.model.target import SharedHead, Target
 
 __all__ = ["CachedDrafterProposer", "DrafterProposer", "OracleProposer", "Proposer", "greedy_decode",
-           "speculative_decode"]
+           "sampling_probs", "speculative_decode"]
 
 
 class Proposer(Protocol):
     def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """``tokens [n]`` accepted so far (last = anchor), ``features [1, n-1, k*H]`` of all but
-        the anchor -> ``[bs-1]`` drafted token ids (the decoder may use only a prefix)."""
+        the anchor -> ``[bs-1]`` drafted token ids (the decoder may use only a prefix). Both
+        inputs are views of the decoder's buffers, valid only during the call."""
 
 
 class DrafterProposer:
@@ -53,13 +67,17 @@ class DrafterProposer:
         self.bs = drafter.cfg.block_size
 
     @torch.no_grad()
-    def propose(self, tokens, features):
+    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits ``[bs-1, V]`` (head dtype) for the block after ``tokens[-1]``."""
         n = tokens.shape[0]
         block = torch.full((1, 1, self.bs), self.drafter.cfg.mask_token_id, device=tokens.device)
         block[0, 0, 0] = tokens[-1]
         layout = decode_layout(n - 1, n - 1, self.bs, tokens.device)
         hidden = self.drafter(features, self.head.embed(block), layout)      # [1, 1, bs, H]
-        return self.head.logits(hidden[0, 0, 1:]).argmax(-1)
+        return self.head.logits(hidden[0, 0, 1:])
+
+    def propose(self, tokens, features):
+        return self.logits(tokens, features).argmax(-1)
 
 
 class CachedDrafterProposer:
@@ -67,64 +85,92 @@ class CachedDrafterProposer:
 
     The drafter's context keys/values depend only on the context features (every layer attends to
     the same ``hidden_norm(fc(features))``), and the context only grows by accepted tokens, so each
-    step projects the new features alone and the block attends to ``cat(cache, block)`` with no
-    mask (full-attention layers: the block sees all context and itself). Same drafts as
-    :class:`DrafterProposer` up to float rounding (tested). Use one instance per generation.
+    step projects the new features alone. The cache is one buffer per layer, ``[1, nkv, capacity,
+    head_dim]``, doubled when full: the block's own keys/values are written just after the
+    context and the block attends to ``buffer[:, :, :context + bs]`` with no mask (full-attention
+    layers: the block sees all context and itself); the next step's context overwrites them.
+    Same drafts as :class:`DrafterProposer` up to float rounding (tested). Use one instance per
+    generation.
 
     Raises:
         ValueError: the drafter has sliding-window layers (use :class:`DrafterProposer`).
     """
 
-    def __init__(self, drafter: DFlashDrafter, head: SharedHead) -> None:
+    def __init__(self, drafter: DFlashDrafter, head: SharedHead, capacity: int = 256) -> None:
         if any(t != "full_attention" for t in drafter.cfg.types):
             raise ValueError("CachedDrafterProposer supports full-attention drafter layers only")
         self.drafter, self.head = drafter, head
         self.bs = drafter.cfg.block_size
-        self.keys: list[torch.Tensor | None] = [None] * len(drafter.layers)
-        self.values: list[torch.Tensor | None] = [None] * len(drafter.layers)
+        self.capacity = capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
         self.cached = 0
+
+    def _reserve(self, need: int, device: torch.device) -> None:
+        """Make every layer's buffer hold at least ``need`` positions (keeps the cached ones)."""
+        if self.keys and need <= self.keys[0].shape[2]:
+            return
+        cap = max(need, 2 * self.keys[0].shape[2] if self.keys else self.capacity)
+        dtype, grow = self.drafter.fc.weight.dtype, bool(self.keys)
+        for i, layer in enumerate(self.drafter.layers):
+            a = layer.self_attn
+            k = torch.empty(1, a.nkv, cap, a.d, device=device, dtype=dtype)
+            v = torch.empty_like(k)
+            if grow:
+                k[:, :, : self.cached] = self.keys[i][:, :, : self.cached]
+                v[:, :, : self.cached] = self.values[i][:, :, : self.cached]
+                self.keys[i], self.values[i] = k, v
+            else:
+                self.keys.append(k)
+                self.values.append(v)
 
     @torch.no_grad()
     def _extend(self, features: torch.Tensor) -> None:
         """Project the features of context positions ``cached..`` into every layer's cache."""
         d = self.drafter
         new = features[:, self.cached:]                                      # [1, t, k*H]
-        if new.shape[1] == 0:
+        t = new.shape[1]
+        if t == 0:
             return
         ctx = d.hidden_norm(d.fc(new.to(d.fc.weight.dtype)))                 # [1, t, H]
-        pos = torch.arange(self.cached, self.cached + new.shape[1], device=new.device)[None]
+        pos = torch.arange(self.cached, self.cached + t, device=new.device)[None]
         cos, sin = d._rope_table(pos)
+        end = self.cached + t
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
-            k = a.k_norm(a.k_proj(ctx).view(1, -1, a.nkv, a.d)).transpose(1, 2)
-            v = a.v_proj(ctx).view(1, -1, a.nkv, a.d).transpose(1, 2)
-            k = _rope(k, cos, sin)
-            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], dim=2)
-            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], dim=2)
-        self.cached += new.shape[1]
+            k = a.k_norm(a.k_proj(ctx).view(1, t, a.nkv, a.d)).transpose(1, 2)
+            self.keys[i][:, :, self.cached:end] = _rope(k, cos, sin)
+            self.values[i][:, :, self.cached:end] = a.v_proj(ctx).view(1, t, a.nkv, a.d).transpose(1, 2)
+        self.cached = end
 
     @torch.no_grad()
-    def propose(self, tokens, features):
-        d = self.drafter
+    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits ``[bs-1, V]`` (head dtype) for the block after ``tokens[-1]``."""
+        d, bs = self.drafter, self.bs
+        self._reserve(features.shape[1] + bs, tokens.device)
         self._extend(features)
-        block = torch.full((1, self.bs), d.cfg.mask_token_id, device=tokens.device)
+        c = self.cached
+        block = torch.full((1, bs), d.cfg.mask_token_id, device=tokens.device)
         block[0, 0] = tokens[-1]
         x = self.head.embed(block).to(d.fc.weight.dtype)                     # [1, bs, H]
-        qpos = torch.arange(tokens.shape[0] - 1, tokens.shape[0] - 1 + self.bs, device=tokens.device)[None]
+        qpos = torch.arange(tokens.shape[0] - 1, tokens.shape[0] - 1 + bs, device=tokens.device)[None]
         cos, sin = d._rope_table(qpos)
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = _rope(a.q_norm(a.q_proj(h).view(1, self.bs, a.nh, a.d)).transpose(1, 2), cos, sin)
-            kb = _rope(a.k_norm(a.k_proj(h).view(1, self.bs, a.nkv, a.d)).transpose(1, 2), cos, sin)
-            vb = a.v_proj(h).view(1, self.bs, a.nkv, a.d).transpose(1, 2)
-            k = torch.cat([self.keys[i], kb], dim=2) if self.keys[i] is not None else kb
-            v = torch.cat([self.values[i], vb], dim=2) if self.values[i] is not None else vb
-            out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(a.d),
-                                                 enable_gqa=a.nh != a.nkv)
-            x = x + a.o_proj(out.transpose(1, 2).reshape(1, self.bs, a.nh * a.d))
+            q = _rope(a.q_norm(a.q_proj(h).view(1, bs, a.nh, a.d)).transpose(1, 2), cos, sin)
+            kb = a.k_norm(a.k_proj(h).view(1, bs, a.nkv, a.d)).transpose(1, 2)
+            self.keys[i][:, :, c:c + bs] = _rope(kb, cos, sin)       # scratch after the context
+            self.values[i][:, :, c:c + bs] = a.v_proj(h).view(1, bs, a.nkv, a.d).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, self.keys[i][:, :, :c + bs],
+                                                 self.values[i][:, :, :c + bs],
+                                                 scale=1.0 / math.sqrt(a.d), enable_gqa=a.nh != a.nkv)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(1, bs, a.nh * a.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.head.logits(d.norm(x)[0, 1:]).argmax(-1)
+        return self.head.logits(d.norm(x)[0, 1:])
+
+    def propose(self, tokens, features):
+        return self.logits(tokens, features).argmax(-1)
 
 
 class OracleProposer:
@@ -136,6 +182,59 @@ class OracleProposer:
     @torch.no_grad()
     def propose(self, tokens, features):
         return greedy_decode(self.target, tokens, self.bs - 1)[tokens.shape[0]:]
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                   top_k: int = 0) -> torch.Tensor:
+    """The processed sampling distribution ``[.., V]`` fp32 of ``logits [.., V]``.
+
+    In transformers' ``generate`` order: divide by ``temperature``, keep the ``top_k`` largest
+    (0 = all; ties with the k-th are kept, as ``TopKLogitsWarper``), then the smallest set of
+    most likely tokens whose mass reaches ``top_p`` (1 = all; the most likely token is always
+    kept), renormalised. Draft and target distributions of :func:`speculative_decode` both come
+    from here, which is what makes the rejection rule lossless for the processed target.
+    """
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = scores.softmax(-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p     # mass before it already reaches top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if not temperature >= 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                         f"temperature={temperature}, top_p={top_p}, top_k={top_k}")
+
+
+def _accept_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                    generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """Speculative rejection sampling of one verify step (Leviathan et al. 2023, Algorithm 1;
+    Chen et al. 2023). ``draft [d]`` sampled from ``q [d, V]``; ``p [d+1, V]`` the target's.
+
+    Returns ``(m, token)``: ``m`` drafts accepted (each with probability ``min(1, p/q)`` while all
+    before it were), and the next token (0-dim, on the device): from ``norm(max(p_m - q_m, 0))``
+    after a rejection, from ``p_d`` after ``d`` acceptances. All rows' candidates are drawn
+    before ``m`` is read, so the step reads the host once.
+    """
+    d = draft.shape[0]
+    u = torch.rand(d, device=p.device, generator=generator)
+    pd = p[:d].gather(1, draft[:, None])[:, 0]
+    qd = q.gather(1, draft[:, None])[:, 0]
+    ok = (u * qd < pd).long().cumprod(0)                                     # u < p/q, q > 0
+    residual = torch.cat([(p[:d] - q).clamp_min(0.0), p[d:]])                # [d+1, V]
+    total = residual.sum(-1, keepdim=True)
+    # p == q leaves no residual mass; that row is then never reached (acceptance probability 1)
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), p)
+    cand = torch.multinomial(residual, 1, generator=generator)[:, 0]        # [d+1]
+    m = int(ok.sum())
+    return m, cand[m]
 
 
 def _cache_kwarg(target: Target) -> str:
@@ -161,55 +260,114 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-remove)
 
 
-@torch.no_grad()
-def _target_step(target: Target, ids: torch.Tensor, start: int, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cached forward of ``ids [n]`` at positions ``start..``: ``(features [1, n, k*H],
-    argmax [n])`` (logits only for these ``n`` positions)."""
-    pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
-    out = target.model.model(input_ids=ids[None], position_ids=pos, use_cache=True,
-                              **{_cache_kwarg(target): cache})
-    feats = target.collect()
-    logits = target.model.get_output_embeddings()(out.last_hidden_state[0])
-    return feats, logits.argmax(-1)
+class _CachedTarget:
+    """The target with its KV cache for one generation of at most ``capacity`` positions."""
+
+    def __init__(self, target: Target, capacity: int) -> None:
+        self.target = target
+        self.base = target.model.model
+        self.lm_head = target.model.get_output_embeddings()
+        self.kwargs = {_cache_kwarg(target): _new_cache(target), "use_cache": True}
+        self.cache = self.kwargs[_cache_kwarg(target)]
+        self.positions = torch.arange(capacity, device=target.device)[None]  # sliced, never rebuilt
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, start: int, features: bool = True, last_only: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Cached forward of ``ids [n]`` at positions ``start..``: ``(features [1, n, k*H] or None,
+        logits [n or 1, V])`` (logits only for these positions, or the last one)."""
+        n = ids.shape[0]
+        out = self.base(input_ids=ids[None], position_ids=self.positions[:, start:start + n],
+                        **self.kwargs)
+        hidden = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+        # the hooks captured the layers either way; greedy decoding does not need their concat
+        return (self.target.collect() if features else None), self.lm_head(hidden)
 
 
 @torch.no_grad()
 def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Plain greedy decoding with a KV cache: ``prompt [n]`` -> ``[n + max_new_tokens]``."""
-    cache = _new_cache(target)
-    _, g = _target_step(target, prompt, 0, cache)
-    out = [*prompt.tolist(), int(g[-1])]
-    for _ in range(max_new_tokens - 1):
-        _, g = _target_step(target, torch.tensor(out[-1:], device=prompt.device), len(out) - 1, cache)
-        out.append(int(g[-1]))
-    return torch.tensor(out, device=prompt.device)
+    """Plain greedy decoding with a KV cache: ``prompt [n]`` (int64) -> ``[n + max_new_tokens]``.
+
+    No host read per token: each argmax is written to a device buffer and the next step reads its
+    slice, so on a GPU the host queues steps ahead of the kernels.
+    """
+    n = prompt.shape[0]
+    run = _CachedTarget(target, n + max_new_tokens)
+    out = torch.empty(n + max_new_tokens, dtype=torch.long, device=prompt.device)
+    out[:n] = prompt
+    _, logits = run(prompt, 0, features=False, last_only=True)
+    out[n] = logits[0].argmax()
+    for i in range(n, n + max_new_tokens - 1):
+        _, logits = run(out[i:i + 1], i, features=False)
+        out[i + 1] = logits[0].argmax()
+    return out
 
 
 @torch.no_grad()
 def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
-                       max_new_tokens: int, block_size: int
+                       max_new_tokens: int, block_size: int, *, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0,
+                       generator: torch.Generator | None = None
                        ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Greedy draft-and-verify (module docstring).
+    """Draft-and-verify decoding (module docstring): greedy at ``temperature == 0``, else lossless
+    speculative rejection sampling of the target processed by :func:`sampling_probs`.
+
+    Args:
+        prompt: ``[n]`` int64 on the target's device.
+        temperature, top_p, top_k: as :func:`sampling_probs`; ``temperature > 0`` needs a
+            proposer with ``logits(tokens, features) -> [bs-1, V]`` (the drafter proposers).
+        generator: the random source of every sample and acceptance draw (on the target's
+            device; None = torch's default generator).
 
     Returns:
         ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``: the last
         step drafts only as many tokens as remain; a bonus token past the end is dropped.
+
+    Raises:
+        ValueError: bad sampling parameters, or ``temperature > 0`` with a proposer without logits.
     """
-    cache = _new_cache(target)
-    feats, g = _target_step(target, prompt, 0, cache)                        # prefill
-    tokens = torch.cat([prompt, g[-1:]])
+    _check_sampling(temperature, top_p, top_k)
+    sampled = temperature > 0
+    if sampled and not hasattr(proposer, "logits"):
+        raise ValueError(f"{type(proposer).__name__} has no logits(): sampled decoding needs the "
+                         "drafter's distribution (use DrafterProposer or CachedDrafterProposer)")
+    n0 = prompt.shape[0]
+    end = n0 + max_new_tokens
+    capacity = end + block_size                   # room for the last step's drafts past the end
+    run = _CachedTarget(target, capacity)
+    tokens = torch.empty(capacity, dtype=torch.long, device=prompt.device)
+    tokens[:n0] = prompt
+    f, logits = run(prompt, 0, last_only=True)                               # prefill
+    feats = torch.empty(1, capacity, f.shape[-1], dtype=f.dtype, device=f.device)
+    feats[:, :n0] = f
+    if sampled:
+        p = sampling_probs(logits, temperature, top_p, top_k)
+        tokens[n0] = torch.multinomial(p, 1, generator=generator)[0, 0]
+    else:
+        tokens[n0] = logits[0].argmax()
+    n = n0 + 1                                     # tokens known; tokens[n-1] is the anchor
     accepted, anchors = [], []
-    while tokens.shape[0] - prompt.shape[0] < max_new_tokens:
-        n = tokens.shape[0]
-        remaining = max_new_tokens - (n - prompt.shape[0])                   # >= 1
-        draft = proposer.propose(tokens, feats)[: min(block_size - 1, remaining)]  # [<= bs-1]
-        block = torch.cat([tokens[-1:], draft])
-        f_blk, g = _target_step(target, block, n - 1, cache)                 # g: [bs]
-        match = (draft == g[: draft.shape[0]]).long().cumprod(0)
-        m = int(match.sum())
-        tokens = torch.cat([tokens, draft[:m], g[m:m + 1]])
-        feats = torch.cat([feats, f_blk[:, : m + 1]], dim=1)
-        _crop(cache, n + m)
+    while n < end:
+        d = min(block_size - 1, end - n)                                     # drafts this step
+        if sampled:
+            q = sampling_probs(proposer.logits(tokens[:n], feats[:, :n - 1])[:d],
+                               temperature, top_p, top_k)                    # [d, V]
+            draft = torch.multinomial(q, 1, generator=generator)[:, 0]
+        else:
+            draft = proposer.propose(tokens[:n], feats[:, :n - 1])[:d]       # [d]
+        tokens[n:n + d] = draft
+        f, logits = run(tokens[n - 1:n + d], n - 1)                          # [1, d+1, k*H], [d+1, V]
+        feats[:, n - 1:n + d] = f          # slots past the accepted ones are overwritten later
+        if sampled:
+            m, nxt = _accept_sampled(draft, sampling_probs(logits, temperature, top_p, top_k), q,
+                                     generator)
+        else:
+            g = logits.argmax(-1)                                            # [d+1]
+            m = int((draft == g[:d]).long().cumprod(0).sum())                # the one host read
+            nxt = g[m]
+        tokens[n + m] = nxt                # tokens[n:n+m] already hold the accepted drafts
+        _crop(run.cache, n + m)
         accepted.append(m)
         anchors.append(n - 1)
-    return tokens[: prompt.shape[0] + max_new_tokens], accepted, anchors
+        n += m + 1
+    return tokens[:end], accepted, anchors

@@ -10,6 +10,7 @@ CLI prints it and exits 2. The prompts themselves are built by :mod:`dflash.data
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import msgspec
@@ -89,11 +90,16 @@ def check_device(name: str):
     return device
 
 
-def check_checkpoint(path: str) -> Path:
-    """``path`` as a drafter checkpoint directory.
+def check_checkpoint(path: str, allow_unhealthy: bool = False) -> Path:
+    """``path`` as a drafter checkpoint directory whose weights can be trusted.
+
+    The health rule is :func:`dflash.checkpoint.health.reader_problem` (``healthy: false`` in
+    ``meta.json``, or NaN/Inf weights), the same for ``dflash.eval`` and ``dflash.export``. With
+    ``allow_unhealthy`` such a checkpoint is accepted after one loud ``WARNING`` line on stderr.
 
     Raises:
-        EvalInputError: missing, not a directory, a run directory, or lacking checkpoint files.
+        EvalInputError: missing, not a directory, a run directory, lacking checkpoint files, or
+            unhealthy (naming why and the nearest healthy checkpoint) without ``allow_unhealthy``.
     """
     from dflash.checkpoint.model_files import DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS
 
@@ -112,4 +118,16 @@ def check_checkpoint(path: str) -> Path:
     missing = [n for n in (WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG) if not (p / n).is_file()]
     if missing:
         raise EvalInputError(f"{path} is not a drafter checkpoint: {', '.join(missing)} missing")
-    return p
+    from dflash.checkpoint.health import nearest_healthy, reader_problem
+
+    problem = reader_problem(p)
+    if problem is None:
+        return p
+    if allow_unhealthy:
+        print(f"WARNING: {path} is UNHEALTHY: {problem}; using it anyway (--allow-unhealthy): "
+              "its results are not to be trusted", file=sys.stderr, flush=True)
+        return p
+    near = nearest_healthy(p)
+    where = f"nearest healthy checkpoint: {near}" if near is not None else \
+        f"no healthy checkpoint beside it in {p.parent}"
+    raise EvalInputError(f"{path} is unhealthy: {problem}; {where} (or --allow-unhealthy to read it anyway)")

@@ -14,6 +14,8 @@ backbone top-1's teacher-forced tau (:func:`dflash.eval.selector.block_figures`)
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dflash.eval.decode import (
@@ -77,19 +79,41 @@ def _teacher_forced_blocks(target, drafter, head, tokens, anchors):
     return drafter(feats, head.embed(block), layout)[0], labels, valid
 
 
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
-             prompts: list[torch.Tensor], max_new_tokens: int) -> EvalResult:
-    """Speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text."""
+             prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> EvalResult:
+    """Greedy speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text;
+    with ``temperature > 0`` also a sampled decode of each prompt (one ``torch.Generator`` seeded
+    with ``seed``), whose measured tau is reported beside greedy
+    (:func:`~dflash.eval.decode.speculative_decode` has the rule).
+
+    Raises:
+        ValueError: bad sampling parameters.
+    """
     bs = drafter.cfg.block_size
     cached = all(t == "full_attention" for t in drafter.cfg.types)
     dflash2 = is_dflash2(drafter)
+    if dflash2 and temperature > 0:
+        raise ValueError("a sampled decode of a DFlash2 drafter (q restricted to the selector's K "
+                         "candidates) is not implemented: evaluate it with --temperature 0")
+
+    def proposer():
+        if dflash2:  # drafts with the selector's walk over its top-K
+            return selector_proposer(drafter, head)
+        return CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
+
     per, all_m, all_streak, all_streaks, corrects, valids, extra = [], [], [], [], [], [], []
+    seconds = 0.0
     for prompt in prompts:
-        if dflash2:
-            proposer = selector_proposer(drafter, head)
-        else:
-            proposer = CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
-        tokens, acc_m, visited = speculative_decode(target, proposer, prompt, max_new_tokens, bs)
+        t0 = _clock(prompt.device)
+        tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs)
+        seconds += _clock(prompt.device) - t0
         n = prompt.shape[0]
         region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
         if dflash2:  # scored by the walk it drafts with; the backbone's top-1 and the top-K beside it
@@ -115,7 +139,21 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     acc = accuracy_per_position(torch.cat(corrects), torch.cat(valids))
     mean_m = sum(all_m) / max(len(all_m), 1)
     sim = simulated_accepted_length(acc)
-    return EvalResult(tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+    sampled_m = None
+    if temperature > 0:
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        ms: list[int] = []
+        for prompt in prompts:
+            t0 = _clock(prompt.device)
+            ms += speculative_decode(target, proposer(), prompt, max_new_tokens, bs, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, generator=gen)[1]
+            seconds += _clock(prompt.device) - t0
+        sampled_m = sum(ms) / max(len(ms), 1)
+    return EvalResult(
+        dtype=str(target.model.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, seconds=seconds,
+        sampled_tau=None if sampled_m is None else tau_from_accepted(sampled_m),
+        sampled_accepted=sampled_m, tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
                       tau_sim=tau_from_accepted(sim), accepted_sim=sim,
                       streak_visited=sum(all_streak) / max(len(all_streak), 1),
                       streak_all=float(torch.cat(all_streaks).float().mean()),

@@ -65,6 +65,13 @@ class EvalResult(msgspec.Struct, kw_only=True):
         acc_per_pos: ``[bs-1]`` teacher-forced accuracies.
         block_size: the drafter's block size (tau is at most ``block_size``).
         per_prompt: one :class:`PromptResult` per prompt.
+        dtype: the decode's dtype ("float32" | "bfloat16").
+        threads: torch intra-op CPU threads during the decode.
+        temperature: 0 = greedy only; else the sampled decode's temperature (``top_p``,
+            ``top_k``, ``seed`` are its other settings).
+        sampled_tau: measured tokens per verify step of the sampled decode (None when greedy
+            only), over all its steps; ``sampled_accepted`` = ``sampled_tau - 1``.
+        seconds: wall time of the greedy decodes (and the sampled ones), in seconds.
         selector: a DFlash2 drafter's :class:`SelectorFigures` (its measured and teacher-forced
             figures above are those of the selector's walk, the tokens it drafts); None for DFlash.
     """
@@ -78,6 +85,15 @@ class EvalResult(msgspec.Struct, kw_only=True):
     acc_per_pos: list[float]
     block_size: int
     per_prompt: list[PromptResult]
+    dtype: str = "float32"
+    threads: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    sampled_tau: float | None = None
+    sampled_accepted: float | None = None
+    seconds: float | None = None
     selector: SelectorFigures | None = None
 
     @property
@@ -117,10 +133,16 @@ def format_result(res: EvalResult) -> str:
             ("teacher-forced streak @ visited anchors", res.streak_visited + 1, res.streak_visited),
             ("teacher-forced streak @ all anchors", res.streak_all + 1, res.streak_all),
             ("simulated tau_sim (per-position accuracy)", res.tau_sim, res.accepted_sim)]
+    if res.sampled_tau is not None:
+        knobs = f"T={res.temperature:g}" + (f", top-p {res.top_p:g}" if res.top_p < 1 else "") + (
+            f", top-k {res.top_k}" if res.top_k else "")
+        rows.insert(1, (f"measured: sampled ({knobs})", res.sampled_tau, res.sampled_accepted))
     lines = [f"{'':44s}{'tau (tokens/step)':>18s}{'accepted/step':>15s}"]
     lines += [f"{name:44s}{t:>18.3f}{a:>15.3f}" for name, t, a in rows]
     lines.append(f"block size {res.block_size} (tau <= {res.block_size}); plain target decoding "
                  "has tau = 1")
+    secs = f", decode {res.seconds:.1f} s" if res.seconds is not None else ""
+    lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){secs}")
     sel = res.selector
     if sel is not None:  # DFlash2: the rows above are the selector walk's
         lines[5:5] = [f"{name:44s}{t:>18.3f}{t - 1:>15.3f}" for name, t in (

@@ -81,6 +81,7 @@ class CachedSelectorProposer(CachedDrafterProposer):
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         d, bs = self.drafter, self.bs
+        self._reserve(features.shape[1] + bs, tokens.device)
         self._extend(features)
         block = torch.full((1, bs), d.cfg.mask_token_id, device=tokens.device)
         block[0, 0] = tokens[-1]
@@ -99,9 +100,10 @@ class CachedSelectorProposer(CachedDrafterProposer):
         q = _rope(a.q_norm(a.q_proj(h).view(1, n, a.nh, a.d)).transpose(1, 2), *rope)
         kb = _rope(a.k_norm(a.k_proj(h).view(1, n, a.nkv, a.d)).transpose(1, 2), *rope)
         vb = a.v_proj(h).view(1, n, a.nkv, a.d).transpose(1, 2)
-        k = torch.cat([self.keys[i], kb], dim=2) if self.keys[i] is not None else kb
-        v = torch.cat([self.values[i], vb], dim=2) if self.values[i] is not None else vb
-        out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(a.d), enable_gqa=a.nh != a.nkv)
+        c = self.cached  # the block's keys/values are scratch just after the cached context
+        self.keys[i][:, :, c:c + n], self.values[i][:, :, c:c + n] = kb, vb
+        out = F.scaled_dot_product_attention(q, self.keys[i][:, :, :c + n], self.values[i][:, :, :c + n],
+                                             scale=1.0 / math.sqrt(a.d), enable_gqa=a.nh != a.nkv)
         return a.o_proj(out.transpose(1, 2).reshape(1, n, a.nh * a.d))
 
 

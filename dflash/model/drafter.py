@@ -33,6 +33,7 @@ from torch import nn
 
 from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
+from dflash.model.target_config import TargetConfig
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
@@ -60,6 +61,10 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (``hidden_size`` must equal the target's: the embedding is shared).
         target_layer_ids: captured target layers (set by :meth:`resolve`).
         num_target_layers: depth of the target (recorded for export).
+        kernels: "torch" (the ops below) | "liger": Liger-Kernel's fused RMSNorm and SwiGLU
+            (Triton, CUDA only; :mod:`dflash.model.drafter_kernels`). Same parameters and
+            state-dict keys; equal loss and gradients to bf16 rounding (tested on the GPU).
+        compile: ``torch.compile`` each decoder layer in place (same state-dict keys).
         variant: "dflash" (the DFlash drafter) | "dflash2" (z-lab's DFlash2: adds a grouped
             dynamic causal convolution around every sublayer and a candidate selector,
             :mod:`dflash.model.dflash2`). The four fields below are read by "dflash2" only; their
@@ -87,6 +92,8 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vocab_size: int | None = None
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
+    kernels: Literal["torch", "liger"] = "torch"
+    compile: bool = False
     variant: Literal["dflash", "dflash2"] = "dflash"
     conv_kernel_size: Positive = 2
     conv_group_size: Positive = 16
@@ -175,7 +182,7 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                                  f"({self.vocab_size} tokens); published: 16")
 
 
-def resolve_drafter_config(cfg: DrafterConfig, target_cfg) -> DrafterConfig:
+def resolve_drafter_config(cfg: DrafterConfig, target_cfg: TargetConfig) -> DrafterConfig:
     """:meth:`DrafterConfig.resolve` against the target described by ``target_cfg``
     (a :class:`dflash.model.target.TargetConfig`), without building the target."""
     from dflash.model.target import build_hf_config, resolve_layer_ids
@@ -337,6 +344,10 @@ class DFlashDrafter(nn.Module):
                                                   / cfg.head_dim)).float()
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copies per device, made once
         self.reset_parameters(seed)
+        if cfg.kernels != "torch" or cfg.compile:  # fused kernels / compiled layers, same weights
+            from dflash.model.drafter_kernels import apply_kernels
+
+            apply_kernels(self, cfg.kernels, cfg.compile, RMSNorm, MLP)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:

@@ -1,14 +1,22 @@
 """Which target layers feed the drafter: the public DFlash default, or ``target.layer_ids`` checked.
 
-Layer ids are 0-based decoder layer indices; the captured tensor is that layer's *output*
-(``output_hidden_states[i + 1]`` in Hugging Face terms), as in the public DFlash code.
+Layer ids are 0-based decoder layer indices; the captured tensor is that decoder layer's raw
+*output*. For ``i < L - 1`` that is transformers' ``output_hidden_states[i + 1]``, which z-lab's
+``extract_context_feature`` and SpecForge read. For the last layer (``i = L - 1``) it is not:
+transformers' ``hidden_states[L]`` is taken *after* the final norm (they differ by tens), and
+vLLM speculators reject that layer outright. So a new run may not list the last layer
+(:func:`check_not_last_layer`, raised by ``dflash.run``'s preflight): rejecting it, rather than
+capturing the post-norm tensor, keeps every export decoding right in z-lab's loop *and* in the
+stacks that refuse the layer. Checkpoints trained on it before still load (``dflash.export``
+warns).
 """
 
 from __future__ import annotations
 
+from dflash.errors import ConfigError
 from dflash.model.target_config import TargetConfig
 
-__all__ = ["default_layer_ids", "resolve_layer_ids"]
+__all__ = ["check_not_last_layer", "default_layer_ids", "resolve_layer_ids"]
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -59,3 +67,18 @@ def resolve_layer_ids(cfg: TargetConfig, hf_config, num_draft_layers: int) -> li
     if not ids or ids[0] < 0 or ids[-1] >= L or len(set(ids)) != len(ids):
         raise ValueError(f"target.layer_ids = {cfg.layer_ids} must be distinct ids in [0, {L - 1}]")
     return ids
+
+
+def check_not_last_layer(layer_ids: list[int], num_target_layers: int) -> None:
+    """Refuse the target's last layer as a drafter feature (module docstring says why).
+
+    Raises:
+        ConfigError: ``num_target_layers - 1`` is in ``layer_ids``; one line naming the ids.
+    """
+    L = num_target_layers
+    if L - 1 in layer_ids:
+        raise ConfigError(
+            f"target.layer_ids = {list(layer_ids)} include {L - 1}, the last layer of the {L}-layer target: "
+            "z-lab's and SpecForge's decoders feed the drafter hidden_states[L] for it (after the final "
+            "norm, not the layer output trained on here) and vLLM speculators reject it, so an export "
+            f"would draft wrong; use ids in [0, {L - 2}]")

@@ -5,7 +5,22 @@ it, so a transformers user needs no other package::
 
     from transformers import AutoModel
     drafter = AutoModel.from_pretrained(EXPORT_DIR, trust_remote_code=True)
-    out = drafter(target_hidden=feats, noise_embedding=block_emb).last_hidden_state
+    hidden = drafter(target_hidden=feats, noise_embedding=block_emb)      # [B, Q, H]
+    logits = drafter.compute_logits(hidden[:, 1:], target.lm_head)        # the drafted tokens
+
+Without ``trust_remote_code=True`` transformers ignores this file and silently builds a plain
+``Qwen3Model`` from ``config.json`` (``model_type = "qwen3"``), which is not a drafter.
+
+The class presents the interface of z-lab's ``dflash_generate`` loop (``model.block_size``,
+``model.mask_token_id``, ``model.target_layer_ids``, ``model.config``, :meth:`compute_logits`, a
+draft KV cache through ``past_key_values``/``use_cache``, and a forward that returns the hidden
+state tensor), so ``dflash_generate(AutoModel.from_pretrained(DIR, trust_remote_code=True),
+target, ...)`` decodes with it (tested in ``tests/test_export_zlab.py`` where z-lab's package is
+importable).
+
+Weights are initialised (``_init_weights``) only where transformers has not loaded them: the
+post-load initialisation that transformers 5.0-5.12 run on ``trust_remote_code`` classes skips
+every parameter flagged ``_is_hf_initialized``, so loading never re-randomises an exported weight.
 
 It imports only torch and transformers (never ``dflash``), and computes what
 ``dflash.model.drafter.DFlashDrafter`` computes for one block after a context (tested in
@@ -63,13 +78,20 @@ class DFlashAttention(nn.Module):
         self.q_norm = DFlashRMSNorm(d, c.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(d, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
+    def forward(self, x, ctx, rope_q, rope_k, mask, cache=None, layer_idx: int = 0) -> torch.Tensor:
+        """``mask``: a bool ``[B, 1, Q, K]`` tensor, or a callable of the key count ``K`` giving one
+        (the keys of a cached call are the cached ones plus this call's). ``cache``: a transformers
+        ``Cache`` that gets this call's rotated keys/values (context then block) for ``layer_idx``."""
         B, Q, _ = x.shape
         kv_in = torch.cat([ctx, x], dim=1)
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.d)).transpose(1, 2)
         k = self.k_norm(self.k_proj(kv_in).view(B, -1, self.nkv, self.d)).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, -1, self.nkv, self.d).transpose(1, 2)
         q, k = _rope(q, *rope_q), _rope(k, *rope_k)
+        if cache is not None:
+            k, v = cache.update(k, v, layer_idx)
+        if callable(mask):
+            mask = mask(k.shape[2])
         rep = self.nh // self.nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.d))
@@ -96,8 +118,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+    def forward(self, x, ctx, rope_q, rope_k, mask, cache=None, layer_idx: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, cache, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,10 +128,31 @@ def _rope_theta(c: Qwen3Config) -> float:
     return float(params.get("rope_theta", getattr(c, "rope_theta", 10_000.0)))
 
 
+def _dflash_value(c: Qwen3Config, name: str, default=None):
+    """A DFlash setting: ``config.dflash_config[name]``, else ``config.<name>``, else ``default``
+    (where the public DFlash drafters look, so their config files and ours both load)."""
+    dfc = getattr(c, "dflash_config", None) or {}
+    return dfc[name] if name in dfc else getattr(c, name, default)
+
+
+def _init_unless_loaded(param, fill) -> None:
+    """``fill(param)`` in place unless transformers marked ``param`` as loaded (``_is_hf_initialized``).
+
+    transformers 5.0-5.12 call ``_init_weights`` on a ``trust_remote_code`` model *after* loading
+    its weights; an unguarded in-place init there replaces every loaded weight with a random one.
+    """
+    if param is None or getattr(param, "_is_hf_initialized", False):
+        return
+    with torch.no_grad():
+        fill(param)
+
+
 class DFlashDraftModel(PreTrainedModel):
     """The DFlash drafter (no embedding, no LM head: both are the target's).
 
-    ``config.dflash_config`` holds ``block_size``, ``mask_token_id`` and ``target_layer_ids``.
+    ``config.dflash_config`` holds ``block_size``, ``mask_token_id`` and ``target_layer_ids``;
+    they are also attributes (``block_size``, ``mask_token_id``, ``target_layer_ids``), as z-lab's
+    ``dflash_generate`` reads them.
     """
 
     config_class = Qwen3Config
@@ -120,20 +163,24 @@ class DFlashDraftModel(PreTrainedModel):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         H = config.hidden_size
-        k = len(config.dflash_config["target_layer_ids"])
+        self.target_layer_ids = [int(i) for i in _dflash_value(config, "target_layer_ids")]
+        self.block_size = int(_dflash_value(config, "block_size", 16))
+        self.mask_token_id = _dflash_value(config, "mask_token_id")
         types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        self.block_size = int(config.dflash_config["block_size"])
-        self.fc = nn.Linear(k * H, H, bias=False)
+        self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = DFlashRMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, t) for t in types)
         self.norm = DFlashRMSNorm(H, config.rms_norm_eps)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
+        """normal(0, initializer_range) Linear weights, unit RMSNorm weights; a weight transformers
+        has loaded is never touched (:func:`_init_unless_loaded`)."""
         if isinstance(module, nn.Linear):
-            module.weight.data.normal_(0.0, self.config.initializer_range)
+            std = self.config.initializer_range
+            _init_unless_loaded(module.weight, lambda w: w.normal_(0.0, std))
         elif isinstance(module, DFlashRMSNorm):
-            module.weight.data.fill_(1.0)
+            _init_unless_loaded(module.weight, lambda w: w.fill_(1.0))
 
     def _rope_table(self, positions: torch.Tensor):
         d = self.layers[0].self_attn.d
@@ -156,24 +203,43 @@ class DFlashDraftModel(PreTrainedModel):
             mask[:, :, T:] &= (kv[None, None, T:] - T) <= q[None, :, None]
         return mask[:, None]
 
+    def compute_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
+        """Draft logits ``[..., V]`` of hidden states ``[..., H]`` through the target's LM head
+        ``output_head``, times ``output_multiplier`` and tanh-capped at ``final_logit_softcapping``
+        when the config sets them (as z-lab's drafters do; 1.0 and none by default)."""
+        logits = output_head(hidden) * float(_dflash_value(self.config, "output_multiplier", 1.0))
+        cap = _dflash_value(self.config, "final_logit_softcapping")
+        if cap is not None and float(cap) > 0:
+            logits = torch.tanh(logits / float(cap)) * float(cap)
+        return logits
+
     def forward(self, target_hidden: torch.Tensor, noise_embedding: torch.Tensor,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                return_dict: bool | None = None, **kwargs) -> BaseModelOutput:
+                past_key_values=None, use_cache: bool = False, return_dict: bool | None = None,
+                **kwargs):
         """Draft hidden states for one block per row.
 
         Args:
             target_hidden: ``[B, T, k*H]`` the target's hidden states of the context tokens at
-                ``dflash_config.target_layer_ids``, concatenated on the last dim.
+                ``target_layer_ids``, concatenated on the last dim (with a cache: only the
+                context tokens it does not hold yet; ``T`` may be 0).
             noise_embedding: ``[B, Q, H]`` the target's embeddings of the block tokens
-                ``[anchor, mask, ..., mask]`` (``Q = block_size``).
-            position_ids: ``[B, T+Q]`` RoPE positions of the context then the block tokens
+                ``[anchor, mask, ..., mask]`` (``Q <= block_size``).
+            position_ids: ``[B, T+Q]`` RoPE positions of these context then block tokens
                 (default ``0..T+Q-1``: the anchor right after the context).
-            attention_mask: bool ``[B, 1, Q, T+Q]`` (True = attend), or None for
-                :meth:`default_mask` (the same mask for every layer when given).
+            attention_mask: bool ``[B, 1, Q, K]`` (True = attend; ``K`` = keys incl. cached ones),
+                or None for :meth:`default_mask` (the same mask for every layer when given).
+            past_key_values: a transformers ``Cache`` (e.g. ``DynamicCache(config=model.config)``)
+                holding the keys/values of earlier context tokens; this call's are appended (crop
+                it back to the context after the block, as z-lab's ``dflash_generate`` does).
+                Cached keys are taken to sit at the positions right before this call's tokens.
+            use_cache: accepted for z-lab's call; the cache is used whenever one is given.
+            return_dict: True for a ``BaseModelOutput``; otherwise the tensor itself.
 
         Returns:
-            ``last_hidden_state [B, Q, H]`` (post-norm); slot ``j`` predicts token ``anchor + j``
-            through the target's LM head.
+            ``[B, Q, H]`` post-norm hidden states (``.last_hidden_state`` of a ``BaseModelOutput``
+            with ``return_dict=True``); slot ``j`` predicts token ``anchor + j`` through the
+            target's LM head (:meth:`compute_logits`).
         """
         B, T, _ = target_hidden.shape
         Q = noise_embedding.shape[1]
@@ -184,16 +250,28 @@ class DFlashDraftModel(PreTrainedModel):
         x = noise_embedding.to(dtype)
         rope_q = self._rope_table(position_ids[:, T:])
         rope_k = self._rope_table(position_ids)
-        masks: dict[str, torch.Tensor] = {}
-        for layer in self.layers:
+        cache = past_key_values
+
+        def mask_for(layer_type: str):
             if attention_mask is not None:
-                mask = attention_mask.bool()
-            else:
-                if layer.layer_type not in masks:
-                    masks[layer.layer_type] = self.default_mask(T, Q, position_ids, layer.layer_type)
-                mask = masks[layer.layer_type]
-            x = layer(x, ctx, rope_q, rope_k, mask)
-        return BaseModelOutput(last_hidden_state=self.norm(x))
+                return attention_mask.bool()
+            if cache is None:
+                return self.default_mask(T, Q, position_ids, layer_type)
+
+            def with_keys(K: int) -> torch.Tensor:  # cached keys: the positions just before this call's
+                first = position_ids[:, T:T + 1] - (K - Q)
+                kpos = first + torch.arange(K, device=position_ids.device)[None]
+                return self.default_mask(K - Q, Q, kpos, layer_type)
+
+            return with_keys
+
+        masks: dict[str, object] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.layer_type not in masks:
+                masks[layer.layer_type] = mask_for(layer.layer_type)
+            x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type], cache, i)
+        out = self.norm(x)
+        return BaseModelOutput(last_hidden_state=out) if return_dict else out
 
 
 __all__ = ["DFlashDraftModel"]

@@ -32,6 +32,7 @@ from torch import nn
 from dflash.model.document_mask import document_attention_mask, document_causal_mask
 from dflash.model.layer_ids import default_layer_ids, resolve_layer_ids
 from dflash.model.shared_head import SharedHead, read_safetensors
+from dflash.model.target_engine import VARLEN, CompiledLayers, check_engine, varlen_kwargs
 from dflash.model.target_config import (
     PRESETS,
     TargetConfig,
@@ -148,12 +149,14 @@ class Target(nn.Module):
         has_final: whether the final norm and all layers are kept.
     """
 
-    def __init__(self, model: nn.Module, hf_config, layer_ids: list[int], need_final: bool) -> None:
+    def __init__(self, model: nn.Module, hf_config, layer_ids: list[int], need_final: bool,
+                 compiled: CompiledLayers | None = None) -> None:
         super().__init__()
         self.model = model
         self.hf_config = hf_config
         self.layer_ids = list(layer_ids)
         self.has_final = need_final
+        self.compiled = compiled  # [target].compile: the decoder layers' compiled forwards
         self._captured: dict[int, torch.Tensor] = {}
         layers = self.decoder_layers
         for i in self.layer_ids:
@@ -207,10 +210,14 @@ class Target(nn.Module):
         if need_final and not self.has_final:
             raise RuntimeError("Target was loaded with need_final=False (layers after the last "
                                "captured one dropped); load it with need_final=True")
-        mask = document_attention_mask(doc_ids, self.hf_config._attn_implementation,
-                                       self.model.model.embed_tokens.weight.dtype)
+        impl, extra = self.hf_config._attn_implementation, {}
+        compiled = self.compiled is not None and self.compiled.use_for(input_ids.shape)
+        if impl == VARLEN:  # no mask: one causal sequence per document (dflash.model.target_engine)
+            mask, extra = None, varlen_kwargs(doc_ids, doc_ids.shape[1] if compiled else None)
+        else:
+            mask = document_attention_mask(doc_ids, impl, self.model.model.embed_tokens.weight.dtype)
         out = self.model.model(input_ids=input_ids, position_ids=position_ids,
-                               attention_mask=mask, use_cache=False)
+                               attention_mask=mask, use_cache=False, **extra)
         layer_hidden = self.collect()
         return layer_hidden, (out.last_hidden_state if need_final else None)
 
@@ -222,6 +229,11 @@ def _build(cfg: TargetConfig, device, num_draft_layers: int, need_final: bool):
     hf = build_hf_config(cfg)
     layer_ids = resolve_layer_ids(cfg, hf, num_draft_layers)
     dtype = resolve_dtype(cfg.dtype, device)
+    check_engine(cfg.quantization, cfg.attn_implementation, device, dtype)
+    if cfg.attn_implementation == VARLEN:
+        from dflash.model.target_engine import register_varlen
+
+        register_varlen()  # before transformers checks the attention name
     build_cfg = hf
     if not need_final:
         build_cfg = hf.__class__.from_dict(hf.to_dict())
@@ -257,6 +269,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers:
 
     Raises:
         ValueError: a ``layer_ids`` entry is out of range.
+        ConfigError: an engine setting (``quantization``, ``attn_implementation = "varlen"``)
+            this device or install cannot run (:func:`dflash.model.target_engine.check_engine`).
     """
     # One build at a time per process: transformers imports lazily and builds on the meta device
     # through process-global patches; two replicas' threads loading at once failed the import or
@@ -266,4 +280,11 @@ def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers:
     if not need_final:
         model.lm_head = None  # the features never need the LM head; free its [V, H] weight
     model.eval().requires_grad_(False)
-    return Target(model, hf, layer_ids, need_final)
+    if cfg.quantization == "fp8":  # after the weights are final; decoder layers only (head shared)
+        from dflash.model.target_engine import quantize_fp8
+
+        quantize_fp8(model.model.layers)
+    compiled = None
+    if cfg.compile:
+        compiled = CompiledLayers(model.model.layers, None if cfg.compile_mode == "default" else cfg.compile_mode)
+    return Target(model, hf, layer_ids, need_final, compiled)

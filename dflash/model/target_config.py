@@ -60,7 +60,8 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         path: local Hugging Face model directory (never a hub id: nothing is downloaded), or None
-            for a ``preset``-shaped model with seeded random weights.
+            for a ``preset``-shaped model with seeded random weights. Relative: to the graph
+            file's directory; given with ``--set``, to the current one (:mod:`dflash.run.config`).
         preset: shape used when ``path`` is None: "tiny" | "qwen3-0.6b" | "qwen3-1.7b" | "qwen3-8b".
         overrides: transformers config fields applied on top of the preset or the local config;
             a key the config class does not know is an error (:func:`check_overrides`).
@@ -68,11 +69,20 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "tiny".
         seed: random-init seed (only with ``path = None``).
         dtype: "auto" (bf16 on CUDA, fp32 on CPU) | "bfloat16" | "float16" | "float32".
-        attn_implementation: "sdpa" | "flex_attention" | "eager".
+        attn_implementation: "sdpa" | "flex_attention" | "eager" | "varlen" (packed documents as
+            variable-length sequences, no mask: ``torch.nn.attention.varlen``, bf16/fp16 on CUDA;
+            :mod:`dflash.model.target_engine`).
+        quantization: "none" | "fp8": the decoder layers' Linear weights in float8 with dynamic
+            per-row activation scales (torchao; CUDA capability >= 8.9). Embedding and LM head stay
+            in the target dtype (shared with the drafter).
+        compile: ``torch.compile`` each decoder layer for the fixed packed shape; a batch of
+            another shape runs eagerly (one log line per shape).
+        compile_mode: the ``torch.compile`` mode with ``compile``: "default" |
+            "max-autotune-no-cudagraphs" | "reduce-overhead".
         layer_ids: 0-based decoder layers whose outputs feed the drafter; None = the DFlash evenly
             spaced choice for the drafter's layer count (:func:`default_layer_ids`).
-        tokenizer: tokenizer spec for the data path ("builtin:tiny" or a local directory);
-            None = ``path`` (or "builtin:tiny" without a path). Not used by the model code.
+        tokenizer: tokenizer spec for the data path ("builtin:tiny" or a local directory,
+            resolved like ``path``); None = ``path`` (or "builtin:tiny" without a path). Not used by the model code.
     """
 
     path: str | None = None
@@ -81,7 +91,10 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vocab_size: int | None = None
     seed: int = 0
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    attn_implementation: Literal["sdpa", "flex_attention", "eager"] = "sdpa"
+    attn_implementation: Literal["sdpa", "flex_attention", "eager", "varlen"] = "sdpa"
+    quantization: Literal["none", "fp8"] = "none"
+    compile: bool = False
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
     layer_ids: list[int] | None = None
     tokenizer: str | None = None
 
@@ -95,8 +108,10 @@ def for_generation(cfg: TargetConfig) -> TargetConfig:
     (``dflash.eval``, ``dflash.regenerate``, decode benchmarks). Training's ``flex_attention`` is
     for packed documents, where a ``BlockMask`` skips the other documents' tiles; a KV-cached
     decode has one sequence and no document mask, and flex would compile for every new length.
-    The outputs are the same (``tests/test_model_target.py`` holds the implementations equal)."""
-    return msgspec.structs.replace(cfg, attn_implementation="sdpa")
+    The outputs are the same (``tests/test_model_target.py`` holds the implementations equal).
+    ``compile`` is turned off too (a decode's shape changes every token); ``quantization`` is kept:
+    it is the model being served."""
+    return msgspec.structs.replace(cfg, attn_implementation="sdpa", compile=False)
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> torch.dtype:

@@ -235,7 +235,8 @@ def find_gaps(records: list[Rec], *, gap_factor: float = 3.0) -> list[Gap]:
                 t = r.get("time")
                 if not _finite(t):
                     continue
-                if r["kind"] == "checkpoint" and t - (r.get("save_s") or 0.0) < t1 and t > t0:
+                if r["kind"] == "checkpoint" and not r.get("demoted") and t - (r.get("save_s") or 0.0) < t1 \
+                        and t > t0:
                     causes.append(f"checkpoint at step {r.get('step')} (save {r.get('save_s', 0.0):.1f} s)")
                 elif r["kind"] == "resume" and t0 < t <= t1:
                     causes.append(f"resume from {r.get('path')} at step {r.get('step')}")

@@ -12,6 +12,7 @@ skipped, and the averages are then null).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._file = open(self.path, "ab", buffering=0)
+        self.broken = False  # a write failed (full disk): later records are dropped
 
     def write(self, record: RecordBase | dict[str, Any]) -> None:
         """Append one record; sets its ``time`` to now when unset. A dict (``{"kind": ..., ...}``, the
@@ -40,8 +42,14 @@ class MetricsLog:
         """
         line = encode(record)
         with self._lock:
-            if not self._file.closed:
+            if self._file.closed or self.broken:
+                return
+            try:
                 self._file.write(line)
+            except OSError as exc:  # a full disk: say so once, keep training (the checkpoint says the rest)
+                self.broken = True
+                print(f"warning: cannot write {self.path} ({exc.strerror or exc}); its further records "
+                      "are dropped (said once)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         with self._lock:

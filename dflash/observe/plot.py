@@ -220,8 +220,8 @@ def _mark_events(axes: Any, records: list[Mapping[str, Any]], find_gaps: Any) ->
     from matplotlib.patches import Patch
 
     skips = [r["step"] for r in records if r.get("kind") == "skip" and _finite(r.get("step"))]
-    ckpts = [(r["step"], bool(r.get("healthy", True))) for r in records
-             if r.get("kind") == "checkpoint" and _finite(r.get("step"))]
+    ckpts = list({r["step"]: bool(r.get("healthy", True)) for r in records  # a step's last record holds
+                  if r.get("kind") == "checkpoint" and _finite(r.get("step"))}.items())
     resumes = [r["step"] for r in records if r.get("kind") == "resume" and _finite(r.get("step"))]
     try:  # a gap across a stop and resume is the resume line itself, not a band
         gaps = [(g.after_step, g.before_step) for g in find_gaps(records)

@@ -66,9 +66,67 @@ def console() -> Console:
     return _console
 
 
+class _TerminalFormatter(logging.Formatter):
+    """The terminal's format, without the traceback of a :class:`dflash.errors.DiskFullError`: its
+    one line says all (the device, the last good checkpoint); run.log keeps the traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from dflash.errors import DiskFullError
+
+        if not (record.exc_info and isinstance(record.exc_info[1], DiskFullError)):
+            return super().format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
 class _TerminalFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not getattr(record, "file_only", False) and not record.name.startswith(_FILE_ONLY_LOGGERS)
+
+
+def _say_once(what: Path, exc: BaseException | None) -> None:
+    """The one stderr line for a run file that can no longer be written."""
+    cause = getattr(exc, "strerror", None) or (str(exc) if exc is not None else "write failed")
+    print(f"warning: cannot write {what} ({cause}); its further lines are dropped (said once)",
+          file=sys.stderr, flush=True)
+
+
+class RunLogHandler(logging.FileHandler):
+    """``RUN_DIR/run.log``: a record that cannot be written (a full disk, a read-only remount) is
+    reported once on stderr, and the handler stops writing, instead of logging's "--- Logging error
+    ---" traceback on every later record."""
+
+    broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.broken:
+            super().emit(record)
+
+    def flush(self) -> None:
+        if self.broken:
+            return
+        try:
+            super().flush()
+        except OSError as exc:
+            self._give_up(exc)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # logging's name
+        self._give_up(sys.exc_info()[1])
+
+    def _give_up(self, exc: BaseException | None) -> None:
+        if not self.broken:
+            self.broken = True
+            _say_once(Path(self.baseFilename), exc)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # flushing a full disk on close
+            pass
 
 
 def setup(run_dir: Path) -> Console:
@@ -86,12 +144,13 @@ def setup(run_dir: Path) -> Console:
 
         term: logging.Handler = RichHandler(console=_console, show_path=False, rich_tracebacks=False,
                                             markup=False)
+        term.setFormatter(_TerminalFormatter("%(message)s"))
     else:
         term = logging.StreamHandler(sys.stderr)
-        term.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+        term.setFormatter(_TerminalFormatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     term.addFilter(_TerminalFilter())
     term.setLevel(logging.INFO)
-    file = logging.FileHandler(run_dir / "run.log")
+    file = RunLogHandler(run_dir / "run.log")
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for h in (term, file):

@@ -40,6 +40,7 @@ STATUS_TEXT = {
     "aborted": "aborted (second stop signal): no final checkpoint was written",
     "failed": "failed",
     "stuck": "abandoned: a process did not stop",
+    "disk full": "stopped: the disk is full, a checkpoint could not be written",
     "nothing to do": "nothing to do: the run is already at its last step",
 }
 FINISHED = ("completed", "nothing to do")  # statuses with nothing left to resume

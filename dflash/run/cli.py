@@ -13,6 +13,8 @@ Exit codes:
     2    bad graph file, config or data (nothing started; config errors, including those across
          tables such as drafter vs target shapes, come before any data is read or written)
     3    a stage did not stop within 10 s of an abort (one line names it)
+    4    disk full: a checkpoint could not be written (one line names the device; the partial save is
+         removed, the last good checkpoint intact; :class:`dflash.errors.DiskFullError`)
     130  stopped by Ctrl-C or SIGTERM: the graph drained and a final checkpoint was written
 
 However it ends, a closing summary (:mod:`dflash.observe.summary`) says what was done and saved and what to
@@ -23,6 +25,7 @@ is importable. Output: :mod:`dflash.observe.runlog`.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -37,6 +40,7 @@ import torch
 import csp
 import csp.dist
 from dflash.checkpoint import CheckpointError, check_architecture
+from dflash.checkpoint.files import device_of
 from dflash.checkpoint.resume import (
     archive_foreign,
     changes_since,
@@ -44,17 +48,23 @@ from dflash.checkpoint.resume import (
     new_lineage,
 )
 from dflash.checkpoint.resume import choose as choose_resume
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DiskFullError
 from dflash.observe import runlog
 from dflash.observe.metrics_writer import MetricsLog
 from dflash.records import EndRecord, ResumeRecord, StartRecord
 from dflash.run.app import ResumeState, RunApp
 from dflash.run.args import INTERRUPTED_STARTING, build_parser
 from dflash.run.config import DFlashFile, load_config, to_toml
-from dflash.run.preflight import preflight
+from dflash.run.preflight import check_run_dir, disk_space_warnings, preflight
 from dflash.run.resolve import Resolved, resolve
 
 log = logging.getLogger("dflash.run")
+
+EXIT_DISK_FULL = 4
+"""A checkpoint could not be written for lack of space (:class:`dflash.errors.DiskFullError`)."""
+EXIT_DEADLOCK = 5
+"""Every stage waited on a channel and nothing moved for ``[runtime].deadlock_timeout_s``; csp.run
+itself uses 4 for it, which dflash.run gives to a full disk."""
 
 
 def _error(exc: BaseException | str) -> None:
@@ -79,12 +89,17 @@ def acquire_run_lock(run_dir: Path):
     run directory: their checkpoints and metrics would interleave).
 
     Raises:
-        ConfigError: another process holds the lock.
+        ConfigError: another process holds the lock, or the directory or its lock file cannot be
+            created or written (one line naming the path and the OS's reason).
     """
     import fcntl
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / ".lock", "a+")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(run_dir / ".lock", "a+")
+    except OSError as exc:
+        raise ConfigError(f"run.out_dir = {str(run_dir)!r}: cannot create {exc.filename or run_dir}: "
+                          f"{exc.strerror or exc}; choose another run.out_dir") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -93,10 +108,13 @@ def acquire_run_lock(run_dir: Path):
         f.close()
         raise ConfigError(f"{run_dir} is in use by another dflash.run (pid {other}); wait for it, "
                           "or choose another run.out_dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+    except OSError as exc:  # a full disk: the lock itself holds, the pid note is only a courtesy
+        log.debug("could not write the pid to %s: %s", run_dir / ".lock", exc)
     return f
 
 
@@ -272,10 +290,14 @@ def _main(argv: list[str] | None) -> int:
     run_dir = Path(cfg.run.out_dir)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        check_run_dir(cfg.run.out_dir)  # a file, read-only or over-long path: one line, before any data work
         lock = acquire_run_lock(run_dir) if rank == 0 else None
     except ConfigError as exc:
         _error(exc)
         return 2
+    if rank == 0:
+        for warning in disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         return _train(resolved, tok, args, graph, run_dir, rank)
     finally:
@@ -301,7 +323,12 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
         _error(interrupted_before_training(run_dir, args.resume or cfg.run.resume))
         return 130
     if rank == 0:
-        (run_dir / "config.toml").write_bytes(to_toml(cfg))
+        try:
+            (run_dir / "config.toml").write_bytes(to_toml(cfg))
+        except OSError as exc:  # a full disk before any step: one line, not a traceback
+            _error(f"cannot write {run_dir / 'config.toml'}: {exc.strerror or exc} (on {device_of(run_dir)})")
+            app.metrics.close()
+            return EXIT_DISK_FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else 1
     if app.steps_to_run == 0:  # the previous segment's csp stats and trace stay where csp.inspect reads them
         log.info("nothing to do: the checkpoint is already at step %d of %d", app.resume.start_step, cfg.run.steps)
         app.metrics.write(EndRecord(status="nothing to do", exit_code=0, seconds=0.0))
@@ -332,10 +359,16 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
     try:
         result = runtime.run()
         status, code, stopped_by = result.status, result.exit_code, result.stopped_by
+        if result.deadlock is not None:  # one line naming the cycle of waits
+            # csp.run's deadlock code is 4; dflash.run's 4 is a full disk, so a deadlock is 5 here
+            error, code = f"deadlock: {result.deadlock}", EXIT_DEADLOCK
+            _error(error)
     except csp.ProcessFailed as exc:
         _error(exc)
         error = str(exc)
-    except csp.ProcessStuck as exc:  # issue 14: one line naming it, exit 3 (the stack is in run.log)
+        if isinstance(exc.__cause__, DiskFullError):
+            status, code = "disk full", EXIT_DISK_FULL
+    except csp.ProcessStuck as exc:  # not a traceback: one line naming it, exit 3 (the stack is in run.log)
         status, code, error = "stuck", csp.runtime.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
         _error(error)
     finally:

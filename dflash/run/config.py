@@ -6,12 +6,21 @@ owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]`` is
 :class:`dflash.model.target.TargetConfig`, ``[drafter]`` :class:`dflash.model.drafter.DrafterConfig`, ``[loss]``
 :class:`dflash.train.loss.LossConfig`; this module adds ``[run]``, ``[train]``, ``[checkpoint]`` and
 ``[monitor]``.
+
+Paths (:data:`PATH_KEYS`): a relative path written in the graph file is relative to the graph
+file's own directory (``examples/dflash-tiny.toml`` says ``path = "../dflash/assets/..."`` and
+``out_dir = "../runs/dflash-tiny"``, so it trains the same from the repository root and from
+``examples/``); one given with ``--set`` is relative to the current directory. The loaded config
+holds each re-spelled for the current directory (:func:`csp.load_spec`), which is what
+``RUN_DIR/config.toml`` records. Every path must be usable on this system: no NUL character, no
+component over 255 bytes, at most 4,095 bytes in all (one line, exit 2, naming the key).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -19,6 +28,7 @@ import msgspec
 from msgspec import Meta
 
 import csp
+from csp.graph.load import cut
 from dflash.data import DataConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import DFLASH2_FIELDS, DrafterConfig
@@ -39,15 +49,24 @@ class RunSection(_Table):
 
     name: str
     out_dir: str
-    """Run directory (relative paths are relative to the current directory)."""
+    """Run directory (a relative path is relative to the graph file's directory; given with
+    ``--set``, to the current directory)."""
     steps: PositiveInt
     """Drafter steps (batches) to train in total, counting steps done before a resume."""
     seed: int = 0
-    """Seeds the data order, anchors, feature noise and drafter init."""
+    """Seeds the data order, anchors, feature noise and drafter init (any value
+    ``torch.manual_seed`` takes: -2**63 .. 2**64 - 1)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True); exact resume is bitwise on CPU in this mode."""
     resume: str = "auto"
-    """"auto" (newest healthy checkpoint of out_dir, if any), "none", or a checkpoint path."""
+    """"auto" (newest healthy checkpoint of out_dir, if any), "none", or a checkpoint path
+    (relative to the graph file, like out_dir)."""
+
+    def __post_init__(self) -> None:
+        # torch.manual_seed's range; beyond it the run died with "Overflow when unpacking long long"
+        if not -(2**63) <= self.seed <= 2**64 - 1:
+            raise ValueError(f"run.seed = {cut(str(self.seed))} is out of range: a seed is an integer in "
+                             "-2**63 .. 2**64 - 1")
 
 
 class TrainSection(_Table):
@@ -55,7 +74,7 @@ class TrainSection(_Table):
 
     num_anchors: PositiveInt = 256
     """Training blocks (anchors) sampled per packed row, the same for every batch (a sampling
-    setting, not part of the drafter model: it was ``[drafter].num_anchors`` before issue 15)."""
+    setting, not part of the drafter model: it was ``[drafter].num_anchors`` in older configs)."""
     lr: Annotated[float, Meta(gt=0.0)] = 6e-4
     """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
     that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
@@ -92,7 +111,12 @@ class TrainSection(_Table):
     so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
     3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
     rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
-    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, issue 17), hence the default."""
+    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, the performance switches), hence the default."""
+    lm_head: Literal["chunked", "liger"] = "chunked"
+    """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
+    cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only: loss.kl_weight, tv_weight and
+    conf_weight must be 0).
+    Same loss and gradients to bf16 rounding (a GPU test)."""
 
     def __post_init__(self) -> None:
         # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
@@ -146,21 +170,72 @@ class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):
     monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
 
 
+PATH_KEYS = ("run.out_dir", "run.resume", "target.path", "target.tokenizer", "data.source", "data.cache_dir")
+"""The keys that hold paths. Not paths: ``run.resume`` "auto"/"none", ``target.tokenizer``
+"builtin:NAME", ``data.source`` "sharegpt" (:func:`is_path`)."""
+
+_NAME_MAX, _PATH_MAX = 255, 4095  # bytes: Linux's (and macOS's) limits for one component, a whole path
+
+
+def is_path(key: str, value: str) -> bool:
+    """Whether the graph file's ``value`` at dotted ``key`` is a path (see :data:`PATH_KEYS`)."""
+    if key not in PATH_KEYS:
+        return False
+    if key == "run.resume":
+        return value not in ("auto", "none")
+    if key == "target.tokenizer":
+        return not value.startswith("builtin:")
+    if key == "data.source":
+        return value != "sharegpt"
+    return True
+
+
+def check_paths(cfg: DFlashFile) -> None:
+    """Raise :class:`ConfigError` (one line naming the key) for a path this system cannot use:
+    a NUL character, a component over 255 bytes or a path over 4,095 bytes."""
+    for key in PATH_KEYS:
+        table, _, field = key.partition(".")
+        value = getattr(getattr(cfg, table), field)
+        if not isinstance(value, str) or not is_path(key, value):
+            continue
+        raw = os.fsencode(value)
+        longest = max((len(c) for c in raw.split(b"/")), default=0)
+        problem = ("contains a NUL character, which no path may hold" if "\0" in value else
+                   f"has a path component of {longest} bytes (at most {_NAME_MAX}): give a shorter name"
+                   if longest > _NAME_MAX else
+                   f"is {len(raw)} bytes long (at most {_PATH_MAX}): give a shorter path"
+                   if len(raw) > _PATH_MAX else None)
+        if problem:
+            raise ConfigError(f"{key} = {cut(value)!r} {problem}")
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashFile:
     """Read, override (``--set section.key=value``) and validate a DFlash graph file.
 
+    Relative paths (:data:`PATH_KEYS`) written in the file are relative to the file's directory,
+    those given by ``--set`` to the current directory (module docstring).
+
     Raises:
         ConfigError: missing file, bad TOML, unknown key, wrong type (csp's message, with the
-            path), or ``drafter.num_anchors``, which is ``train.num_anchors`` now.
+            path), a path no filesystem can open (:func:`check_paths`), or
+            ``drafter.num_anchors``, which is ``train.num_anchors`` now.
     """
     try:
-        return csp.load_spec(path, spec_type=DFlashFile, overrides=overrides or [])
+        cfg = csp.load_spec(path, spec_type=DFlashFile, overrides=overrides or [], file_paths=is_path)
     except csp.GraphError as exc:
         if _OLD_NUM_ANCHORS in str(exc):
             raise ConfigError(f"{path}: drafter.num_anchors is a training-sampling setting and has moved to "
                               "[train]: rename it to train.num_anchors (--set train.num_anchors=N)") from exc
         raise ConfigError(str(exc)) from exc
+    check_paths(cfg)
+    return cfg
 
+
+_SPEED_DEFAULTS = {
+    "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
+    "drafter": {"kernels": "torch", "compile": False},
+    "train": {"lm_head": "chunked"},
+}
 
 _OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"
 
@@ -179,11 +254,20 @@ def to_toml(cfg: DFlashFile) -> bytes:
     return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg)))
 
 
+_LOSS_KEYS_HASHED_WHEN_SET = ("tv_weight", "conf_weight")
+
+
 def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
-    # Hashed in the layout from before issue 15, where num_anchors sat in [drafter]: the same
+    # Speed-only switches (same loss to rounding, tested) are hashed only when set, so the hash of
+    # a file that leaves them at their defaults is the one it had before they existed.
+    for table, defaults in _SPEED_DEFAULTS.items():
+        for key, default in defaults.items():
+            if raw[table].get(key) == default:
+                raw[table].pop(key, None)
+    # Hashed in the older layout, where num_anchors sat in [drafter]: the same
     # settings give the same hash, so older checkpoints resume without a "config differs" warning.
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
     # DFlash2's settings change nothing a DFlash drafter trains: left out, a DFlash run hashes as
@@ -193,6 +277,12 @@ def config_hash(cfg: DFlashFile) -> str:
             raw["drafter"].pop(key)
         raw["loss"].pop("selector_weight")
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
+    # Loss terms added later are hashed only when switched on, so a file that leaves them at 0 keeps
+    # the hash it had before they existed (its checkpoints resume without a config-differs warning).
+    for key in _LOSS_KEYS_HASHED_WHEN_SET:
+        if raw["loss"].get(key) == 0.0:
+            raw["loss"].pop(key)
     raw.pop("monitor", None)
     raw.pop("trace", None)
+    raw.pop("runtime", None)  # supervision only (the deadlock timeout): not what is trained
     return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]

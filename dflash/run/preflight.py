@@ -12,13 +12,17 @@ data or writes anything.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+from pathlib import Path
 
 from dflash.errors import ConfigError
 from dflash.model.drafter import DrafterConfig
 from dflash.run.config import DFlashFile
 
-__all__ = ["check_block_fits", "check_drafter_attention", "check_drafter_replicas", "check_model_shapes",
-           "check_monitor_backend", "drafter_replicas", "lr_warnings", "preflight"]
+__all__ = ["check_block_fits", "check_drafter_attention", "check_drafter_replicas", "check_fast_paths",
+           "check_model_shapes", "check_monitor_backend", "check_run_dir", "checkpoint_bytes",
+           "disk_space_warnings", "drafter_replicas", "lr_warnings", "preflight"]
 
 DRAFTER_KIND = "dflash.drafter"
 MONITOR_KIND = "dflash.monitor"
@@ -58,10 +62,11 @@ def check_model_shapes(cfg: DFlashFile) -> DrafterConfig:
 
     Raises:
         ConfigError: unreadable ``target.path`` config, an unknown ``target.overrides`` key,
-            ``target.layer_ids`` out of range, a target too shallow for ``drafter.num_layers``
+            ``target.layer_ids`` out of range or naming the last layer, a target too shallow for ``drafter.num_layers``
             default layers, a ``drafter.hidden_size`` unlike the target's, or drafter heads that
             do not divide.
     """
+    from dflash.model.layer_ids import check_not_last_layer
     from dflash.model.target import build_hf_config, resolve_layer_ids
 
     try:
@@ -70,6 +75,7 @@ def check_model_shapes(cfg: DFlashFile) -> DrafterConfig:
         raise ConfigError(_one_line(exc)) from None
     try:
         layer_ids = resolve_layer_ids(cfg.target, hf, cfg.drafter.num_layers)
+        check_not_last_layer(layer_ids, hf.num_hidden_layers)
         drafter = cfg.drafter.resolve(hf, layer_ids)
         drafter.check_resolved()
     except ValueError as exc:
@@ -106,6 +112,50 @@ def check_drafter_attention(cfg: DFlashFile) -> None:
             f"drafter.attn_implementation = \"flex_attention\" needs a CUDA drafter, but process "
             f"'drafter' runs on {cpu[0]} (PyTorch's FlexAttention has no backward on CPU); set "
             "drafter.attn_implementation = \"sdpa\" or put the drafter on a cuda:N device")
+
+
+TARGET_KIND = "dflash.target"
+
+
+def check_fast_paths(cfg: DFlashFile) -> None:
+    """The fused/quantized paths against the loss, the installed packages and the devices.
+
+    Raises:
+        ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight``, ``tv_weight`` or
+            ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with ``train.sync_free_loss = false`` (it replaces the
+            fixed-shape head) or with a CPU drafter; a Liger switch without liger_kernel installed;
+            ``target.quantization = "fp8"`` without torchao, or ``fp8``/``varlen`` on a CPU target.
+    """
+    t, d, tr = cfg.target, cfg.drafter, cfg.train
+    if tr.lm_head == "liger":
+        soft = [k for k in ("kl_weight", "tv_weight", "conf_weight") if getattr(cfg.loss, k) > 0]
+        if soft:
+            raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
+                              f"loss.{soft[0]} = {getattr(cfg.loss, soft[0]):g}: set it to 0 or "
+                              "train.lm_head = \"chunked\"")
+        if d.variant == "dflash2":
+            raise ConfigError("train.lm_head = \"liger\" gives no top-K candidates for DFlash2's selector: "
+                              "set train.lm_head = \"chunked\" with drafter.variant = \"dflash2\"")
+        if not tr.sync_free_loss:
+            raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "
+                              "train.sync_free_loss = true or train.lm_head = \"chunked\"")
+        cpu = [x for x in _devices(cfg, DRAFTER_KIND) if not x.startswith("cuda")]
+        if cpu:
+            raise ConfigError(f"train.lm_head = \"liger\" runs Triton kernels on CUDA, but process "
+                              f"'drafter' runs on {cpu[0]}: set train.lm_head = \"chunked\"")
+    if (tr.lm_head == "liger" or d.kernels == "liger") and importlib.util.find_spec("liger_kernel") is None:
+        key = "train.lm_head" if tr.lm_head == "liger" else "drafter.kernels"
+        raise ConfigError(f"{key} = \"liger\" needs the liger-kernel package (pip install liger-kernel); "
+                          f"set {key} = \"{'chunked' if key == 'train.lm_head' else 'torch'}\"")
+    if t.quantization == "fp8" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("target.quantization = \"fp8\" needs the torchao package (pip install torchao); "
+                          "set target.quantization = \"none\"")
+    engine = [f"target.quantization = \"{t.quantization}\""] if t.quantization != "none" else []
+    engine += ["target.attn_implementation = \"varlen\""] if t.attn_implementation == "varlen" else []
+    cpu = [x for x in _devices(cfg, TARGET_KIND) if not x.startswith("cuda")]
+    if engine and cpu:
+        raise ConfigError(f"{engine[0]} runs on CUDA only, but process 'target' runs on {cpu[0]}; "
+                          "put the target on a cuda:N device or leave the setting at its default")
 
 
 def drafter_replicas(cfg: DFlashFile) -> int:
@@ -149,7 +199,105 @@ def preflight(cfg: DFlashFile) -> list[str]:
     check_model_shapes(cfg)
     check_block_fits(cfg)
     check_drafter_attention(cfg)
+    check_fast_paths(cfg)
     return lr_warnings(cfg)
+
+
+def _name_max(path: Path) -> int:
+    try:
+        return os.pathconf(path, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` (absolute) or its nearest parent that exists (a too-long name counts as missing)."""
+    p = Path(os.path.abspath(path))
+    while p != p.parent:
+        try:
+            if p.exists():
+                return p
+        except OSError:  # ENAMETOOLONG
+            pass
+        p = p.parent
+    return p
+
+
+def check_run_dir(out_dir: str) -> None:
+    """``run.out_dir`` and its ``checkpoints/`` exist as directories or can be created, and can be
+    written; checked without creating anything (``dflash.run`` calls it before the run lock and
+    any data work).
+
+    Raises:
+        ConfigError: one line naming the path and the cause: a path component longer than the
+            filesystem allows (255 bytes), a file where a directory must be, a read-only
+            filesystem, or a directory this user cannot write.
+    """
+    shown = out_dir if len(out_dir) <= 120 else f"{out_dir[:60]}...{out_dir[-40:]}"
+    key = f"run.out_dir = {shown!r}"
+    path = Path(out_dir)
+    try:
+        existing = _nearest_existing(path)
+        limit = _name_max(existing if existing.is_dir() else existing.parent)
+        for part in path.parts:
+            if len(os.fsencode(part)) > limit:
+                short = part if len(part) <= 40 else f"{part[:20]}...{part[-12:]}"
+                raise ConfigError(f"{key}: the path component {short!r} is {len(os.fsencode(part))} bytes, "
+                                  f"over the filesystem's limit of {limit}; choose a shorter run.out_dir")
+        for p in (path, path / "checkpoints"):
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"{key}: {p} is a file, not a directory; move it away or choose "
+                                  "another run.out_dir")
+        if not existing.is_dir():
+            raise ConfigError(f"{key}: {existing} is a file, not a directory, so {path} cannot be "
+                              "created; choose another run.out_dir")
+        for p in (existing, path / "checkpoints"):
+            if not p.is_dir():
+                continue
+            if os.statvfs(p).f_flag & os.ST_RDONLY:
+                raise ConfigError(f"{key}: {p} is on a read-only filesystem; choose a writable run.out_dir")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"{key}: {p} is not writable by this user; choose another run.out_dir")
+    except (OSError, ValueError) as exc:  # a NUL byte, a name the OS refuses: still one line
+        raise ConfigError(f"{key} cannot be used: {_one_line(exc)}") from None
+
+
+def checkpoint_bytes(drafter: DrafterConfig) -> int:
+    """Expected size of one checkpoint of a resolved drafter, in bytes: its parameters (``fc``, the
+    layers' attention, MLP and norms, the final norms) in fp32, plus AdamW's two fp32 moments."""
+    H, n, k = drafter.hidden_size, drafter.num_layers, len(drafter.target_layer_ids)
+    q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
+    layer = H * q * 2 + H * kv * 2 + 3 * H * drafter.intermediate_size + 2 * drafter.head_dim + 2 * H
+    params = k * H * H + n * layer + 2 * H
+    return params * 4 * 3
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def disk_space_warnings(out_dir: str, drafter: DrafterConfig, keep_last: int) -> list[str]:
+    """A warning when the filesystem of ``run.out_dir`` has less free space than the checkpoints
+    a run keeps at once: ``keep_last`` plus the one being written (:func:`checkpoint_bytes` each).
+    Never raises."""
+    from dflash.checkpoint.files import device_of
+
+    try:
+        existing = _nearest_existing(Path(out_dir))
+        free = shutil.disk_usage(existing).free
+    except (OSError, ValueError):
+        return []
+    one = checkpoint_bytes(drafter)
+    need = one * (keep_last + 1)
+    if free >= need:
+        return []
+    return [(f"run.out_dir = {out_dir!r}: {device_of(existing)} has {_size(free)} free, short of the "
+             f"{_size(need)} that {keep_last + 1} checkpoints of about {_size(one)} need (checkpoint.keep_last = "
+             f"{keep_last}, plus the one being written); a full disk stops the run (exit 4)")]
 
 
 def _one_line(exc: BaseException) -> str:

@@ -11,7 +11,10 @@ plain torch ops for this loss (CE + temperature KL).
 Gradient (notation of :mod:`dflash.train.loss`, ``p = softmax(z^D)``, ``q_tau = softmax(z^D / tau)``,
 ``p^T_tau = softmax(z^T / tau)``, ``e_y`` the one-hot label):
 ``dl/dz^D = (1 - kl_weight) (p - e_y) + kl_weight * tau * (q_tau - p^T_tau)``, then
-``dl/dh = (dl/dz^D) W`` through the head (in the head's dtype, as autograd would).
+``dl/dh = (dl/dz^D) W`` through the head (in the head's dtype, as autograd would). With a TV or
+confidence term (``tv_weight``/``conf_weight`` > 0) the chunk's ``dl/dz^D`` is taken by autograd
+from :func:`dflash.train.loss.mixed_loss` itself on the chunk's fp32 logits (same formula, no
+second derivation to keep in step; a few more ``[c, V]`` buffers while the chunk is computed).
 
 Memory, for ``M`` slots, vocabulary ``V``, hidden ``H``, ``c`` slots per chunk (fp32 = 4 bytes):
 unchunked, autograd keeps the ``[M, V]`` fp32 log-probabilities for backward (two more ``[M, V]``
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.train.loss import LossConfig
+from dflash.train.loss import LossConfig, mixed_loss
 
 __all__ = ["chunked_head_loss"]
 
@@ -50,11 +53,21 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             z = head.logits(hidden[s:e]).float()                             # [c, V]
             zt = head.logits(target_hidden[s:e]).float() if target_hidden is not None else None
             y = zt.argmax(-1) if cfg.label == "target_argmax" else data_labels[s:e]
-            logp = F.log_softmax(z, dim=-1)
-            ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
+            if target_arg is not None:
+                target_arg[s:e] = zt.argmax(-1)
             draft_arg[s:e] = z.argmax(-1)
             if topk:  # DFlash2's selector candidates, before z is consumed
                 top_v[s:e], top_i[s:e] = torch.topk(z, topk, dim=-1)
+            if cfg.tv_weight > 0 or cfg.conf_weight > 0:
+                with torch.enable_grad():
+                    z_leaf = z.detach().requires_grad_(True)
+                    l_c, ce_c, kl_c = mixed_loss(cfg, z_leaf, y, zt)
+                    (dz,) = torch.autograd.grad(l_c.sum(), z_leaf)
+                l[s:e], ce[s:e], kl[s:e] = l_c.detach(), ce_c.detach(), kl_c.detach()
+                grad_h[s:e] = (dz.to(W.dtype) @ W).float()
+                continue
+            logp = F.log_softmax(z, dim=-1)
+            ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
             dz = logp.exp_()                                                 # p, in place
             dz.scatter_add_(1, y[:, None], torch.full_like(dz[:, :1], -1.0))  # p - e_y
             if kw > 0:
@@ -65,8 +78,6 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 dz.mul_(1.0 - kw).add_(logq_t.exp_().sub_(p_t), alpha=kw * tau)
             else:
                 kl[s:e] = 0.0
-            if target_arg is not None:
-                target_arg[s:e] = zt.argmax(-1)
             grad_h[s:e] = (dz.to(W.dtype) @ W).float()
             l[s:e] = (1.0 - kw) * ce[s:e] + kw * kl[s:e]
         ctx.save_for_backward(grad_h)
@@ -92,7 +103,7 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
         target_hidden: ``[M, H]`` target final hidden states predicting the same tokens, or None
             (required when the loss needs target logits).
         data_labels: ``[M]`` int64 dataset tokens.
-        cfg: the loss config (label, kl_weight, temperature).
+        cfg: the loss config (label, kl_weight, tv_weight, conf_weight, temperature).
         chunk: slots per chunk (>= 1).
         topk: > 0: also the drafter's ``topk`` largest logits per slot (DFlash2's selector
             candidates, :mod:`dflash.train.selector_loss`), taken from the same chunk logits.
@@ -109,6 +120,6 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
     """
     if chunk < 1:
         raise ValueError(f"LM-head chunk must be >= 1 slots, got {chunk}")
-    if (cfg.kl_weight > 0 or cfg.label == "target_argmax") and target_hidden is None:
-        raise ValueError("loss.kl_weight > 0 or label = 'target_argmax' needs target hidden states")
+    if (cfg.kl_weight > 0 or cfg.tv_weight > 0 or cfg.label == "target_argmax") and target_hidden is None:
+        raise ValueError("loss.kl_weight > 0, tv_weight > 0 or label = 'target_argmax' needs target hidden states")
     return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk, topk)

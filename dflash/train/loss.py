@@ -1,4 +1,4 @@
-"""DFlash training losses: hard cross-entropy, soft KL, and per-position weights.
+"""DFlash training losses: hard cross-entropy, soft KL and TV, a confidence term, position weights.
 
 Notation: a block has prediction slots ``j = 1 .. bs-1`` (slot ``j`` predicts token ``anchor + j``);
 ``z^D`` are drafter logits, ``z^T`` target logits for the same token (the target's logits at
@@ -9,7 +9,26 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
 * KL at temperature ``tau`` (knowledge distillation, Hinton et al. 2015, "Distilling the
   Knowledge in a Neural Network", with its ``tau^2`` gradient-scale factor):
   ``KL_{b,j} = tau^2 * sum_v p^T_v (log p^T_v - log p^D_v)``, ``p = softmax(z / tau)``.
-* Mixed per slot: ``l_{b,j} = (1 - kl_weight) * CE_{b,j} + kl_weight * KL_{b,j}``.
+* Total variation at the same temperature (DSpark: Cheng et al., DeepSeek-AI and Peking University, "DSpark:
+  Confidence-Scheduled Speculative Decoding with Semi-Autoregressive Generation", whose recipe is
+  ``0.1 CE + 0.9 TV + 1.0 conf``): ``TV_{b,j} = 0.5 * sum_v |p^T_v - p^D_v|``, ``p = softmax(z /
+  tau)``, no ``tau^2`` factor (TV is bounded in [0, 1]). ``1 - TV`` is the probability that
+  speculative sampling accepts a token drawn from ``p^D`` (Leviathan et al. 2023), so TV is the
+  loss that sampled acceptance optimises directly.
+* Confidence (``conf``): DSpark trains a separate confidence head to predict each position's
+  acceptance probability; this project's drafter has no such head, so the term here is a plainly
+  defined stand-in on the drafter's own distribution (no published formula): binary
+  cross-entropy making the drafter's top-1 probability ``c = max_v softmax(z^D)_v`` (temperature
+  1, the greedy draft's) match whether its argmax equals the hard label ``y``:
+  ``conf_{b,j} = -(a log c + (1 - a) log(1 - c))``, ``a = 1[argmax z^D = y]`` (not
+  differentiated). On a right slot it is ``CE``; on a wrong one it lowers the overconfident
+  top-1. A calibrated ``c`` is what a confidence-scheduled verifier needs.
+* Mixed per slot: ``l_{b,j} = (1 - kl_weight - tv_weight) * CE_{b,j} + kl_weight * KL_{b,j}
+  + tv_weight * TV_{b,j} + conf_weight * conf_{b,j}`` (terms with weight 0 are not computed, so
+  the defaults give exactly the plain CE/KL loss).
+* Precision: every term is computed in fp32 from fp32 casts of the logits. In bf16 the KL and TV
+  gradients are 19-31% off (catastrophic cancellation of nearly equal probabilities; found by
+  speculators' trainer), tested against a float64 reference in tests/test_loss_terms.py.
 * Position weights ``w_{b,j}`` (never differentiated):
 
   - ``"none"``: 1.
@@ -26,13 +45,15 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossConfig", "mixed_loss", "needs_final_hidden", "position_weights"]
+__all__ = ["LossConfig", "confidence_term", "mixed_loss", "needs_final_hidden", "position_weights",
+           "tv_term"]
 
 
 class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -40,8 +61,11 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     Attributes:
         label: hard CE label: "data" (dataset token) | "target_argmax".
-        kl_weight: weight of the KL term in [0, 1] (CE gets ``1 - kl_weight``).
-        temperature: KL temperature (> 0).
+        kl_weight: weight of the KL term in [0, 1] (CE gets ``1 - kl_weight - tv_weight``).
+        tv_weight: weight of the total-variation term in [0, 1], with ``kl_weight + tv_weight
+            <= 1`` (DSpark's recipe: 0.9); needs the target's logits, like KL.
+        conf_weight: weight (>= 0, added on top) of the confidence term (DSpark's recipe: 1.0).
+        temperature: KL and TV temperature (> 0).
         weighting: "exp_decay" | "streak" | "none".
         gamma: exp_decay scale, in block positions.
         alpha: streak floor in [0, 1].
@@ -51,6 +75,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     label: Literal["data", "target_argmax"] = "data"
     kl_weight: float = 0.0
+    tv_weight: float = 0.0
+    conf_weight: float = 0.0
     temperature: float = 1.0
     weighting: Literal["exp_decay", "streak", "none"] = "exp_decay"
     gamma: float = 7.0
@@ -60,6 +86,11 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if not 0.0 <= self.kl_weight <= 1.0:
             raise ValueError(f"loss.kl_weight must be in [0, 1], got {self.kl_weight}")
+        if not 0.0 <= self.tv_weight <= 1.0 - self.kl_weight:
+            raise ValueError(f"loss.tv_weight must be in [0, 1 - kl_weight] = [0, {1.0 - self.kl_weight:g}] "
+                             f"(CE gets 1 - kl_weight - tv_weight), got {self.tv_weight}")
+        if not (self.conf_weight >= 0.0 and math.isfinite(self.conf_weight)):
+            raise ValueError(f"loss.conf_weight must be a finite number >= 0, got {self.conf_weight}")
         if self.temperature <= 0:
             raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
         if self.gamma <= 0:
@@ -72,7 +103,7 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def needs_final_hidden(cfg: LossConfig) -> bool:
     """Whether the loss needs target logits (so the target must return its final hidden state)."""
-    return cfg.label == "target_argmax" or cfg.kl_weight > 0
+    return cfg.label == "target_argmax" or cfg.kl_weight > 0 or cfg.tv_weight > 0
 
 
 def position_weights(cfg: LossConfig, label_prob: torch.Tensor) -> torch.Tensor:
@@ -89,6 +120,40 @@ def position_weights(cfg: LossConfig, label_prob: torch.Tensor) -> torch.Tensor:
     return cfg.alpha + (1.0 - cfg.alpha) * reach
 
 
+def tv_term(draft_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``TV [N]`` fp32: ``0.5 * sum_v |softmax(z^T / tau) - softmax(z^D / tau)|`` per row.
+
+    Args:
+        draft_logits, target_logits: ``[N, V]`` (any float dtype; cast to fp32 first, since the
+            difference of nearly equal probabilities loses most of its bits in bf16).
+        temperature: ``tau`` (> 0).
+    """
+    p_t = F.softmax(target_logits.float() / temperature, dim=-1)
+    p_d = F.softmax(draft_logits.float() / temperature, dim=-1)
+    return 0.5 * (p_t - p_d).abs().sum(-1)
+
+
+def confidence_term(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``conf [N]`` fp32: binary cross-entropy of the drafter's top-1 probability against whether
+    its argmax is the label (formula in the module docstring).
+
+    ``log(1 - c)`` is taken as the log-sum-exp of the other logits minus that of all, which stays
+    finite where ``c`` rounds to 1 in fp32.
+
+    Args:
+        draft_logits: ``[N, V]`` (any float dtype; computed in fp32), ``V >= 2``.
+        labels: ``[N]`` int64 hard labels.
+    """
+    z = draft_logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    top, arg = z.max(dim=-1)
+    log_c = top - lse
+    others = z.scatter(1, arg[:, None], float("-inf"))
+    log_1mc = torch.logsumexp(others, dim=-1) - lse
+    right = (arg == labels).float()                                   # not differentiated
+    return -(right * log_c + (1.0 - right) * log_1mc)
+
+
 def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor,
                target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-slot terms for ``N`` trained slots.
@@ -96,23 +161,31 @@ def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor
     Args:
         draft_logits: ``[N, V]`` (any float dtype; computed in fp32).
         labels: ``[N]`` int64 hard labels.
-        target_logits: ``[N, V]`` or None (required when ``kl_weight > 0``).
+        target_logits: ``[N, V]`` or None (required when ``kl_weight > 0`` or ``tv_weight > 0``).
 
     Returns:
-        ``(l [N], ce [N], kl [N])`` fp32; ``kl`` is zeros without target logits.
+        ``(l [N], ce [N], kl [N])`` fp32; ``kl`` is zeros without target logits. TV and the
+        confidence term enter ``l`` only (formula in the module docstring).
 
     Raises:
-        ValueError: ``kl_weight > 0`` and no target logits.
+        ValueError: ``kl_weight > 0`` or ``tv_weight > 0`` and no target logits.
     """
     logp = F.log_softmax(draft_logits.float(), dim=-1)
     ce = -logp.gather(1, labels[:, None]).squeeze(1)
+    if (cfg.kl_weight > 0 or cfg.tv_weight > 0) and target_logits is None:
+        raise ValueError("loss.kl_weight > 0 or loss.tv_weight > 0 needs target logits (final_hidden)")
     if cfg.kl_weight > 0:
-        if target_logits is None:
-            raise ValueError("loss.kl_weight > 0 needs target logits (final_hidden)")
         t = cfg.temperature
         logp_t = F.log_softmax(target_logits.float() / t, dim=-1)
         logq_t = F.log_softmax(draft_logits.float() / t, dim=-1)
         kl = (t * t) * (logp_t.exp() * (logp_t - logq_t)).sum(-1)
     else:
         kl = torch.zeros_like(ce)
-    return (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl, ce, kl
+    if cfg.tv_weight == 0 and cfg.conf_weight == 0:
+        return (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl, ce, kl   # the plain CE/KL loss, as before
+    l = (1.0 - cfg.kl_weight - cfg.tv_weight) * ce + cfg.kl_weight * kl
+    if cfg.tv_weight > 0:
+        l = l + cfg.tv_weight * tv_term(draft_logits, target_logits, cfg.temperature)
+    if cfg.conf_weight > 0:
+        l = l + cfg.conf_weight * confidence_term(draft_logits, labels)
+    return l, ce, kl

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from dflash.checkpoint import is_healthy, list_checkpoints, mark_unhealthy, read_meta
+from dflash.records import CheckpointRecord
 from dflash.train.sentinel import NonFiniteError
 
 __all__ = ["NonFiniteGuard", "last_trusted_checkpoint"]
@@ -70,8 +71,9 @@ def last_trusted_checkpoint(ckpt, *, step: int, streak: int, writer: bool) -> Pa
 
     ``ckpt``: the run's :class:`dflash.checkpoint.Checkpointer`. When the streak began right after
     its last healthy checkpoint, that checkpoint's weights are what every later step failed on: it
-    is marked unhealthy (if it is one of this run's and ``writer``) and the healthy one before it
-    (same lineage) is named instead.
+    is marked unhealthy (if it is one of this run's and ``writer``; ``meta.json`` rewritten and a
+    ``checkpoint`` record with ``demoted: true`` sent to ``ckpt.on_event``, i.e. metrics.jsonl) and
+    the healthy one before it (same lineage) is named instead.
     """
     ckpt.wait()  # the last save's meta.json is on disk
     last = ckpt.last_healthy
@@ -82,8 +84,10 @@ def last_trusted_checkpoint(ckpt, *, step: int, streak: int, writer: bool) -> Pa
     if last.parent.resolve() != ckpt.root.resolve():
         return last  # another run's checkpoint (an explicit --resume PATH): not ours to mark
     if writer:
-        mark_unhealthy(last, f"the {streak} steps after it ({first_bad}..{step}) were all "
-                             "non-finite: its weights are suspect")
+        reason = f"the {streak} steps after it ({first_bad}..{step}) were all non-finite: its weights are suspect"
+        mark_unhealthy(last, reason)
+        ckpt.on_event(CheckpointRecord(step=int(meta["step"]), path=str(last), healthy=False, reason=reason,
+                                       demoted=True))  # metrics.jsonl agrees with meta.json
     older = [p for p in list_checkpoints(ckpt.root) if p.name < last.name and is_healthy(p)
              and (read_meta(p) or {}).get("lineage") == ckpt.lineage]
     return older[-1] if older else None

@@ -11,8 +11,8 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
    default: fixed shapes, no host sync), or the ``N`` trained ones picked by boolean masks.
 4. Labels: ``input_ids[a + j]`` ("data") or the target argmax for token ``a + j``, read from
    ``final_hidden[a + j - 1]`` (the target's prediction *of* token ``a + j`` is made at the
-   position before it). KL uses the target logits at the same ``a + j - 1``.
-5. Loss, CE/KL means, per-position accuracy (against the target argmax when target logits are
+   position before it). KL and TV use the target logits at the same ``a + j - 1``.
+5. Loss (CE, KL, TV, confidence: :mod:`dflash.train.loss`), CE/KL means, per-position accuracy (against the target argmax when target logits are
    computed, which is what greedy verification accepts; else against the data token).
 6. DFlash2 (``drafter.variant = "dflash2"``): the selector's loss over each slot's top-K
    candidates, ``loss += selector_weight * L_sel``, and its metrics (:mod:`dflash.train.selector_loss`).
@@ -85,7 +85,8 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: tor
 
 
 def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: LossConfig, *,
-                 sync_free: bool = True, features_fp32: bool = False, lm_head_chunk: int = 0) -> LossOutput:
+                 sync_free: bool = True, features_fp32: bool = False, lm_head_chunk: int = 0,
+                 lm_head: str = "chunked") -> LossOutput:
     """One batch's loss and metrics (see the module docstring for the steps).
 
     Args:
@@ -101,6 +102,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
             copy. False leaves them to autocast (exact: autocast casts them back to its dtype).
         lm_head_chunk: ``[train].lm_head_chunk``: with ``sync_free``, run the LM head and the loss
             this many slots at a time (:mod:`dflash.train.chunked_head`); 0 = all slots at once.
+        lm_head: ``[train].lm_head``: "chunked" (as ``lm_head_chunk`` says) | "liger" (with
+            ``sync_free``: Liger's fused linear cross-entropy, :mod:`dflash.train.liger_head`).
 
     Raises:
         ValueError: the config needs target logits and ``x.final_hidden`` is None, or the drafter
@@ -114,7 +117,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     if dc.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
     if needs_final_hidden(cfg) and final_hidden is None:
-        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight} needs the target's "
+        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight}, tv_weight={cfg.tv_weight} "
+                         "needs the target's "
                          "final hidden state; run the target with need_final=True")
     B, A = anchors.shape
     safe = anchors.clamp(min=0)
@@ -130,7 +134,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
     if sync_free:
         return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg,
-                                 lm_head_chunk, selector, block_ids[:, :, 0])
+                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0])
 
     # 3. trained slots only -> logits [N, V]
     draft_logits = head.logits(hidden[:, :, 1:][trained]).float()
@@ -189,7 +193,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
 
 def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
                       input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
-                      cfg: LossConfig, lm_head_chunk: int = 0, selector=None,
+                      cfg: LossConfig, lm_head_chunk: int = 0, lm_head: str = "chunked", selector=None,
                       anchor_ids: torch.Tensor | None = None) -> LossOutput:
     """Steps 3-6 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
     the data, so nothing waits for the device. Same loss as the masked path up to summation order
@@ -207,7 +211,15 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         target_hidden = final_hidden.gather(1, prev).reshape(M, -1)
     data_labels = input_ids.gather(1, flat_pos).reshape(M)
     unary = cand = None
-    if lm_head_chunk > 0:
+    if lm_head == "liger":
+        if selector is not None:
+            raise ValueError("train.lm_head = 'liger' gives no top-K candidates for DFlash2's selector: "
+                             "use train.lm_head = 'chunked' with drafter.variant = 'dflash2'")
+        from dflash.train.liger_head import liger_head_loss
+
+        per_slot, ce, kl, draft_arg, accept_label = liger_head_loss(
+            slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk or 2048)
+    elif lm_head_chunk > 0:
         per_slot, ce, kl, draft_arg, accept_label, *top = chunked_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk,
             topk=selector.top_k if selector is not None else 0)

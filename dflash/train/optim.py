@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:  # the [train] table is declared with the graph file's tables, a floor up
+    from dflash.run.config import TrainSection
 
 __all__ = ["DrafterOptimizer", "load_optimizer_state", "lr_lambda", "make_optimizer"]
 
@@ -46,7 +49,7 @@ class DrafterOptimizer:
         return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
 
 
-def make_optimizer(model: torch.nn.Module, train: Any, total_steps: int) -> DrafterOptimizer:
+def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int) -> DrafterOptimizer:
     """AdamW over ``model``'s trainable parameters with ``[train]``'s lr, betas and weight decay,
     and the warmup + cosine schedule over ``total_steps`` (``[run].steps``)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -55,7 +58,7 @@ def make_optimizer(model: torch.nn.Module, train: Any, total_steps: int) -> Draf
     return DrafterOptimizer(params=params, opt=opt, sched=sched)
 
 
-def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: Any) -> None:
+def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: TrainSection) -> None:
     """Restore ``state["optimizer"]`` and ``state["scheduler"]`` (a ``train_state.pt``) into ``o``.
 
     The saved states carry the lr, betas and weight decay they were saved with; the run follows its

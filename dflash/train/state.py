@@ -10,7 +10,7 @@ at start-up. Under torchrun each drafter replica keeps its own optimizer/RNG sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -20,10 +20,13 @@ from dflash.messages import StepMetrics
 from dflash.train import parallel
 from dflash.train.optim import DrafterOptimizer, load_optimizer_state
 
+if TYPE_CHECKING:  # the [train] table is declared with the graph file's tables, a floor up
+    from dflash.run.config import TrainSection
+
 __all__ = ["CheckpointWindow", "newest_sampler_state", "restore", "train_state"]
 
 
-def restore(drafter: torch.nn.Module, o: DrafterOptimizer, resume: Any, train: Any, ctx: Any,
+def restore(drafter: torch.nn.Module, o: DrafterOptimizer, resume: Any, train: TrainSection, ctx: Any,
             device: torch.device) -> int:
     """Load ``resume.path``'s weights, optimizer, schedule and torch RNG state; returns the
     checkpoint's ``skipped_total``.

@@ -28,22 +28,36 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from dflash.messages import DrafterInput, StepMetrics
 from dflash.model.target import SharedHead
 from dflash.train.acceptance import simulated_accepted_length
+from dflash.train.loss import LossConfig
 from dflash.train.nonfinite import NonFiniteGuard
 from dflash.train.objective import compute_loss
 from dflash.train.optim import DrafterOptimizer
 
-__all__ = ["train_step"]
+if TYPE_CHECKING:  # the [train] table is declared with the graph file's tables, a floor up
+    from dflash.run.config import TrainSection
+
+__all__ = ["StepOptions", "train_step"]
+
+
+class StepOptions(Protocol):
+    """The tables one step reads (:class:`dflash.run.stages.trainer.DrafterStageOptions` has both)."""
+
+    @property
+    def train(self) -> TrainSection: ...  # [train]: the loss switches, grad_clip
+
+    @property
+    def loss(self) -> LossConfig: ...  # [loss]
 
 
 def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, guard: NonFiniteGuard,
-               inp: DrafterInput, cfg: Any, *, step: int, cuda: bool,
+               inp: DrafterInput, cfg: StepOptions, *, step: int, cuda: bool,
                before_update: Callable[[], None] = lambda: None) -> StepMetrics:
     """One optimizer step (or a counted skip) on one batch; see the module docstring.
 
@@ -51,7 +65,7 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
         model: the drafter (or its DDP wrapper); ``o`` holds its parameters, AdamW and schedule.
         head: the target's frozen embedding and LM head (bf16 on CUDA, fp32 on CPU).
         inp: the batch on ``model``'s device (``features [B, T, k*H]``, ``anchors [B, A]``).
-        cfg: anything with the run's ``.train`` and ``.loss`` tables (the drafter stage passes its
+        cfg: the run's ``.train`` and ``.loss`` tables (the drafter stage passes its
             :class:`dflash.run.stages.trainer.DrafterStageOptions`).
         step: this step's number (1-based), reported in the metrics.
         cuda: run the forward under bf16 autocast.
@@ -67,7 +81,8 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     # 1. loss: features [B, T, k*H] + blocks [B, A, bs] -> scalar loss, acc_per_pos [bs-1]
     with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
         out = compute_loss(model, head, inp.loss_input(), cfg.loss, sync_free=train.sync_free_loss,
-                           features_fp32=train.features_fp32, lm_head_chunk=train.lm_head_chunk)
+                           features_fp32=train.features_fp32, lm_head_chunk=train.lm_head_chunk,
+                           lm_head=train.lm_head)
 
     # 2. backward; global L2 gradient norm before clipping (0-dim, on the device)
     out.loss.backward()

@@ -20,8 +20,10 @@ import logging
 import os
 import random
 import re
+import time
 from typing import Annotated, Iterator
 
+import anyio
 import msgspec
 
 import csp
@@ -108,12 +110,17 @@ class Tokenize(csp.Process):
 
     class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         lowercase: bool = True
+        sleep_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+        """Extra service time per line, in s (a stand-in for a slow stage that releases the GIL,
+        such as a GPU forward; what-if tests use it). 0 = none."""
 
     inputs = {"line": Line}
     outputs = {"tokens": Tokens}
 
     def run(self, inputs, outputs):
         for line in inputs["line"]:
+            if self.options.sleep_s:
+                time.sleep(self.options.sleep_s)
             outputs["tokens"].send(Tokens(line.seq, tokenize(line.text, self.options.lowercase)),
                                    seq=line.seq)
 
@@ -124,6 +131,8 @@ class Count(csp.Process):
 
     class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         batch: Annotated[int, msgspec.Meta(ge=1)] = 32  # lines per Counts item
+        sleep_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+        """Extra service time per line, in s (``anyio.sleep``; as tokenize's). 0 = none."""
 
     inputs = {"tokens": Tokens}
     outputs = {"counts": Counts}
@@ -134,6 +143,8 @@ class Count(csp.Process):
         async for tokens in inputs["tokens"]:
             if n == 0:
                 first = tokens.seq
+            if self.options.sleep_s:
+                await anyio.sleep(self.options.sleep_s)
             with self.ctx.span("count"):
                 counter.update(tokens.words)
             n += 1

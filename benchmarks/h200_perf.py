@@ -1,0 +1,390 @@
+"""The target as an inference engine and the drafter on fused kernels, measured on one H200.
+
+    python benchmarks/h200_perf.py --out OUT [--set data.source=PATH] [--budget-s 420] [--rows a,b,..]
+    python benchmarks/h200_perf.py --smoke --out OUT     # tiny shapes on the CPU: the plumbing only
+
+Rows (run in the priority order of :meth:`Perf.plan`; each skipped when it would end past ``--budget-s``, each saved as it ends):
+
+* ``matmul_bf16`` / ``matmul_fp8``: ``8192^3`` bf16 ``torch.mm`` and float8 e4m3
+  ``torch._scaled_mm`` (per-row scales, bf16 out, fast accumulation: the kernel torchao's fp8 path
+  calls), the MFU denominators;
+* ``target_<variant>``: the target forward alone (:func:`benchmarks.h200_stages.time_target`) for
+  the graph's attention (flex) and ``varlen`` (``target_bf16_varlen_compile`` only when named in
+  ``--rows``), then, after quantizing the same model in place, ``fp8`` with flex, varlen and varlen
+  compiled; MFU against the matching peak (``mfu``) and against bf16 (``mfu_vs_bf16``);
+* ``fp8_feature_error``: per captured layer, ``||f_fp8 - f_bf16|| / ||f_bf16||`` and the cosine
+  over the real tokens of two batches;
+* ``drafter_<variant>``: the drafter step alone (:func:`benchmarks.h200_stages.time_drafter`) with
+  the default settings, ``drafter.kernels = "liger"``, ``train.lm_head = "liger"``,
+  ``drafter.compile = true`` and all three; ``peak_mem_gb`` is the drafter stage's peak at the
+  graph's 151,936-token vocabulary;
+* ``profile_target_*`` / ``profile_drafter_*``: ``torch.profiler`` over three steps, the top
+  kernels by device time (``OUT/profile-*.txt`` and in the JSON).
+
+Results: ``OUT/perf.json`` (rewritten after every row), the profiles beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.bench_h200 import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS  # noqa: E402
+
+TARGET_ROWS = ["target_bf16", "target_bf16_varlen", "target_bf16_varlen_compile", "fp8_feature_error",
+               "target_fp8", "target_fp8_varlen", "target_fp8_varlen_compile"]
+DRAFTER_ROWS = {  # name -> graph overrides of the drafter stage
+    "drafter_default": [],
+    "drafter_liger_kernels": ['drafter.kernels="liger"'],
+    "drafter_liger_head": ['train.lm_head="liger"'],
+    "drafter_compile": ["drafter.compile=true"],
+    "drafter_all": ['drafter.kernels="liger"', 'train.lm_head="liger"', "drafter.compile=true"],
+}
+PROFILE_ROWS = ["profile_target_bf16", "profile_target_bf16_varlen", "profile_drafter_default",
+                "profile_drafter_all", "profile_target_fp8_varlen"]
+# rough seconds beyond the timed steps (builds, compiles), for the budget
+FIXED_S = {"target_bf16": 70, "target_bf16_varlen_compile": 120, "target_fp8_varlen_compile": 120,
+           "drafter_default": 45, "drafter_compile": 90, "drafter_all": 90, "target_fp8": 30}
+
+
+def scaled_mm_tflops(device: torch.device, n: int = 8192, iters: int = 100, warmup: int = 10) -> dict[str, Any]:
+    """Rate of ``[n, n] @ [n, n]`` in float8 e4m3 with per-row scales and bf16 output
+    (``torch._scaled_mm``, ``use_fast_accum=True``), in TFLOP/s (``2 n^3`` per product)."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    sa = torch.ones(n, 1, device=device)
+    sb = torch.ones(1, n, device=device)
+    mm = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,  # noqa: E731
+                                  use_fast_accum=True)
+    for _ in range(warmup):
+        mm()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        mm()
+    torch.cuda.synchronize(device)
+    secs = time.perf_counter() - t0
+    return {"tflops": 2 * n**3 * iters / secs / 1e12, "n": n, "iters": iters, "dtype": "float8_e4m3fn",
+            "scales": "rowwise", "out_dtype": "bfloat16"}
+
+
+def top_kernels(prof: Any, n: int = 25) -> list[dict[str, Any]]:
+    """The ``n`` events with the most self device time (ms) and their share of the total."""
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"name": e.key[:160], "self_ms": round(e.self_device_time_total / 1e3, 3),
+             "share": round(e.self_device_time_total / total, 4), "calls": e.count} for e in events[:n]]
+
+
+def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: torch.device) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from benchmarks.h200_stages import sync
+
+    step(items[0])
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for item in items[1:4]:
+            step(item)
+        sync(device)
+    table = None
+    for sort in (["self_device_time_total", "self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+        try:
+            table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
+            break
+        except Exception:  # noqa: BLE001 - the key's name differs between torch versions
+            continue
+    path.write_text(table or "")
+    return {"steps": len(items[1:4]), "table": path.name, "top": top_kernels(prof)}
+
+
+class Perf:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.t0 = args, time.perf_counter()
+        self.out = args.out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.doc: dict[str, Any] = {"command": "python benchmarks/h200_perf.py " + " ".join(sys.argv[1:]),
+                                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": {}}
+        self.dev = torch.device("cpu") if args.smoke else torch.device("cuda:0")
+        sets = [*TINY_SETTINGS, *CPU_SETTINGS] if args.smoke else []
+        if args.smoke:
+            from dflash.data import load_tokenizer, tokenizer_info
+
+            sets.append(f"target.vocab_size={tokenizer_info(load_tokenizer('builtin:tiny')).vocab_size}")
+        self.overrides = [*sets, *args.overrides]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def save(self) -> None:
+        self.doc["elapsed_s"] = round(self.elapsed(), 1)
+        (self.out / "perf.json").write_text(json.dumps(self.doc, indent=1, default=str))
+
+    def row(self, name: str, estimate_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        from benchmarks.h200_stages import release
+
+        rows, left = self.doc["rows"], self.args.budget_s - self.elapsed()
+        if self.args.rows and name not in self.args.rows:
+            return None
+        if not self.args.smoke and estimate_s > left:
+            rows[name] = {"status": "skipped", "reason": f"time budget: ~{estimate_s:.0f} s needed, {left:.0f} s left"}
+        else:
+            print(f"[h200_perf {self.elapsed():6.1f}s] {name} (~{estimate_s:.0f} s)", file=sys.stderr, flush=True)
+            t = time.perf_counter()
+            try:
+                rows[name] = {"status": "ok", **fn()}
+            except Exception as exc:  # noqa: BLE001 - recorded; the next row still runs
+                tb = traceback.format_exc()
+                print(tb, file=sys.stderr, flush=True)
+                rows[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-3000:]}
+            release()
+            rows[name]["seconds"] = round(time.perf_counter() - t, 1)
+        self.save()
+        r = rows[name]
+        print(f"[h200_perf {self.elapsed():6.1f}s] {name}: {r['status']} " + " ".join(
+            f"{k}={r[k]:.4g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
+            for k in ("tok_s", "mfu", "tflops", "peak_mem_gb", "error", "reason") if k in r), file=sys.stderr, flush=True)
+        return r if r["status"] == "ok" else None
+
+    # -- target ---------------------------------------------------------------------------------------
+    def _time_target(self, impl: str | None, compile: bool, peak: float) -> dict[str, Any]:
+        from benchmarks.h200_stages import attention_implementation, time_target
+        from dflash.model.target_engine import CompiledLayers, register_varlen
+
+        t = self.target
+        if impl == "varlen":
+            register_varlen()
+        ctx = attention_implementation(t, impl) if impl else _null()
+        with ctx:
+            if compile:
+                t.compiled = CompiledLayers(t.decoder_layers, None)
+            try:
+                t0 = time.perf_counter()
+                fwd_first = self._first_step_s(t)
+                out = time_target(self.app, t, self.batches, self.dev, self.args.warmup, peak)
+                out["first_step_s"] = round(fwd_first, 2)
+                out["setup_s"] = round(time.perf_counter() - t0, 1)
+            finally:
+                if compile:
+                    t.compiled = None
+                    for layer in t.decoder_layers:
+                        layer.__dict__.pop("forward", None)
+        out["mfu_vs_bf16"] = out["tflops"] / self.peak_bf16
+        out["peak_tflops_used"] = peak
+        return out
+
+    def _first_step_s(self, t: Any) -> float:
+        from benchmarks.h200_stages import sync, target_forward
+
+        fwd = target_forward(self.app, t, self.dev)
+        t0 = time.perf_counter()
+        fwd(self.batches[0])
+        sync(self.dev)
+        return time.perf_counter() - t0
+
+    def _features(self) -> list[torch.Tensor]:
+        from benchmarks.h200_stages import target_forward
+
+        fwd = target_forward(self.app, self.target, self.dev)
+        return [fwd(b).layer_hidden.float() for b in self.batches[:2]]
+
+    def _feature_error(self, ref: list[torch.Tensor]) -> dict[str, Any]:
+        new = self._features()
+        H = self.target.hf_config.hidden_size
+        per_layer = []
+        for j, layer in enumerate(self.target.layer_ids):
+            num = den = dot = nn2 = 0.0
+            for b, r, q in zip(self.batches, ref, new):
+                real = (b.doc_ids >= 0).to(self.dev)
+                rr, qq = r[..., j * H:(j + 1) * H][real], q[..., j * H:(j + 1) * H][real]
+                num += float((qq - rr).pow(2).sum())
+                den += float(rr.pow(2).sum())
+                dot += float((qq * rr).sum())
+                nn2 += float(qq.pow(2).sum())
+            per_layer.append({"layer": layer, "rel_error": (num / den) ** 0.5,
+                              "cosine": dot / (den * nn2) ** 0.5})
+        return {"layers": per_layer, "batches": len(ref), "max_rel_error": max(p["rel_error"] for p in per_layer)}
+
+    def plan(self) -> None:
+        """The rows in priority order (a row past the budget is skipped, so the first ones matter
+        most): bf16 target, drafter without and with Liger, then the target quantized in place for
+        the fp8 rows, then the compile rows (the slowest to set up)."""
+        from dflash.model.target import load_target
+        from dflash.model.target_engine import quantize_fp8
+        from dflash.train.loss import needs_final_hidden
+
+        cfg = self.app.resolved.cfg
+        n = self.args.warmup + self.args.steps
+        step = 0.6 if not self.args.smoke else 0.05
+        t0 = time.perf_counter()
+        self.target = load_target(cfg.target, self.dev, num_draft_layers=cfg.drafter.num_layers,
+                                  need_final=needs_final_hidden(cfg.loss))
+        self.doc["target_build_s"] = round(time.perf_counter() - t0, 1)
+        cuda = self.dev.type == "cuda"
+        est = lambda name: FIXED_S.get(name, 20) + n * step  # noqa: E731
+        self.row("target_bf16", est("target_bf16"), lambda: self._time_target(None, False, self.peak_bf16))
+        if cuda:
+            self.row("target_bf16_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_bf16))
+            if "target_bf16_varlen_compile" in self.args.rows:  # asked for by name only: before fp8, costly
+                self.row("target_bf16_varlen_compile", est("target_bf16_varlen_compile"),
+                         lambda: self._time_target("varlen", True, self.peak_bf16))
+        self._profile_target("profile_target_bf16", None)
+        for name in ("drafter_default", "drafter_liger_kernels", "drafter_liger_head"):
+            self._drafter_row(name)
+        fp8 = cuda and torch.cuda.get_device_capability(self.dev) >= (8, 9) and _has("torchao")
+        if not fp8:
+            self.doc["rows"]["fp8"] = {"status": "skipped", "reason": "needs CUDA >= 8.9 and torchao"}
+        elif not self.args.rows or self.args.rows & ({r for r in TARGET_ROWS if "fp8" in r} | {"profile_target_fp8_varlen"}):
+            ref = self._features()
+            self.doc["fp8_quantized_linears"] = quantize_fp8(self.target.decoder_layers)
+            self.row("fp8_feature_error", 10, lambda r=ref: self._feature_error(r))
+            del ref
+            self.row("target_fp8", est("target_fp8"), lambda: self._time_target(None, False, self.peak_fp8))
+            self.row("target_fp8_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_fp8))
+            self._profile_target("profile_target_fp8_varlen", "varlen")
+            self.row("target_fp8_varlen_compile", est("target_fp8_varlen_compile"),
+                     lambda: self._time_target("varlen", True, self.peak_fp8))
+        for name in ("drafter_compile", "drafter_all"):  # on the fp8 target's features: same drafter cost
+            self._drafter_row(name)
+
+    def _profile_target(self, name: str, impl: str | None) -> None:
+        from benchmarks.h200_stages import attention_implementation, target_forward
+
+        def fn() -> dict[str, Any]:
+            with attention_implementation(self.target, impl) if impl else _null():
+                return profile(target_forward(self.app, self.target, self.dev), self.batches,
+                               self.out / f"{name}.txt", self.dev)
+
+        self.row(name, 25, fn)
+
+    # -- drafter --------------------------------------------------------------------------------------
+    def _drafter_row(self, name: str) -> None:
+        from benchmarks.h200_stages import scratch_app, time_drafter
+
+        sets = DRAFTER_ROWS[name]
+        n = self.args.warmup + self.args.steps
+        step = 0.5 if not self.args.smoke else 0.05
+        if self.args.rows and name not in self.args.rows and f"profile_{name}" not in self.args.rows:
+            return
+        if self.dev.type != "cuda" and any("liger" in s or "compile" in s for s in sets):
+            self.doc["rows"][name] = {"status": "skipped", "reason": "Liger and inductor rows run on CUDA"}
+            return
+        app = self.app if not sets else scratch_app(GRAPH_1GPU, [*self.overrides, *sets], self.args.run_root / name)
+        try:
+            self.row(name, FIXED_S.get(name, 30) + n * step,
+                     lambda: {"settings": sets, **time_drafter(app, self.target, self.batches, self.dev,
+                                                               self.dev, self.args.warmup, self.peak_bf16)})
+            if f"profile_{name}" in PROFILE_ROWS:
+                self.row(f"profile_{name}", 30, lambda: self._profile_drafter(app, name))
+        finally:
+            if app is not self.app:
+                app.metrics.close()
+
+    def _profile_drafter(self, app: Any, name: str) -> dict[str, Any]:
+        from benchmarks.h200_stages import _drafter_input, drafter_stage, target_forward
+
+        fwd = target_forward(app, self.target, self.dev)
+        inputs = [_drafter_input(app, fwd(b), self.dev) for b in self.batches[:4]]
+        stage = drafter_stage(app, self.dev)
+        try:
+            return profile(stage.train_step, inputs + inputs[:1], self.out / f"profile_{name}.txt", self.dev)
+        finally:
+            stage.teardown()
+
+    def execute(self) -> None:
+        from benchmarks.h200_stages import make_batches, matmul_tflops, scratch_app
+
+        a = self.args
+        self.app = scratch_app(GRAPH_1GPU, self.overrides, a.run_root / "perf")
+        self.batches = make_batches(self.app, a.warmup + a.steps, pin=self.dev.type == "cuda")
+        self.doc["settings"] = {"warmup": a.warmup, "steps": a.steps, "overrides": self.overrides,
+                                "budget_s": a.budget_s, "torch": torch.__version__,
+                                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                                "packages": {p: _version(p) for p in ("torchao", "liger_kernel", "triton",
+                                                                      "transformers")}}
+        size = 256 if a.smoke else 8192
+        mm = self.row("matmul_bf16", 5, lambda: matmul_tflops(self.dev, n=size))
+        self.peak_bf16 = mm["tflops"] if mm else float("nan")
+        mm8 = self.row("matmul_fp8", 5, lambda: scaled_mm_tflops(self.dev)) if self.dev.type == "cuda" else None
+        self.peak_fp8 = mm8["tflops"] if mm8 else float("nan")
+        self.plan()
+        self.app.metrics.close()
+        self.doc["complete"] = True
+        self.save()
+        print(summary(self.doc))
+
+
+def summary(doc: dict[str, Any]) -> str:
+    lines = []
+    for name, r in doc["rows"].items():
+        if r.get("status") != "ok":
+            lines.append(f"{name:30s} {r.get('status')}: {r.get('reason') or r.get('error')}")
+        elif "tok_s" in r:
+            lines.append(f"{name:30s} {r['tok_s'] / 1e3:7.1f}K tok/s  mfu {r['mfu']:.3f}  "
+                         f"vs-bf16 {r.get('mfu_vs_bf16', r['mfu']):.3f}  peak {r.get('peak_mem_gb')}")
+        elif "tflops" in r:
+            lines.append(f"{name:30s} {r['tflops']:.0f} TFLOP/s")
+        elif "layers" in r:
+            lines.append(f"{name:30s} " + " ".join(f"L{p['layer']}:{p['rel_error']:.4f}" for p in r["layers"]))
+        elif "top" in r:
+            lines.append(f"{name:30s} " + "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in r["top"][:3]))
+    return "\n".join(lines)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _has(pkg: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(pkg) is not None
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        import importlib.metadata as md
+
+        return md.version(pkg.replace("_", "-"))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/h200_perf.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for perf.json and the profiles")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip a row that would end later than this")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rows", default="", help="comma-separated rows to run (default all): "
+                   + ", ".join(["matmul_bf16", "matmul_fp8", *TARGET_ROWS, *DRAFTER_ROWS, *PROFILE_ROWS]))
+    p.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-perf")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (plumbing only)")
+    args = p.parse_args(argv)
+    args.rows = {r for r in args.rows.split(",") if r}
+    if args.rows:  # the matmul rows are the MFU denominators: always measured
+        args.rows |= {"matmul_bf16", "matmul_fp8"}
+    Perf(args).execute()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

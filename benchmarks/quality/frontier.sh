@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Variants at an equal budget on one H200, against the shipped target: every row trains the same
+# STEPS steps (the same cosine schedule), concurrently (each gets about an equal share of the GPU;
+# TRAIN_S caps the wall time, a row stopped by it reports the steps it reached), on the same data
+# (the first N ShareGPT conversations, target-argmax labels), from the same seed; then each final
+# checkpoint is decoded on the same held-out prompts, greedy and at temperature 1. Each row's
+# training wall time is in its metrics (frontier.json: train_s), for the equal-time comparison.
+#
+#   bash benchmarks/quality/frontier.sh OUT                       # the default rows below
+#   ROWS="dflash dflash2" TRAIN_S=300 bash benchmarks/quality/frontier.sh OUT
+#
+# Rows (name: the --set arguments that make it):
+#   dflash     the default DFlash drafter, CE on the target's argmax (examples/sharegpt-target-h200.toml)
+#   dspark     the same drafter, DSpark's loss: 0.1 CE + 0.9 TV + 1.0 confidence
+#   dflash2    the DFlash2 variant (grouped dynamic causal convolutions + candidate selector)
+# Prompts: benchmarks/quality/prompts.py (held out of the target's pretraining and of every run).
+# Output: OUT/frontier.json (one object per row and temperature) and each run's metrics and eval JSON.
+set -euo pipefail
+OUT=$1; R=${R:-/tmp/frontier}; TRAIN_S=${TRAIN_S:-400}; STEPS=${STEPS:-5000}; N=${N:-8000}; NP=${NP:-16}; NEW=${NEW:-128}
+BS=${BS:-16}; ROWS=${ROWS:-"dflash dspark dflash2"}
+mkdir -p "$R" "$OUT"
+export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
+G=${G:-examples/sharegpt-target-h200.toml}
+COMMON=(--set monitor.wandb=\"disabled\" --set run.steps=$STEPS --set data.max_samples=$N --resume none
+        --set drafter.block_size=$BS --set checkpoint.every=0)
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"; COMMON+=("${EXTRA_ARGS[@]}")
+row_args() {
+  case $1 in
+    dflash) ;;
+    dspark) echo --set loss.tv_weight=0.9 --set loss.conf_weight=1.0 ;;
+    dflash2) echo --set drafter.variant=\"dflash2\" ;;
+    *) echo "unknown row $1" >&2; return 1 ;;
+  esac
+}
+python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $N --num $NP
+# the first run tokenizes the data into the shared cache; the others start once it is there
+python3 -m dflash.run $G "${COMMON[@]}" --set run.steps=1 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -5 "$R/warm.log"
+pids=()
+for row in $ROWS; do
+  read -r -a args <<< "$(row_args $row)"
+  # SIGTERM after TRAIN_S: a graceful stop with a final checkpoint (exit 130); --foreground: one signal
+  timeout --foreground -s TERM $TRAIN_S python3 -m dflash.run $G "${COMMON[@]}" --set run.out_dir=\"$R/$row\" \
+    "${args[@]}" > "$R/$row.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait $p || true; done
+pids=()
+for row in $ROWS; do
+  tail -2 "$R/$row.log"; cp "$R/$row/metrics.jsonl" "$OUT/metrics-$row.jsonl" || true
+  ck=$(ls -d "$R/$row"/checkpoints/step_* | sort | tail -1)
+  for t in 0 1; do
+    python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+      --temperature $t --seed 0 --json > "$OUT/eval-$row-t$t.json" 2> "$R/eval-$row-t$t.err" &
+    pids+=($!)
+  done
+done
+for p in "${pids[@]}"; do wait $p || true; done
+python3 - "$OUT" $ROWS <<'EOF'
+import json, sys
+from pathlib import Path
+out, rows = Path(sys.argv[1]), sys.argv[2:]
+table = []
+for row in rows:
+    steps = [json.loads(l) for l in (out / f"metrics-{row}.jsonl").read_text().splitlines() if '"train"' in l]
+    last = steps[-1] if steps else {}
+    for t in (0, 1):
+        p = out / f"eval-{row}-t{t}.json"
+        d = json.loads(p.read_text()) if p.exists() and p.stat().st_size else {}
+        t0 = next((json.loads(l)["time"] for l in (out / f"metrics-{row}.jsonl").read_text().splitlines()
+                   if '"start"' in l and "time" in json.loads(l)), None)
+        train_s = round(last["time"] - t0, 1) if t0 is not None and "time" in last else None
+        table.append({"row": row, "temperature": t, "steps": last.get("step"), "train_s": train_s, "tau": d.get("tau"),
+                      "accepted": d.get("mean_accepted"), "tau_sim_train": last.get("tau_sim"),
+                      **{k: d[k] for k in ("recall_at_k", "oracle_topk_tau", "dtype") if k in d}})
+        print(table[-1])
+(out / "frontier.json").write_text(json.dumps(table, indent=1))
+EOF

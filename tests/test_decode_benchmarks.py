@@ -1,0 +1,49 @@
+"""The decode benchmarks run end to end on a CPU at toy sizes: the speed table has its four
+decoders (or says why one is missing) and the projection follows its documented formula."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_projection_follows_its_formula(tmp_path):
+    """Invariant: predicted speedup = tau * t_greedy / (t_verify + t_draft), and the tau needed
+    for 3x and 5x is 3c and 5c; the z-lab Qwen3-8B check points imply c = tau / speedup."""
+    from benchmarks.decode_projection import main
+
+    out = tmp_path / "proj.json"
+    assert main(["--tiny", "--reps", "2", "--context", "16", "--dtype", "float32", "--tau", "2,4",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [round(x["cost_ratio_c"], 2) for x in res["zlab_qwen3_8b_implied"]] == [1.26, 1.52]
+    assert set(res["shapes"]) == {"tiny-8b", "tiny-27b"}
+    for s in res["shapes"].values():
+        for L, pr in s["projection"].items():
+            c = (s["t_verify_ms"] + s["t_draft_ms"][L]) / s["t_greedy_ms"]
+            assert pr["cost_ratio_c"] == pytest.approx(c)
+            assert pr["speedup"]["4"] == pytest.approx(4 * s["t_greedy_ms"] / (s["t_verify_ms"] + s["t_draft_ms"][L]))
+            assert pr["tau_for_3x"] == pytest.approx(3 * c) and pr["tau_for_5x"] == pytest.approx(5 * c)
+
+
+def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path):
+    """Invariant: one run times target-only generate, the greedy loop, draft-and-verify and
+    z-lab's decoder (or names why it is skipped), and the greedy decoders' outputs all equal
+    transformers' generate."""
+    from benchmarks.decode_speed import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "How do I sort a list?"}\n')
+    out = tmp_path / "speed.json"
+    assert main(["--random-drafter", "--prompts", str(prompts), "--num-prompts", "1", "--max-new-tokens",
+                 "8", "--dtypes", "float32", "--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    block = res["by_dtype"]["float32"]
+    assert set(block["rows"]) | set(block["skipped"]) == {"hf_generate", "greedy", "dflash", "zlab"}
+    for name, row in block["rows"].items():
+        assert row["outputs_equal"] == 1, name
+        assert row["tok_s"] > 0 and 1 <= row["tau"] <= res["block_size"]
+    assert res["command"].startswith("python -m benchmarks.decode_speed")
