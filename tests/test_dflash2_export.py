@@ -126,7 +126,7 @@ d, io = sys.argv[1], sys.argv[2]
 model, info = AutoModel.from_pretrained(d, trust_remote_code=True, output_loading_info=True, dtype=torch.float32)
 inp = load_file(io + "/in.safetensors")
 with torch.no_grad():
-    out = model(target_hidden=inp["feats"], noise_embedding=inp["emb"]).last_hidden_state
+    out = model(target_hidden=inp["feats"], noise_embedding=inp["emb"], return_dict=True).last_hidden_state
     draft = model.select(out[:, 1:], out[:, 1:] @ inp["head"].T, inp["anchor"])
 save_file({"out": out.contiguous(), "draft": draft}, io + "/out.safetensors")
 print(json.dumps({"class": type(model).__name__, "missing": sorted(info["missing_keys"]),

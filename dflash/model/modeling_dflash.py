@@ -314,14 +314,14 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
 
     def __init__(self, c: Qwen3Config, layer_type: str) -> None:
         super().__init__(c, layer_type)
-        k, g = int(c.dflash_config["conv_kernel_size"]), int(c.dflash_config["conv_group_size"])
+        k, g = int(_dflash_value(c, "conv_kernel_size")), int(_dflash_value(c, "conv_group_size"))
         self.attention_conv = DFlash2Conv(c.hidden_size, k, g)
         self.mlp_conv = DFlash2Conv(c.hidden_size, k, g)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
+    def forward(self, x, ctx, rope_q, rope_k, mask, cache=None, layer_idx: int = 0) -> torch.Tensor:
         u = self.input_layernorm(x)
         c = self.attention_conv.coefficients(u)
-        a = self.self_attn(self.attention_conv(u, c, 0), ctx, rope_q, rope_k, mask)
+        a = self.self_attn(self.attention_conv(u, c, 0), ctx, rope_q, rope_k, mask, cache, layer_idx)
         x = x + self.attention_conv(a, c, 1)
         u = self.post_attention_layernorm(x)
         c = self.mlp_conv.coefficients(u)
@@ -355,82 +355,32 @@ class DFlash2Selector(nn.Module):
         return torch.stack(out, 1)
 
 
-class DFlash2DraftModel(PreTrainedModel):
-    """The DFlash2 drafter: DFlash's plus the convolutions and ``candidate_selector``.
+class DFlash2DraftModel(DFlashDraftModel):
+    """The DFlash2 drafter: :class:`DFlashDraftModel` (its forward, cache, attributes and
+    ``compute_logits``) with the convolutions in every layer and ``candidate_selector``.
 
     ``config.dflash_config`` also holds ``conv_kernel_size``, ``conv_group_size``,
-    ``selector_top_k`` and ``selector_rank``. :meth:`forward` is :class:`DFlashDraftModel`'s (one
-    block per row); :meth:`select` drafts the block's tokens from its output::
+    ``selector_top_k`` and ``selector_rank``. The convolutions run over the ``noise_embedding``
+    tokens of a call (one block). :meth:`select` drafts the block's tokens from its output::
 
-        h = drafter(target_hidden=feats, noise_embedding=block_emb).last_hidden_state[:, 1:]
-        draft = drafter.select(h, target.lm_head(h), anchor_ids=block_ids[:, 0])
+        h = drafter(target_hidden=feats, noise_embedding=block_emb)[:, 1:]
+        draft = drafter.select(h, drafter.compute_logits(h, target.lm_head), anchor_ids=block_ids[:, 0])
     """
 
-    config_class = Qwen3Config
-    base_model_prefix = "dflash_draft"
     _no_split_modules = ["DFlash2DecoderLayer"]
-    supports_gradient_checkpointing = False
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        dc, H = config.dflash_config, config.hidden_size
-        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        self.block_size = int(dc["block_size"])
-        self.fc = nn.Linear(len(dc["target_layer_ids"]) * H, H, bias=False)
-        self.hidden_norm = DFlashRMSNorm(H, config.rms_norm_eps)
+        types = [layer.layer_type for layer in self.layers]
         self.layers = nn.ModuleList(DFlash2DecoderLayer(config, t) for t in types)
-        self.norm = DFlashRMSNorm(H, config.rms_norm_eps)
-        self.candidate_selector = DFlash2Selector(config.vocab_size, H, int(dc["selector_rank"]),
-                                                  int(dc["selector_top_k"]))
+        self.candidate_selector = DFlash2Selector(config.vocab_size, config.hidden_size,
+                                                  int(_dflash_value(config, "selector_rank")),
+                                                  int(_dflash_value(config, "selector_top_k")))
         self.post_init()
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            module.weight.data.normal_(0.0, self.config.initializer_range)
-        elif isinstance(module, DFlashRMSNorm):
-            module.weight.data.fill_(1.0)
-
-    def _masks(self, T: int, Q: int, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Bool ``[B, 1, Q, T+Q]`` per layer type: all of the context (within the window for sliding
-        layers) and the block (causally for sliding layers)."""
-        out = {}
-        qpos = positions[:, T:]
-        for t in {layer.layer_type for layer in self.layers}:
-            mask = torch.ones(positions.shape[0], Q, T + Q, dtype=torch.bool, device=positions.device)
-            if t == "sliding_attention":
-                mask &= (qpos[:, :, None] - positions[:, None, :]) < self.config.sliding_window
-                mask[:, :, T:] &= torch.ones(Q, Q, dtype=torch.bool, device=positions.device).tril()
-            out[t] = mask[:, None]
-        return out
-
-    def forward(self, target_hidden: torch.Tensor, noise_embedding: torch.Tensor,
-                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                return_dict: bool | None = None, **kwargs) -> BaseModelOutput:
-        """As :meth:`DFlashDraftModel.forward`: ``target_hidden [B, T, k*H]``, ``noise_embedding
-        [B, Q, H]`` (one block: the convolutions run over these ``Q`` tokens) ->
-        ``last_hidden_state [B, Q, H]``."""
-        B, T, _ = target_hidden.shape
-        Q = noise_embedding.shape[1]
-        dtype = self.fc.weight.dtype
-        if position_ids is None:
-            position_ids = torch.arange(T + Q, device=target_hidden.device)[None].expand(B, -1)
-        ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
-        x = noise_embedding.to(dtype)
-        d = self.layers[0].self_attn.d
-        inv_freq = (1.0 / _rope_theta(self.config) ** (torch.arange(0, d, 2, device=x.device).double() / d)).float()
-        ang = position_ids.float()[..., None] * inv_freq
-        ang = torch.cat([ang, ang], dim=-1)[:, None]
-        rope_k = (ang.cos(), ang.sin())
-        rope_q = (rope_k[0][:, :, T:], rope_k[1][:, :, T:])
-        masks = None if attention_mask is not None else self._masks(T, Q, position_ids)
-        for layer in self.layers:
-            mask = attention_mask.bool() if attention_mask is not None else masks[layer.layer_type]
-            x = layer(x, ctx, rope_q, rope_k, mask)
-        return BaseModelOutput(last_hidden_state=self.norm(x))
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """The drafted tokens ``[B, L]`` of positions whose post-norm states are ``hidden [B, L, H]``
-        and logits (the target's LM head) ``logits [B, L, V]``, after ``anchor_ids [B]``."""
+        and logits ``logits [B, L, V]`` (:meth:`compute_logits`), after ``anchor_ids [B]``."""
         return self.candidate_selector(hidden, logits, anchor_ids)
 
 
