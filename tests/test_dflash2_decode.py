@@ -17,7 +17,6 @@ from dflash.export import export_drafter, load_exported
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.target import TargetConfig, load_target
-from dflash.train.acceptance import streak_lengths
 from tests.zlab import zlab_model
 
 pytestmark = pytest.mark.timeout(300)
