@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The fixed-budget run on one H200: how far a block-16 drafter gets against the shipped target
+# (dflash/assets/target-sharegpt-7m) within a few minutes of the GPU. Three phases, one device call each:
+#
+#   bash benchmarks/quality/headline.sh data OUT    # the target answers every ShareGPT conversation twice
+#   bash benchmarks/quality/headline.sh probe OUT   # pipeline tok/s of the DFlash2 drafter under each switch
+#   DATA_DIR=D bash benchmarks/quality/headline.sh train OUT   # the run itself, then its eval
+#
+# data:  `dflash.regenerate` over the whole package (17,458 conversations), up to MAX_TURNS assistant
+#        turns each, two passes side by side: greedy, and sampled (T = 0.8, top-p 0.95). The sampled
+#        pass gives new contexts, not new labels: training labels stay the target's argmax
+#        (loss.label = "target_argmax"), which is what greedy verification accepts. The held-out eval
+#        prompts are excluded from both. -> OUT/regen-greedy.jsonl.gz, OUT/regen-sampled.jsonl.gz
+#        (files of a few MB: carried back into the train phase through DATA_DIR).
+# probe: PROBE_STEPS steps of the DFlash2 graph per switch set (eager, compiled drafter, compiled
+#        drafter and target); tok/s from metrics.jsonl, the first windows (compile) dropped.
+# train: the DFlash2 drafter on both regenerated files for STEPS steps (a cosine schedule that ends at
+#        STEPS; TRAIN_S caps the wall time with a graceful stop), SETS extra --set arguments (the
+#        switches the probe chose); then dflash.eval on the NP held-out prompts, NEW tokens each,
+#        greedy; the last checkpoint's weights and configs come back as OUT/ckpt.tar.part-*.
+#
+# Prompts: benchmarks/quality/prompts.py --first-unused 8000 --num NP: the same held-out prompts as
+# the earlier quality rows of benchmarks/RESULTS.md (out of the target's pretraining and, through
+# --exclude, out of every regenerated file).
+set -uo pipefail
+PHASE=$1; OUT=$2; R=${R:-/tmp/headline}; NP=${NP:-32}; NEW=${NEW:-256}
+mkdir -p "$R" "$OUT"
+export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
+G=${G:-examples/sharegpt-target-h200.toml}
+T0=$(date +%s)
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/dflash-pylib .whl/*.whl > "$R/pip.log" 2>&1
+  export PYTHONPATH=/tmp/dflash-pylib${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -f "$R/prompts.jsonl" ] || cp .whl/prompts.jsonl "$R/prompts.jsonl" 2>/dev/null \
+  || python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused 8000 --num $NP
+DF2=(--set drafter.variant=\"dflash2\" --set drafter.block_size=16 --set loss.label=\"target_argmax\"
+     --set monitor.wandb=\"disabled\" --resume none)
+
+tok_s() {  # metrics.jsonl -> median tok/s of the train windows after the first two
+  python3 - "$1" <<'EOF'
+import json, statistics, sys
+w = [json.loads(l) for l in open(sys.argv[1]) if '"train"' in l]
+t = [x["tok_s"] for x in w[2:] if x.get("tok_s")]
+print(round(statistics.median(t)) if t else None, "steps", w[-1]["step"] if w else None)
+EOF
+}
+
+case $PHASE in
+data)
+  RG=(--max-turns ${MAX_TURNS:-4} --max-new-tokens 256 --max-prompt-tokens 768 --batch-size ${BATCH:-2048}
+      --chunk ${BATCH:-2048} --exclude "$R/prompts.jsonl")
+  # REGEN_S caps each pass: SIGINT keeps every finished chunk (a resumable file)
+  timeout -s INT ${REGEN_S:-240} python3 -m dflash.regenerate $G -o "$R/regen-greedy.jsonl" "${RG[@]}" > "$R/regen-greedy.log" 2>&1 &
+  A=$!
+  timeout -s INT ${REGEN_S:-240} python3 -m dflash.regenerate $G -o "$R/regen-sampled.jsonl" "${RG[@]}" --temperature 0.8 --top-p 0.95 \
+    > "$R/regen-sampled.log" 2>&1 &
+  B=$!
+  wait $A; echo "greedy rc=$? $(tail -1 "$R/regen-greedy.log")"
+  wait $B; echo "sampled rc=$? $(tail -1 "$R/regen-sampled.log")"
+  for f in greedy sampled; do
+    gzip -c "$R/regen-$f.jsonl" > "$OUT/regen-$f.jsonl.gz"; grep -v "%" "$R/regen-$f.log" | tail -3 > "$OUT/regen-$f.log"
+  done
+  cp "$R/prompts.jsonl" "$OUT/";;
+probe)
+  cat "$R"/regen-*.jsonl > "$R/regen-all.jsonl" 2>/dev/null || true
+  DATA=$( [ -s "$R/regen-all.jsonl" ] && echo "$R/regen-all.jsonl" || echo sharegpt )
+  # one short run tokenizes into the shared cache first, so each probe's time is the pipeline's
+  python3 -m dflash.run $G "${DF2[@]}" --set data.source=\"$DATA\" --set run.steps=1 \
+    --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -3 "$R/warm.log"
+  while read -r name sets; do
+    read -r -a a <<< "$sets"
+    timeout -s TERM ${PROBE_CAP_S:-80} python3 -m dflash.run $G "${DF2[@]}" --set data.source=\"$DATA\" \
+      --set run.steps=${PROBE_STEPS:-2000} --set monitor.window=25 --set checkpoint.every=0 \
+      --set run.out_dir=\"$R/probe-$name\" "${a[@]}" > "$R/probe-$name.log" 2>&1 < /dev/null
+    echo "probe $name rc=$? tok/s $(tok_s "$R/probe-$name/metrics.jsonl") ($(( $(date +%s) - T0 )) s)"
+    cp "$R/probe-$name/metrics.jsonl" "$OUT/metrics-probe-$name.jsonl"
+  done <<EOF
+${PROBES:-eager
+drafter_compile --set drafter.compile=true
+both_compile --set drafter.compile=true --set target.compile=true}
+EOF
+  ;;
+train)
+  cat "${DATA_DIR:-.whl/data}"/regen-*.jsonl.gz | gunzip -c > "$R/regen-all.jsonl"
+  echo "training data: $(wc -l < "$R/regen-all.jsonl") conversations"
+  read -r -a S <<< "${SETS:-}"
+  timeout --foreground -s TERM ${TRAIN_S:-420} python3 -m dflash.run $G "${DF2[@]}" \
+    --set data.source=\"$R/regen-all.jsonl\" --set run.steps=${STEPS:-10000} --set checkpoint.every=0 \
+    --set run.out_dir=\"$R/run\" "${S[@]}" > "$R/train.log" 2>&1
+  echo "train rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^step" "$R/train.log" | tail -4
+  cp "$R/run/metrics.jsonl" "$OUT/metrics-headline.jsonl"; cp "$R/train.log" "$OUT/"
+  ck=$(ls -d "$R/run"/checkpoints/step_* | sort | tail -1)
+  python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+    --json > "$OUT/eval-headline-t0.json" 2> "$R/eval.err" || tail -5 "$R/eval.err"
+  python3 -c "import json; d = json.load(open('$OUT/eval-headline-t0.json')); print({k: d.get(k) for k in
+    ('tau', 'mean_accepted', 'tau_sim', 'streak_all', 'dtype', 'selector')})"
+  (cd "$(dirname "$ck")" && tar cf - --exclude='train_state*' "$(basename "$ck")") \
+    | split -b 15M - "$OUT/ckpt.tar.part-"
+  echo "done in $(( $(date +%s) - T0 )) s";;
+esac
+ls -la "$OUT"
