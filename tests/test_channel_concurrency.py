@@ -10,6 +10,7 @@ import random
 import threading
 
 import anyio
+import anyio.lowlevel
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -42,7 +43,7 @@ async def wait_async(pred) -> None:
     """Yield to the loop until ``pred`` holds (bounded)."""
     with anyio.fail_after(5):
         while not pred():
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
 
 # ---- cancellation atomicity -----------------------------------------------------------------------
