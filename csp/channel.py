@@ -214,7 +214,9 @@ class Sender(_End, Generic[T]):
         Args:
             item: an instance of the channel's item type (tensors inside are handed off with
                 events, see ``csp.cuda``).
-            timeout: seconds to wait at most; None waits forever.
+            timeout: seconds to wait at most; None waits forever; 0 or less never waits (as
+                :meth:`send_nowait`, raising ChannelTimeout): on a rendezvous it succeeds only
+                if a receiver is already waiting, so it never meets a receive that never waits.
             seq: position of the item in the run's stream; required on an ordered channel,
                 ignored otherwise.
 
@@ -280,6 +282,10 @@ class Receiver(_End, Generic[T]):
 
     def receive(self, timeout: float | None = None) -> T:
         """Receive the next item, blocking the calling thread while the channel is empty.
+
+        ``timeout``: seconds to wait at most; None waits forever; 0 or less never waits (as
+        :meth:`receive_nowait`, raising ChannelTimeout): on a rendezvous it succeeds only if a
+        sender is already waiting.
 
         Raises:
             ChannelTimeout (a TimeoutError): nothing arrived within ``timeout`` seconds.
