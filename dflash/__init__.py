@@ -16,8 +16,9 @@ The rooms, from the bottom floor up; a module imports its own room and lower flo
 3. :mod:`dflash.train` (the objective, the losses, one step) and :mod:`dflash.observe` (what an
    operator reads: display, run log, metrics, logs, plot, summary);
 4. :mod:`dflash.run` (the graph file to a running graph; the stages) and :mod:`dflash.eval`;
-5. the tools: :mod:`dflash.export`, :mod:`dflash.regenerate`, :mod:`dflash.pretrain`, and the
-   thin entry modules ``dflash.logs`` and ``dflash.plot``.
+5. the tools: :mod:`dflash.export`, :mod:`dflash.regenerate`, :mod:`dflash.pretrain`,
+   :mod:`dflash.plan` (the layout for N GPUs, from a run's measurements), and the thin entry
+   modules ``dflash.logs`` and ``dflash.plot``.
 
 Where to look first: the loss is :mod:`dflash.train.objective` (blocks and labels) and
 :mod:`dflash.train.loss`; a checkpoint is written by :mod:`dflash.checkpoint.writer`; what

@@ -9,11 +9,12 @@ import importlib
 import pytest
 
 CLIS = ["dflash.run", "dflash.eval", "dflash.export", "dflash.logs", "dflash.plot", "dflash.regenerate",
-        "dflash.pretrain", "csp.run", "csp.inspect", "csp.draw"]
+        "dflash.pretrain", "dflash.plan", "csp.run", "csp.inspect", "csp.draw"]
 # the module whose main() builds each command's parser (a command that is a package or a thin
 # entry module runs the code of another)
 MAIN_OF = {"dflash.run": "dflash.run.cli", "dflash.eval": "dflash.eval.cli", "dflash.logs": "dflash.observe.logs",
-           "dflash.plot": "dflash.observe.plot"}
+           "dflash.plot": "dflash.observe.plot",
+           "dflash.plan": "dflash.plan.cli"}
 
 
 class _Captured(Exception):

@@ -13,7 +13,7 @@ floor  rooms
 3      ``dflash.train``, ``dflash.observe``
 4      ``dflash.eval``, ``dflash.run``
 5      the tools and thin entry modules: ``dflash.export``, ``dflash.regenerate``,
-       ``dflash.pretrain``, ``dflash.logs``, ``dflash.plot``
+       ``dflash.pretrain``, ``dflash.logs``, ``dflash.plot``, ``dflash.plan``
 =====  ==========================================================================================
 
 Below all of them is ``csp``, which never imports ``dflash``; above them, ``benchmarks`` (nothing in
@@ -41,6 +41,7 @@ FLOORS = {
     "dflash.train": 3, "dflash.observe": 3,
     "dflash.eval": 4, "dflash.run": 4,
     "dflash.export": 5, "dflash.regenerate": 5, "dflash.pretrain": 5, "dflash.logs": 5, "dflash.plot": 5,
+    "dflash.plan": 5,
 }
 
 # Modules imported alone in a fresh interpreter (no hidden dependency on import order): every

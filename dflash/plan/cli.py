@@ -1,0 +1,99 @@
+"""The ``python -m dflash.plan`` command line: read the run, rank the layouts, write the best graph."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from csp.cli import make_parser, positive_float, positive_int
+from csp.units import count
+from dflash.plan.model import Layout, colocated, layouts
+
+if TYPE_CHECKING:
+    from dflash.plan.measure import Measured
+
+SHOW = 8  # layouts printed
+
+
+def _parser():
+    p = make_parser(
+        "python -m dflash.plan", "Rank the layouts of a DFlash run on N GPUs by predicted tokens/s, from a "
+        "finished run's measurements, and write the best one as a graph file.",
+        details="The model and its terms: the dflash.plan module docstring (python -c 'import dflash.plan; "
+                "help(dflash.plan)'). Run it from the directory the measured run started in: the written "
+                "graph's relative paths are made absolute against it.",
+        exit_codes={0: "ranked (and written with -o)", 2: "a bad run directory or number"},
+        examples=["python -m dflash.plan runs/dflash-tiny --gpus 8",
+                  "python -m dflash.plan runs/qwen3-8b-h200x2 --gpus 16 --hosts 2 --net-gbps 400 -o plan16.toml"])
+    p.add_argument("run", help="a finished dflash.run directory (config.toml, csp/stats.jsonl, metrics.jsonl)")
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for, over all hosts")
+    p.add_argument("--hosts", type=positive_int, default=1, help="hosts the GPUs are spread over (evenly)")
+    p.add_argument("--gpu-mem", type=positive_float, help="GiB per GPU: layouts that need more are left out")
+    p.add_argument("--net-gbps", type=positive_float, default=400.0,
+                   help="network between hosts, Gbit/s per GPU and direction")
+    p.add_argument("--target-tok-s", type=positive_float, help="one target replica alone, tokens/s (replaces the run's)")
+    p.add_argument("--drafter-tok-s", type=positive_float,
+                   help="one drafter replica alone, tokens/s (replaces the run's)")
+    p.add_argument("--coloc", type=positive_float, help="colocation efficiency (replaces the measured or default one)")
+    p.add_argument("--window", type=positive_float, help="only the last seconds of the stats log")
+    p.add_argument("-o", "--out", help="write the best layout's graph file here")
+    return p
+
+
+def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) -> str:
+    """The plan as plain text: the inputs, the model's check on the run, the ranked layouts."""
+    i = m.inputs
+    lines = [(f"inputs: target {count(i.target_tok_s)} tok/s, drafter {count(i.drafter_tok_s)} tok/s per "
+              f"replica; coloc {i.coloc:.2f} ({i.coloc_source})"),
+             (f"        hidden {i.bytes_per_token:,.0f} B/token; all-reduce {i.grad_bytes / 1e9:.3g} GB/step; "
+              f"memory: target {i.target_mem / 2**30:.1f} GiB, drafter {i.drafter_mem / 2**30:.1f} GiB"),
+             (f"check: this run's layout predicted {count(m.predicted_tok_s)} tok/s (bound {m.bottleneck}), "
+              f"measured {count(m.measured_tok_s)} ({m.predicted_tok_s / m.measured_tok_s:.2f}x)"),
+             *(f"note: {n}" for n in m.notes), ""]
+    head = ["layout", "tok/s", "vs colocated", "bound", "GiB/GPU", "cross-host GB/s"]
+    rows = [[lay.name, count(lay.tok_s), f"{lay.tok_s / base.tok_s:.2f}x", lay.bound, f"{lay.mem_gib:.1f}",
+             f"{lay.cross_host_gb_s:.1f}" if lay.hosts > 1 else "-"] for lay in ranked[:show]]
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    for r in [head, *rows]:
+        lines.append("  ".join(x.ljust(w) if c in (0, 3) else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths))))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # csp and torch load after --help has answered
+    from dflash.plan.measure import PlanError, from_run
+    from dflash.plan.write import command, graph_toml
+
+    try:
+        if args.gpus % args.hosts:
+            raise PlanError(f"--gpus {args.gpus} is not a multiple of --hosts {args.hosts}: every host holds "
+                            "the same GPUs")
+        m = from_run(args.run, target_tok_s=args.target_tok_s, drafter_tok_s=args.drafter_tok_s,
+                     coloc=args.coloc, window_s=args.window, net_bytes_per_s=args.net_gbps * 1e9 / 8)
+        ranked = layouts(m.inputs, args.gpus, args.hosts, args.gpu_mem)
+        if not ranked:
+            raise PlanError(f"no layout fits --gpu-mem {args.gpu_mem:g} GiB; the smallest needs "
+                            f"{min(x.mem_gib for x in layouts(m.inputs, args.gpus, args.hosts)):.1f}")
+    except PlanError as exc:
+        print(f"dflash.plan: error: {exc}", file=sys.stderr)
+        return 2
+    base = colocated(m.inputs, args.gpus, args.hosts)
+    sys.stdout.write(render(m, ranked, base))
+    best = ranked[0]
+    if args.out:
+        slug = best.name.replace(" ", "-").replace(":", "to").replace("+", "")
+        header = (f"dflash.plan {args.run} --gpus {args.gpus} --hosts {args.hosts}: {best.name}, predicted "
+                  f"{count(best.tok_s)} tok/s (bound {best.bound}; {best.tok_s / base.tok_s:.2f}x colocated)\n"
+                  f"{command(best, args.out)}\ninputs: {msgspec.json.encode(m.inputs).decode()}")
+        Path(args.out).write_text(graph_toml(m.config, best, slug, header), encoding="utf-8")
+        print(f"\nwrote {args.out}: {best.name}\n  {command(best, args.out)}")
+    else:
+        print(f"\nbest: {best.name}\n  {command(best, 'GRAPH.toml')}   # -o GRAPH.toml writes it")
+    return 0
+
+
+__all__ = ["main", "render"]
