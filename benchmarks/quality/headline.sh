@@ -84,11 +84,21 @@ EOF
 train)
   cat "${DATA_DIR:-.whl/data}"/regen-*.jsonl.gz | gunzip -c > "$R/regen-all.jsonl"
   echo "training data: $(wc -l < "$R/regen-all.jsonl") conversations"
+  train() {  # seconds steps sets...: a graceful stop (exit 130, final checkpoint) at the cap
+    local cap=$1 steps=$2; shift 2
+    timeout --foreground -s TERM $cap python3 -m dflash.run $G "${DF2[@]}" \
+      --set data.source=\"$R/regen-all.jsonl\" --set run.steps=$steps --set checkpoint.every=0 \
+      --set run.out_dir=\"$R/run\" "$@" > "$R/train.log" 2>&1
+    local rc=$?; echo "train rc=$rc steps=$steps $* in $(( $(date +%s) - T0 )) s"; return $rc
+  }
   read -r -a S <<< "${SETS:-}"
-  timeout --foreground -s TERM ${TRAIN_S:-420} python3 -m dflash.run $G "${DF2[@]}" \
-    --set data.source=\"$R/regen-all.jsonl\" --set run.steps=${STEPS:-10000} --set checkpoint.every=0 \
-    --set run.out_dir=\"$R/run\" "${S[@]}" > "$R/train.log" 2>&1
-  echo "train rc=$? in $(( $(date +%s) - T0 )) s"; grep -v "^step" "$R/train.log" | tail -4
+  train ${TRAIN_S:-420} ${STEPS:-10000} "${S[@]}"; rc=$?
+  if [ $rc -ne 0 ] && [ $rc -ne 130 ] && [ -n "${FALLBACK_STEPS:-}" ]; then
+    # the switches failed (e.g. a compile error before any step): the same run without them, in the time left
+    grep -v "^step" "$R/train.log" | tail -4; cp "$R/train.log" "$OUT/train-failed.log"; rm -rf "$R/run"
+    train $(( ${TRAIN_S:-420} - ($(date +%s) - T0) )) $FALLBACK_STEPS
+  fi
+  grep -v "^step" "$R/train.log" | tail -4
   cp "$R/run/metrics.jsonl" "$OUT/metrics-headline.jsonl"; cp "$R/train.log" "$OUT/"
   ck=$(ls -d "$R/run"/checkpoints/step_* | sort | tail -1)
   python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
