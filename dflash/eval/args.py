@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "al. 2023)\n\n"
                     "A DFlash2 drafter (drafter.variant = \"dflash2\") drafts with its selector's walk over "
                     "the top-K, so the\nfigures above are the walk's; beside them: the backbone top-1's "
-                    "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K.",
+                    "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K. Sampled, it "
+                    "samples the walk: q is\nsoftmax(score / T) over the K candidates.",
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "

@@ -13,8 +13,10 @@ al. 2023):
    ``min(1, p_{i-1}(d_i) / q_i(d_i))`` while they are accepted; at the first rejection sample
    from ``norm(max(p - q, 0))``, after ``bs - 1`` acceptances the bonus from ``p_{bs-1}``; ``p``
    and ``q`` are the target's and the drafter's distributions after the same processing
-   (:func:`sampling_probs`). The output is distributed exactly as the target's own sampling
-   (the rejection-sampling theorem of both papers; a chi-square test checks it).
+   (:func:`sampling_probs`), or ``q`` is a proposer's own (DFlash2: the selector walk's softmax
+   over its K candidates, row ``i`` given the drafts before it). The output is distributed
+   exactly as the target's own processed sampling whatever ``q`` is, as long as the drafts are
+   drawn from it (the rejection-sampling theorem of both papers; chi-square tests check it).
 4. The target's features of the anchor and the ``m`` accepted drafts join the context, its cache
    is cropped to the accepted tokens. Greedy output equals plain greedy decoding (tested).
 
@@ -31,8 +33,10 @@ input is a slice of the device buffer), and a verify step reads one integer (``m
 Proposers: :class:`DrafterProposer` (recomputes the drafter's context each step),
 :class:`CachedDrafterProposer` (a drafter KV cache; same drafts), :class:`OracleProposer` (the
 target's own continuation: every draft accepted). A proposer that also has ``logits`` (the two
-drafter proposers) can be used with ``temperature > 0``. Used by ``python -m dflash.eval``
-(:mod:`dflash.eval.measure`) and ``benchmarks/decode_speed.py``.
+drafter proposers: ``q`` is :func:`sampling_probs` of them) or ``sample`` (its own draft
+distribution, e.g. a DFlash2 selector walk's over its K candidates, :mod:`dflash.eval.selector`)
+can be used with ``temperature > 0``. Used by ``python -m dflash.eval`` (:mod:`dflash.eval.measure`)
+and ``benchmarks/decode_speed.py``.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, _rope
 from dflash.model.target import SharedHead, Target
 
-__all__ = ["CachedDrafterProposer", "DrafterProposer", "OracleProposer", "Proposer", "greedy_decode",
-           "sampling_probs", "speculative_decode"]
+__all__ = ["CachedDrafterProposer", "DrafterContextCache", "DrafterProposer", "OracleProposer", "Proposer",
+           "SamplingProposer", "greedy_decode", "sampling_probs", "speculative_decode"]
 
 
 class Proposer(Protocol):
@@ -59,10 +63,30 @@ class Proposer(Protocol):
         inputs are views of the decoder's buffers, valid only during the call."""
 
 
+class SamplingProposer(Protocol):
+    def sample(self, tokens: torch.Tensor, features: torch.Tensor, temperature: float,
+               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs as :meth:`Proposer.propose` -> ``(draft [bs-1] int64, q [bs-1, V] fp32)``: a block
+        sampled from the proposer's own distribution, row ``j`` of ``q`` the distribution slot
+        ``j`` was drawn from given the drafts before it (what the rejection rule divides by)."""
+
+
+def _refuse_selector(drafter: DFlashDrafter, name: str) -> None:
+    """A DFlash2 drafter drafts with its selector's walk; these proposers would draft the backbone's top-1."""
+    if getattr(drafter, "candidate_selector", None) is not None:
+        raise ValueError(f"{name} drafts with the backbone's top-1 and would ignore this DFlash2 drafter's "
+                         "candidate selector: use dflash.eval.selector.selector_proposer")
+
+
 class DrafterProposer:
-    """Drafts with a :class:`DFlashDrafter` (recomputes the context each step; no drafter cache)."""
+    """Drafts with a :class:`DFlashDrafter` (recomputes the context each step; no drafter cache).
+
+    Raises:
+        ValueError: the drafter is a DFlash2 drafter (use :func:`dflash.eval.selector.selector_proposer`).
+    """
 
     def __init__(self, drafter: DFlashDrafter, head: SharedHead) -> None:
+        _refuse_selector(drafter, "DrafterProposer")
         self.drafter, self.head = drafter, head
         self.bs = drafter.cfg.block_size
 
@@ -80,8 +104,8 @@ class DrafterProposer:
         return self.logits(tokens, features).argmax(-1)
 
 
-class CachedDrafterProposer:
-    """Drafts with a :class:`DFlashDrafter` keeping a per-layer KV cache of the context.
+class DrafterContextCache:
+    """A per-layer KV cache of a drafter's context, shared by the cached proposers.
 
     The drafter's context keys/values depend only on the context features (every layer attends to
     the same ``hidden_norm(fc(features))``), and the context only grows by accepted tokens, so each
@@ -89,16 +113,14 @@ class CachedDrafterProposer:
     head_dim]``, doubled when full: the block's own keys/values are written just after the
     context and the block attends to ``buffer[:, :, :context + bs]`` with no mask (full-attention
     layers: the block sees all context and itself); the next step's context overwrites them.
-    Same drafts as :class:`DrafterProposer` up to float rounding (tested). Use one instance per
-    generation.
 
     Raises:
-        ValueError: the drafter has sliding-window layers (use :class:`DrafterProposer`).
+        ValueError: the drafter has sliding-window layers.
     """
 
     def __init__(self, drafter: DFlashDrafter, head: SharedHead, capacity: int = 256) -> None:
         if any(t != "full_attention" for t in drafter.cfg.types):
-            raise ValueError("CachedDrafterProposer supports full-attention drafter layers only")
+            raise ValueError(f"{type(self).__name__} supports full-attention drafter layers only")
         self.drafter, self.head = drafter, head
         self.bs = drafter.cfg.block_size
         self.capacity = capacity
@@ -142,6 +164,21 @@ class CachedDrafterProposer:
             self.keys[i][:, :, self.cached:end] = _rope(k, cos, sin)
             self.values[i][:, :, self.cached:end] = a.v_proj(ctx).view(1, t, a.nkv, a.d).transpose(1, 2)
         self.cached = end
+
+
+class CachedDrafterProposer(DrafterContextCache):
+    """Drafts with a :class:`DFlashDrafter` keeping a per-layer KV cache of the context
+    (:class:`DrafterContextCache`). Same drafts as :class:`DrafterProposer` up to float rounding
+    (tested). Use one instance per generation.
+
+    Raises:
+        ValueError: the drafter has sliding-window layers (use :class:`DrafterProposer`), or is a
+            DFlash2 drafter (use :func:`dflash.eval.selector.selector_proposer`).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head: SharedHead, capacity: int = 256) -> None:
+        _refuse_selector(drafter, "CachedDrafterProposer")
+        super().__init__(drafter, head, capacity)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -315,7 +352,9 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     Args:
         prompt: ``[n]`` int64 on the target's device.
         temperature, top_p, top_k: as :func:`sampling_probs`; ``temperature > 0`` needs a
-            proposer with ``logits(tokens, features) -> [bs-1, V]`` (the drafter proposers).
+            proposer with ``sample`` (:class:`SamplingProposer`: the drafts and their ``q``, used
+            as given) or ``logits(tokens, features) -> [bs-1, V]`` (the drafter proposers:
+            ``q = sampling_probs(logits)``). ``p`` is the processed target either way.
         generator: the random source of every sample and acceptance draw (on the target's
             device; None = torch's default generator).
 
@@ -324,13 +363,15 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
         step drafts only as many tokens as remain; a bonus token past the end is dropped.
 
     Raises:
-        ValueError: bad sampling parameters, or ``temperature > 0`` with a proposer without logits.
+        ValueError: bad sampling parameters, or ``temperature > 0`` with a proposer that has
+            neither ``sample`` nor ``logits``.
     """
     _check_sampling(temperature, top_p, top_k)
     sampled = temperature > 0
-    if sampled and not hasattr(proposer, "logits"):
-        raise ValueError(f"{type(proposer).__name__} has no logits(): sampled decoding needs the "
-                         "drafter's distribution (use DrafterProposer or CachedDrafterProposer)")
+    own_q = sampled and hasattr(proposer, "sample")
+    if sampled and not own_q and not hasattr(proposer, "logits"):
+        raise ValueError(f"{type(proposer).__name__} has no logits() or sample(): sampled decoding needs "
+                         "the drafter's distribution (use a drafter proposer or selector_proposer)")
     n0 = prompt.shape[0]
     end = n0 + max_new_tokens
     capacity = end + block_size                   # room for the last step's drafts past the end
@@ -349,7 +390,10 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     accepted, anchors = [], []
     while n < end:
         d = min(block_size - 1, end - n)                                     # drafts this step
-        if sampled:
+        if own_q:  # the proposer draws the block itself (a selector walk: q_j given drafts < j)
+            draft, q = proposer.sample(tokens[:n], feats[:, :n - 1], temperature, generator)
+            draft, q = draft[:d], q[:d]                                      # [d], [d, V]
+        elif sampled:
             q = sampling_probs(proposer.logits(tokens[:n], feats[:, :n - 1])[:d],
                                temperature, top_p, top_k)                    # [d, V]
             draft = torch.multinomial(q, 1, generator=generator)[:, 0]

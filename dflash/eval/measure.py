@@ -9,7 +9,8 @@ give the simulated figure printed in training (``tau_sim = 1 + sum_j prod_{i<=j}
 
 A DFlash2 drafter decodes with its selector's walk (:func:`dflash.eval.selector.selector_proposer`)
 and is scored by the walk; beside it the same text gives recall@K, the oracle top-K tau and the
-backbone top-1's teacher-forced tau (:func:`dflash.eval.selector.block_figures`).
+backbone top-1's teacher-forced tau (:func:`dflash.eval.selector.block_figures`). Its sampled
+decode (``temperature > 0``) samples the walk, ``q`` restricted to the selector's K candidates.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     """Greedy speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text;
     with ``temperature > 0`` also a sampled decode of each prompt (one ``torch.Generator`` seeded
     with ``seed``), whose measured tau is reported beside greedy
-    (:func:`~dflash.eval.decode.speculative_decode` has the rule).
+    (:func:`~dflash.eval.decode.speculative_decode` has the rule; a DFlash2 drafter samples its
+    selector's walk, ``q`` restricted to the K candidates, :mod:`dflash.eval.selector`).
 
     Raises:
         ValueError: bad sampling parameters.
@@ -99,12 +101,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     bs = drafter.cfg.block_size
     cached = all(t == "full_attention" for t in drafter.cfg.types)
     dflash2 = is_dflash2(drafter)
-    if dflash2 and temperature > 0:
-        raise ValueError("a sampled decode of a DFlash2 drafter (q restricted to the selector's K "
-                         "candidates) is not implemented: evaluate it with --temperature 0")
 
     def proposer():
-        if dflash2:  # drafts with the selector's walk over its top-K
+        if dflash2:  # drafts with the selector's walk over its top-K (sampled: q over the K)
             return selector_proposer(drafter, head)
         return CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
 

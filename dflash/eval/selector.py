@@ -8,9 +8,18 @@ block they were trained on), the target's LM head on slots 1..bs-1, their top-K,
 ``dflash_generate`` rule for a ``DFlash2DraftModel`` (greedy); its per-step accepted lengths equal
 that decoder's on the same export (tested). It recomputes the drafter's context each step:
 ``fc`` and the context keys/values over ``n`` tokens per step. :class:`CachedSelectorProposer`
-keeps them instead (the context cache of :class:`dflash.eval.decode.CachedDrafterProposer`: the
-context is never convolved, so DFlash2's context keys/values are DFlash's) and runs only the
-block through the layers; same drafts (tested), full-attention drafters only.
+keeps them instead (:class:`dflash.eval.decode.DrafterContextCache`: the context is never
+convolved, so DFlash2's context keys/values are DFlash's) and runs only the block through the
+layers; same drafts (tested), full-attention drafters only.
+
+Sampled (``temperature = T > 0``; z-lab's ``dflash_generate`` rule for DFlash2): both proposers'
+``sample`` walks the same way but draws each slot's token from ``q_j = softmax(score_j / T)`` over
+its K candidates (the score given the token drawn for the slot before,
+:func:`dflash.model.dflash2.walk_selector`), and returns ``q_j`` scattered onto the vocabulary
+(zero off the candidates). :func:`dflash.eval.decode.speculative_decode` accepts a draft with
+probability ``min(1, p/q)`` and resamples a rejection from ``norm(max(p - q, 0))``, which covers
+the target's mass outside the K; the output is the target's own sampling (chi-square tested).
+The walk's ``q`` gets no top-p/top-k: only the target's ``p`` is processed.
 
 :func:`block_figures` scores teacher-forced blocks of a text the way :mod:`dflash.eval.measure`
 scores a DFlash drafter: per slot, whether the walk hits the label (the drafts the decode
@@ -26,7 +35,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash.eval.decode import CachedDrafterProposer
+from dflash.eval.decode import DrafterContextCache
 from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, _rope
 from dflash.model.target import SharedHead
@@ -39,7 +48,43 @@ def is_dflash2(drafter: DFlashDrafter) -> bool:
     return getattr(drafter, "candidate_selector", None) is not None
 
 
-class SelectorProposer:
+class _Walk:
+    """``propose`` and ``sample`` from a subclass's ``_slots(tokens, features) -> [1, bs-1, H]``
+    (the drafter's post-norm hidden states of the block's slots 1..bs-1)."""
+
+    drafter: DFlashDrafter
+    head: SharedHead
+
+    def _slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``tokens [n]`` (last = anchor), ``features [1, n-1, k*H]`` -> ``[bs-1]`` drafted ids."""
+        slots = self._slots(tokens, features)
+        unary, cand = self.drafter.candidate_selector.candidates(self.head.logits(slots))
+        return self.drafter.candidate_selector.walk(slots, unary, cand, tokens[-1:])[0][0]
+
+    @torch.no_grad()
+    def sample(self, tokens: torch.Tensor, features: torch.Tensor, temperature: float,
+               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled walk (module docstring): ``(draft [bs-1] int64, q [bs-1, V] fp32)``, row ``j``
+        of ``q`` the distribution slot ``j`` was drawn from, zero off its K candidates.
+
+        Raises:
+            ValueError: ``temperature <= 0`` (the greedy walk is :meth:`propose`).
+        """
+        if not temperature > 0:
+            raise ValueError(f"sample() needs temperature > 0, got {temperature}: use propose() for greedy")
+        slots = self._slots(tokens, features)
+        logits = self.head.logits(slots)                                     # [1, bs-1, V]
+        unary, cand = self.drafter.candidate_selector.candidates(logits)
+        path, q = self.drafter.candidate_selector.walk(slots, unary, cand, tokens[-1:], temperature, generator)
+        full = torch.zeros(logits.shape[1:], dtype=q.dtype, device=q.device)
+        return path[0], full.scatter_(-1, cand[0], q[0])                     # top-K ids are distinct
+
+
+class SelectorProposer(_Walk):
     """Drafts a block with a DFlash2 drafter's selector walk (module docstring).
 
     Raises:
@@ -52,20 +97,15 @@ class SelectorProposer:
         self.drafter, self.head = drafter, head
         self.bs = drafter.cfg.block_size
 
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """``tokens [n]`` (last = anchor), ``features [1, n-1, k*H]`` -> ``[bs-1]`` drafted ids."""
+    def _slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         n, d = tokens.shape[0], self.drafter
         block = torch.full((1, 1, self.bs), d.cfg.mask_token_id, device=tokens.device)
         block[0, 0, 0] = tokens[-1]
         hidden = d(features, self.head.embed(block), decode_layout(n - 1, n - 1, self.bs, tokens.device))
-        slots = hidden[0, :, 1:]                                             # [1, bs-1, H]
-        unary, cand = d.candidate_selector.candidates(self.head.logits(slots))
-        path, _ = d.candidate_selector.walk(slots, unary, cand, tokens[-1:])
-        return path[0]
+        return hidden[0, :, 1:]                                              # [1, bs-1, H]
 
 
-class CachedSelectorProposer(CachedDrafterProposer):
+class CachedSelectorProposer(_Walk, DrafterContextCache):
     """:class:`SelectorProposer` with the drafter's context keys/values cached (module docstring).
     One instance per generation.
 
@@ -78,8 +118,7 @@ class CachedSelectorProposer(CachedDrafterProposer):
             raise ValueError("CachedSelectorProposer needs a DFlash2 drafter (drafter.variant = \"dflash2\")")
         super().__init__(drafter, head)
 
-    @torch.no_grad()
-    def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def _slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         d, bs = self.drafter, self.bs
         self._reserve(features.shape[1] + bs, tokens.device)
         self._extend(features)
@@ -90,9 +129,7 @@ class CachedSelectorProposer(CachedDrafterProposer):
         rope = d._rope_table(qpos)
         for i, layer in enumerate(d.layers):
             x = layer.apply_conv(x, lambda h, i=i, a=layer.self_attn: self._attend(a, i, h, rope))
-        slots = d.norm(x)[:, 1:]                                             # [1, bs-1, H]
-        unary, cand = d.candidate_selector.candidates(self.head.logits(slots))
-        return d.candidate_selector.walk(slots, unary, cand, tokens[-1:])[0][0]
+        return d.norm(x)[:, 1:]                                              # [1, bs-1, H]
 
     def _attend(self, a, i: int, h: torch.Tensor, rope) -> torch.Tensor:
         """Layer ``i``'s attention of the block ``h [1, bs, H]`` over the cached context and itself."""
