@@ -18,6 +18,11 @@ published names (``layers.N.{attention,mlp}_conv.base_kernel``, ``...kernel_proj
 ``DFlash2DraftModel.from_pretrained`` maps them onto its embeddings, its MLX loader reads only the
 bare names). That class loads it with no missing or unexpected key (tested).
 
+DSpark's confidence head (``[loss].confidence = "head"``: ``confidence_head.proj.{weight,bias}``,
+:mod:`dflash.model.confidence_head`) is not exported: neither z-lab's classes nor serving engines
+have such a module, so its keys would be unexpected there; it stays in the training checkpoint
+(:func:`exported_weights`). The export of a drafter with a head equals that of one without it.
+
 * ``modeling_dflash.py``: this project's transformers model of the drafter (a copy of
   :mod:`dflash.model.modeling_dflash`; torch and transformers only), named by ``auto_map``, so
   ``AutoModel.from_pretrained(DIR, trust_remote_code=True)`` loads it with no other package.
@@ -104,9 +109,9 @@ from dflash.checkpoint.model_files import load_drafter  # noqa: E402
 from dflash.eval.inputs import check_checkpoint  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 
-__all__ = ["CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NO_REMOTE_CODE", "ExportedThenInterrupted",
-           "LastLayerWarning", "build_parser", "check_output", "export_drafter", "hf_config_dict",
-           "last_layer_problem", "load_exported", "main", "model_card"]
+__all__ = ["CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED", "NO_REMOTE_CODE",
+           "ExportedThenInterrupted", "LastLayerWarning", "build_parser", "check_output", "export_drafter",
+           "exported_weights", "hf_config_dict", "last_layer_problem", "load_exported", "main", "model_card"]
 
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 CARD_FILE = "README.md"  # the model card: how to load it (trust_remote_code) and decode with it
@@ -222,6 +227,16 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
     }
 
 
+NOT_EXPORTED = ("confidence_head.",)
+"""State-dict key prefixes left out of the export: training-only modules the public loaders lack."""
+
+
+def exported_weights(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The drafter's state dict on the CPU in ``dtype``, less the :data:`NOT_EXPORTED` keys."""
+    return {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()
+            if not k.startswith(NOT_EXPORTED)}
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                    dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``modeling_dflash.py`` and the model card
@@ -243,7 +258,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
         warnings.warn(problem, LastLayerWarning, stacklevel=2)
     out = Path(out_dir)
     cfg = hf_config_dict(drafter.cfg, dtype)
-    weights = {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()}
+    weights = exported_weights(drafter, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -411,7 +426,7 @@ def _export(args, written: list[Path]) -> bool:
     except (FileNotFoundError, ValueError) as e:
         print(f"dflash.export: {e}", file=sys.stderr)
         return False
-    n = sum(t.numel() for t in drafter.state_dict().values())
+    n = sum(t.numel() for k, t in drafter.state_dict().items() if not k.startswith(NOT_EXPORTED))
     print(f"wrote {out}/config.json, model.safetensors ({n / 1e6:.1f}M parameters, {args.dtype}), "
           f"{MODELING_FILE} (the transformers model class) and {CARD_FILE}")
     print(f"load it with AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True); {NO_REMOTE_CODE}")

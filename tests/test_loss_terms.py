@@ -1,6 +1,7 @@
-"""The total-variation and confidence loss terms ([loss].tv_weight, conf_weight; DSpark's recipe
-0.1 CE + 0.9 TV + 1.0 conf): formulas, fp32 gradients against a float64 reference (and bf16
-failing the same tolerance), every loss path giving the same loss, and the defaults unchanged."""
+"""The total-variation and "top1" confidence loss terms ([loss].tv_weight, conf_weight; DSpark's
+weights 0.1 CE + 0.9 TV + 1.0 conf, on our TV, which is half DSpark's L1): formulas, fp32
+gradients against a float64 reference (and bf16 failing the same tolerance), every loss path
+giving the same loss, and the defaults unchanged. The "head" form: tests/test_confidence_head.py."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_tv_and_confidence_match_their_formulas():
     assert conf[0].item() == pytest.approx(-torch.log_softmax(zd[0], -1)[y[0]].item(), rel=1e-6)  # = CE
 
 
-def test_dspark_recipe_is_point_one_ce_point_nine_tv_plus_conf():
+def test_point_one_ce_point_nine_tv_plus_conf_is_the_weighted_sum():
     zd, zt, y = _logits(seed=1)
     l, ce, kl = mixed_loss(DSPARK, zd, y, zt)
     want = 0.1 * ce + 0.9 * tv_term(zd, zt, 1.0) + 1.0 * confidence_term(zd, y)

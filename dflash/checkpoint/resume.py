@@ -247,7 +247,8 @@ _EFFECTS = (
 )
 
 
-_ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0}
+_ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
+                ("drafter", "confidence_head"): False}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 
@@ -326,7 +327,8 @@ def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
     :class:`dflash.model.drafter.DrafterConfig`); nothing to check when the file is unreadable.
 
     Raises:
-        CheckpointError: names each :data:`SHAPE_KEYS` key that differs, and what to do.
+        CheckpointError: names each :data:`SHAPE_KEYS` key that differs, and ``confidence_head``
+            (whether the weights hold DSpark's confidence head), and what to do.
     """
     import msgspec
 
@@ -337,6 +339,10 @@ def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
     now = msgspec.to_builtins(drafter_cfg)
     diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in SHAPE_KEYS
             if k in saved and saved.get(k) != now.get(k)]
+    if saved.get("confidence_head", False) != now.get("confidence_head", False):
+        # the head's weights are in model.safetensors or not: loss.confidence cannot change on resume
+        diff.append(f"confidence_head (loss.confidence = 'head'): checkpoint {saved.get('confidence_head', False)!r}, "
+                    f"config {now.get('confidence_head', False)!r}")
     if diff:
         raise CheckpointError(
             f"checkpoint {ckpt} has another drafter shape ({'; '.join(diff)}); resume it with its own "

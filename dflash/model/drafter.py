@@ -17,7 +17,9 @@ The block's input is the shared embedding of ``[anchor token, mask, mask, ...]``
 State-dict keys are exactly the public ones: ``fc.weight``, ``hidden_norm.weight``,
 ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.self_attn.{q,k}_norm.weight``,
 ``layers.N.input_layernorm.weight``, ``layers.N.post_attention_layernorm.weight``,
-``layers.N.mlp.{gate,up,down}_proj.weight``, ``norm.weight``.
+``layers.N.mlp.{gate,up,down}_proj.weight``, ``norm.weight``. ``[drafter].confidence_head`` adds
+DSpark's confidence head (:mod:`dflash.model.confidence_head`) as ``confidence_head.proj.{weight,bias}``,
+which the export leaves out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
+from dflash.model.confidence_head import ConfidenceHead
 from dflash.model.target_config import TargetConfig
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 
@@ -73,6 +76,9 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         conv_group_size: channels sharing one dynamic tap (``hidden_size`` must be a multiple).
         selector_top_k: candidates per block position the selector re-ranks.
         selector_rank: rank of the selector's predecessor/successor codebooks.
+        confidence_head: add DSpark's confidence head (:mod:`dflash.model.confidence_head`),
+            trained by ``[loss].confidence = "head"``. The run sets it from that key; setting it
+            here by hand without it is a config error. Checkpointed, not exported.
     """
 
     num_layers: int = 5
@@ -99,6 +105,7 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     conv_group_size: Positive = 16
     selector_top_k: Positive = 16
     selector_rank: Positive = 256
+    confidence_head: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -339,6 +346,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         if cfg.variant == "dflash2":
             self.candidate_selector = CandidateSelector(cfg.vocab_size, H, cfg.selector_rank, cfg.selector_top_k)
+        if cfg.confidence_head:
+            self.confidence_head = ConfidenceHead(H)
         # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
         self._inv_freq = (1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).double()
                                                   / cfg.head_dim)).float()
@@ -351,11 +360,13 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Backbone: ``N(0, 0.02)`` matrices, unit norms. DFlash2's modules are skipped in that loop
-        and initialised after it (:mod:`dflash.model.dflash2`), so the backbone's draws, and with
-        them a fresh DFlash2 drafter's outputs, equal the DFlash drafter's of the same seed."""
+        """Backbone: ``N(0, 0.02)`` matrices, unit norms. DFlash2's modules and the confidence head
+        are skipped in that loop and initialised after it (:mod:`dflash.model.dflash2`,
+        :mod:`dflash.model.confidence_head`), so the backbone's draws, and with them a fresh
+        drafter's hidden states, equal the plain DFlash drafter's of the same seed."""
         gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed) if seed is not None else None
-        added = {id(p) for m in self.modules() if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector))
+        added = {id(p) for m in self.modules()
+                 if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector, ConfidenceHead))
                  for p in m.parameters()}
         for name, p in self.named_parameters():
             if id(p) in added:
@@ -369,6 +380,8 @@ class DFlashDrafter(nn.Module):
                 m.reset_parameters()
             elif isinstance(m, CandidateSelector):
                 m.reset_parameters(gen)
+        if isinstance(getattr(self, "confidence_head", None), ConfidenceHead):
+            self.confidence_head.reset_parameters(gen)
 
     def _rope_table(self, positions: torch.Tensor):
         """``cos, sin [B, 1, N, head_dim]`` fp32 for ``positions [B, N]``."""

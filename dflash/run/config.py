@@ -282,6 +282,10 @@ def config_hash(cfg: DFlashFile) -> str:
     for key in _LOSS_KEYS_HASHED_WHEN_SET:
         if raw["loss"].get(key) == 0.0:
             raw["loss"].pop(key)
+    if raw["loss"].get("confidence") == "top1":  # the term's only form before the head existed
+        raw["loss"].pop("confidence")
+    if raw["drafter"].get("confidence_head") is False:  # no head: the drafter trains as before it existed
+        raw["drafter"].pop("confidence_head")
     raw.pop("monitor", None)
     raw.pop("trace", None)
     raw.pop("runtime", None)  # supervision only (the deadlock timeout): not what is trained

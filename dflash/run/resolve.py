@@ -39,7 +39,7 @@ from dflash.run.stages.postprocess import PostprocessOptions
 from dflash.run.stages.prefetch import PrefetchOptions
 from dflash.run.stages.target import TargetStageOptions
 from dflash.run.stages.trainer import DrafterStageOptions
-from dflash.train.loss import needs_final_hidden
+from dflash.train.loss import needs_final_hidden, uses_head
 
 __all__ = ["Resolved", "resolve"]
 
@@ -72,10 +72,12 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
 def filled(cfg: DFlashFile, tokenizer: TokenizerInfo) -> DFlashFile:
     """A copy of ``cfg`` with what the tokenizer decides: ``[target].vocab_size`` (a preset target
     that sets none), ``[drafter].mask_token_id`` (when unset) and ``[data].block_size``
-    (= ``[drafter].block_size``). ``cfg`` is not changed; untouched tables are shared.
+    (= ``[drafter].block_size``); and ``[drafter].confidence_head`` from ``[loss].confidence``
+    (the head exists iff the loss trains it). ``cfg`` is not changed; untouched tables are shared.
 
     Raises:
-        ConfigError: no ``drafter.mask_token_id`` and the tokenizer has no mask token.
+        ConfigError: no ``drafter.mask_token_id`` and the tokenizer has no mask token, or
+            ``drafter.confidence_head = true`` without ``loss.confidence = "head"``.
     """
     replace = msgspec.structs.replace
     target = cfg.target
@@ -87,6 +89,12 @@ def filled(cfg: DFlashFile, tokenizer: TokenizerInfo) -> DFlashFile:
             raise ConfigError("[drafter].mask_token_id is not set and the tokenizer has no mask token: "
                               "set drafter.mask_token_id to an unused token id")
         drafter = replace(drafter, mask_token_id=tokenizer.mask_token_id)
+    head = uses_head(cfg.loss)
+    if drafter.confidence_head and not head:
+        raise ConfigError("drafter.confidence_head = true adds a head nothing trains: set loss.confidence = 'head' "
+                          "(with loss.conf_weight > 0) instead, and leave drafter.confidence_head unset")
+    if drafter.confidence_head != head:
+        drafter = replace(drafter, confidence_head=head)
     data = replace(cfg.data, block_size=drafter.block_size)
     return replace(cfg, target=target, drafter=drafter, data=data)
 

@@ -12,9 +12,11 @@ Gradient (notation of :mod:`dflash.train.loss`, ``p = softmax(z^D)``, ``q_tau = 
 ``p^T_tau = softmax(z^T / tau)``, ``e_y`` the one-hot label):
 ``dl/dz^D = (1 - kl_weight) (p - e_y) + kl_weight * tau * (q_tau - p^T_tau)``, then
 ``dl/dh = (dl/dz^D) W`` through the head (in the head's dtype, as autograd would). With a TV or
-confidence term (``tv_weight``/``conf_weight`` > 0) the chunk's ``dl/dz^D`` is taken by autograd
-from :func:`dflash.train.loss.mixed_loss` itself on the chunk's fp32 logits (same formula, no
-second derivation to keep in step; a few more ``[c, V]`` buffers while the chunk is computed).
+"top1" confidence term (``tv_weight``/``conf_weight`` > 0) the chunk's ``dl/dz^D`` is taken by
+autograd from :func:`dflash.train.loss.mixed_loss` itself on the chunk's fp32 logits (same formula,
+no second derivation to keep in step; a few more ``[c, V]`` buffers while the chunk is computed).
+DSpark's confidence head is trained outside: this function gives its label ``c* = 1 - TV`` per slot
+(``accept=True``, not differentiated) and :mod:`dflash.train.objective` adds the head's term.
 
 Memory, for ``M`` slots, vocabulary ``V``, hidden ``H``, ``c`` slots per chunk (fp32 = 4 bytes):
 unchunked, autograd keeps the ``[M, V]`` fp32 log-probabilities for backward (two more ``[M, V]``
@@ -31,14 +33,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.train.loss import LossConfig, mixed_loss
+from dflash.train.loss import LossConfig, accept_probability, mixed_loss
 
 __all__ = ["chunked_head_loss"]
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, head, target_hidden, data_labels, cfg: LossConfig, chunk: int, topk: int):
+    def forward(ctx, hidden, head, target_hidden, data_labels, cfg: LossConfig, chunk: int, topk: int,
+                want_accept: bool):
         M = hidden.shape[0]
         W = head.lm_head.weight
         kw, tau = cfg.kl_weight, cfg.temperature
@@ -48,6 +51,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_h = torch.empty(M, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         top_v = torch.empty(M, topk, device=hidden.device) if topk else None
         top_i = torch.empty(M, topk, dtype=torch.long, device=hidden.device) if topk else None
+        accept = torch.empty(M, device=hidden.device) if want_accept else None
         for s in range(0, M, chunk):
             e = min(s + chunk, M)
             z = head.logits(hidden[s:e]).float()                             # [c, V]
@@ -58,7 +62,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             draft_arg[s:e] = z.argmax(-1)
             if topk:  # DFlash2's selector candidates, before z is consumed
                 top_v[s:e], top_i[s:e] = torch.topk(z, topk, dim=-1)
-            if cfg.tv_weight > 0 or cfg.conf_weight > 0:
+            if want_accept:  # the confidence head's label, before z is consumed
+                accept[s:e] = accept_probability(z, zt, tau)
+            if cfg.tv_weight > 0 or (cfg.conf_weight > 0 and cfg.confidence == "top1"):
                 with torch.enable_grad():
                     z_leaf = z.detach().requires_grad_(True)
                     l_c, ce_c, kl_c = mixed_loss(cfg, z_leaf, y, zt)
@@ -84,17 +90,19 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx.h_dtype = hidden.dtype
         outs = (l, ce, kl, draft_arg, target_arg if target_arg is not None else data_labels)
         outs += (top_v, top_i) if topk else ()
+        outs += (accept,) if want_accept else ()
         ctx.mark_non_differentiable(*outs[1:])
         return outs
 
     @staticmethod
     def backward(ctx, grad_l, *_):
         (grad_h,) = ctx.saved_tensors
-        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None, None
+        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None, None, None
 
 
 def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | None,
-                      data_labels: torch.Tensor, cfg: LossConfig, chunk: int, topk: int = 0):
+                      data_labels: torch.Tensor, cfg: LossConfig, chunk: int, topk: int = 0,
+                      accept: bool = False):
     """Per-slot loss terms through the frozen LM head, ``chunk`` slots at a time.
 
     Args:
@@ -107,19 +115,23 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
         chunk: slots per chunk (>= 1).
         topk: > 0: also the drafter's ``topk`` largest logits per slot (DFlash2's selector
             candidates, :mod:`dflash.train.selector_loss`), taken from the same chunk logits.
+        accept: also ``c* = clamp(1 - TV, 0, 1)`` per slot at ``cfg.temperature``, the confidence
+            head's label (:func:`dflash.train.loss.accept_probability`); needs ``target_hidden``.
 
     Returns:
         ``(l, ce, kl, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
         ``hidden``; ``ce``/``kl`` fp32 as :func:`dflash.train.loss.mixed_loss`; ``draft_argmax`` the
         drafter's argmax token; ``accept_label`` the target's argmax (or ``data_labels`` without
         target hidden states). With ``topk``, then ``(top_values [M, topk] fp32, top_ids [M, topk]
-        int64)``, largest first (no gradient).
+        int64)``, largest first (no gradient). With ``accept``, last ``c* [M]`` fp32 (no gradient).
 
     Raises:
-        ValueError: ``chunk < 1``, or the config needs target logits and ``target_hidden`` is None.
+        ValueError: ``chunk < 1``, or the config (or ``accept``) needs target logits and
+            ``target_hidden`` is None.
     """
     if chunk < 1:
         raise ValueError(f"LM-head chunk must be >= 1 slots, got {chunk}")
-    if (cfg.kl_weight > 0 or cfg.tv_weight > 0 or cfg.label == "target_argmax") and target_hidden is None:
-        raise ValueError("loss.kl_weight > 0, tv_weight > 0 or label = 'target_argmax' needs target hidden states")
-    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk, topk)
+    if (cfg.kl_weight > 0 or cfg.tv_weight > 0 or cfg.label == "target_argmax" or accept) and target_hidden is None:
+        raise ValueError("loss.kl_weight > 0, tv_weight > 0, label = 'target_argmax' or a confidence head "
+                         "needs target hidden states")
+    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk, topk, accept)

@@ -9,31 +9,50 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
 * KL at temperature ``tau`` (knowledge distillation, Hinton et al. 2015, "Distilling the
   Knowledge in a Neural Network", with its ``tau^2`` gradient-scale factor):
   ``KL_{b,j} = tau^2 * sum_v p^T_v (log p^T_v - log p^D_v)``, ``p = softmax(z / tau)``.
-* Total variation at the same temperature (DSpark: Cheng et al., DeepSeek-AI and Peking University, "DSpark:
-  Confidence-Scheduled Speculative Decoding with Semi-Autoregressive Generation", whose recipe is
-  ``0.1 CE + 0.9 TV + 1.0 conf``): ``TV_{b,j} = 0.5 * sum_v |p^T_v - p^D_v|``, ``p = softmax(z /
-  tau)``, no ``tau^2`` factor (TV is bounded in [0, 1]). ``1 - TV`` is the probability that
-  speculative sampling accepts a token drawn from ``p^D`` (Leviathan et al. 2023), so TV is the
-  loss that sampled acceptance optimises directly.
-* Confidence (``conf``): DSpark trains a separate confidence head to predict each position's
-  acceptance probability; this project's drafter has no such head, so the term here is a plainly
-  defined stand-in on the drafter's own distribution (no published formula): binary
-  cross-entropy making the drafter's top-1 probability ``c = max_v softmax(z^D)_v`` (temperature
-  1, the greedy draft's) match whether its argmax equals the hard label ``y``:
-  ``conf_{b,j} = -(a log c + (1 - a) log(1 - c))``, ``a = 1[argmax z^D = y]`` (not
-  differentiated). On a right slot it is ``CE``; on a wrong one it lowers the overconfident
-  top-1. A calibrated ``c`` is what a confidence-scheduled verifier needs.
+* Total variation at the same temperature: ``TV_{b,j} = 0.5 * sum_v |p^T_v - p^D_v|``,
+  ``p = softmax(z / tau)``, no ``tau^2`` factor (TV is bounded in [0, 1]). ``1 - TV`` is the
+  probability that speculative sampling accepts a token drawn from ``p^D`` (Leviathan et al.
+  2023), so TV is the loss that sampled acceptance optimises directly. Source: DSpark (Cheng et
+  al., Peking University and DeepSeek-AI, "DSpark: Confidence-Scheduled Speculative Decoding with
+  Semi-Autoregressive Generation", eq. 10; deepseek-ai/DeepSpec ``deepspec/modeling/dspark/loss.py``),
+  whose ``L_tv`` is the L1 distance ``||p^D - p^T||_1 = 2 TV`` at temperature 1, weighted like CE
+  and normalised by the same ``sum w``. Its recipe ``0.1 L_ce + 0.9 L_tv + 1.0 L_conf`` is
+  therefore ``0.1 CE + 1.8 TV + 1.0 conf`` per slot; here CE gets ``1 - kl_weight - tv_weight``,
+  so the same loss divided by 1.9 is ``tv_weight = 0.947, conf_weight = 0.526`` (Adam does not see
+  a constant loss scale; ``[train].grad_clip`` does). ``tv_weight = 0.9, conf_weight = 1.0`` is
+  half DSpark's TV weight.
+* Confidence (``conf``), two forms (``[loss].confidence``):
+
+  - ``"head"``, DSpark's (paper section 3.2.1 and eqs. 8 and 11; DeepSpec ``loss.py``): a separate
+    confidence head (:mod:`dflash.model.confidence_head`) gives the logit ``s_{b,j}`` of
+    ``c_{b,j} = sigmoid(s_{b,j})`` from the drafter's hidden state, trained by binary
+    cross-entropy against the soft acceptance label ``c*_{b,j} = clamp(1 - TV_{b,j}, 0, 1)``:
+    ``conf_{b,j} = -(c* log c + (1 - c*) log(1 - c))``. ``c*`` is not differentiated
+    (DeepSpec: ``accept_rate.detach()``); the hidden state is (DeepSpec trains the head "end-to-end
+    alongside the draft model": its gradient reaches the backbone). ``c*`` uses ``tau`` as TV does
+    (DSpark: 1, the default). Needs the target's logits. Computed by
+    :func:`head_confidence_term` and added by :mod:`dflash.train.objective` (the head is not in
+    :func:`mixed_loss`'s inputs).
+  - ``"top1"``, a stand-in with no head and no published formula (this project's): binary
+    cross-entropy making the drafter's top-1 probability ``c = max_v softmax(z^D)_v``
+    (temperature 1, the greedy draft's) match whether its argmax equals the hard label ``y``:
+    ``conf_{b,j} = -(a log c + (1 - a) log(1 - c))``, ``a = 1[argmax z^D = y]`` (not
+    differentiated). On a right slot it is ``CE``; on a wrong one it lowers the overconfident
+    top-1. Measured on the H200 at 0.1 CE + 0.9 TV + 1.0 conf it lost 30% tau against plain CE
+    (benchmarks/RESULTS.md).
 * Mixed per slot: ``l_{b,j} = (1 - kl_weight - tv_weight) * CE_{b,j} + kl_weight * KL_{b,j}
   + tv_weight * TV_{b,j} + conf_weight * conf_{b,j}`` (terms with weight 0 are not computed, so
   the defaults give exactly the plain CE/KL loss).
-* Precision: every term is computed in fp32 from fp32 casts of the logits. In bf16 the KL and TV
-  gradients are 19-31% off (catastrophic cancellation of nearly equal probabilities; found by
-  speculators' trainer), tested against a float64 reference in tests/test_loss_terms.py.
+* Precision: every term is computed in fp32 from fp32 casts of the logits (the head's logit
+  too). In bf16 the KL and TV gradients are 19-31% off (catastrophic cancellation of nearly equal
+  probabilities; found by speculators' trainer), tested against a float64 reference in
+  tests/test_loss_terms.py.
 * Position weights ``w_{b,j}`` (never differentiated):
 
   - ``"none"``: 1.
   - ``"exp_decay"``: ``exp(-(j - 1) / gamma)`` (DFlash paper: later block positions matter less,
-    since a draft is accepted only up to its first error).
+    since a draft is accepted only up to its first error). DSpark weighs all three of its terms
+    so, with ``gamma = 4`` in DeepSpec's configs.
   - ``"streak"``: ``alpha + (1 - alpha) * prod_{i<j} q_{b,i}``, with ``q_{b,i}`` the drafter's
     probability of the hard label at slot ``i`` (detached): the probability that slot ``j`` is
     reached at verification, i.e. its share in the expected accepted length
@@ -52,8 +71,8 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossConfig", "confidence_term", "mixed_loss", "needs_final_hidden", "position_weights",
-           "tv_term"]
+__all__ = ["LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "mixed_loss",
+           "needs_final_hidden", "position_weights", "tv_term", "uses_head"]
 
 
 class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -63,8 +82,15 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         label: hard CE label: "data" (dataset token) | "target_argmax".
         kl_weight: weight of the KL term in [0, 1] (CE gets ``1 - kl_weight - tv_weight``).
         tv_weight: weight of the total-variation term in [0, 1], with ``kl_weight + tv_weight
-            <= 1`` (DSpark's recipe: 0.9); needs the target's logits, like KL.
-        conf_weight: weight (>= 0, added on top) of the confidence term (DSpark's recipe: 1.0).
+            <= 1``; needs the target's logits, like KL. TV alone: ``tv_weight = 1.0`` (CE's weight
+            ``1 - kl_weight - tv_weight`` is then 0), ``kl_weight = 0``, ``conf_weight = 0``.
+            DSpark's recipe in this scale: 0.947 (module docstring).
+        conf_weight: weight (>= 0, added on top) of the confidence term (DSpark's: 1.0 on a loss
+            1.9 times this one's scale, 0.526 here).
+        confidence: which confidence term ``conf_weight`` weighs: "top1" (a stand-in on the
+            drafter's top-1 probability) | "head" (DSpark's: a confidence head on the drafter,
+            trained toward ``1 - TV``; needs ``conf_weight > 0``; the run adds the head to the
+            drafter). Formulas in the module docstring.
         temperature: KL and TV temperature (> 0).
         weighting: "exp_decay" | "streak" | "none".
         gamma: exp_decay scale, in block positions.
@@ -77,6 +103,7 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     kl_weight: float = 0.0
     tv_weight: float = 0.0
     conf_weight: float = 0.0
+    confidence: Literal["top1", "head"] = "top1"
     temperature: float = 1.0
     weighting: Literal["exp_decay", "streak", "none"] = "exp_decay"
     gamma: float = 7.0
@@ -91,6 +118,9 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"(CE gets 1 - kl_weight - tv_weight), got {self.tv_weight}")
         if not (self.conf_weight >= 0.0 and math.isfinite(self.conf_weight)):
             raise ValueError(f"loss.conf_weight must be a finite number >= 0, got {self.conf_weight}")
+        if self.confidence == "head" and self.conf_weight == 0:
+            raise ValueError("loss.confidence = 'head' trains a confidence head with weight loss.conf_weight, "
+                             "which is 0: set loss.conf_weight > 0 (DSpark: 1.0) or leave loss.confidence unset")
         if self.temperature <= 0:
             raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
         if self.gamma <= 0:
@@ -103,7 +133,12 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 def needs_final_hidden(cfg: LossConfig) -> bool:
     """Whether the loss needs target logits (so the target must return its final hidden state)."""
-    return cfg.label == "target_argmax" or cfg.kl_weight > 0 or cfg.tv_weight > 0
+    return cfg.label == "target_argmax" or cfg.kl_weight > 0 or cfg.tv_weight > 0 or uses_head(cfg)
+
+
+def uses_head(cfg: LossConfig) -> bool:
+    """Whether the loss trains DSpark's confidence head (``confidence = "head"``, ``conf_weight > 0``)."""
+    return cfg.confidence == "head" and cfg.conf_weight > 0
 
 
 def position_weights(cfg: LossConfig, label_prob: torch.Tensor) -> torch.Tensor:
@@ -154,6 +189,32 @@ def confidence_term(draft_logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return -(right * log_c + (1.0 - right) * log_1mc)
 
 
+def accept_probability(draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+    """``c* [N]`` fp32, not differentiated: ``clamp(1 - TV, 0, 1)``, the probability that
+    speculative sampling at ``temperature`` accepts the draft (DSpark eq. 8; the confidence head's
+    label). Arguments as :func:`tv_term`."""
+    with torch.no_grad():
+        return (1.0 - tv_term(draft_logits, target_logits, temperature)).clamp_(0.0, 1.0)
+
+
+def head_confidence_term(conf_logits: torch.Tensor, accept: torch.Tensor) -> torch.Tensor:
+    """``conf [N]`` fp32: DSpark's confidence loss (eq. 11), the binary cross-entropy of
+    ``c = sigmoid(conf_logits)`` against the soft label ``accept`` (not differentiated).
+
+    Args:
+        conf_logits: ``[N]`` the confidence head's logits (any float dtype; computed in fp32).
+        accept: ``[N]`` labels in [0, 1] (:func:`accept_probability`).
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if conf_logits.shape != accept.shape:
+        raise ValueError(f"confidence logits {tuple(conf_logits.shape)} and labels {tuple(accept.shape)} "
+                         "must have one value per slot each")
+    return F.binary_cross_entropy_with_logits(conf_logits.float(), accept.detach().float(), reduction="none")
+
+
 def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor,
                target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-slot terms for ``N`` trained slots.
@@ -165,7 +226,8 @@ def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor
 
     Returns:
         ``(l [N], ce [N], kl [N])`` fp32; ``kl`` is zeros without target logits. TV and the
-        confidence term enter ``l`` only (formula in the module docstring).
+        "top1" confidence term enter ``l`` only (formula in the module docstring); the "head"
+        confidence term is not in ``l`` (:func:`head_confidence_term`, added by the caller).
 
     Raises:
         ValueError: ``kl_weight > 0`` or ``tv_weight > 0`` and no target logits.
@@ -181,11 +243,12 @@ def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor
         kl = (t * t) * (logp_t.exp() * (logp_t - logq_t)).sum(-1)
     else:
         kl = torch.zeros_like(ce)
-    if cfg.tv_weight == 0 and cfg.conf_weight == 0:
+    top1 = cfg.conf_weight > 0 and cfg.confidence == "top1"
+    if cfg.tv_weight == 0 and not top1:
         return (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl, ce, kl   # the plain CE/KL loss, as before
     l = (1.0 - cfg.kl_weight - cfg.tv_weight) * ce + cfg.kl_weight * kl
     if cfg.tv_weight > 0:
         l = l + cfg.tv_weight * tv_term(draft_logits, target_logits, cfg.temperature)
-    if cfg.conf_weight > 0:
+    if top1:
         l = l + cfg.conf_weight * confidence_term(draft_logits, labels)
     return l, ce, kl

@@ -13,7 +13,10 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
    ``final_hidden[a + j - 1]`` (the target's prediction *of* token ``a + j`` is made at the
    position before it). KL and TV use the target logits at the same ``a + j - 1``.
 5. Loss (CE, KL, TV, confidence: :mod:`dflash.train.loss`), CE/KL means, per-position accuracy (against the target argmax when target logits are
-   computed, which is what greedy verification accepts; else against the data token).
+   computed, which is what greedy verification accepts; else against the data token). With
+   ``[loss].confidence = "head"`` the drafter's confidence head reads each trained slot's hidden
+   state and its term ``conf_weight * BCE(head, 1 - TV)`` joins that slot's loss, under the same
+   position weight.
 6. DFlash2 (``drafter.variant = "dflash2"``): the selector's loss over each slot's top-K
    candidates, ``loss += selector_weight * L_sel``, and its metrics (:mod:`dflash.train.selector_loss`).
 """
@@ -32,9 +35,12 @@ from dflash.train.acceptance import accuracy_per_position, streak_lengths
 from dflash.train.chunked_head import chunked_head_loss
 from dflash.train.loss import (
     LossConfig,
+    accept_probability,
+    head_confidence_term,
     mixed_loss,
     needs_final_hidden,
     position_weights,
+    uses_head,
 )
 from dflash.train.selector_loss import SelectorOutput, selector_terms
 
@@ -106,19 +112,24 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
             ``sync_free``: Liger's fused linear cross-entropy, :mod:`dflash.train.liger_head`).
 
     Raises:
-        ValueError: the config needs target logits and ``x.final_hidden`` is None, or the drafter
-            has no ``mask_token_id``.
+        ValueError: the config needs target logits and ``x.final_hidden`` is None, the drafter
+            has no ``mask_token_id``, or ``[loss].confidence = "head"`` and the drafter has no
+            confidence head.
     """
     features, input_ids, loss_mask, doc_ids = x.features, x.input_ids, x.loss_mask, x.doc_ids
     position_ids, anchors, final_hidden = x.position_ids, x.anchors, x.final_hidden
     dc = getattr(drafter, "module", drafter).cfg  # DDP-wrapped drafters keep their config inside
     selector = getattr(getattr(drafter, "module", drafter), "candidate_selector", None)  # DFlash2 only
+    conf_head = getattr(getattr(drafter, "module", drafter), "confidence_head", None) if uses_head(cfg) else None
     bs = dc.block_size
     if dc.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
+    if uses_head(cfg) and conf_head is None:
+        raise ValueError("loss.confidence = 'head' needs a drafter built with drafter.confidence_head = true "
+                         "(the run sets it from loss.confidence)")
     if needs_final_hidden(cfg) and final_hidden is None:
-        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight}, tv_weight={cfg.tv_weight} "
-                         "needs the target's "
+        raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight}, tv_weight={cfg.tv_weight}, "
+                         f"confidence={cfg.confidence!r} needs the target's "
                          "final hidden state; run the target with need_final=True")
     B, A = anchors.shape
     safe = anchors.clamp(min=0)
@@ -134,7 +145,7 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
     if sync_free:
         return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg,
-                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0])
+                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head)
 
     # 3. trained slots only -> logits [N, V]
     draft_logits = head.logits(hidden[:, :, 1:][trained]).float()
@@ -150,6 +161,9 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
 
     # 5. loss
     per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+    if conf_head is not None:
+        accept = accept_probability(draft_logits, target_logits, cfg.temperature)
+        per_slot = per_slot + cfg.conf_weight * head_confidence_term(conf_head(hidden[:, :, 1:][trained]), accept)
     grid = lambda v, fill=0.0: torch.full(trained.shape, fill, dtype=v.dtype,  # noqa: E731
                                           device=v.device).masked_scatter(trained, v)
     label_prob = grid(torch.exp(-ce.detach()))
@@ -194,11 +208,12 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
 def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
                       input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
                       cfg: LossConfig, lm_head_chunk: int = 0, lm_head: str = "chunked", selector=None,
-                      anchor_ids: torch.Tensor | None = None) -> LossOutput:
+                      anchor_ids: torch.Tensor | None = None, conf_head=None) -> LossOutput:
     """Steps 3-6 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
     the data, so nothing waits for the device. Same loss as the masked path up to summation order
     (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors. ``selector``
-    (DFlash2's, with ``anchor_ids [B, A]`` the blocks' token 0) adds step 6."""
+    (DFlash2's, with ``anchor_ids [B, A]`` the blocks' token 0) adds step 6; ``conf_head`` (the
+    drafter's confidence head, with ``[loss].confidence = "head"``) adds its term to step 5."""
     B, A, S = pos.shape
     M, H = B * A * S, hidden.shape[-1]
     tw = trained.reshape(M)
@@ -210,7 +225,7 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         prev = (flat_pos - 1).clamp(min=0)[..., None].expand(B, A * S, final_hidden.shape[-1])
         target_hidden = final_hidden.gather(1, prev).reshape(M, -1)
     data_labels = input_ids.gather(1, flat_pos).reshape(M)
-    unary = cand = None
+    unary = cand = accept = None
     if lm_head == "liger":
         if selector is not None:
             raise ValueError("train.lm_head = 'liger' gives no top-K candidates for DFlash2's selector: "
@@ -220,11 +235,13 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         per_slot, ce, kl, draft_arg, accept_label = liger_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk or 2048)
     elif lm_head_chunk > 0:
-        per_slot, ce, kl, draft_arg, accept_label, *top = chunked_head_loss(
+        per_slot, ce, kl, draft_arg, accept_label, *rest = chunked_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk,
-            topk=selector.top_k if selector is not None else 0)
+            topk=selector.top_k if selector is not None else 0, accept=conf_head is not None)
         if selector is not None:
-            unary, cand = top
+            unary, cand, *rest = rest
+        if conf_head is not None:
+            (accept,) = rest
     else:
         draft_logits = head.logits(slot_hidden).float()                          # [M, V]
         target_logits = head.logits(target_hidden).float() if target_hidden is not None else None
@@ -235,6 +252,10 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
             accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
         if selector is not None:
             unary, cand = selector.candidates(draft_logits)
+        if conf_head is not None:
+            accept = accept_probability(draft_logits, target_logits, cfg.temperature)
+    if conf_head is not None:
+        per_slot = per_slot + cfg.conf_weight * head_confidence_term(conf_head(slot_hidden), accept)
     zero = torch.zeros((), dtype=per_slot.dtype, device=per_slot.device)
     label_prob = torch.where(tw, torch.exp(-ce.detach()), zero).view(B * A, S)
     w = torch.where(tw, position_weights(cfg, label_prob).reshape(M), zero)
