@@ -16,7 +16,12 @@ The class presents the interface of z-lab's ``dflash_generate`` loop (``model.bl
 draft KV cache through ``past_key_values``/``use_cache``, and a forward that returns the hidden
 state tensor), so ``dflash_generate(AutoModel.from_pretrained(DIR, trust_remote_code=True),
 target, ...)`` decodes with it (tested in ``tests/test_export_zlab.py`` where z-lab's package is
-importable).
+importable). It also has z-lab's own entry point, with the same signature and return::
+
+    out = drafter.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=[eos])  # [1, N+n]
+
+(greedy: the target's own greedy text; ``temperature > 0``: speculative sampling; tested in
+``tests/test_spec_generate.py`` against the target's ``generate`` and z-lab's ``spec_generate``).
 
 Weights are initialised (``_init_weights``) only where transformers has not loaded them: the
 post-load initialisation that transformers 5.0-5.12 run on ``trust_remote_code`` classes skips
@@ -34,6 +39,7 @@ apply the target's LM head to the output.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -145,6 +151,84 @@ def _init_unless_loaded(param, fill) -> None:
         return
     with torch.no_grad():
         fill(param)
+
+
+# -- speculative decoding with a target model (z-lab's ``spec_generate`` contract): the target
+# verifies each drafted block in one forward; greedy decoding keeps the target's own tokens and
+# sampling keeps its distribution (Leviathan et al. 2023, "Fast Inference from Transformers via
+# Speculative Decoding", Algorithm 1).
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; "
+                         f"got temperature={temperature}, top_p={top_p}, top_k={top_k}")
+
+
+def _probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """fp32 ``[..., V]`` sampling distribution of ``logits / temperature`` restricted to the
+    ``top_k`` largest (0 = all), then to the smallest set of them whose mass reaches ``top_p``."""
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        vals, idx = torch.topk(scores, top_k, dim=-1)  # exactly k, ties broken by topk
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, idx, vals)
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass before a token already reaches top_p
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs [..., V]`` -> ``[...]`` (long)."""
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
+
+def _speculative_accept(drafted: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Accept a prefix of ``drafted [L]`` (drawn from ``q [L, V]``) against the target's ``p [L+1, V]``:
+    token ``j`` is kept with probability ``min(1, p_j/q_j)``; the first rejected one is replaced by
+    a draw from ``norm(max(0, p - q))``, and a full acceptance adds a draw from ``p[L]``. The output is
+    distributed as the target's (Leviathan et al. 2023). Returns ``(accepted count, next token [])``."""
+    L = drafted.shape[0]
+    rows = torch.arange(L, device=drafted.device)
+    p_tok, q_tok = p[rows, drafted], q[rows, drafted]
+    keep = torch.rand_like(q_tok) * q_tok < p_tok  # u < p/q without dividing by q = 0
+    n = int(keep.long().cumprod(0).sum())
+    if n == L:
+        return n, _draw(p[L])
+    residual = (p[n] - q[n]).clamp_min(0.0)
+    return n, _draw(residual if float(residual.sum()) > 0 else p[n])
+
+
+def _new_cache(config):
+    """A ``DynamicCache`` that can be cropped back after a block, also past a sliding window."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    if hasattr(cache, "activate_past_recording"):  # transformers >= 5: keep sliding layers' past
+        cache.activate_past_recording()
+    return cache
+
+
+def _crop(cache, length: int) -> None:
+    """Drop the cache's entries past the first ``length`` tokens (a negative ``crop`` argument
+    means "remove that many" on every transformers version the project allows)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _cache_kwarg(target: nn.Module) -> str:
+    """The name ``target.forward`` takes its KV cache by: ``cache`` on transformers that renamed
+    ``past_key_values`` (which they still accept, with a FutureWarning), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def _output_head(target: nn.Module) -> nn.Module:
+    head = getattr(target, "lm_head", None)
+    return head if head is not None else target.get_output_embeddings()
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -273,6 +357,99 @@ class DFlashDraftModel(PreTrainedModel):
         out = self.norm(x)
         return BaseModelOutput(last_hidden_state=out) if return_dict else out
 
+
+    def _features(self, hidden_states) -> torch.Tensor:
+        """``[1, T, k*H]``: transformers' ``hidden_states[i + 1]`` for each ``i`` in
+        ``target_layer_ids``, concatenated (the public DFlash drafters' context features)."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = 0) -> torch.LongTensor:
+        """Decode with ``target`` (a transformers causal LM this drafter was trained for), drafting
+        ``block_size - 1`` tokens per target forward; the signature and return of z-lab's
+        ``DFlashDraftModel.spec_generate``.
+
+        Args:
+            target: e.g. ``AutoModelForCausalLM.from_pretrained(...)``; its input embedding and LM
+                head (``lm_head`` or ``get_output_embeddings()``) serve the drafter too.
+            input_ids: ``[1, N]`` (long) prompt, on the target's device.
+            max_new_tokens: at most this many tokens are added.
+            stop_token_ids: decoding ends after the first of these it emits (kept), or None.
+            temperature: 0 for greedy decoding: the output is then the target's own greedy text.
+                Above 0, tokens are sampled from the target's ``softmax(logits / temperature)``
+                (restricted by ``top_k`` then ``top_p``), drafts accepted by speculative sampling
+                (:func:`_speculative_accept`), so the output has the target's distribution.
+            top_p: nucleus mass in ``(0, 1]`` (sampling only).
+            top_k: keep the ``top_k`` most likely tokens, 0 for all (sampling only).
+
+        Returns:
+            ``[1, N + n]`` (long): the prompt then ``n <= max_new_tokens`` new tokens.
+
+        Raises:
+            ValueError: ``input_ids`` is not one row, or the sampling settings are out of range.
+            NotImplementedError: ``temperature > 0`` on a drafter with a candidate selector (DFlash2;
+                its shipped selector is greedy).
+        """
+        _check_sampling(temperature, top_p, top_k)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"spec_generate decodes one sequence: input_ids must be [1, N], got "
+                             f"{list(input_ids.shape)}")
+        if temperature > 0 and hasattr(self, "select"):
+            raise NotImplementedError("this drafter's candidate selector drafts greedily: use temperature=0")
+        self.eval()
+        sampling = temperature > 0
+        dev, N = input_ids.device, input_ids.shape[1]
+        stops = set(stop_token_ids or ())
+        emb_w = target.get_input_embeddings().weight
+        emb_scale = float(_dflash_value(self.config, "input_embedding_scale", 1.0))
+        head = _output_head(target)
+        t_cache, d_cache = _new_cache(target.config), _new_cache(self.config)
+        t_kw = {_cache_kwarg(target): t_cache, "use_cache": True, "output_hidden_states": True}
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
+            return _draw(_probs(logits, temperature, top_p, top_k)) if sampling else logits.argmax(-1)
+
+        out = target(input_ids, position_ids=torch.arange(N, device=dev)[None], logits_to_keep=1, **t_kw)
+        new = [int(pick(out.logits[0, -1]))]
+        ctx = self._features(out.hidden_states)  # [1, T, k*H] context the drafter has not seen yet
+        pos = N  # position of new[-1], the block's anchor (the target's cache holds 0..pos-1)
+        while len(new) < max_new_tokens and new[-1] not in stops:
+            Q = min(self.block_size, max_new_tokens - len(new) + 1)
+            block = torch.full((1, Q), int(self.mask_token_id), dtype=torch.long, device=dev)
+            block[0, 0] = new[-1]
+            q = None
+            if Q > 1:
+                h = self(target_hidden=ctx, noise_embedding=F.embedding(block, emb_w) * emb_scale,
+                         position_ids=torch.arange(pos - ctx.shape[1], pos + Q, device=dev)[None],
+                         past_key_values=d_cache, use_cache=True)[:, 1:]
+                _crop(d_cache, pos)  # keep the context's keys/values, drop the block's
+                logits = self.compute_logits(h, head)
+                if hasattr(self, "select"):
+                    block[:, 1:] = self.select(h, logits, anchor_ids=block[:, 0])
+                elif sampling:
+                    q = _probs(logits[0], temperature, top_p, top_k)  # [Q-1, V]
+                    block[0, 1:] = _draw(q)
+                else:
+                    block[:, 1:] = logits.argmax(-1)
+            out = target(block, position_ids=torch.arange(pos, pos + Q, device=dev)[None], **t_kw)
+            if sampling:
+                n, nxt = _speculative_accept(block[0, 1:], _probs(out.logits[0], temperature, top_p, top_k),
+                                             q if q is not None else out.logits.new_zeros(0, 1))
+            else:
+                want = out.logits[0].argmax(-1)  # [Q] the target's token after each block token
+                n = int((block[0, 1:] == want[:-1]).long().cumprod(0).sum())
+                nxt = want[n]
+            got = [*block[0, 1:n + 1].tolist(), int(nxt)][: max_new_tokens - len(new)]
+            hit = next((j for j, t in enumerate(got) if t in stops), None)
+            got = got if hit is None else got[:hit + 1]
+            ctx = self._features(out.hidden_states)[:, :len(got)]  # anchor + accepted: now context
+            pos += len(got)
+            _crop(t_cache, pos)
+            new += got
+        tail = torch.tensor(new[:max_new_tokens], dtype=input_ids.dtype, device=dev)[None]
+        return torch.cat([input_ids, tail], dim=1)
 
 __all__ = ["DFlashDraftModel"]
 
