@@ -17,7 +17,8 @@
 # train: the DFlash2 drafter on both regenerated files for STEPS steps (a cosine schedule that ends at
 #        STEPS; TRAIN_S caps the wall time with a graceful stop), SETS extra --set arguments (the
 #        switches the probe chose); then dflash.eval on the NP held-out prompts, NEW tokens each,
-#        greedy; the last checkpoint's weights and configs come back as OUT/ckpt.tar.part-*.
+#        greedy and at T = 1; the last checkpoint's weights and configs come back as
+#        OUT/ckpt.tar.part-*.
 #
 # Prompts: benchmarks/quality/prompts.py --first-unused 8000 --num NP: the same held-out prompts as
 # the earlier quality rows of benchmarks/RESULTS.md (out of the target's pretraining and, through
@@ -101,8 +102,11 @@ train)
   grep -v "^step" "$R/train.log" | tail -4
   cp "$R/run/metrics.jsonl" "$OUT/metrics-headline.jsonl"; cp "$R/train.log" "$OUT/"
   ck=$(ls -d "$R/run"/checkpoints/step_* | sort | tail -1)
-  python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
-    --json > "$OUT/eval-headline-t0.json" 2> "$R/eval.err" || tail -5 "$R/eval.err"
+  for t in 0 1; do  # greedy, then T = 1 (about 2 minutes each on the H200 at NP = 32, NEW = 256)
+    python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+      --temperature $t --seed 0 --json > "$OUT/eval-headline-t$t.json" 2> "$R/eval.err" \
+      || tail -5 "$R/eval.err"
+  done
   python3 -c "import json; d = json.load(open('$OUT/eval-headline-t0.json')); print({k: d.get(k) for k in
     ('tau', 'mean_accepted', 'tau_sim', 'streak_all', 'dtype', 'selector')})"
   (cd "$(dirname "$ck")" && tar cf - --exclude='train_state*' "$(basename "$ck")") \
