@@ -8,6 +8,15 @@ rank that saw the key bumps ``csp.dist/acks``; before exiting after a failure a 
 bounded time) until every other rank has seen it, so that the rank hosting the store (rank 0
 outside torchrun) does not take the message down with it.
 
+Peer liveness: the watcher also bumps ``csp.dist/beat/<rank>`` about once a second and reads
+every other rank's counter. A rank whose counter has not moved for ``peer_timeout_s`` seconds
+(:data:`PEER_TIMEOUT_S`, 60 s by default) is reported as lost, by the rank that noticed:
+``"rank 1 stopped answering: no heartbeat for 60 s (its host lost?)"``. A dead process on a live
+host usually shows sooner (gloo sees its sockets close); the heartbeat is what bounds the wait
+when a host vanishes without closing its connections (power, network), where a gloo receive
+would otherwise block until the group timeout (30 min) or forever between transfers. 60 s leaves
+room for a rank whose Python threads are starved for a while (a long GIL-holding call).
+
 Nothing here blocks for long: ``check``/``get``/``add``/``compare_set`` are single store round
 trips, and a store that stops answering (its host rank died) is itself reported as a failure.
 """
@@ -22,6 +31,9 @@ __all__ = ["Control"]
 
 ABORT_KEY = "csp.dist/abort"
 ACK_KEY = "csp.dist/acks"
+BEAT_KEY = "csp.dist/beat/{}"
+PEER_TIMEOUT_S = 60.0
+"""Default seconds without a heartbeat before a rank is reported lost (module doc; 0 = off)."""
 
 
 class Control:
@@ -31,21 +43,32 @@ class Control:
         store: the ``torch.distributed`` store shared by all ranks (TCPStore).
         rank: this rank.
         world_size: number of ranks.
+        peer_timeout_s: seconds without a heartbeat before another rank is reported lost
+            (:data:`PEER_TIMEOUT_S`; 0 = no heartbeat).
+        store_address: where the store lives (``"host:port"``), for the message when it is lost.
+
+    Raises:
+        ValueError: ``peer_timeout_s`` is negative.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, peer_timeout_s: float = PEER_TIMEOUT_S,
+                 store_address: str | None = None) -> None:
+        if peer_timeout_s < 0:
+            raise ValueError(f"peer_timeout_s must be >= 0 seconds, got {peer_timeout_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.peer_timeout_s, self.store_address = float(peer_timeout_s), store_address
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.seen: tuple[int, str] | None = None  # (rank, message) of the winning failure
 
-    def report(self, message: str) -> tuple[int, str]:
-        """Publish this rank's failure unless another was published first.
+    def report(self, message: str, rank: int | None = None) -> tuple[int, str]:
+        """Publish this rank's failure (or ``rank``'s, one this rank saw stop answering) unless
+        another was published first.
 
         Returns:
             ``(rank, message)`` of the failure that won (this one, or the earlier one).
         """
-        value = f"{self.rank}\n{message}"
+        value = f"{self.rank if rank is None else rank}\n{message}"
         try:
             got = self.store.compare_set(ABORT_KEY, "", value)
         except Exception:  # the store is gone: nobody can be told; keep our own message
@@ -57,12 +80,34 @@ class Control:
 
     def watch(self, on_abort: Callable[[int, str], None], interval_s: float = 0.05) -> None:
         """Start the watcher thread: ``on_abort(rank, message)`` once another rank reports
-        (rank ``-1`` if the store itself became unreachable)."""
+        (rank ``-1`` if the store itself became unreachable; the lost rank if a heartbeat
+        stopped, see the module doc)."""
+        beat_s = min(1.0, self.peer_timeout_s / 4)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (last counter, monotonic time it moved)
+        next_beat = 0.0
+
+        def lost_peers() -> list[int]:
+            now = time.monotonic()
+            self.store.add(BEAT_KEY.format(self.rank), 1)
+            for r in peers:
+                count = self.store.add(BEAT_KEY.format(r), 0)
+                if r not in seen or seen[r][0] != count:
+                    seen[r] = (count, now)
+            return [r for r in peers if now - seen[r][1] >= self.peer_timeout_s]
 
         def loop() -> None:
+            nonlocal next_beat
             while not self._stop.wait(interval_s):
                 try:
                     if not self.store.check([ABORT_KEY]):
+                        if self.peer_timeout_s and time.monotonic() >= next_beat:
+                            next_beat = time.monotonic() + beat_s
+                            lost = lost_peers()
+                            if lost:
+                                names = ", ".join(map(str, lost))
+                                self.report(f"rank{'s' * (len(lost) > 1)} {names} stopped answering: no "
+                                            f"heartbeat for {self.peer_timeout_s:g} s (its host lost?)", lost[0])
                         continue
                     rank, message = _parse(self.store.get(ABORT_KEY))
                     if self.seen is None:
@@ -72,7 +117,9 @@ class Control:
                 except Exception as exc:
                     if self._stop.is_set():
                         return
-                    rank, message = -1, f"lost the torch.distributed store (did rank 0 die?): {exc!r}"
+                    where = f" at {self.store_address}" if self.store_address else ""
+                    rank, message = -1, (f"lost the torch.distributed store{where} (did its host die? rank 0's, "
+                                         f"or under torchrun the rendezvous endpoint's): {exc!r}")
                     if self.seen is None:
                         self.seen = (rank, message)
                 if rank != self.rank:

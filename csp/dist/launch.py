@@ -10,7 +10,8 @@
    (and an NCCL one when the graph uses CUDA), and per process whose replicas span several
    ranks a group over those ranks (:func:`process_group`; DDP for data-parallel replicas);
 4. run a :class:`csp.Runtime` over this rank's instances only, its crossing channels built by
-   :class:`csp.dist.bridge.Hub`; a watcher thread follows the abort key (:mod:`csp.dist.control`);
+   :class:`csp.dist.bridge.Hub`; a watcher thread follows the abort key and the other ranks'
+   heartbeats (:mod:`csp.dist.control`): a rank silent for ``peer_timeout_s`` is reported lost;
 5. on success wait for the lanes to close (every rank done with every link), barrier, destroy
    the groups. On failure return at once with the first failure's rank and message: call
    :func:`hard_exit` then, as lane threads may still be blocked in gloo/NCCL receives.
@@ -33,7 +34,7 @@ from typing import Any
 import msgspec
 
 from csp.dist.bridge import Hub
-from csp.dist.control import Control
+from csp.dist.control import PEER_TIMEOUT_S, Control
 from csp.dist.placement import Placement, place
 from csp.dist.wire import LaneReader, LaneWriter
 from csp.errors import DistError, ProcessFailed, ProcessStuck
@@ -140,7 +141,8 @@ def _home_device(graph: Graph, placement: Placement, rank: int, local_rank: int)
 
 
 def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, trace: Any = None,
-        join_timeout_s: float = 10.0, timeout_s: float = 1800.0) -> tuple[DistResult, Runtime]:
+        join_timeout_s: float = 10.0, timeout_s: float = 1800.0,
+        peer_timeout_s: float = PEER_TIMEOUT_S) -> tuple[DistResult, Runtime]:
     """Run this rank's share of ``graph`` (call on every rank). See the module doc.
 
     Args:
@@ -149,12 +151,15 @@ def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, tra
         app, trace, join_timeout_s: as :class:`csp.Runtime`.
         timeout_s: torch.distributed timeout of the groups (rendezvous, barrier, a tensor transfer
             that started); waiting for the next item is not bounded by it.
+        peer_timeout_s: seconds without another rank's heartbeat before the run fails naming
+            that rank (:data:`csp.dist.control.PEER_TIMEOUT_S`, 60 s; 0 = off).
 
     Returns:
         ``(DistResult, Runtime)``; on status "failed" call :func:`hard_exit` when done reporting.
 
     Raises:
         GraphError: the placement is invalid (every rank raises the same error).
+        ValueError: ``peer_timeout_s`` is negative.
     """
     global _current
     import torch.distributed as dist
@@ -184,7 +189,8 @@ def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, tra
             groups[name] = dist.new_group(ranks, timeout=timeout)
     _current = DistRun(rank, world, local_rank, placement, groups)
 
-    control = Control(store, rank, world)
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if "MASTER_PORT" in os.environ else None
+    control = Control(store, rank, world, peer_timeout_s, store_address=addr)
     rt_box: list[Runtime] = []
 
     def stop_all(reason: str) -> None:
