@@ -13,6 +13,11 @@
 #   dflash     the default DFlash drafter, CE on the target's argmax (examples/sharegpt-target-h200.toml)
 #   dspark     the same drafter, DSpark's loss: 0.1 CE + 0.9 TV + 1.0 confidence
 #   dflash2    the DFlash2 variant (grouped dynamic causal convolutions + candidate selector)
+#   dspark_head  DSpark's recipe as its paper and DeepSpec's trainer write it, in this project's units
+#              (their L1 "TV" is twice ours; divided by 1.9): dataset labels, 0.947 TV, 0.526 conf
+#              with the confidence head, gamma 4
+#   tv         TV alone (CE weight 0, no confidence term)
+# Block 8 rows: BS=8 (the same rows at block 8; gamma stays the graph's unless the row sets it).
 # Prompts: benchmarks/quality/prompts.py (held out of the target's pretraining and of every run).
 # Output: OUT/frontier.json (one object per row and temperature) and each run's metrics and eval JSON.
 set -euo pipefail
@@ -29,6 +34,9 @@ row_args() {
     dflash) ;;
     dspark) echo --set loss.tv_weight=0.9 --set loss.conf_weight=1.0 ;;
     dflash2) echo --set drafter.variant=\"dflash2\" ;;
+    dspark_head) echo --set loss.label=\"data\" --set loss.tv_weight=0.947 --set loss.conf_weight=0.526 \
+      --set loss.confidence=\"head\" --set loss.gamma=4 ;;
+    tv) echo --set loss.tv_weight=1.0 ;;
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
 }
