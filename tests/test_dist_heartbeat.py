@@ -66,3 +66,32 @@ def test_peer_timeout_zero_turns_the_heartbeat_off_and_negative_is_refused():
     assert not store.check(["csp.dist/beat/0"])
     with pytest.raises(ValueError, match="peer_timeout_s must be >= 0 seconds, got -1"):
         Control(store, 0, 2, peer_timeout_s=-1)
+
+
+def test_a_connection_failure_names_the_rank_that_went_silent():
+    """Invariant: when this rank fails with a lost-connection error (the socket broke before the
+    heartbeat timed out), the published cause names the rank whose heartbeat stopped, not the
+    socket; with every peer still beating the message is published as it was, as this rank's."""
+    store = dist.HashStore()
+    ranks = [Control(store, r, 3, peer_timeout_s=60) for r in range(3)]
+    for c in ranks[:2]:
+        _watch(c)  # ranks 0 and 1 beat; rank 2's host is gone
+    gloo = "rank 0: process drafter[0] failed: RuntimeError('Read error [127.0.0.1]:60040: Connection reset by peer')"
+    try:
+        rank, message = ranks[0].report(gloo)
+    finally:
+        for c in ranks:
+            c.stop()
+    assert rank == 2 and message.startswith("rank 2 stopped answering (its host lost?)") and gloo in message
+
+    store = dist.HashStore()
+    ranks = [Control(store, r, 2, peer_timeout_s=60) for r in range(2)]
+    for c in ranks:
+        _watch(c)
+    try:
+        rank, message = ranks[0].report(gloo)
+        other = ranks[0].report("rank 0: ValueError('bad batch')")  # no probe: not a connection error
+    finally:
+        for c in ranks:
+            c.stop()
+    assert (rank, message) == (0, gloo) and other == (0, gloo)  # the first failure stays the cause

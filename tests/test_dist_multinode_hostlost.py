@@ -112,7 +112,9 @@ def test_a_lost_host_stops_the_survivors_naming_it_and_the_run_resumes(tmp_path)
     survivor_rank = 1 - lost_ranks[0]
     errors = [ln for ln in out.splitlines() if ln.startswith(f"rank {survivor_rank}: error:")]
     assert len(errors) == 1 and f"rank {lost_ranks[0]}" in errors[0].removeprefix(f"rank {survivor_rank}:"), out
-    assert out.count("Traceback") <= 1, out  # at most torchrun's own ChildFailedError, none per thread
+    # no storm: at most torchrun's own ChildFailedError report, and the failed stage's traceback when
+    # the broken socket reached a stage (the DDP all-reduce) before the control plane stopped it
+    assert out.count("Traceback") <= 2, out
     resume_line = next(ln for ln in out.splitlines() if ln.strip().startswith("# resume from step"))
     k = int(resume_line.split()[-1])
     assert k > 0 and k in _steps(ckpts)

@@ -17,7 +17,14 @@ when a host vanishes without closing its connections (power, network), where a g
 would otherwise block until the group timeout (30 min) or forever between transfers. 60 s leaves
 room for a rank whose Python threads are starved for a while (a long GIL-holding call).
 
-Nothing here blocks for long: ``check``/``get``/``add``/``compare_set`` are single store round
+A failure of this rank that reads as a lost connection (gloo's "Connection reset by peer", a
+closed or broken socket: :data:`PEER_LOST`) is usually the consequence of another rank's loss that
+the heartbeat has not timed out yet. Before publishing it, :meth:`Control.report` reads the other
+ranks' counters twice, :data:`PEER_PROBE_S` apart; ranks whose counters did not move are named as
+the cause (``"rank 1 stopped answering (...)"``), so the message says which rank went away rather
+than which socket broke.
+
+Nothing here blocks for long (the probe: :data:`PEER_PROBE_S`, on a connection failure only): ``check``/``get``/``add``/``compare_set`` are single store round
 trips, and a store that stops answering (its host rank died) is itself reported as a failure.
 """
 
@@ -34,6 +41,11 @@ ACK_KEY = "csp.dist/acks"
 BEAT_KEY = "csp.dist/beat/{}"
 PEER_TIMEOUT_S = 60.0
 """Default seconds without a heartbeat before a rank is reported lost (module doc; 0 = off)."""
+PEER_PROBE_S = 2.5
+"""Seconds between the two heartbeat reads after a connection failure: above the watcher's beat
+interval (1 s), so a live rank's counter moves in between."""
+PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+"""Lower-case fragments of the socket errors that a lost peer causes (gloo's tcp transport)."""
 
 
 class Control:
@@ -68,6 +80,13 @@ class Control:
         Returns:
             ``(rank, message)`` of the failure that won (this one, or the earlier one).
         """
+        if rank is None and self.peer_timeout_s and any(x in message.lower() for x in PEER_LOST):
+            silent = self.silent_peers()
+            if silent:
+                names = ", ".join(map(str, silent))
+                message = (f"rank{'s' * (len(silent) > 1)} {names} stopped answering (its host lost?): "
+                           f"this rank's connection to it failed: {message}")
+                rank = silent[0]
         value = f"{self.rank if rank is None else rank}\n{message}"
         try:
             got = self.store.compare_set(ABORT_KEY, "", value)
@@ -77,6 +96,18 @@ class Control:
         if self.seen is None:
             self.seen = won
         return won
+
+    def silent_peers(self, probe_s: float = PEER_PROBE_S) -> list[int]:
+        """The other ranks whose heartbeat counters did not move over ``probe_s`` seconds
+        (``[]`` when the store cannot be read: nothing is then known)."""
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            before = [self.store.add(BEAT_KEY.format(r), 0) for r in peers]
+            time.sleep(probe_s)
+            after = [self.store.add(BEAT_KEY.format(r), 0) for r in peers]
+        except Exception:
+            return []
+        return [r for r, a, b in zip(peers, before, after) if a == b]
 
     def watch(self, on_abort: Callable[[int, str], None], interval_s: float = 0.05) -> None:
         """Start the watcher thread: ``on_abort(rank, message)`` once another rank reports
