@@ -29,6 +29,7 @@ class                   also a                 raised by
 ``PinnedPoolError``     ``ValueError``         ``csp.cuda.PinnedPool``: ``max_bytes`` or a request too big
 ``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
 ``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
+``DistConfigError``     ``ValueError``         ``csp.dist``: an argument out of range (``peer_timeout_s < 0``)
 ``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``, ``whatif.predict``: unknown process
 ``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
 ``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
@@ -188,6 +189,11 @@ class DistError(CspError, RuntimeError):
     process, or a CUDA tensor to send without an NCCL group."""
 
 
+class DistConfigError(CspError, ValueError):
+    """A ``csp.dist`` argument is out of range (a negative ``peer_timeout_s``); the message says
+    which values it takes."""
+
+
 class UnknownProcess(CspError, KeyError):
     """A process name that is not in the graph."""
 
@@ -215,6 +221,7 @@ __all__ = [
     "ChannelError",
     "ChannelTimeout",
     "CspError",
+    "DistConfigError",
     "DistError",
     "DotNotFound",
     "EndOfStream",

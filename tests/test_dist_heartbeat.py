@@ -64,7 +64,7 @@ def test_peer_timeout_zero_turns_the_heartbeat_off_and_negative_is_refused():
     finally:
         quiet.stop()
     assert not store.check(["csp.dist/beat/0"])
-    with pytest.raises(ValueError, match="peer_timeout_s must be >= 0 seconds, got -1"):
+    with pytest.raises(ValueError, match=r"peer_timeout_s must be >= 0 seconds \(0 = no heartbeat\), got -1"):
         Control(store, 0, 2, peer_timeout_s=-1)
 
 

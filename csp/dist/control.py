@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from csp.errors import DistConfigError
+
 __all__ = ["Control"]
 
 ABORT_KEY = "csp.dist/abort"
@@ -60,13 +62,13 @@ class Control:
         store_address: where the store lives (``"host:port"``), for the message when it is lost.
 
     Raises:
-        ValueError: ``peer_timeout_s`` is negative.
+        csp.errors.DistConfigError (a ValueError): ``peer_timeout_s`` is negative.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, peer_timeout_s: float = PEER_TIMEOUT_S,
                  store_address: str | None = None) -> None:
         if peer_timeout_s < 0:
-            raise ValueError(f"peer_timeout_s must be >= 0 seconds, got {peer_timeout_s}")
+            raise DistConfigError(f"peer_timeout_s must be >= 0 seconds (0 = no heartbeat), got {peer_timeout_s}")
         self.store, self.rank, self.world_size = store, rank, world_size
         self.peer_timeout_s, self.store_address = float(peer_timeout_s), store_address
         self._stop = threading.Event()

@@ -159,7 +159,7 @@ def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, tra
 
     Raises:
         GraphError: the placement is invalid (every rank raises the same error).
-        ValueError: ``peer_timeout_s`` is negative.
+        csp.errors.DistConfigError (a ValueError): ``peer_timeout_s`` is negative.
     """
     global _current
     import torch.distributed as dist
