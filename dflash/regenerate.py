@@ -361,7 +361,13 @@ def _main(args: argparse.Namespace, locks: list) -> int:
         return 2
     todo = [(c, i) for c, i in zip(records.conversations, records.source_index)
             if i not in done and i not in excluded]
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from dflash.eval.inputs import EvalInputError, check_device
+
+    try:  # a CUDA device this machine lacks: one line, before the target loads
+        device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except EvalInputError as e:
+        print(f"dflash.regenerate: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     if cfg.target.path is None and cfg.target.vocab_size is None:
         cfg.target.vocab_size = len(tok)

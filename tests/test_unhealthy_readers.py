@@ -84,3 +84,18 @@ def test_no_healthy_neighbour_is_said(tmp_path):
     mark_unhealthy(step_dir(root, 100), "suspect")
     with pytest.raises(EvalInputError, match=r"no healthy checkpoint beside it in .*checkpoints"):
         check_checkpoint(str(step_dir(root, 300)))
+
+
+def test_a_torn_meta_json_is_refused_by_export_as_resume_refuses_it(tmp_path, capsys):
+    """Invariant: a checkpoint whose meta.json exists but does not parse (a torn save) is not
+    trusted by a reader either: export refuses it in one line naming meta.json; a checkpoint with
+    no meta.json at all (weights and configs copied alone) is still judged by its tensors."""
+    root = _run(tmp_path)
+    s100 = step_dir(root, 100)
+    (s100 / "meta.json").write_text("{bad")
+    assert reader_problem(s100) == "meta.json is unreadable (an interrupted or damaged save)"
+    assert export_main([str(s100), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "meta.json is unreadable" in err
+    (s100 / "meta.json").unlink()
+    assert reader_problem(s100) is None

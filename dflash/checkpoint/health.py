@@ -57,8 +57,12 @@ def nonfinite_weights(path: Path, limit: int = 3) -> list[str]:
 def reader_problem(path: Path) -> str | None:
     """Why the weights of checkpoint ``path`` must not be trusted, or None: ``meta.json`` says
     ``healthy: false`` (with its reason), or ``model.safetensors`` holds NaN/Inf (names them). A
-    checkpoint without ``meta.json`` (weights and configs copied alone) is judged by its tensors."""
+    checkpoint without ``meta.json`` (weights and configs copied alone) is judged by its tensors;
+    one whose ``meta.json`` exists but does not parse is damaged (a torn or overwritten save), as
+    ``--resume`` also judges it."""
     meta = read_meta(Path(path))
+    if meta is None and (Path(path) / META).exists():
+        return f"{META} is unreadable (an interrupted or damaged save)"
     if meta is not None and meta.get("healthy") is False:
         return f"marked unhealthy ({meta.get('reason') or 'no reason recorded'})"
     bad = nonfinite_weights(path)

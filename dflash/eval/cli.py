@@ -106,6 +106,9 @@ def _main(argv: list[str] | None) -> int:
         p.error("--threads must be >= 1")
     if not args.temperature >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    if args.temperature == 0 and (args.top_p != 1 or args.top_k != 0):
+        p.error("--top-p and --top-k shape the sampled decode: give --temperature > 0 with them "
+                "(the greedy decode ignores them)")
     torch.set_num_threads(args.threads)
     from dflash.data import DataError
     from dflash.data.sources import resolve_source

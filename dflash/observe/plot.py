@@ -60,6 +60,10 @@ def _series(train: list[Mapping[str, Any]], key: str) -> tuple[list[int], list[f
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+MAX_DPI = 1200
+"""The largest ``--dpi`` accepted: a 15 x 8.5 in figure at 1,200 dpi is 18,000 x 10,200 pixels."""
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None, *, dpi: int = 110) -> Path:
     """Write the PNG of ``run_dir``'s curves; returns its path (default ``RUN_DIR/plot.png``).
 
@@ -275,7 +279,10 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.dpi <= MAX_DPI:  # 15 x 8.5 in at MAX_DPI is already 216M pixels
+        parser.error(f"--dpi must be in 1..{MAX_DPI}, got {args.dpi}")
     try:
         out = plot_run(args.run_dir, args.out, dpi=args.dpi)
     except (PlotUnavailable, FileNotFoundError, ValueError) as exc:

@@ -89,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"dflash.plan {args.run} --gpus {args.gpus} --hosts {args.hosts}: {best.name}, predicted "
                   f"{count(best.tok_s)} tok/s (bound {best.bound}; {best.tok_s / base.tok_s:.2f}x colocated)\n"
                   f"{command(best, args.out)}\ninputs: {msgspec.json.encode(m.inputs).decode()}")
-        Path(args.out).write_text(graph_toml(m.config, best, slug, header), encoding="utf-8")
+        try:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(graph_toml(m.config, best, slug, header), encoding="utf-8")
+        except OSError as e:
+            print(f"dflash.plan: cannot write -o {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"\nwrote {args.out}: {best.name}\n  {command(best, args.out)}")
     else:
         print(f"\nbest: {best.name}\n  {command(best, 'GRAPH.toml')}   # -o GRAPH.toml writes it")

@@ -1,0 +1,51 @@
+"""The tools refuse arguments they cannot honour with one line and exit 2, before any work:
+``dflash.plan -o`` where no file can be written, ``dflash.regenerate --device`` naming a device
+this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at, and
+``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_plan import ROOT, tiny_run  # noqa: F401 - the module-scoped fixture
+
+
+def test_plan_writes_into_a_new_directory_and_refuses_a_path_under_a_file(tiny_run, tmp_path, capsys):  # noqa: F811
+    from dflash.plan.cli import main
+
+    out = tmp_path / "new" / "dir" / "plan.toml"
+    assert main([str(tiny_run), "--gpus", "2", "-o", str(out)]) == 0 and out.is_file()
+    capsys.readouterr()
+    (tmp_path / "afile").write_text("x")
+    assert main([str(tiny_run), "--gpus", "2", "-o", str(tmp_path / "afile" / "x.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write -o" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal of a CUDA device on a machine without one")
+def test_regenerate_refuses_a_cuda_device_this_machine_lacks(tmp_path, capsys):
+    from dflash.regenerate import main
+
+    rc = main([str(ROOT / "examples" / "dflash-tiny.toml"), "-o", str(tmp_path / "r.jsonl"),
+               "--num-conversations", "2", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--device cuda: this machine has 0 CUDA device(s); use --device cpu" in err
+    assert "Traceback" not in err
+
+
+def test_plot_refuses_a_dpi_it_cannot_render(tmp_path, capsys):
+    from dflash.observe.plot import MAX_DPI, main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--dpi", "100000"])
+    assert e.value.code == 2 and f"--dpi must be in 1..{MAX_DPI}, got 100000" in capsys.readouterr().err
+
+
+def test_eval_refuses_sampling_options_without_a_temperature(tmp_path, capsys):
+    from dflash.eval.cli import main
+
+    for extra in (["--top-p", "0.5"], ["--top-k", "3"]):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path), "--data", "sharegpt", *extra])
+        assert e.value.code == 2 and "give --temperature > 0 with them" in capsys.readouterr().err
