@@ -22,7 +22,7 @@ from dflash.export import export_drafter, load_exported
 from dflash.model.dflash2 import CandidateSelector
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.target import TargetConfig, load_target
-from tests.test_decode_loop import _chi_square_pvalue
+from tests.test_decode_loop import TOP_K, T, _chi_square_pvalue, _exact_joint
 from tests.zlab import zlab_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -120,21 +120,8 @@ def test_sample_refuses_greedy_and_draws_from_its_q():
 
 # --- the whole decode ---------------------------------------------------------------------------
 
-T, TOP_K, N_RUNS = 1.3, 3, 600
-
-
-def _exact_joint(target, prompt, steps):
-    """The target's own processed sampling distribution of the next ``steps`` tokens."""
-    out = {(): 1.0}
-    for _ in range(steps):
-        nxt = {}
-        for prefix, pr in out.items():
-            ids = torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])[None]
-            probs = sampling_probs(target.model(input_ids=ids).logits[0, -1], T, top_k=TOP_K)
-            for t in probs.nonzero()[:, 0].tolist():
-                nxt[prefix + (t,)] = pr * float(probs[t])
-        out = nxt
-    return out
+# the target's exact joint distribution at T = 1.3, top-k 3 (the DFlash decode tests' setting)
+N_RUNS = 600
 
 
 class _BackboneQ(CachedSelectorProposer):
