@@ -1,7 +1,8 @@
 """The tools refuse arguments they cannot honour with one line and exit 2, before any work:
 ``dflash.plan -o`` where no file can be written, ``dflash.regenerate --device`` naming a device
-this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at, and
-``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them."""
+this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at,
+``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them, and
+``dflash.eval --target-quantization fp8`` where float8 cannot run."""
 
 from __future__ import annotations
 
@@ -49,3 +50,21 @@ def test_eval_refuses_sampling_options_without_a_temperature(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path), "--data", "sharegpt", *extra])
         assert e.value.code == 2 and "give --temperature > 0 with them" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal of fp8 on a machine without CUDA")
+def test_eval_target_quantization_fp8_refused_off_cuda_and_none_decodes(tiny_run, capsys):  # noqa: F811
+    """--target-quantization swaps the target's weights for the decode: fp8 needs CUDA (one line,
+    exit 2, after the drafter loaded but before any decode); none decodes the bf16/fp32 target."""
+    import json
+
+    from dflash.eval.cli import main
+
+    ck = max((tiny_run / "checkpoints").glob("step_*"))
+    base = [str(ck), "--data", "sharegpt", "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu"]
+    assert main([*base, "--target-quantization", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--target-quantization fp8: " in err and "Traceback" not in err
+    assert "torchao" in err or "CUDA" in err
+    assert main([*base, "--target-quantization", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tau"] >= 1.0

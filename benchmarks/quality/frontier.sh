@@ -17,12 +17,18 @@
 #              (their L1 "TV" is twice ours; divided by 1.9): dataset labels, 0.947 TV, 0.526 conf
 #              with the confidence head, gamma 4
 #   tv         TV alone (CE weight 0, no confidence term)
-# Block 8 rows: BS=8 (the same rows at block 8; gamma stays the graph's unless the row sets it).
+#   fp8        the dflash row with the target in float8 (target.quantization = "fp8", torchao, CUDA):
+#              trained on fp8-captured features, evaluated against the bf16 target it would serve
+#              (dflash.eval --target-quantization none): the fp8 quality check, against the dflash row
+#   dflash_eqtime  the dflash row with EQ_STEPS steps (default 1.54 x STEPS: DFlash2's measured step
+#              cost over DFlash's on this GPU), for DFlash vs DFlash2 at equal training time
+#   dflash_b8, dflash2_b8  the dflash and dflash2 rows at block 8
+# Block 8 for every row: BS=8 (gamma stays the graph's unless the row sets it).
 # Prompts: benchmarks/quality/prompts.py (held out of the target's pretraining and of every run).
-# Output: OUT/frontier.json (one object per row and temperature) and each run's metrics and eval JSON.
+# Output: OUT/frontier.json (one object per row: greedy tau and tau at T = 1) and each run's metrics and eval JSON.
 set -euo pipefail
 OUT=$1; R=${R:-/tmp/frontier}; TRAIN_S=${TRAIN_S:-400}; STEPS=${STEPS:-5000}; N=${N:-8000}; NP=${NP:-16}; NEW=${NEW:-128}
-BS=${BS:-16}; ROWS=${ROWS:-"dflash dspark dflash2"}
+BS=${BS:-16}; ROWS=${ROWS:-"dflash dflash2 dspark_head tv"}; EQ_STEPS=${EQ_STEPS:-$(( STEPS * 154 / 100 ))}
 mkdir -p "$R" "$OUT"
 export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
 G=${G:-examples/sharegpt-target-h200.toml}
@@ -37,6 +43,10 @@ row_args() {
     dspark_head) echo --set loss.label=\"data\" --set loss.tv_weight=0.947 --set loss.conf_weight=0.526 \
       --set loss.confidence=\"head\" --set loss.gamma=4 ;;
     tv) echo --set loss.tv_weight=1.0 ;;
+    fp8) echo --set target.quantization=\"fp8\" ;;
+    dflash_eqtime) echo --set run.steps=$EQ_STEPS ;;
+    dflash_b8) echo --set drafter.block_size=8 ;;
+    dflash2_b8) echo --set drafter.variant=\"dflash2\" --set drafter.block_size=8 ;;
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
 }
@@ -56,11 +66,10 @@ pids=()
 for row in $ROWS; do
   tail -2 "$R/$row.log"; cp "$R/$row/metrics.jsonl" "$OUT/metrics-$row.jsonl" || true
   ck=$(ls -d "$R/$row"/checkpoints/step_* | sort | tail -1)
-  for t in 0 1; do
-    python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
-      --temperature $t --seed 0 --json > "$OUT/eval-$row-t$t.json" 2> "$R/eval-$row-t$t.err" &
-    pids+=($!)
-  done
+  # one decode per row: greedy, then sampled at T = 1 (the JSON's tau and sampled_tau)
+  python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+    --temperature 1 --seed 0 --target-quantization none --json > "$OUT/eval-$row.json" 2> "$R/eval-$row.err" &
+  pids+=($!)
 done
 for p in "${pids[@]}"; do wait $p || true; done
 python3 - "$OUT" $ROWS <<'EOF'
@@ -69,17 +78,18 @@ from pathlib import Path
 out, rows = Path(sys.argv[1]), sys.argv[2:]
 table = []
 for row in rows:
-    steps = [json.loads(l) for l in (out / f"metrics-{row}.jsonl").read_text().splitlines() if '"train"' in l]
+    lines = [json.loads(l) for l in (out / f"metrics-{row}.jsonl").read_text().splitlines()]
+    steps = [l for l in lines if l.get("kind") == "train"]
     last = steps[-1] if steps else {}
-    for t in (0, 1):
-        p = out / f"eval-{row}-t{t}.json"
-        d = json.loads(p.read_text()) if p.exists() and p.stat().st_size else {}
-        t0 = next((json.loads(l)["time"] for l in (out / f"metrics-{row}.jsonl").read_text().splitlines()
-                   if '"start"' in l and "time" in json.loads(l)), None)
-        train_s = round(last["time"] - t0, 1) if t0 is not None and "time" in last else None
-        table.append({"row": row, "temperature": t, "steps": last.get("step"), "train_s": train_s, "tau": d.get("tau"),
-                      "accepted": d.get("mean_accepted"), "tau_sim_train": last.get("tau_sim"),
-                      **{k: d[k] for k in ("recall_at_k", "oracle_topk_tau", "dtype") if k in d}})
-        print(table[-1])
+    t0 = next((l["time"] for l in lines if l.get("kind") == "start" and "time" in l), None)
+    p = out / f"eval-{row}.json"
+    d = json.loads(p.read_text()) if p.exists() and p.stat().st_size else {}
+    table.append({"row": row, "steps": last.get("step"),
+                  "train_s": round(last["time"] - t0, 1) if t0 is not None and "time" in last else None,
+                  "tau": d.get("tau"), "accepted": d.get("mean_accepted"),
+                  "tau_t1": d.get("sampled_tau"), "accepted_t1": d.get("sampled_accepted"),
+                  "tau_sim_train": last.get("tau_sim"), "block_size": d.get("block_size"),
+                  **{k: d[k] for k in ("selector", "dtype") if d.get(k) is not None}})
+    print(table[-1])
 (out / "frontier.json").write_text(json.dumps(table, indent=1))
 EOF

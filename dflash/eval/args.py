@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="dtype of target and drafter during the decode (auto: the run's [target].dtype, "
                    "i.e. bf16 on CUDA and fp32 on CPU unless the run set it); recorded in the JSON")
+    p.add_argument("--target-quantization", choices=["as-trained", "none", "fp8"], default="as-trained",
+                   help="the target's weights during the decode: as the run trained (default), bf16/fp32 "
+                   "(none), or float8 (fp8, torchao on CUDA). E.g. a drafter trained on an fp8 target's "
+                   "features, measured against the bf16 target it will serve")
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch intra-op CPU threads (default 1: batch-1 decode is launch-bound, and "
                    "torch's default of one thread per core made a decode on a busy 2-core machine "

@@ -130,6 +130,7 @@ def _main(argv: list[str] | None) -> int:
 
     from dflash.checkpoint.model_files import load_drafter
     from dflash.data.tokenizer import load_tokenizer
+    from dflash.errors import ConfigError
     from dflash.model.target import for_generation, load_target
     from dflash.observe.runlog import quiet_progress_bars_when_piped
 
@@ -143,7 +144,14 @@ def _main(argv: list[str] | None) -> int:
     drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
     if args.dtype != "auto":
         tc = msgspec.structs.replace(tc, dtype=args.dtype)
-    target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)
+    if args.target_quantization != "as-trained":
+        tc = msgspec.structs.replace(tc, quantization=args.target_quantization)
+    try:
+        target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)
+    except ConfigError as exc:  # e.g. --target-quantization fp8 on a CPU or without torchao
+        flag = f"--target-quantization {args.target_quantization}: " if args.target_quantization != "as-trained" else ""
+        print(f"dflash.eval: {flag}{exc}", file=sys.stderr)
+        return 2
     if target.layer_ids != list(dc.target_layer_ids):
         print(f"dflash.eval: target layers {target.layer_ids} != drafter's {dc.target_layer_ids}",
               file=sys.stderr)
