@@ -7,6 +7,7 @@ seconds; they share one tokenized-data cache.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -83,6 +84,25 @@ def test_default_graph_trains_checkpoints_and_writes_observability(tmp_path, cac
     assert stats[0]["kind"] == "header" and stats[-1]["kind"] == "final"
     assert set(stats[-1]["channels"]) == {"batches", "hidden", "features", "metrics"}
     assert (run / "csp" / "trace.json").is_file() and (run / "config.toml").is_file()
+
+
+@pytest.mark.parametrize("loss", [
+    ("loss.kl_weight=0.1", "loss.tv_weight=0.9", "loss.conf_weight=1.0"),                          # top1
+    ("loss.kl_weight=0.0", "loss.tv_weight=0.9", "loss.conf_weight=1.0", "loss.confidence=head"),   # DSpark's
+    ("loss.kl_weight=1.0",),                                                                        # neither
+], ids=["top1", "head", "off"])
+def test_metrics_log_the_tv_and_confidence_terms_when_weighted(tmp_path, cache_dir, loss):
+    """Invariant: with [loss].tv_weight / conf_weight above 0 every train record carries the
+    finite window mean of that term (``tv``, ``conf``) next to ``ce`` and ``kl``; with the weight
+    at 0 the key is left out (a TV of 0 would read as a perfect match)."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, *(f for f in loss), "checkpoint.every=2", steps=2)) == 0
+    train = records(run, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    on = {k for k in ("tv", "conf") if any(x.startswith(f"loss.{k}_weight=") and not x.endswith("=0.0") for x in loss)}
+    for r in train:
+        assert {"ce", "kl"} <= r.keys() and {"tv", "conf"} & r.keys() == on, r
+        assert all(isinstance(r[k], float) and math.isfinite(r[k]) and r[k] >= 0 for k in on), r
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, cache_dir):
