@@ -1,5 +1,6 @@
 """The tools refuse arguments they cannot honour with one line and exit 2, before any work:
-``dflash.plan -o`` where no file can be written, ``dflash.regenerate --device`` naming a device
+``dflash.plan -o`` where no file can be written or numbers no layout fits (``--coloc`` above 1,
+absurd GPU and host counts), ``dflash.regenerate --device`` naming a device
 this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at, and
 ``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them."""
 
@@ -21,6 +22,32 @@ def test_plan_writes_into_a_new_directory_and_refuses_a_path_under_a_file(tiny_r
     assert main([str(tiny_run), "--gpus", "2", "-o", str(tmp_path / "afile" / "x.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write -o" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "4", "--coloc", "1.5"], "--coloc must be in (0, 1]"),
+    (["--gpus", "4", "--coloc", "inf"], "--coloc must be in (0, 1]"),
+    (["--gpus", str(10 ** 9)], "--gpus 1000000000 is more than 131,072 GPUs"),
+    (["--gpus", "2", "--hosts", "4"], "--hosts 4 is more than --gpus 2"),
+    (["--gpus", "9", "--hosts", "2"], "--gpus 9 is not a multiple of --hosts 2"),
+])
+def test_plan_refuses_numbers_no_layout_can_be_planned_for(tmp_path, capsys, argv, message):
+    """A colocation factor above 1, more GPUs than any cluster (the search walks every split),
+    more hosts than GPUs or uneven hosts: one line and exit 2, before the run is read."""
+    from dflash.plan.cli import main
+
+    assert main([str(tmp_path / "no-run-read"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_plan_refuses_gpu_counts_below_one(tmp_path, capsys):
+    from dflash.plan.cli import main
+
+    for n in ("0", "-2"):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path), "--gpus", n])
+        assert e.value.code == 2 and f"argument --gpus: {n} must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal of a CUDA device on a machine without one")
