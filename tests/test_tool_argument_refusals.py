@@ -1,8 +1,9 @@
 """The tools refuse arguments they cannot honour with one line and exit 2, before any work:
 ``dflash.plan -o`` where no file can be written or numbers no layout fits (``--coloc`` above 1,
 absurd GPU and host counts), ``dflash.regenerate --device`` naming a device
-this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at, and
-``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them."""
+this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at,
+``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them, and ``dflash.eval
+--data`` naming no source (in the words it was given)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,18 @@ def test_eval_refuses_sampling_options_without_a_temperature(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path), "--data", "sharegpt", *extra])
         assert e.value.code == 2 and "give --temperature > 0 with them" in capsys.readouterr().err
+
+
+def test_eval_names_the_data_argument_it_cannot_find(tiny_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """An unknown --data source is refused in the words the user typed (``--data nosuch``, not the
+    config key data.source), with what --data takes, before any model is loaded."""
+    from dflash.checkpoint import list_checkpoints
+    from dflash.eval.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = list_checkpoints(tiny_run / "checkpoints")[-1]
+    assert main([str(ckpt), "--data", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "data.source" not in err, err
+    assert err.startswith("dflash.eval: --data nosuch: no such file (resolved to ")
+    assert "--data takes 'sharegpt' or a path to a .json/.jsonl file" in err
