@@ -398,6 +398,20 @@ def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, 
     assert inspect_main([str(run)]) == 0
 
 
+def test_a_rerun_past_run_steps_says_where_the_checkpoint_is_and_what_to_change(tmp_path, cache_dir, capfd):
+    """Invariant: resuming a run whose latest checkpoint is past run.steps says so plainly (the step,
+    run.steps, and the two ways on: raise run.steps or --resume none), exit 0, no step trained."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=4)) == 0
+    capfd.readouterr()
+    assert main(small(run, cache_dir, steps=2)) == 0
+    line = (f"nothing to do: the latest checkpoint ({run}/checkpoints/step_00000004) is at step 4, already past "
+            "run.steps = 2; to train further raise run.steps above 4 (--set run.steps=N), or give --resume none "
+            "to start over")
+    assert line in run_log(run) and line in capfd.readouterr().err
+    assert max(losses(run)) == 4
+
+
 def test_resume_counts_skips_on_and_names_what_changed(tmp_path, cache_dir, monkeypatch):
     """Invariants (items 9, 10, 11, 16): after a resume skipped_total counts on from the
     checkpoint's; a changed run.steps (which moves the cosine schedule) is named with its effect;
