@@ -148,6 +148,9 @@ class StepMetrics(msgspec.Struct, kw_only=True):
         step: drafter optimizer step this record belongs to (1-based; the step counter after it).
         batch_id: global id of the batch trained on.
         loss, ce, kl: total loss and its parts (nan for a skipped step).
+        tv, conf: the unweighted total-variation and confidence terms (means over trained slots,
+            like ``ce``), None when ``[loss].tv_weight`` / ``conf_weight`` is 0 (nan for a skipped
+            step).
         acc_per_pos: accuracy per block position 1..block_size-1 (fraction, length block_size-1).
         accepted_sim: simulated accepted length ``sum_j prod_{i<=j} acc_i``, in drafted tokens per
             verify step (the bonus token not included; tau = accepted_sim + 1, see dflash.train.acceptance).
@@ -193,6 +196,8 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     step_s: float = 0.0
     target_s: float = 0.0
     time: float = 0.0
+    tv: float | None = None
+    conf: float | None = None
     sel_loss: float | None = None
     sel_acc_per_pos: list[float] | None = None
     sel_accepted: float | None = None

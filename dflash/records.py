@@ -119,6 +119,8 @@ class TrainRecord(RecordBase, tag="train"):
     ``acc``: accuracy per block position; ``tau_sim``: simulated tokens per verify step (accepted + 1;
     the accepted length itself in logs without ``accepted_sim``); throughputs in tokens per second;
     ``padding_waste``: a fraction. ``spike``: set (True) only when the monitor flagged the loss.
+    ``tv`` and ``conf``: the total-variation and confidence loss terms (unweighted, averaged like
+    ``ce``), set only when ``[loss].tv_weight`` / ``conf_weight`` is above 0.
     DFlash2 runs add the selector's figures (:mod:`dflash.train.selector_loss`), averaged like the
     others: ``sel_loss``; ``sel_acc``, the walk's accuracy per block position; ``sel_tau`` and
     ``base_tau``, the tokens per verify step (teacher-forced streak + 1) of the walk and of the
@@ -132,6 +134,8 @@ class TrainRecord(RecordBase, tag="train"):
     loss: Float = UNSET
     ce: Float = UNSET
     kl: Float = UNSET
+    tv: Float = UNSET
+    conf: Float = UNSET
     acc: list[float | None] | UnsetType = UNSET
     tau_sim: Float = UNSET
     accepted_sim: Float = UNSET

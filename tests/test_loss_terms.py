@@ -175,6 +175,23 @@ def test_masked_and_fixed_shape_paths_agree_with_tv_and_confidence(setup, cfg): 
         torch.testing.assert_close(g_fixed[name], g, rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("cfg", [*TERM_CFGS, LossConfig(kl_weight=0.5)])
+def test_every_loss_path_reports_the_tv_and_confidence_means_it_weighs(setup, cfg):  # noqa: F811
+    """Invariant: the step's metrics carry the unweighted TV and confidence means over trained
+    slots, the same (and finite) on the masked, fixed-shape and chunked paths; None when the
+    term's weight is 0, as ``kl`` is 0 then."""
+    paths = [run_loss(setup, cfg, **kw)[0] for kw in
+             ({"sync_free": False}, {"sync_free": True}, {"sync_free": True, "lm_head_chunk": 7})]
+    for name, weight in (("tv", cfg.tv_weight), ("conf", cfg.conf_weight)):
+        values = [getattr(out, name) for out in paths]
+        if weight == 0:
+            assert values == [None, None, None], name
+            continue
+        assert all(v is not None and math.isfinite(float(v)) and float(v) > 0 for v in values), (name, values)
+        for v in values[1:]:
+            torch.testing.assert_close(v, values[0], rtol=1e-5, atol=1e-7)
+
+
 def test_dspark_loss_matches_the_blockwise_reference(blockwise_setup):  # noqa: F811
     """Invariant: with TV and confidence on, slot j of the block at anchor a is still scored
     against token a + j and the target logits of position a + j - 1."""

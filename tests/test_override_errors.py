@@ -23,6 +23,9 @@ CASES = [
     ("run.seed=18446744073709551616", (r"run.seed = 18446744073709551616 is out of range: a seed is an "
                                        r"integer in -2\*\*63 \.\. 2\*\*64 - 1")),
     ("run.seed=-9223372036854775809", r"run.seed = -9223372036854775809 is out of range"),
+    ("run.steps=1000000000", (r"^error: .*run.steps = 1000000000 is above 99,999,999, the most a run trains "
+                              r"\(checkpoint names hold 8 digits of step\); give a smaller run.steps")),
+    ("run.steps=" + "9" * 300, r"run.steps = 9+\.\.\.\(300 characters\)\.\.\.9+ is above 99,999,999"),
     (f"run.out_dir=/tmp/{LONG}", (r"^error: run.out_dir = '/tmp/a+\.\.\.\(305 characters\)\.\.\.a+' has a "
                                   r"path component of 300 bytes \(at most 255\): give a shorter name$")),
     ("target.path=/tmp/" + "ab/" * 1500, r"^error: target.path = .* is 4505 bytes long \(at most 4095\)"),
@@ -37,7 +40,8 @@ CASES = [
 
 @pytest.mark.parametrize("override, message", CASES, ids=[re.sub(r"[^ -~]", "?", c[0][:40]) for c in CASES])
 def test_bad_override_is_one_line_exit_2(tmp_path, capsys, no_data_work, override, message):  # noqa: F811
-    """Invariant: a NUL byte in a path, a seed torch cannot take, a path component or path over
+    """Invariant: a NUL byte in a path, a seed torch cannot take, run.steps past what
+    checkpoint names can order, a path component or path over
     the filesystem's limits, 100,000 replicas, an unclosed quote or bracket, and a 100,000-character
     unknown key each give exit 2 and one line of at most a few hundred characters (user text cut
     to its start and end), with no traceback, before any data work or run directory."""

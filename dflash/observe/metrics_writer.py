@@ -105,6 +105,7 @@ class WindowAggregator:
         acc = [_mean([m.acc_per_pos[j] for m in ok]) for j in range(len(ok[0].acc_per_pos))] if ok else []
         return TrainRecord(
             **_selector_fields(items, ok),
+            **_term_fields(items, ok),
             step=last.step,
             window=len(items),
             steps_averaged=len(ok),
@@ -124,6 +125,13 @@ class WindowAggregator:
             skipped_total=self.skipped_total,
             time=last.time,
         )
+
+
+def _term_fields(items: list[StepMetrics], ok: list[StepMetrics]) -> dict[str, float]:
+    """The TV and confidence loss terms' window means (each left out when no step of the window
+    computed it: its ``[loss]`` weight is 0)."""
+    return {k: _mean([getattr(m, k) for m in ok if getattr(m, k) is not None])
+            for k in ("tv", "conf") if any(getattr(m, k) is not None for m in items)}
 
 
 def _selector_fields(items: list[StepMetrics], ok: list[StepMetrics]) -> dict[str, Any]:

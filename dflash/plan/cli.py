@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 
 SHOW = 8  # layouts printed
 
+MAX_GPUS = 2 ** 17
+"""The largest ``--gpus`` planned for (131,072): above the largest GPU clusters built (about 100K
+GPUs). The search evaluates every k:m split, so its time and memory grow with ``--gpus`` (a third
+of a second here, on one CPU core; ``--gpus 10**9`` would run for most of an hour)."""
+
 
 def _parser():
     p = make_parser(
@@ -37,7 +42,8 @@ def _parser():
     p.add_argument("--target-tok-s", type=positive_float, help="one target replica alone, tokens/s (replaces the run's)")
     p.add_argument("--drafter-tok-s", type=positive_float,
                    help="one drafter replica alone, tokens/s (replaces the run's)")
-    p.add_argument("--coloc", type=positive_float, help="colocation efficiency (replaces the measured or default one)")
+    p.add_argument("--coloc", type=positive_float,
+                   help="colocation efficiency in (0, 1] (replaces the measured or default one)")
     p.add_argument("--window", type=positive_float, help="only the last seconds of the stats log")
     p.add_argument("-o", "--out", help="write the best layout's graph file here")
     return p
@@ -62,16 +68,37 @@ def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) ->
     return "\n".join(lines) + "\n"
 
 
+def _refusal(args) -> str | None:
+    """What is wrong with numbers no layout can be planned for, in one line, or None (argparse
+    has already refused counts below 1 and rates <= 0)."""
+    if args.gpus > MAX_GPUS:
+        return (f"--gpus {args.gpus} is more than {MAX_GPUS:,} GPUs, above any cluster built; "
+                f"plan for at most {MAX_GPUS}")
+    if args.hosts > args.gpus:
+        return (f"--hosts {args.hosts} is more than --gpus {args.gpus}: every host holds at least one GPU; "
+                "give --hosts <= --gpus")
+    if args.gpus % args.hosts:
+        return f"--gpus {args.gpus} is not a multiple of --hosts {args.hosts}: every host holds the same GPUs"
+    # coloc: tok/s of one GPU running both stages over their serial bound 1 / (1/T + 1/D). The
+    # model treats sharing as a cost (0.99 measured on one H200); above 1 it would predict a shared
+    # GPU beating both stages run back to back, and rank the shared layouts on that
+    if args.coloc is not None and not args.coloc <= 1.0:
+        return (f"--coloc must be in (0, 1] (one GPU running both stages, over their serial bound; "
+                f"0.99 measured on one H200), got {args.coloc:g}")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"dflash.plan: error: {refusal}", file=sys.stderr)
+        return 2
     # csp and torch load after --help has answered
     from dflash.plan.measure import PlanError, from_run
     from dflash.plan.write import command, graph_toml
 
     try:
-        if args.gpus % args.hosts:
-            raise PlanError(f"--gpus {args.gpus} is not a multiple of --hosts {args.hosts}: every host holds "
-                            "the same GPUs")
         m = from_run(args.run, target_tok_s=args.target_tok_s, drafter_tok_s=args.drafter_tok_s,
                      coloc=args.coloc, window_s=args.window, net_bytes_per_s=args.net_gbps * 1e9 / 8)
         ranked = layouts(m.inputs, args.gpus, args.hosts, args.gpu_mem)
@@ -101,4 +128,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["main", "render"]
+__all__ = ["MAX_GPUS", "main", "render"]

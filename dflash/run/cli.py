@@ -249,6 +249,15 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
     return app
 
 
+def nothing_to_do(step: int, steps: int, path: Path | None, latest: bool) -> str:
+    """The line a run whose checkpoint is already at (or past) ``run.steps`` logs: where it is and
+    what to change (``latest``: the checkpoint was found by ``--resume auto``, not given)."""
+    which = f"the latest checkpoint ({path})" if latest else f"the checkpoint {path}"
+    where = f"already past run.steps = {steps}" if step > steps else f"run.steps = {steps}: the run is finished"
+    return (f"nothing to do: {which} is at step {step}, {where}; to train further raise run.steps above "
+            f"{step} (--set run.steps=N), or give --resume none to start over")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -330,7 +339,8 @@ def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, graph: csp.Gr
             app.metrics.close()
             return EXIT_DISK_FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else 1
     if app.steps_to_run == 0:  # the previous segment's csp stats and trace stay where csp.inspect reads them
-        log.info("nothing to do: the checkpoint is already at step %d of %d", app.resume.start_step, cfg.run.steps)
+        log.info("%s", nothing_to_do(app.resume.start_step, cfg.run.steps, app.resume.path,
+                                     (args.resume or cfg.run.resume) == "auto"))
         app.metrics.write(EndRecord(status="nothing to do", exit_code=0, seconds=0.0))
         app.metrics.close()
         if rank == 0:  # the short summary: where the checkpoint is and what to run next (no plot, no wandb)

@@ -38,6 +38,11 @@ from dflash.train.loss import LossConfig
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 _FLOAT32_MAX = 3.4028234663852886e38
+MAX_STEPS = 10 ** 8 - 1
+"""The most ``run.steps`` may be (99,999,999): checkpoint directories are named ``step_%08d`` and
+ordered by name (:func:`dflash.checkpoint.list_checkpoints`), so a ninth digit would sort step
+100,000,000 before step 99,999,999 and resume the wrong one. Generous: at one step a second it
+is over three years of training."""
 
 
 class _Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -52,7 +57,8 @@ class RunSection(_Table):
     """Run directory (a relative path is relative to the graph file's directory; given with
     ``--set``, to the current directory)."""
     steps: PositiveInt
-    """Drafter steps (batches) to train in total, counting steps done before a resume."""
+    """Drafter steps (batches) to train in total, counting steps done before a resume; at most
+    :data:`MAX_STEPS` (99,999,999)."""
     seed: int = 0
     """Seeds the data order, anchors, feature noise and drafter init (any value
     ``torch.manual_seed`` takes: -2**63 .. 2**64 - 1)."""
@@ -63,6 +69,9 @@ class RunSection(_Table):
     (relative to the graph file, like out_dir)."""
 
     def __post_init__(self) -> None:
+        if self.steps > MAX_STEPS:
+            raise ValueError(f"run.steps = {cut(str(self.steps))} is above {MAX_STEPS:,}, the most a run trains "
+                             "(checkpoint names hold 8 digits of step); give a smaller run.steps")
         # torch.manual_seed's range; beyond it the run died with "Overflow when unpacking long long"
         if not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"run.seed = {cut(str(self.seed))} is out of range: a seed is an integer in "

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash.train.loss import LossConfig, accept_probability, mixed_loss
+from dflash.train.loss import LossConfig, accept_probability, loss_terms
 
 __all__ = ["chunked_head_loss"]
 
@@ -45,7 +45,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         M = hidden.shape[0]
         W = head.lm_head.weight
         kw, tau = cfg.kl_weight, cfg.temperature
-        l, ce, kl = (torch.empty(M, device=hidden.device) for _ in range(3))
+        l, ce, kl, tv, conf = (torch.empty(M, device=hidden.device) for _ in range(5))
         draft_arg = torch.empty(M, dtype=torch.long, device=hidden.device)
         target_arg = torch.empty_like(draft_arg) if target_hidden is not None else None
         grad_h = torch.empty(M, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -67,11 +67,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if cfg.tv_weight > 0 or (cfg.conf_weight > 0 and cfg.confidence == "top1"):
                 with torch.enable_grad():
                     z_leaf = z.detach().requires_grad_(True)
-                    l_c, ce_c, kl_c = mixed_loss(cfg, z_leaf, y, zt)
+                    l_c, ce_c, kl_c, tv_c, conf_c = loss_terms(cfg, z_leaf, y, zt)
                     (dz,) = torch.autograd.grad(l_c.sum(), z_leaf)
                 l[s:e], ce[s:e], kl[s:e] = l_c.detach(), ce_c.detach(), kl_c.detach()
+                tv[s:e] = tv_c.detach() if tv_c is not None else 0.0
+                conf[s:e] = conf_c.detach() if conf_c is not None else 0.0
                 grad_h[s:e] = (dz.to(W.dtype) @ W).float()
                 continue
+            tv[s:e], conf[s:e] = 0.0, 0.0
             logp = F.log_softmax(z, dim=-1)
             ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
             dz = logp.exp_()                                                 # p, in place
@@ -88,7 +91,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             l[s:e] = (1.0 - kw) * ce[s:e] + kw * kl[s:e]
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = hidden.dtype
-        outs = (l, ce, kl, draft_arg, target_arg if target_arg is not None else data_labels)
+        outs = (l, ce, kl, tv, conf, draft_arg, target_arg if target_arg is not None else data_labels)
         outs += (top_v, top_i) if topk else ()
         outs += (accept,) if want_accept else ()
         ctx.mark_non_differentiable(*outs[1:])
@@ -119,8 +122,10 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
             head's label (:func:`dflash.train.loss.accept_probability`); needs ``target_hidden``.
 
     Returns:
-        ``(l, ce, kl, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
-        ``hidden``; ``ce``/``kl`` fp32 as :func:`dflash.train.loss.mixed_loss`; ``draft_argmax`` the
+        ``(l, ce, kl, tv, conf, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
+        ``hidden``; ``ce``/``kl`` fp32 as :func:`dflash.train.loss.mixed_loss`; ``tv``/``conf`` fp32
+        the unweighted TV and "top1" confidence terms (:func:`dflash.train.loss.loss_terms`; zeros
+        where that term is off); ``draft_argmax`` the
         drafter's argmax token; ``accept_label`` the target's argmax (or ``data_labels`` without
         target hidden states). With ``topk``, then ``(top_values [M, topk] fp32, top_ids [M, topk]
         int64)``, largest first (no gradient). With ``accept``, last ``c* [M]`` fp32 (no gradient).

@@ -49,8 +49,8 @@ def liger_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | No
         chunk: rows per chunk of the target-argmax logits (``label = "target_argmax"`` only).
 
     Returns:
-        ``(l, ce, kl, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
-        ``hidden`` (``= ce``: the other terms are 0), ``ce`` detached, ``kl`` zeros,
+        ``(l, ce, kl, tv, conf, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
+        ``hidden`` (``= ce``: the other terms are 0), ``ce`` detached, ``kl``/``tv``/``conf`` zeros,
         ``draft_argmax`` the drafter's argmax, ``accept_label`` the target's argmax (or
         ``data_labels`` without target hidden states).
 
@@ -72,5 +72,6 @@ def liger_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | No
                                            return_predicted_tokens=True)
     l = out.loss.float()
     ce = l.detach()
-    return l, ce, torch.zeros_like(ce), out.predicted_tokens, \
+    zero = torch.zeros_like(ce)
+    return l, ce, zero, zero, zero, out.predicted_tokens, \
         target_arg if target_arg is not None else data_labels

@@ -71,8 +71,8 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "mixed_loss",
-           "needs_final_hidden", "position_weights", "tv_term", "uses_head"]
+__all__ = ["LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "loss_terms",
+           "mixed_loss", "needs_final_hidden", "position_weights", "tv_term", "uses_head"]
 
 
 class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -217,6 +217,14 @@ def head_confidence_term(conf_logits: torch.Tensor, accept: torch.Tensor) -> tor
 
 def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor,
                target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot terms for ``N`` trained slots: ``(l [N], ce [N], kl [N])``, the first three of
+    :func:`loss_terms` (arguments, formula and errors there)."""
+    return loss_terms(cfg, draft_logits, labels, target_logits)[:3]
+
+
+def loss_terms(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor,
+               target_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor | None, torch.Tensor | None]:
     """Per-slot terms for ``N`` trained slots.
 
     Args:
@@ -225,9 +233,11 @@ def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor
         target_logits: ``[N, V]`` or None (required when ``kl_weight > 0`` or ``tv_weight > 0``).
 
     Returns:
-        ``(l [N], ce [N], kl [N])`` fp32; ``kl`` is zeros without target logits. TV and the
-        "top1" confidence term enter ``l`` only (formula in the module docstring); the "head"
-        confidence term is not in ``l`` (:func:`head_confidence_term`, added by the caller).
+        ``(l [N], ce [N], kl [N], tv [N] | None, conf [N] | None)`` fp32; ``kl`` is zeros without
+        target logits; ``tv`` is None when ``tv_weight = 0``, ``conf`` (the "top1" confidence term)
+        None unless ``conf_weight > 0`` with ``confidence = "top1"`` (unweighted: for the metrics;
+        formula of ``l`` in the module docstring). The "head" confidence term is not in ``l``
+        (:func:`head_confidence_term`, added by the caller).
 
     Raises:
         ValueError: ``kl_weight > 0`` or ``tv_weight > 0`` and no target logits.
@@ -245,10 +255,13 @@ def mixed_loss(cfg: LossConfig, draft_logits: torch.Tensor, labels: torch.Tensor
         kl = torch.zeros_like(ce)
     top1 = cfg.conf_weight > 0 and cfg.confidence == "top1"
     if cfg.tv_weight == 0 and not top1:
-        return (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl, ce, kl   # the plain CE/KL loss, as before
+        return (1.0 - cfg.kl_weight) * ce + cfg.kl_weight * kl, ce, kl, None, None  # the plain CE/KL loss
     l = (1.0 - cfg.kl_weight - cfg.tv_weight) * ce + cfg.kl_weight * kl
+    tv = conf = None
     if cfg.tv_weight > 0:
-        l = l + cfg.tv_weight * tv_term(draft_logits, target_logits, cfg.temperature)
+        tv = tv_term(draft_logits, target_logits, cfg.temperature)
+        l = l + cfg.tv_weight * tv
     if top1:
-        l = l + cfg.conf_weight * confidence_term(draft_logits, labels)
-    return l, ce, kl
+        conf = confidence_term(draft_logits, labels)
+        l = l + cfg.conf_weight * conf
+    return l, ce, kl, tv, conf

@@ -12,7 +12,7 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
 4. Labels: ``input_ids[a + j]`` ("data") or the target argmax for token ``a + j``, read from
    ``final_hidden[a + j - 1]`` (the target's prediction *of* token ``a + j`` is made at the
    position before it). KL and TV use the target logits at the same ``a + j - 1``.
-5. Loss (CE, KL, TV, confidence: :mod:`dflash.train.loss`), CE/KL means, per-position accuracy (against the target argmax when target logits are
+5. Loss (CE, KL, TV, confidence: :mod:`dflash.train.loss`), CE/KL (and TV/confidence when weighted) means, per-position accuracy (against the target argmax when target logits are
    computed, which is what greedy verification accepts; else against the data token). With
    ``[loss].confidence = "head"`` the drafter's confidence head reads each trained slot's hidden
    state and its term ``conf_weight * BCE(head, 1 - TV)`` joins that slot's loss, under the same
@@ -37,7 +37,7 @@ from dflash.train.loss import (
     LossConfig,
     accept_probability,
     head_confidence_term,
-    mixed_loss,
+    loss_terms,
     needs_final_hidden,
     position_weights,
     uses_head,
@@ -54,6 +54,8 @@ class LossOutput:
     Attributes:
         loss: scalar fp32 with grad (weighted mean, formula in :mod:`dflash.train.loss`).
         ce, kl: unweighted means over trained slots (detached scalars; kl 0 when not computed).
+        tv, conf: the same for the TV and confidence terms, None when their weight
+            (``tv_weight``, ``conf_weight``) is 0 (``conf``: the "top1" or the "head" term).
         acc_per_pos: ``[bs-1]`` fp32 accuracy per slot (nan where no slot was trained).
         streak_mean: mean leading-correct count over valid blocks (see :mod:`dflash.train.acceptance`).
         num_blocks: valid anchors (an int, or a 0-dim int64 tensor on the sync-free path, read
@@ -71,6 +73,8 @@ class LossOutput:
     num_blocks: int | torch.Tensor
     num_predictions: int | torch.Tensor
     selector: SelectorOutput | None = None
+    tv: torch.Tensor | None = None
+    conf: torch.Tensor | None = None
 
 
 def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
@@ -160,10 +164,11 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
 
     # 5. loss
-    per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+    per_slot, ce, kl, tv, conf = loss_terms(cfg, draft_logits, labels, target_logits)
     if conf_head is not None:
         accept = accept_probability(draft_logits, target_logits, cfg.temperature)
-        per_slot = per_slot + cfg.conf_weight * head_confidence_term(conf_head(hidden[:, :, 1:][trained]), accept)
+        conf = head_confidence_term(conf_head(hidden[:, :, 1:][trained]), accept)
+        per_slot = per_slot + cfg.conf_weight * conf
     grid = lambda v, fill=0.0: torch.full(trained.shape, fill, dtype=v.dtype,  # noqa: E731
                                           device=v.device).masked_scatter(trained, v)
     label_prob = grid(torch.exp(-ce.detach()))
@@ -197,6 +202,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
             loss=loss,
             ce=ce.detach().sum() / n,
             kl=kl.detach().sum() / n,
+            tv=tv.detach().sum() / n if cfg.tv_weight > 0 else None,
+            conf=conf.detach().sum() / n if cfg.conf_weight > 0 else None,
             acc_per_pos=accuracy_per_position(correct, valid),
             streak_mean=streak_lengths(correct, valid)[block_ok].float().mean(),
             num_blocks=int(block_ok.sum()),
@@ -232,10 +239,10 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
                              "use train.lm_head = 'chunked' with drafter.variant = 'dflash2'")
         from dflash.train.liger_head import liger_head_loss
 
-        per_slot, ce, kl, draft_arg, accept_label = liger_head_loss(
+        per_slot, ce, kl, tv, conf, draft_arg, accept_label = liger_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk or 2048)
     elif lm_head_chunk > 0:
-        per_slot, ce, kl, draft_arg, accept_label, *rest = chunked_head_loss(
+        per_slot, ce, kl, tv, conf, draft_arg, accept_label, *rest = chunked_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk,
             topk=selector.top_k if selector is not None else 0, accept=conf_head is not None)
         if selector is not None:
@@ -246,7 +253,7 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         draft_logits = head.logits(slot_hidden).float()                          # [M, V]
         target_logits = head.logits(target_hidden).float() if target_hidden is not None else None
         labels = target_logits.argmax(-1) if cfg.label == "target_argmax" else data_labels
-        per_slot, ce, kl = mixed_loss(cfg, draft_logits, labels, target_logits)
+        per_slot, ce, kl, tv, conf = loss_terms(cfg, draft_logits, labels, target_logits)
         with torch.no_grad():
             draft_arg = draft_logits.argmax(-1)
             accept_label = target_logits.argmax(-1) if target_logits is not None else data_labels
@@ -255,7 +262,8 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         if conf_head is not None:
             accept = accept_probability(draft_logits, target_logits, cfg.temperature)
     if conf_head is not None:
-        per_slot = per_slot + cfg.conf_weight * head_confidence_term(conf_head(slot_hidden), accept)
+        conf = head_confidence_term(conf_head(slot_hidden), accept)
+        per_slot = per_slot + cfg.conf_weight * conf
     zero = torch.zeros((), dtype=per_slot.dtype, device=per_slot.device)
     label_prob = torch.where(tw, torch.exp(-ce.detach()), zero).view(B * A, S)
     w = torch.where(tw, position_weights(cfg, label_prob).reshape(M), zero)
@@ -281,6 +289,8 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
             loss=loss,
             ce=torch.where(tw, ce, zero).sum() / nf,
             kl=torch.where(tw, kl, zero).sum() / nf,
+            tv=torch.where(tw, tv, zero).sum() / nf if cfg.tv_weight > 0 else None,
+            conf=torch.where(tw, conf.detach(), zero).sum() / nf if cfg.conf_weight > 0 else None,
             acc_per_pos=accuracy_per_position(correct, valid),
             streak_mean=(streak * block_ok).sum().float() / num_blocks.float(),  # nan: no block
             num_blocks=num_blocks,

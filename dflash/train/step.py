@@ -5,7 +5,7 @@ Shapes: B rows, T tokens, k captured target layers of hidden size H, A anchors, 
 1. :func:`dflash.train.objective.compute_loss` on the batch's :class:`dflash.messages.LossInput`
    (bf16 autocast on CUDA, fp32 on CPU);
 2. backward, global gradient norm (clipped to ``[train].grad_clip``);
-3. one host read of ``[loss, grad_norm, ce, kl, blocks, acc..., (DFlash2's selector figures)]``:
+3. one host read of ``[loss, grad_norm, ce, kl, (tv), (conf), blocks, acc..., (DFlash2's selector figures)]``:
    the step's only synchronisation (``[train].sync_free_loss`` keeps ``compute_loss`` free of any; with it off the
    loss's boolean masks and counts add their own);
 4. non-finite loss or gradient (:class:`dflash.train.nonfinite.NonFiniteGuard`): the update is skipped
@@ -73,7 +73,8 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
             finishes copying the previous state there).
 
     Returns:
-        the step's :class:`StepMetrics` (``skipped`` with nan loss/ce/kl when the guard skipped it).
+        the step's :class:`StepMetrics` (``skipped`` with nan loss/ce/kl (and tv/conf) when the guard
+        skipped it).
     """
     t0 = time.perf_counter()
     b, train = inp.batch, cfg.train
@@ -88,11 +89,14 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(o.params, train.grad_clip if train.grad_clip > 0 else float("inf"))
 
-    # 3. the step's one host read: [loss, grad_norm, ce, kl, (blocks), acc_1 .. acc_{bs-1}]
-    #    (the block count rides along when it is still a tensor: the sync-free loss)
+    # 3. the step's one host read: [loss, grad_norm, ce, kl, (tv), (conf), (blocks), acc_1 .. acc_{bs-1}]
+    #    (tv/conf when their weights are > 0; the block count rides along when it is still a
+    #    tensor: the sync-free loss)
     #    DFlash2 appends [sel_loss, sel_streak, base_streak, recall, oracle, missing, sel_acc_1 ..]
     blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
     scalars = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
+    extra = [t for t in (out.tv, out.conf) if t is not None]
+    scalars += [t.float() for t in extra]
     scalars += [blocks_t.float()] if blocks_t is not None else []
     parts = [torch.stack(scalars), out.acc_per_pos.float()]
     sel = out.selector
@@ -102,7 +106,10 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
                   sel.acc_per_pos.float()]
     vals = torch.cat(parts).tolist()
     loss, gnorm, ce, kl = vals[:4]
-    num_blocks = int(vals[4]) if blocks_t is not None else int(out.num_blocks)
+    terms = iter(vals[4:4 + len(extra)])
+    tv = next(terms) if out.tv is not None else None
+    conf = next(terms) if out.conf is not None else None
+    num_blocks = int(vals[4 + len(extra)]) if blocks_t is not None else int(out.num_blocks)
     S = out.acc_per_pos.shape[0]
     acc = vals[len(scalars):len(scalars) + S]
     sel_vals = vals[len(scalars) + S:] if sel is not None else None
@@ -124,6 +131,8 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
         loss=float("nan") if skipped else loss,
         ce=float("nan") if skipped else ce,
         kl=float("nan") if skipped else kl,
+        tv=None if tv is None else float("nan") if skipped else tv,
+        conf=None if conf is None else float("nan") if skipped else conf,
         acc_per_pos=acc,
         accepted_sim=simulated_accepted_length(acc),
         lr=lr,
