@@ -20,8 +20,11 @@ importable). It also has z-lab's own entry point, with the same signature and re
 
     out = drafter.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=[eos])  # [1, N+n]
 
-(greedy: the target's own greedy text; ``temperature > 0``: speculative sampling; tested in
-``tests/test_spec_generate.py`` against the target's ``generate`` and z-lab's ``spec_generate``).
+(greedy: the target's own greedy text; ``temperature > 0``: speculative sampling, a DFlash2
+drafter's block drawn by its candidate selector's sampled walk; tested in
+``tests/test_spec_generate.py`` against the target's ``generate`` and z-lab's ``spec_generate``, and
+in ``tests/test_spec_generate_dflash2_sampled.py`` against the target's exact sampling distribution
+and z-lab's per-step ``q`` and acceptances).
 
 Weights are initialised (``_init_weights``) only where transformers has not loaded them: the
 post-load initialisation that transformers 5.0-5.12 run on ``trust_remote_code`` classes skips
@@ -156,7 +159,8 @@ def _init_unless_loaded(param, fill) -> None:
 # -- speculative decoding with a target model (z-lab's ``spec_generate`` contract): the target
 # verifies each drafted block in one forward; greedy decoding keeps the target's own tokens and
 # sampling keeps its distribution (Leviathan et al. 2023, "Fast Inference from Transformers via
-# Speculative Decoding", Algorithm 1).
+# Speculative Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding
+# with Speculative Sampling").
 
 
 def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
@@ -380,7 +384,12 @@ class DFlashDraftModel(PreTrainedModel):
             temperature: 0 for greedy decoding: the output is then the target's own greedy text.
                 Above 0, tokens are sampled from the target's ``softmax(logits / temperature)``
                 (restricted by ``top_k`` then ``top_p``), drafts accepted by speculative sampling
-                (:func:`_speculative_accept`), so the output has the target's distribution.
+                (:func:`_speculative_accept`), so the output has the target's distribution. A
+                DFlash drafter draws its block from its own processed softmax; a DFlash2 drafter
+                from its selector walk (:meth:`DFlash2DraftModel.select_sampled`: each slot one of
+                its K candidates, ``q = softmax(score / temperature)`` given the slot before, no
+                top-k/top-p), z-lab's DFlash2 sampled rule; either way ``q`` is what the block was
+                drawn from, which is all the rejection rule needs to be lossless.
             top_p: nucleus mass in ``(0, 1]`` (sampling only).
             top_k: keep the ``top_k`` most likely tokens, 0 for all (sampling only).
 
@@ -389,15 +398,11 @@ class DFlashDraftModel(PreTrainedModel):
 
         Raises:
             ValueError: ``input_ids`` is not one row, or the sampling settings are out of range.
-            NotImplementedError: ``temperature > 0`` on a drafter with a candidate selector (DFlash2;
-                its shipped selector is greedy).
         """
         _check_sampling(temperature, top_p, top_k)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate decodes one sequence: input_ids must be [1, N], got "
                              f"{list(input_ids.shape)}")
-        if temperature > 0 and hasattr(self, "select"):
-            raise NotImplementedError("this drafter's candidate selector drafts greedily: use temperature=0")
         self.eval()
         sampling = temperature > 0
         dev, N = input_ids.device, input_ids.shape[1]
@@ -426,7 +431,10 @@ class DFlashDraftModel(PreTrainedModel):
                          past_key_values=d_cache, use_cache=True)[:, 1:]
                 _crop(d_cache, pos)  # keep the context's keys/values, drop the block's
                 logits = self.compute_logits(h, head)
-                if hasattr(self, "select"):
+                if hasattr(self, "select") and sampling:  # DFlash2: q is the walk's, over K candidates
+                    drafted, q = self.select_sampled(h, logits, block[:, 0], temperature)
+                    block[:, 1:], q = drafted, q[0]
+                elif hasattr(self, "select"):
                     block[:, 1:] = self.select(h, logits, anchor_ids=block[:, 0])
                 elif sampling:
                     q = _probs(logits[0], temperature, top_p, top_k)  # [Q-1, V]
@@ -517,19 +525,46 @@ class DFlash2Selector(nn.Module):
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """Greedy walk: ``hidden [B, L, H]`` and ``logits [B, L, V]`` of the drafted positions,
-        ``anchor_ids [B]`` (the last committed token) -> ``[B, L]`` drafted ids, each position's
-        choice the predecessor of the next."""
-        unary, cand = torch.topk(logits.float(), self.top_k, dim=-1)
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
+             temperature: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Walk the block left to right from the anchor, each position's choice the predecessor
+        of the next (z-lab's ``CandidateSelector.select``).
+
+        Args:
+            hidden: ``[B, L, H]`` post-norm hidden states of the drafted positions.
+            logits: ``[B, L, V]`` their logits (:meth:`DFlashDraftModel.compute_logits`).
+            anchor_ids: ``[B]`` (long) the last committed token.
+            temperature: <= 0: each position takes its best-scoring candidate (greedy). > 0: it
+                draws one of its K candidates from ``softmax(score / temperature)`` (torch's global
+                generator), the score given the token drawn for the position before.
+
+        Returns:
+            ``(ids [B, L] long, q [B, L, V] fp32 or None when greedy)``: row ``[b, j]`` of ``q`` is
+            the distribution position ``j`` was drawn from, zero off its K candidates (what
+            speculative sampling divides by: :func:`_speculative_accept`).
+        """
+        unary, cand = torch.topk(logits.float(), self.top_k, dim=-1)  # [B, L, K], distinct ids
         gate = self.hidden_projection(hidden)
-        prev, out = anchor_ids, []
+        prev, out, qs = anchor_ids, [], []
         for j in range(cand.shape[1]):
             ctx = (self.predecessor_codebook[prev] * gate[:, j]).to(self.successor_codebook.dtype)
             pair = torch.matmul(self.successor_codebook[cand[:, j]], ctx.unsqueeze(-1)).squeeze(-1)
-            prev = cand[:, j].gather(1, (unary[:, j] + pair.float()).argmax(-1, keepdim=True))[:, 0]
+            score = unary[:, j] + pair.float()                           # [B, K]
+            if temperature > 0:
+                q = torch.softmax(score / temperature, dim=-1)
+                idx = torch.multinomial(q, 1)
+                qs.append(torch.zeros_like(logits[:, j], dtype=torch.float32).scatter_(-1, cand[:, j], q))
+            else:
+                idx = score.argmax(-1, keepdim=True)
+            prev = cand[:, j].gather(1, idx)[:, 0]
             out.append(prev)
-        return torch.stack(out, 1)
+        return torch.stack(out, 1), (torch.stack(qs, 1) if qs else None)
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy walk: ``hidden [B, L, H]`` and ``logits [B, L, V]`` of the drafted positions,
+        ``anchor_ids [B]`` (the last committed token) -> ``[B, L]`` drafted ids (:meth:`walk`)."""
+        return self.walk(hidden, logits, anchor_ids)[0]
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -542,6 +577,9 @@ class DFlash2DraftModel(DFlashDraftModel):
 
         h = drafter(target_hidden=feats, noise_embedding=block_emb)[:, 1:]
         draft = drafter.select(h, drafter.compute_logits(h, target.lm_head), anchor_ids=block_ids[:, 0])
+
+    :meth:`select_sampled` draws the block instead (at a temperature) and returns the ``q`` it drew
+    from, for speculative sampling (:meth:`spec_generate` with ``temperature > 0``).
     """
 
     _no_split_modules = ["DFlash2DecoderLayer"]
@@ -559,6 +597,16 @@ class DFlash2DraftModel(DFlashDraftModel):
         """The drafted tokens ``[B, L]`` of positions whose post-norm states are ``hidden [B, L, H]``
         and logits ``logits [B, L, V]`` (:meth:`compute_logits`), after ``anchor_ids [B]``."""
         return self.candidate_selector(hidden, logits, anchor_ids)
+
+    def select_sampled(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`select` sampled at ``temperature > 0`` (z-lab's DFlash2 sampled rule): each
+        position's token drawn from ``softmax(score / temperature)`` over its K candidates. Returns
+        ``(ids [B, L] long, q [B, L, V] fp32)``, ``q`` the distributions drawn from (zero off the
+        candidates; :meth:`DFlash2Selector.walk`)."""
+        if not temperature > 0:
+            raise ValueError(f"select_sampled needs temperature > 0, got {temperature}: use select() for greedy")
+        return self.candidate_selector.walk(hidden, logits, anchor_ids, temperature)
 
 
 __all__.append("DFlash2DraftModel")
