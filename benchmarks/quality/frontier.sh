@@ -8,6 +8,12 @@
 #
 #   bash benchmarks/quality/frontier.sh OUT                       # the default rows below
 #   ROWS="dflash dflash2" TRAIN_S=300 bash benchmarks/quality/frontier.sh OUT
+#   PHASE=train ... ; PHASE=eval ...     # the two halves, e.g. in two device calls on one warm machine
+#
+# Time on one H200: six rows of 2,500 steps trained side by side in about 330 s (the slowest row,
+# plus about 40 s of tokenizing and compiling), and their six decodes (16 prompts x 128 tokens,
+# greedy then T = 1) side by side in about 150 s; with the wheel install that is more than one
+# 600 s device call, so split it with PHASE (R must survive between the calls: a warm machine).
 #
 # Rows (name: the --set arguments that make it):
 #   dflash     the default DFlash drafter, CE on the target's argmax (examples/sharegpt-target-h200.toml)
@@ -28,7 +34,7 @@
 # Output: OUT/frontier.json (one object per row: greedy tau and tau at T = 1) and each run's metrics and eval JSON.
 set -euo pipefail
 OUT=$1; R=${R:-/tmp/frontier}; TRAIN_S=${TRAIN_S:-400}; STEPS=${STEPS:-5000}; N=${N:-8000}; NP=${NP:-16}; NEW=${NEW:-128}
-BS=${BS:-16}; ROWS=${ROWS:-"dflash dflash2 dspark_head tv"}; EQ_STEPS=${EQ_STEPS:-$(( STEPS * 154 / 100 ))}
+BS=${BS:-16}; PHASE=${PHASE:-all}; ROWS=${ROWS:-"dflash dflash2 dspark_head tv"}; EQ_STEPS=${EQ_STEPS:-$(( STEPS * 154 / 100 ))}
 mkdir -p "$R" "$OUT"
 export DFLASH_CACHE=$R/cache PYTHONUNBUFFERED=1
 G=${G:-examples/sharegpt-target-h200.toml}
@@ -50,18 +56,21 @@ row_args() {
     *) echo "unknown row $1" >&2; return 1 ;;
   esac
 }
-python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $N --num $NP
-# the first run tokenizes the data into the shared cache; the others start once it is there
-python3 -m dflash.run $G "${COMMON[@]}" --set run.steps=1 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -5 "$R/warm.log"
-pids=()
-for row in $ROWS; do
-  read -r -a args <<< "$(row_args $row)"
-  # SIGTERM after TRAIN_S: a graceful stop with a final checkpoint (exit 130); --foreground: one signal
-  timeout --foreground -s TERM $TRAIN_S python3 -m dflash.run $G "${COMMON[@]}" --set run.out_dir=\"$R/$row\" \
-    "${args[@]}" > "$R/$row.log" 2>&1 &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait $p || true; done
+if [ "$PHASE" != eval ]; then
+  python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $N --num $NP
+  # the first run tokenizes the data into the shared cache; the others start once it is there
+  python3 -m dflash.run $G "${COMMON[@]}" --set run.steps=1 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -5 "$R/warm.log"
+  pids=()
+  for row in $ROWS; do
+    read -r -a args <<< "$(row_args $row)"
+    # SIGTERM after TRAIN_S: a graceful stop with a final checkpoint (exit 130); --foreground: one signal
+    timeout --foreground -s TERM $TRAIN_S python3 -m dflash.run $G "${COMMON[@]}" --set run.out_dir=\"$R/$row\" \
+      "${args[@]}" > "$R/$row.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait $p || true; done
+fi
+[ "$PHASE" = train ] && exit 0
 pids=()
 for row in $ROWS; do
   tail -2 "$R/$row.log"; cp "$R/$row/metrics.jsonl" "$OUT/metrics-$row.jsonl" || true
