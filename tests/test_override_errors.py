@@ -29,8 +29,8 @@ CASES = [
     ("run.steps=" + "9" * 5000, (r"^error: override 'run.steps=9+\.\.\.\(5010 characters\)\.\.\.9+': an integer "
                                  r"has more than 4,300 digits, the most Python reads; give run.steps a smaller "
                                  r"number$")),
-    ("train.betas=[0.9, " + "9" * 5000 + "]", r"^error: override .*: an integer has more than 4,300 digits.*; "
-                                              r"give train.betas a smaller number$"),
+    ("train.betas=[0.9, " + "9" * 5000 + "]", (r"^error: override .*: an integer has more than 4,300 digits.*; "
+                                               r"give train.betas a smaller number$")),
     (f"run.out_dir=/tmp/{LONG}", (r"^error: run.out_dir = '/tmp/a+\.\.\.\(305 characters\)\.\.\.a+' has a "
                                   r"path component of 300 bytes \(at most 255\): give a shorter name$")),
     ("target.path=/tmp/" + "ab/" * 1500, r"^error: target.path = .* is 4505 bytes long \(at most 4095\)"),
