@@ -11,6 +11,7 @@ Importing this module imports only :mod:`argparse`, so ``--help`` stays fast (no
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -55,11 +56,14 @@ def make_parser(prog: str, summary: str, *, exit_codes: Mapping[int, str],
 
 
 def positive_float(text: str) -> float:
-    """argparse ``type=`` for a number that must be > 0 (e.g. a window in seconds)."""
+    """argparse ``type=`` for a finite number that must be > 0 (e.g. a window in seconds);
+    ``inf``, ``nan`` and numbers too large for a float (``1e999``, which reads as ``inf``) are refused."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be > 0")
     return value

@@ -26,6 +26,11 @@ CASES = [
     ("run.steps=1000000000", (r"^error: .*run.steps = 1000000000 is above 99,999,999, the most a run trains "
                               r"\(checkpoint names hold 8 digits of step\); give a smaller run.steps")),
     ("run.steps=" + "9" * 300, r"run.steps = 9+\.\.\.\(300 characters\)\.\.\.9+ is above 99,999,999"),
+    ("run.steps=" + "9" * 5000, (r"^error: override 'run.steps=9+\.\.\.\(5010 characters\)\.\.\.9+': an integer "
+                                 r"has more than 4,300 digits, the most Python reads; give run.steps a smaller "
+                                 r"number$")),
+    ("train.betas=[0.9, " + "9" * 5000 + "]", (r"^error: override .*: an integer has more than 4,300 digits.*; "
+                                               r"give train.betas a smaller number$")),
     (f"run.out_dir=/tmp/{LONG}", (r"^error: run.out_dir = '/tmp/a+\.\.\.\(305 characters\)\.\.\.a+' has a "
                                   r"path component of 300 bytes \(at most 255\): give a shorter name$")),
     ("target.path=/tmp/" + "ab/" * 1500, r"^error: target.path = .* is 4505 bytes long \(at most 4095\)"),
@@ -52,6 +57,23 @@ def test_bad_override_is_one_line_exit_2(tmp_path, capsys, no_data_work, overrid
     assert "Traceback" not in err and len(err) < 1000, err[:2000]
     assert re.search(message, err.rstrip("\n")), err
     assert not run.exists() and not cache.exists()
+
+
+def test_an_integer_too_long_for_python_in_the_graph_file_is_one_line(tmp_path):
+    """Regression: an integer of more than 4,300 digits (Python's limit on converting a decimal
+    string to int) in a --set value or the graph file ended in a ValueError traceback from the
+    TOML parser; it is one GraphError naming the file or the override."""
+    from csp.graph.load import load_spec
+
+    graph = tmp_path / "g.toml"
+    graph.write_text("[run]\nsteps = " + "9" * 5000 + "\n")
+    with pytest.raises(GraphError) as exc:
+        load_spec(graph)
+    assert str(exc.value) == (f"{graph}: invalid TOML: an integer has more than 4,300 digits, the most "
+                              "Python reads; give a smaller number")
+    data: dict = {}
+    apply_override(data, "run.steps=0x" + "f" * 5000)  # power-of-two bases have no such limit
+    assert data["run"]["steps"] == 16 ** 5000 - 1
 
 
 def test_quotes_the_shell_removed_still_mean_a_plain_string():

@@ -400,7 +400,9 @@ def test_a_rerun_with_nothing_to_do_leaves_the_observability_in_place(tmp_path, 
 
 def test_a_rerun_past_run_steps_says_where_the_checkpoint_is_and_what_to_change(tmp_path, cache_dir, capfd):
     """Invariant: resuming a run whose latest checkpoint is past run.steps says so plainly (the step,
-    run.steps, and the two ways on: raise run.steps or --resume none), exit 0, no step trained."""
+    run.steps, and the two ways on: raise run.steps or --resume none), exit 0, no step trained; the
+    closing summary says the checkpoint is past the last step. Regression: the summary said the run
+    was "already at its last step"."""
     run = tmp_path / "run"
     assert main(small(run, cache_dir, steps=4)) == 0
     capfd.readouterr()
@@ -408,8 +410,13 @@ def test_a_rerun_past_run_steps_says_where_the_checkpoint_is_and_what_to_change(
     line = (f"nothing to do: the latest checkpoint ({run}/checkpoints/step_00000004) is at step 4, already past "
             "run.steps = 2; to train further raise run.steps above 4 (--set run.steps=N), or give --resume none "
             "to start over")
-    assert line in run_log(run) and line in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert line in run_log(run) and line in err
     assert max(losses(run)) == 4
+    # the closing summary agrees: past the last step, not at it (it said "already at its last step")
+    assert err.count("run summary: nothing to do: the checkpoint is already past the last step "
+                     "(step 4, run.steps = 2) (exit 0)") == 1, err
+    assert "at its last step" not in err and "  steps        4/2 (no step finished in this run)" in err
 
 
 def test_resume_counts_skips_on_and_names_what_changed(tmp_path, cache_dir, monkeypatch):

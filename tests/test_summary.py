@@ -136,6 +136,21 @@ def test_nothing_to_do_names_the_checkpoint_and_offers_no_resume(tmp_path, ckpt)
     assert "dflash.run" not in text
 
 
+def test_nothing_to_do_past_the_last_step_says_past_not_at(tmp_path, ckpt):
+    """Regression: a re-run whose checkpoint (step 8) is past run.steps = 4 was summarized as
+    "the run is already at its last step". Invariant: the title says the checkpoint is past the
+    last step, with both numbers; still no resume offered."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(8), {"kind": "end", "status": "completed"},
+                 {"kind": "start", "step": 8}, {"kind": "end", "status": "nothing to do"}])
+    ckpt.update(path=run / "checkpoints" / "step_00000008", step=8)
+    text = closing_summary(run, status="nothing to do", exit_code=0, total_steps=4, argv=ARGV)
+    assert text.splitlines()[0] == ("run summary: nothing to do: the checkpoint is already past the last step "
+                                    "(step 8, run.steps = 4) (exit 0)")
+    assert "  steps        8/4 (no step finished in this run)" in text
+    assert "dflash.run" not in text
+
+
 def test_wandb_commands_only_when_wandb_ran(tmp_path, ckpt):
     """Regression: after a resume with monitor.wandb = "disabled" the summary still
     suggested `wandb leet` / `wandb sync` for an earlier segment's offline run. Invariant: the

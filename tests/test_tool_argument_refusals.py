@@ -28,7 +28,6 @@ def test_plan_writes_into_a_new_directory_and_refuses_a_path_under_a_file(tiny_r
 
 @pytest.mark.parametrize("argv, message", [
     (["--gpus", "4", "--coloc", "1.5"], "--coloc must be in (0, 1]"),
-    (["--gpus", "4", "--coloc", "inf"], "--coloc must be in (0, 1]"),
     (["--gpus", str(10 ** 9)], "--gpus 1000000000 is more than 131,072 GPUs"),
     (["--gpus", "2", "--hosts", "4"], "--hosts 4 is more than --gpus 2"),
     (["--gpus", "9", "--hosts", "2"], "--gpus 9 is not a multiple of --hosts 2"),
@@ -50,6 +49,23 @@ def test_plan_refuses_gpu_counts_below_one(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path), "--gpus", n])
         assert e.value.code == 2 and f"argument --gpus: {n} must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--gpu-mem", "--net-gbps", "--target-tok-s", "--drafter-tok-s", "--coloc",
+                                    "--window"])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e999"])
+def test_plan_refuses_numbers_that_are_not_finite(tmp_path, capsys, option, value):
+    """Regression: --gpu-mem inf, --net-gbps inf (and the other rates; 1e999 reads as inf) passed
+    the "> 0" check and were planned with. Invariant: a value that is not a finite number is
+    refused by argparse with one line and exit 2, before the run is read."""
+    from dflash.plan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "no-run-read"), "--gpus", "2", option, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    assert line == f"python -m dflash.plan: error: argument {option}: {value} must be a finite number > 0"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal of a CUDA device on a machine without one")

@@ -81,6 +81,8 @@ def load_spec(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise GraphError(f"{path}: invalid TOML: {exc}") from None
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise GraphError(f"{path}: invalid TOML: {_too_long_int()}; give a smaller number") from None
     if file_paths is not None:
         _rebase_paths(data, _spelled_base(path), file_paths)
     overridden: dict[str, str] = {}
@@ -141,6 +143,13 @@ def _override_note(message: str, overridden: dict[str, str]) -> str:
 _TOML_OPENERS = ('"', "'", "[", "{")
 
 
+def _too_long_int() -> str:
+    """Why TOML holding an integer of more digits than Python converts (4,300 by default) was
+    refused: :func:`tomllib.loads` raises a bare ``ValueError`` for it, not a decode error."""
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+    return f"an integer has more than {limit:,} digits, the most Python reads"
+
+
 def apply_override(data: dict[str, Any], item: str) -> str:
     """Apply one ``dotted.key=value`` override to raw TOML ``data`` in place.
 
@@ -151,8 +160,9 @@ def apply_override(data: dict[str, Any], item: str) -> str:
         The key's msgspec error path, e.g. ``$.process[2].options.generate``.
 
     Raises:
-        GraphError: no ``=``, an empty key part, a value opening like TOML that is not TOML, a
-            name not found in an array of tables, or a path through a value that is not a table.
+        GraphError: no ``=``, an empty key part, a value opening like TOML that is not TOML, an
+            integer of more digits than Python converts (4,300 by default), a name not found in
+            an array of tables, or a path through a value that is not a table.
     """
     key, eq, raw = item.partition("=")
     parts = [p.strip() for p in key.strip().split(".")]
@@ -166,6 +176,9 @@ def apply_override(data: dict[str, Any], item: str) -> str:
             raise GraphError(f"override {shown}: the value is not valid TOML ({exc}); close the quote or "
                              "bracket, or leave the quotes out for a plain string") from None
         value = raw.strip()
+    except ValueError:  # an integer longer than Python converts: meant as a number, never taken as text
+        raise GraphError(f"override {shown}: {_too_long_int()}; give {cut('.'.join(parts))} "
+                         "a smaller number") from None
     node: Any = data
     walked: list[str] = []
     mpath = "$"

@@ -134,8 +134,11 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     last = train[-1] if train else {}
     start_step = int(start.get("step", 0) or 0)
 
+    done = last.get("step", start_step)
     how = STATUS_TEXT.get(status, status)
-    if status == "stopped" and stopped_by:
+    if status == "nothing to do" and isinstance(done, int) and done > total_steps:  # run.steps was lowered
+        how = f"nothing to do: the checkpoint is already past the last step (step {done}, run.steps = {total_steps})"
+    elif status == "stopped" and stopped_by:
         how = f"stopped by {stopped_by} after draining"
     elif status == "aborted" and stopped_by:
         how = f"aborted by a second stop signal ({stopped_by}): no final checkpoint was written"
@@ -145,7 +148,6 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
 
     if error:
         row("error", error)
-    done = last.get("step", start_step)
     this = f"this run: {start_step + 1}..{done}" if train else "no step finished in this run"
     row("steps", f"{done}/{total_steps} ({this})")
     if train:
