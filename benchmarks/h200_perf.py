@@ -19,7 +19,9 @@ Rows (run in the priority order of :meth:`Perf.plan`; each skipped when it would
   ``drafter.compile = true`` and all three; ``peak_mem_gb`` is the drafter stage's peak at the
   graph's 151,936-token vocabulary;
 * ``profile_target_*`` / ``profile_drafter_*``: ``torch.profiler`` over three steps, the top
-  kernels by device time (``OUT/profile-*.txt`` and in the JSON).
+  kernels by device time (``OUT/profile_*.txt`` and in the JSON); the compiled targets'
+  (``profile_target_{bf16,fp8}_varlen_compile``, named in ``--rows`` with their timing row) are
+  taken inside that row, as it ran, and recorded in it.
 
 Results: ``OUT/perf.json`` (rewritten after every row), the profiles beside it.
 """
@@ -119,7 +121,9 @@ class Perf:
         self.doc: dict[str, Any] = {"command": "python benchmarks/h200_perf.py " + " ".join(sys.argv[1:]),
                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": {}}
         self.dev = torch.device("cpu") if args.smoke else torch.device("cuda:0")
-        sets = [*TINY_SETTINGS, *CPU_SETTINGS] if args.smoke else []
+        # the rows compare each switch with the code's defaults: the example graph compiles its
+        # drafter, so "drafter_default" turns that off and "drafter_compile" back on
+        sets = ["drafter.compile=false", *([*TINY_SETTINGS, *CPU_SETTINGS] if args.smoke else [])]
         if args.smoke:
             from dflash.data import load_tokenizer, tokenizer_info
 
@@ -160,8 +164,11 @@ class Perf:
         return r if r["status"] == "ok" else None
 
     # -- target ---------------------------------------------------------------------------------------
-    def _time_target(self, impl: str | None, compile: bool, peak: float) -> dict[str, Any]:
-        from benchmarks.h200_stages import attention_implementation, time_target
+    def _time_target(self, impl: str | None, compile: bool, peak: float, profile_as: str | None = None) -> dict[str, Any]:
+        """Time the target alone with attention ``impl`` (None: the graph's), compiled or not; with
+        ``profile_as`` named in ``--rows``, also profile it as it ran (compiled layers included):
+        ``OUT/<profile_as>.txt`` and ``out["profile"]``."""
+        from benchmarks.h200_stages import attention_implementation, target_forward, time_target
         from dflash.model.target_engine import CompiledLayers, register_varlen
 
         t = self.target
@@ -177,6 +184,9 @@ class Perf:
                 out = time_target(self.app, t, self.batches, self.dev, self.args.warmup, peak)
                 out["first_step_s"] = round(fwd_first, 2)
                 out["setup_s"] = round(time.perf_counter() - t0, 1)
+                if profile_as and profile_as in self.args.rows:
+                    out["profile"] = profile(target_forward(self.app, t, self.dev), self.batches,
+                                             self.out / f"{profile_as}.txt", self.dev)
             finally:
                 if compile:
                     t.compiled = None
@@ -240,7 +250,7 @@ class Perf:
             self.row("target_bf16_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_bf16))
             if "target_bf16_varlen_compile" in self.args.rows:  # asked for by name only: before fp8, costly
                 self.row("target_bf16_varlen_compile", est("target_bf16_varlen_compile"),
-                         lambda: self._time_target("varlen", True, self.peak_bf16))
+                         lambda: self._time_target("varlen", True, self.peak_bf16, "profile_target_bf16_varlen_compile"))
         self._profile_target("profile_target_bf16", None)
         for name in ("drafter_default", "drafter_liger_kernels", "drafter_liger_head"):
             self._drafter_row(name)
@@ -256,7 +266,7 @@ class Perf:
             self.row("target_fp8_varlen", est("x"), lambda: self._time_target("varlen", False, self.peak_fp8))
             self._profile_target("profile_target_fp8_varlen", "varlen")
             self.row("target_fp8_varlen_compile", est("target_fp8_varlen_compile"),
-                     lambda: self._time_target("varlen", True, self.peak_fp8))
+                     lambda: self._time_target("varlen", True, self.peak_fp8, "profile_target_fp8_varlen_compile"))
         for name in ("drafter_compile", "drafter_all"):  # on the fp8 target's features: same drafter cost
             self._drafter_row(name)
 
@@ -375,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rows", default="", help="comma-separated rows to run (default all): "
-                   + ", ".join(["matmul_bf16", "matmul_fp8", *TARGET_ROWS, *DRAFTER_ROWS, *PROFILE_ROWS]))
+                   + ", ".join(["matmul_bf16", "matmul_fp8", *TARGET_ROWS, *DRAFTER_ROWS, *PROFILE_ROWS,
+                                "profile_target_bf16_varlen_compile", "profile_target_fp8_varlen_compile"]))
     p.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-perf")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (plumbing only)")
     args = p.parse_args(argv)

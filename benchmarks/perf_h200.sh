@@ -18,6 +18,11 @@
 #      top kernels -> OUT/perf.json, OUT/profile_*.txt, OUT/perf.log.
 #   Knobs: ROWS (comma list, default all), PERF_STEPS (8), PERF_WARMUP (3), TOTAL_S (530), TESTS=0 skips 1.
 # SUITE=stages: the sync test, bench_h200.py on one GPU, and the drafter under each switch in VARIANTS.
+# SUITE=fastest (~7 minutes): the compiled and fp8 target rows with their profiles, then bench_h200.py's
+#   serial, colocated and pipeline with the fastest target (fp8, varlen, compiled) and with the bf16
+#   one, both with the example graph's compiled drafter -> OUT/perf.json, OUT/h200-fp8.json,
+#   OUT/h200-bf16.json (RESULTS.md, "Fastest settings"). WARMUP (10): untimed steps of each bench
+#   measurement; a compiled target in a pipeline thread needed about 8 steps to reach its rate.
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -37,6 +42,21 @@ DATA=${DATA:-$( [ -f .devdata/sharegpt-subset.jsonl ] && echo .devdata/sharegpt-
 python3 -c "import torch, importlib.util as u; print('torch', torch.__version__, torch.cuda.get_device_name(0), \
 {p: u.find_spec(p) is not None for p in ('torchao', 'liger_kernel', 'msgspec', 'tomli_w', 'triton')})"
 
+if [ "${SUITE:-engine}" = fastest ]; then
+  timeout 260 python3 benchmarks/h200_perf.py --out "$OUT" --budget-s 240 --warmup 3 --steps 8 --set data.source="$DATA" \
+    --rows target_bf16,target_bf16_varlen_compile,profile_target_bf16_varlen_compile,fp8_feature_error,target_fp8_varlen,target_fp8_varlen_compile,profile_target_fp8_varlen_compile,drafter_compile \
+    > "$OUT/perf.log" 2>&1
+  echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -12 "$OUT/perf.log"
+  SKIP=sweep_1gpu,checkpoint_1gpu,target_alone_sdpa,target_alone_flex_attention,target_alone_eager,plain_forward
+  for v in fp8 bf16; do
+    if [ $v = fp8 ]; then E=(--set target.quantization=\"fp8\" --set target.attn_implementation=\"varlen\" --set target.compile=true); else E=(); fi
+    b=$(( $(left) - 15 )); [ $b -lt 60 ] && { echo "bench $v: skipped, ${b}s left"; continue; }
+    timeout $(( b + 10 )) python3 benchmarks/bench_h200.py --budget-s $b --warmup ${WARMUP:-10} --steps 10 \
+      --set data.source="$DATA" "${E[@]}" --skip $SKIP --out "$OUT/h200-$v.json" > "$OUT/bench-$v.log" 2>&1
+    echo "bench $v rc=$?"; grep -E "^(serial|pipeline_1gpu|colocated_1gpu|target_alone|drafter_alone)_tok_s" "$OUT/bench-$v.log"
+  done
+  exit 0
+fi
 if [ "${SUITE:-engine}" = engine ]; then
   if [ "${TESTS:-1}" = 1 ]; then
     timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/test_perf_switches.py \
