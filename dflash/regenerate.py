@@ -305,8 +305,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             or (args.num_conversations is not None and args.num_conversations < 1):
         p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size, --chunk and "
                 "--num-conversations must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1:  # nan fails both comparisons
+        p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     return args
 
 

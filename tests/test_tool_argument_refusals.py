@@ -127,3 +127,78 @@ def test_eval_names_the_data_argument_it_cannot_find(tiny_run, tmp_path, capsys,
     assert err.count("\n") == 1 and "Traceback" not in err and "data.source" not in err, err
     assert err.startswith("dflash.eval: --data nosuch: no such file (resolved to ")
     assert "--data takes 'sharegpt' or a path to a .json/.jsonl file" in err
+
+
+def test_eval_finds_the_target_from_another_directory(tiny_run, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """A checkpoint records target.path relative to where training started; dflash.eval run from
+    elsewhere still finds it (here: the shipped target, through the installed package), instead of
+    a FileNotFoundError traceback."""
+    import json
+
+    from dflash.eval.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ck = max((tiny_run / "checkpoints").glob("step_*"))
+    assert main([str(ck), "--data", "sharegpt", "--num-prompts", "1", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tau"] >= 1.0
+
+
+def test_locate_target_looks_above_the_checkpoint_then_fails_in_one_line(tmp_path, monkeypatch):
+    from dflash.checkpoint.model_files import locate_target
+    from dflash.model.target import TargetConfig
+
+    (tmp_path / "proj" / "models" / "t").mkdir(parents=True)
+    ck = tmp_path / "proj" / "runs" / "r" / "checkpoints" / "step_00000001"
+    ck.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # not where training started
+    tc = locate_target(TargetConfig(path="models/t", tokenizer="builtin:tiny"), ck)
+    assert tc.path == str(tmp_path / "proj" / "models" / "t") and tc.tokenizer == "builtin:tiny"
+    assert locate_target(TargetConfig(path="models/absent"), ck).path == "models/absent"  # the loader's error
+
+
+def test_non_utf8_graph_and_prompt_files_are_one_line(tiny_run, tmp_path, capsys):  # noqa: F811
+    from dflash.eval.cli import main as eval_main
+    from dflash.run.cli import main as run_main
+
+    bad = tmp_path / "g.toml"
+    bad.write_bytes(b"\xff\xfe garbage")
+    assert run_main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "not a UTF-8 text file" in err and "Traceback" not in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_bytes(b'{"prompt": "\xff"}\n')
+    ck = max((tiny_run / "checkpoints").glob("step_*"))
+    assert eval_main([str(ck), "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prompts" in err and "not a UTF-8 text file" in err
+
+
+def test_a_graph_without_a_drafter_process_is_refused_before_any_work(tmp_path, capsys):
+    """A graph file cut off before its [[channel]] / [[process]] tables used to 'complete' with
+    exit 0 and 0 steps; it is refused in one line naming what is missing."""
+    from dflash.run.cli import main
+
+    text = (ROOT / "examples" / "dflash-tiny.toml").read_text()
+    cut = tmp_path / "cut.toml"
+    cut.write_text(text[:text.index("[[channel]]")].replace('"../dflash/assets', f'"{ROOT}/dflash/assets'))
+    assert main([str(cut), "--set", f"run.out_dir={tmp_path / 'o'}", "--set", "run.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "no process of kind 'dflash.drafter'" in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_eval_and_regenerate_refuse_a_temperature_that_is_not_finite(value, tmp_path, capsys):
+    """T = inf samples uniformly (a meaningless acceptance figure); T = nan was recorded in the
+    regenerated file's meta.json as NaN, which then refused the identical command's resume."""
+    from dflash.eval.cli import main as eval_main
+    from dflash.regenerate import main as regen_main
+
+    with pytest.raises(SystemExit) as e:
+        eval_main([str(tmp_path), "--data", "sharegpt", "--temperature", value])
+    assert e.value.code == 2 and "--temperature must be a finite number >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        regen_main([str(ROOT / "examples" / "dflash-tiny.toml"), "-o", str(tmp_path / "r.jsonl"),
+                    "--temperature", value])
+    assert e.value.code == 2 and "--temperature must be a finite number >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "r.jsonl").exists()

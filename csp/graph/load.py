@@ -75,6 +75,9 @@ def load_spec(
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise GraphError(f"{path}: graph file not found (cwd {Path.cwd()})") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 text: a binary or other-encoding file
+        raise GraphError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason}); a graph file is "
+                         "TOML, saved as UTF-8") from None
     except OSError as exc:
         raise GraphError(f"{path}: cannot read graph file: {exc}") from exc
     try:

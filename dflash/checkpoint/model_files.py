@@ -25,7 +25,7 @@ from dflash.checkpoint.format import DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.target import TargetConfig
 
-__all__ = ["DRAFTER_CONFIG", "TARGET_CONFIG", "WEIGHTS", "config_files", "load_configs",
+__all__ = ["DRAFTER_CONFIG", "TARGET_CONFIG", "WEIGHTS", "config_files", "load_configs", "locate_target",
            "load_drafter", "save_drafter"]
 
 
@@ -75,6 +75,33 @@ def load_configs(directory: str | Path) -> tuple[DrafterConfig, TargetConfig]:
                              "another step") from None
 
     return read(DRAFTER_CONFIG, DrafterConfig), read(TARGET_CONFIG, TargetConfig)
+
+
+def locate_target(tc: TargetConfig, directory: str | Path) -> TargetConfig:
+    """``tc`` with a relative ``path`` / ``tokenizer`` found from wherever the caller runs.
+
+    A checkpoint records the target's paths as the run resolved them: relative to the directory
+    training started in (so a run directory moved together with its models still works). A tool
+    run from elsewhere (``cd /tmp && python -m dflash.eval RUN/checkpoints/step_N``) finds them,
+    in order: as given (from the current directory); below the nearest ancestor of the checkpoint
+    directory that holds them (the run directory usually lives under the directory training
+    started in); for the target shipped in this package (``.../dflash/assets/NAME``), in the
+    installed package. A path found nowhere is returned unchanged, for the loader's own error.
+    """
+    assets = Path(__file__).resolve().parents[1] / "assets"
+
+    def find(value: str | None) -> str | None:
+        if not value or value.startswith("builtin:") or Path(value).is_absolute() or Path(value).exists():
+            return value
+        for base in Path(directory).resolve().parents:
+            if (base / value).exists():
+                return str(base / value)
+        shipped = assets / Path(value).name
+        if Path(value).parent.name == "assets" and shipped.exists():
+            return str(shipped)
+        return value
+
+    return msgspec.structs.replace(tc, path=find(tc.path), tokenizer=find(tc.tokenizer))
 
 
 def load_drafter(directory: str | Path, device: torch.device | str = "cpu",

@@ -104,8 +104,8 @@ def _main(argv: list[str] | None) -> int:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if args.threads < 1:
         p.error("--threads must be >= 1")
-    if not args.temperature >= 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        p.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+    if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1 or args.top_k < 0:
+        p.error("--temperature must be a finite number >= 0, --top-p in (0, 1], --top-k >= 0")
     if args.temperature == 0 and (args.top_p != 1 or args.top_k != 0):
         p.error("--top-p and --top-k shape the sampled decode: give --temperature > 0 with them "
                 "(the greedy decode ignores them)")
@@ -128,7 +128,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
 
-    from dflash.checkpoint.model_files import load_drafter
+    from dflash.checkpoint.model_files import load_drafter, locate_target
     from dflash.data.tokenizer import load_tokenizer
     from dflash.errors import ConfigError
     from dflash.model.target import for_generation, load_target
@@ -142,12 +142,17 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # a run trained with flex_attention decodes with sdpa: same outputs, no compile per length
     drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
+    tc = locate_target(tc, args.checkpoint)  # paths recorded relative to where training started
     if args.dtype != "auto":
         tc = msgspec.structs.replace(tc, dtype=args.dtype)
     if args.target_quantization != "as-trained":
         tc = msgspec.structs.replace(tc, quantization=args.target_quantization)
     try:
         target = load_target(for_generation(tc), args.device, dc.num_layers, need_final=True)
+    except FileNotFoundError as exc:  # target.path found neither from here nor above the checkpoint
+        print(f"dflash.eval: {exc} (recorded relative to the directory training started in: run "
+              "dflash.eval from there)", file=sys.stderr)
+        return 2
     except ConfigError as exc:  # e.g. --target-quantization fp8 on a CPU or without torchao
         flag = f"--target-quantization {args.target_quantization}: " if args.target_quantization != "as-trained" else ""
         print(f"dflash.eval: {flag}{exc}", file=sys.stderr)

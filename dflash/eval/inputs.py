@@ -52,10 +52,14 @@ def read_prompt_file(path: str) -> list[str]:
     lines skipped; a UTF-8 byte-order mark is dropped).
 
     Raises:
-        EvalInputError: a line that is not a JSON object with a string ``"prompt"`` (names the
-            file and line).
+        EvalInputError: a file that is not UTF-8 text, or a line that is not a JSON object with a
+            string ``"prompt"`` (names the file and line).
     """
-    lines = Path(path).read_text(encoding="utf-8-sig").split("\n")  # not splitlines: U+2028 is JSON text
+    try:
+        lines = Path(path).read_text(encoding="utf-8-sig").split("\n")  # not splitlines: U+2028 is JSON text
+    except UnicodeDecodeError as e:
+        raise EvalInputError(f"--prompts {path}: not a UTF-8 text file (byte {e.start}: {e.reason}); write "
+                             'one {"prompt": "..."} JSON object per line, as UTF-8') from None
     prompts = []
     for n, x in enumerate(lines, 1):
         if not x.strip():

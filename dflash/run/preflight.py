@@ -21,7 +21,7 @@ from dflash.model.drafter import DrafterConfig
 from dflash.run.config import DFlashFile
 
 __all__ = ["check_block_fits", "check_drafter_attention", "check_drafter_replicas", "check_fast_paths",
-           "check_model_shapes", "check_monitor_backend", "check_run_dir", "checkpoint_bytes",
+           "check_model_shapes", "check_monitor_backend", "check_run_dir", "check_trains_something", "checkpoint_bytes",
            "disk_space_warnings", "drafter_replicas", "lr_warnings", "preflight"]
 
 DRAFTER_KIND = "dflash.drafter"
@@ -176,6 +176,20 @@ def check_drafter_replicas(cfg: DFlashFile, *, launched: bool) -> None:
             f"launch with torchrun --nproc-per-node {drafters} -m dflash.run ... (docs/distributed.md)")
 
 
+def check_trains_something(cfg: DFlashFile) -> None:
+    """A DFlash graph trains in its ``dflash.drafter`` process; a file without one (e.g. cut off
+    before its ``[[process]]`` tables) would start, train nothing and report success.
+
+    Raises:
+        ConfigError: no process of kind ``dflash.drafter``.
+    """
+    if not any(p.kind == DRAFTER_KIND for p in cfg.process):
+        have = ", ".join(sorted({p.kind for p in cfg.process})) or "no [[process]] tables at all"
+        raise ConfigError(f"the graph has no process of kind '{DRAFTER_KIND}' ({have}), so nothing would train: "
+                          "add the [[channel]] and [[process]] tables of prefetch -> target -> postprocess -> "
+                          "drafter -> monitor (examples/dflash-tiny.toml has them)")
+
+
 def lr_warnings(cfg: DFlashFile) -> list[str]:
     """A learning rate that decodes (finite, float32-safe) but no AdamW run survives."""
     lr = cfg.train.lr
@@ -195,6 +209,7 @@ def preflight(cfg: DFlashFile) -> list[str]:
     Raises:
         ConfigError: the first problem, one line naming the key to change.
     """
+    check_trains_something(cfg)
     check_monitor_backend(cfg)
     check_model_shapes(cfg)
     check_block_fits(cfg)
