@@ -32,8 +32,9 @@ have such a module, so its keys would be unexpected there; it stays in the train
 * ``README.md``: the model card (:func:`model_card`): what the drafter is and how to load it.
 
 The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
-``meta.json`` or ``train_state.pt``) or the input itself, an output path that is a file, and a
-non-empty output directory unless ``--force``. It warns (a line on stderr; a
+``meta.json`` or ``train_state.pt``) or the input itself, an empty ``-o ""``, an output path that is
+a file, a non-empty output directory unless ``--force``, and an output it cannot create or write
+(naming ``-o`` and the reason, not the temporary directory). It warns (a line on stderr; a
 :class:`LastLayerWarning` from :func:`export_drafter`) when the drafter's ``target_layer_ids``
 include the target's last layer: the public rule never takes it (``[1, L-3]``, see
 :func:`dflash.model.target.default_layer_ids`) and the vLLM speculators converter rejects such a drafter
@@ -308,10 +309,12 @@ def check_output(checkpoint: str | Path, out_dir: str | Path, force: bool = Fals
     """Refuse an export destination that would destroy or mix with other files.
 
     Raises:
-        ValueError: ``out_dir`` is the checkpoint itself, is a checkpoint (holds ``meta.json`` or
+        ValueError: ``out_dir`` is empty (``""``, not the current directory), the checkpoint itself, is a checkpoint (holds ``meta.json`` or
             ``train_state.pt``), is not a directory, or is a non-empty directory and ``force``
             is False. The message says what to change.
     """
+    if str(out_dir) == "":
+        raise ValueError("-o is an empty path; give an output directory, e.g. -o exports/NAME")
     out, src = Path(out_dir), Path(checkpoint)
     if out.exists() and src.exists() and out.resolve() == src.resolve():
         raise ValueError(f"-o {out_dir} is the checkpoint being exported; give a new directory")
@@ -416,7 +419,11 @@ def _export(args, written: list[Path]) -> bool:
         drafter, _, _ = load_drafter(args.checkpoint)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LastLayerWarning)
-            out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+            try:
+                out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+            except OSError as e:  # not the internal .NAME.tmp-* path: the -o the user gave, and why
+                raise ValueError(f"-o {args.out}: cannot create or write the export there "
+                                 f"({e.strerror or e}); give a directory you can write to") from e
             written.append(out)
         for w in caught:
             if issubclass(w.category, LastLayerWarning):

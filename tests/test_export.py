@@ -247,3 +247,20 @@ def test_eval_of_a_prompts_file_without_prompt_lines_names_the_file(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err == (f'dflash.eval: --prompts {prompts} has no prompt lines; write one '
                    '{"prompt": "..."} object per line'), err
+
+
+def test_export_to_an_unwritable_or_empty_output_names_it(tmp_path, capsys):
+    """Regression (tester): ``-o /proc/nope`` printed ``[Errno 2] ... '/proc/.nope.tmp-XXXX'`` (an
+    internal temp path, nothing to change), and ``-o ""`` said ``-o  is not empty`` (taken as the
+    current directory). Invariant: one line, exit 2, naming the -o the user gave and what is wrong."""
+    d = make()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    assert export_main([str(ck), "-o", "/proc/nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and ".tmp-" not in err, err
+    assert "-o /proc/nope: cannot create or write the export there" in err, err
+    assert export_main([str(ck), "-o", ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "-o is an empty path" in err and "not empty" not in err, err
