@@ -151,13 +151,28 @@ def test_resume_path_that_does_not_exist_is_one_line_exit_2_before_data(tmp_path
 
 def test_resume_given_a_run_directory_names_a_checkpoint_of_it_before_data(tmp_path, capsys, no_data_work):  # noqa: F811
     """Found by a new user: ``--resume RUN_DIR`` said "meta.json is missing" after the data was
-    tokenized. Invariant: one line naming the run directory's newest checkpoint, exit 2, no data."""
+    tokenized. Invariant: one line naming the run directory's newest usable checkpoint, exit 2, no data.
+    Regression (tester): an empty or interrupted newer ``step_*`` directory was the one suggested;
+    the example must be complete and healthy, or the line says there is none."""
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "runs" / "dflash_run" / "checkpoints"
     old_run = tmp_path / "old"
-    (old_run / "checkpoints" / "step_00000020").mkdir(parents=True)
-    (old_run / "checkpoints" / "step_00000020" / "meta.json").write_text('{"step": 20}')
+    shutil.copytree(fixture / "step_00000050", old_run / "checkpoints" / "step_00000050")
+    (old_run / "checkpoints" / "step_00000098").mkdir()
+    (old_run / "checkpoints" / "step_00000098" / "meta.json").write_text('{"step": 98}')  # no files
+    (old_run / "checkpoints" / "step_00000099").mkdir()  # empty: an interrupted save
     run, cache = tmp_path / "run", tmp_path / "cache"
     assert main([*small(run, cache), "--resume", str(old_run)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--resume {old_run} is a run directory" in err, err
-    assert f"--resume {old_run / 'checkpoints' / 'step_00000020'}" in err and "--resume auto" in err
+    assert f"--resume {old_run / 'checkpoints' / 'step_00000050'}" in err and "--resume auto" in err, err
+    assert "step_00000099" not in err and "step_00000098" not in err, err
+    assert not run.exists() and not cache.exists()
+    shutil.rmtree(old_run / "checkpoints" / "step_00000050")
+    assert main([*small(run, cache), "--resume", str(old_run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no complete, healthy checkpoint" in err, err
+    assert "e.g." not in err and "step_00000099" not in err and "--resume none" in err, err
     assert not run.exists() and not cache.exists()

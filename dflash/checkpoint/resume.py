@@ -37,6 +37,7 @@ from dflash.checkpoint.format import (
     WEIGHTS,
     CheckpointError,
     check_files,
+    is_healthy,
     list_checkpoints,
     load_train_state,
     nonfinite_tensors,
@@ -126,9 +127,16 @@ def check_resume_path(resume: str) -> None:
                               "directory (python -m dflash.logs RUN_DIR lists them), auto or none")
     steps = run_dir_checkpoints(path)
     if steps is not None:
-        example = f", e.g. --resume {steps[-1]}" if steps else ""
-        raise CheckpointError(f"--resume {resume} is a run directory; give one of its checkpoints{example}, "
-                              f"or --resume auto with run.out_dir = {resume} (its newest healthy one)")
+        # the example must be usable: the newest complete, healthy one (files and headers checked,
+        # as resume = "auto" first does), never an empty or interrupted step_* directory
+        usable = next((p for p in reversed(steps) if is_healthy(p)), None)
+        if usable is not None:
+            raise CheckpointError(f"--resume {resume} is a run directory; give one of its checkpoints, "
+                                  f"e.g. --resume {usable}, or --resume auto with run.out_dir = {resume} "
+                                  "(its newest healthy one)")
+        raise CheckpointError(f"--resume {resume} is a run directory and holds no complete, healthy "
+                              "checkpoint to resume from (python -m dflash.logs "
+                              f"{resume} says why); give another checkpoint, or --resume none to start fresh")
 
 
 def choose(run_dir: Path, resume: str) -> Resume | None:
