@@ -56,7 +56,7 @@ def test_plain_text_report(capsys):
     assert "  step 73 batch 72: non-finite loss" in out
     assert "  steps 100 -> 110: 60.0 s (typical 10.0 s), cause: checkpoint at step 100" in out
     assert "  steps 150 -> 160: 45.0 s (typical 10.0 s), cause: stall" in out
-    assert "  step_00000150: step 150, loss 3.5, UNHEALTHY, complete" in out
+    assert "  step_00000150: step 150, loss 3.5, UNHEALTHY, incomplete: model.safetensors, " in out  # meta.json alone
     assert "  step_00000200: incomplete (no meta.json)" in out
     assert "step_00000100: step 100, loss 4, healthy, complete <- resume=auto picks this" in out
 
@@ -68,7 +68,7 @@ def test_json_report(capsys):
     assert data["gaps"][1]["cause"] == "stall"
     assert data["checkpoints"][3] == {"name": "step_00000200", "complete": False, "step": None,
                                       "loss": None, "healthy": None, "save_s": None,
-                                      "auto_resume": False, "problem": None}
+                                      "auto_resume": False, "problem": None, "missing": []}
 
 
 def test_missing_metrics_exits_2(tmp_path, capsys):
@@ -227,3 +227,24 @@ def test_archived_lineages_are_counted_not_listed_as_incomplete(tmp_path):
     rep = analyse(run)
     assert rep.archives == {"archive-20260101-000000": 1}
     assert all(not c.name.startswith("archive") for c in rep.checkpoints)
+
+
+def test_damaged_checkpoints_say_what_is_wrong(tmp_path, capsys):
+    """Regression (tester): a garbage ``meta.json`` was listed as ``incomplete (no meta.json)``, and a
+    checkpoint without ``train_state.pt`` as ``REJECTED: train_state.pt missing, complete``.
+    Invariant: each line says what is actually wrong and never calls a checkpoint lacking a file
+    complete."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    (run / "checkpoints" / "step_00000100" / "train_state.pt").unlink()
+    garbage = run / "checkpoints" / "step_00000120"
+    shutil.copytree(run / "checkpoints" / "step_00000050", garbage)
+    (garbage / "meta.json").write_text("not json {")
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ln.startswith("  step_000")}
+    assert lines["step_00000120"] == "  step_00000120: meta.json is unreadable (an interrupted or damaged save)"
+    assert lines["step_00000100"].endswith("REJECTED: train_state.pt missing"), lines["step_00000100"]
+    assert "complete" not in lines["step_00000100"]
+    assert lines["step_00000050"].endswith("healthy, complete <- resume=auto picks this"), lines["step_00000050"]
+    assert lines["step_00000200"] == "  step_00000200: incomplete (no meta.json)"

@@ -22,6 +22,7 @@ from dflash.checkpoint.format import (
     ARCHIVE_PREFIX,
     META,
     PREFIX,
+    REQUIRED_FILES,
     TMP_PREFIX,
     WEIGHTS,
     is_healthy,
@@ -31,6 +32,12 @@ from dflash.checkpoint.format import (
 
 __all__ = ["CheckpointInfo", "nearest_healthy", "nonfinite_weights", "reader_problem", "scan_archives",
            "scan_checkpoints"]
+
+
+META_UNREADABLE = f"{META} is unreadable (an interrupted or damaged save)"
+"""What :func:`reader_problem` and :func:`scan_checkpoints` say of a ``meta.json`` that does not parse."""
+TMP_PROBLEM = "incomplete (a save in progress or interrupted; resume ignores it)"
+"""What :func:`scan_checkpoints` says of a leftover ``.tmp-*`` directory."""
 
 
 def nonfinite_weights(path: Path, limit: int = 3) -> list[str]:
@@ -62,7 +69,7 @@ def reader_problem(path: Path) -> str | None:
     ``--resume`` also judges it."""
     meta = read_meta(Path(path))
     if meta is None and (Path(path) / META).exists():
-        return f"{META} is unreadable (an interrupted or damaged save)"
+        return META_UNREADABLE
     if meta is not None and meta.get("healthy") is False:
         return f"marked unhealthy ({meta.get('reason') or 'no reason recorded'})"
     bad = nonfinite_weights(path)
@@ -97,7 +104,8 @@ def nearest_healthy(path: Path) -> Path | None:
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True):
-    """One checkpoint directory: ``complete`` (has meta.json), its step, loss, health, save time,
+    """One checkpoint directory: ``complete`` (a finished save: not ``.tmp-*``, with a readable
+    meta.json), its step, loss, health, save time, the files of :data:`REQUIRED_FILES` it lacks,
     whether resume = "auto" would pick it, and why not."""
 
     name: str
@@ -107,7 +115,9 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
     healthy: bool | None = None
     save_s: float | None = None
     auto_resume: bool = False
-    problem: str | None = None  # why resume = "auto" would not use it (None: usable, or not checked)
+    problem: str | None = None  # why resume = "auto" would not use it (None: usable, or not checked);
+    # for an incomplete one, what is wrong (None: no meta.json)
+    missing: tuple[str, ...] = ()  # required files absent (a meta.json alone, a deleted train_state.pt)
 
 
 def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
@@ -120,19 +130,24 @@ def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
         return []
     out = []
     for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((PREFIX, TMP_PREFIX))):
-        meta_path = d / META
-        meta: dict[str, Any] = {}
-        if meta_path.is_file():
-            try:
-                meta = msgspec.json.decode(meta_path.read_bytes())
-            except msgspec.DecodeError:
-                meta = {}
-        if not meta or d.name.startswith(TMP_PREFIX):
-            out.append(CheckpointInfo(name=d.name, complete=False))
+        if d.name.startswith(TMP_PREFIX):
+            out.append(CheckpointInfo(name=d.name, complete=False, problem=TMP_PROBLEM))
             continue
+        meta_path = d / META
+        if not meta_path.exists():
+            out.append(CheckpointInfo(name=d.name, complete=False))  # no meta.json: incomplete
+            continue
+        try:
+            meta: Any = msgspec.json.decode(meta_path.read_bytes())
+        except (OSError, msgspec.DecodeError):
+            meta = None
+        if not isinstance(meta, dict) or not meta:  # as reader_problem and --resume judge it
+            out.append(CheckpointInfo(name=d.name, complete=False, problem=META_UNREADABLE))
+            continue
+        missing = tuple(f for f in REQUIRED_FILES if not (d / f).is_file())
         out.append(CheckpointInfo(name=d.name, complete=True, step=meta.get("step"),
                                   loss=meta.get("loss"), healthy=meta.get("healthy"),
-                                  save_s=meta.get("save_s"),
+                                  save_s=meta.get("save_s"), missing=missing,
                                   problem=None if meta.get("healthy") else meta.get("reason")))
     picked = False
     for i in reversed(range(len(out))):

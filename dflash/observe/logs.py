@@ -23,7 +23,9 @@ and reports:
   ``[time - save_s, time]`` overlaps the gap, a ``resume`` record inside it, else ``stall``.
 * **Checkpoints** with their health: every ``checkpoints/step_*`` (and leftover ``.tmp-*``)
   directory; ``meta.json`` gives step, loss and ``healthy``; a directory without ``meta.json`` is
-  incomplete. ``resume = "auto"``'s rule decides which one it would pick: the newest whose files
+  incomplete, one whose ``meta.json`` does not parse is damaged (said so, as ``dflash.eval`` and
+  ``dflash.export`` say it), and one lacking a required file is listed with the files missing,
+  never as complete. ``resume = "auto"``'s rule decides which one it would pick: the newest whose files
   and tensors pass :func:`dflash.checkpoint.resume.verify` (every newer one is listed with why it was
   rejected); older ones get the cheap check (files present, headers readable). Directories
   ``checkpoints/archive-*`` (an earlier lineage moved aside) are counted, not scanned.
@@ -308,8 +310,8 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
               f"{g.typical_s:.1f} s), cause: {g.cause}" for g in rep.gaps]
     lines.append(f"\ncheckpoints ({len(rep.checkpoints)}):")
     for c in rep.checkpoints:
-        if not c.complete:
-            lines.append(f"  {c.name}: incomplete (no meta.json)")
+        if not c.complete:  # no meta.json, an unreadable one, or a leftover .tmp-* save
+            lines.append(f"  {c.name}: {c.problem or 'incomplete (no meta.json)'}")
             continue
         loss = f"{c.loss:.4g}" if _finite(c.loss) else str(c.loss)
         if not c.healthy:
@@ -318,7 +320,9 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
             health = f"REJECTED: {c.problem}"
         else:
             health = "healthy"
-        lines.append(f"  {c.name}: step {c.step}, loss {loss}, {health}, complete"
+        missing = f"{', '.join(c.missing)} missing"
+        files = ("complete" if not c.missing else "" if missing in health else f"incomplete: {missing}")
+        lines.append(f"  {c.name}: step {c.step}, loss {loss}, {health}" + (f", {files}" if files else "")
                      + (" <- resume=auto picks this" if c.auto_resume else ""))
     for name, n in rep.archives.items():
         lines.append(f"  {name}/: {n} checkpoint(s) a later start did not continue, moved aside (never resumed)")
