@@ -193,6 +193,21 @@ def test_drafter_proposers_refuse_a_dflash2_drafter(make):
 
 # z-lab's decoder passes past_key_values, which transformers 5.24 renames (removal in 5.40)
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def zlab_propose_as(zmodel, zl, monkeypatch, hidden, anchor, out_head, draft, q, temperature=0.8):
+    """z-lab's ``propose`` on the same slots, its draws forced to ``draft`` (each slot's index among
+    z-lab's top-6 candidates): asserts it walks to ``draft`` with our ``q`` (zero off the
+    candidates), and returns its ``(candidates, q)`` for its ``_rejection_sample``."""
+    with torch.no_grad(), monkeypatch.context() as mp:
+        cand = torch.topk(zmodel.compute_logits(hidden, out_head), 6, dim=-1, sorted=False).indices[0]
+        forced = iter((cand[j] == draft[j]).nonzero()[0] for j in range(draft.shape[0]))
+        mp.setattr(zl, "_sample_probs", lambda probs, it=forced: next(it))
+        z_path, z_cand, z_q = zmodel.propose(hidden, anchor, out_head, temperature)
+    assert torch.equal(z_path[0], draft)
+    z_full = torch.zeros_like(q).scatter_(-1, z_cand[0], z_q[0].float())
+    torch.testing.assert_close(z_full, q, rtol=1e-5, atol=1e-6)
+    return z_cand, z_q
+
+
 def test_each_sampled_step_is_zlab_dflash2_rule(tmp_path, monkeypatch):
     """Invariant (we sample what the reference decoder samples). z-lab's ``dflash_generate`` is
     deterministic given ``torch.manual_seed``, but its outputs are not comparable with ours draw
@@ -223,14 +238,7 @@ def test_each_sampled_step_is_zlab_dflash2_rule(tmp_path, monkeypatch):
     out_head = target.model.get_output_embeddings()
     ms = []
     for i, (anchor, slots, draft, q) in enumerate(steps):
-        with torch.no_grad(), monkeypatch.context() as mp:
-            cand = torch.topk(zmodel.compute_logits(slots, out_head), 6, dim=-1, sorted=False).indices[0]
-            forced = iter((cand[j] == draft[j]).nonzero()[0] for j in range(draft.shape[0]))
-            mp.setattr(zl, "_sample_probs", lambda probs, it=forced: next(it))
-            z_path, z_cand, z_q = zmodel.propose(slots, anchor, out_head, 0.8)
-        assert torch.equal(z_path[0], draft)
-        z_full = torch.zeros_like(q).scatter_(-1, z_cand[0], z_q[0].float())
-        torch.testing.assert_close(z_full, q, rtol=1e-5, atol=1e-6)
+        z_cand, z_q = zlab_propose_as(zmodel, zl, monkeypatch, slots, anchor, out_head, draft, q)
         # a target near q, so that acceptances of every length occur
         noise = torch.softmax(torch.randn(BS, q.shape[-1], generator=torch.Generator().manual_seed(i)), -1)
         probs = 0.3 * noise + 0.7 * torch.cat([q, noise[-1:]])

@@ -13,7 +13,7 @@ import torch
 
 from dflash.export import export_drafter
 from tests.test_decode_loop import TOP_K, T, _chi_square_pvalue, _exact_joint
-from tests.test_dflash2_sampled import _models
+from tests.test_dflash2_sampled import _models, zlab_propose_as
 from tests.test_spec_generate import PROMPT, _greedy, _target
 from tests.zlab import zlab_model
 
@@ -182,14 +182,7 @@ def test_each_sampled_spec_generate_step_is_zlab_dflash2_rule(tmp_path, monkeypa
     ms = []
     for i, ((hidden, anchor, draft, q), (drafted, p, q_acc, state, n, nxt)) in enumerate(zip(walks, accepts)):
         assert torch.equal(drafted, draft) and torch.equal(q_acc, q)
-        with torch.no_grad(), monkeypatch.context() as mp:
-            cand = torch.topk(zmodel.compute_logits(hidden, out_head), 6, dim=-1, sorted=False).indices[0]
-            forced = iter((cand[j] == draft[j]).nonzero()[0] for j in range(draft.shape[0]))
-            mp.setattr(zl, "_sample_probs", lambda probs, it=forced: next(it))
-            z_path, z_cand, z_q = zmodel.propose(hidden, anchor, out_head, 0.8)
-        assert torch.equal(z_path[0], draft)
-        z_full = torch.zeros_like(q).scatter_(-1, z_cand[0], z_q[0].float())
-        torch.testing.assert_close(z_full, q, rtol=1e-5, atol=1e-6)
+        z_cand, z_q = zlab_propose_as(zmodel, zl, monkeypatch, hidden, anchor, out_head, draft, q)
         torch.set_rng_state(state)
         z_m, z_nxt = zl._rejection_sample(draft[None], p[None], z_q, z_cand)
         assert z_m == n, i
