@@ -303,15 +303,20 @@ def test_gpu_target_compile_equals_eager():
 @gpu_test
 @pytest.mark.skipif(not (CUDA and HAS["torchao"]), reason="needs CUDA and torchao")
 def test_gpu_fp8_compiled_varlen_target_equals_eager_fp8():
-    """The fastest target measured (fp8, varlen, compiled) computes the eager fp8 target's features
-    within fp8 rounding: compile changes kernels, not what the drafter trains on."""
+    """The fastest target measured (fp8, varlen, compiled) is as close to the bf16 target as the eager
+    fp8 target is: compile changes kernels (its fused activation scaling may round a value to the
+    neighbouring e4m3 step, ~6% apart), not how far the features the drafter trains on are from bf16."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability >= 8.9")
     ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    ref, _ = _gpu_target(attn_implementation="varlen")(ids, POS.cuda(), DOC.cuda())
     a, _ = _gpu_target(quantization="fp8", attn_implementation="varlen")(ids, POS.cuda(), DOC.cuda())
     b, _ = _gpu_target(quantization="fp8", attn_implementation="varlen", compile=True)(ids, POS.cuda(), DOC.cuda())
-    rel = (b.float() - a.float()).norm() / a.float().norm()
-    assert rel < 2e-2, rel
+    rel = lambda x, y: float((x.float() - y.float()).norm() / y.float().norm())  # noqa: E731
+    eager_err, compiled_err, between = rel(a, ref), rel(b, ref), rel(b, a)
+    print(f"fp8 eager vs bf16 {eager_err:.4f}, compiled vs bf16 {compiled_err:.4f}, compiled vs eager {between:.4f}")
+    assert compiled_err < 1.25 * eager_err + 1e-3, (compiled_err, eager_err)
+    assert between < 1.5 * eager_err + 1e-3, (between, eager_err)
 
 
 def _assert_same_training(ref, new, rtol=2e-2, atol=2e-3):
