@@ -89,19 +89,27 @@ def top_kernels(prof: Any, n: int = 25) -> list[dict[str, Any]]:
              "share": round(e.self_device_time_total / total, 4), "calls": e.count} for e in events[:n]]
 
 
-def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: torch.device) -> dict[str, Any]:
+def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: torch.device,
+            first: int = 1) -> dict[str, Any]:
+    """``torch.profiler`` over ``step(item)`` for ``items[first:first + 3]`` (after one untimed step on
+    ``items[first - 1]``): the top kernels by device time to ``path`` and ``top``, and the window's
+    wall time (``window_s``, synced at both ends; ``tok_s`` when the items have ``num_tokens``), so a
+    profile whose kernels add up to less than the timed rate's step says the device sat idle."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     from benchmarks.h200_stages import sync
 
-    step(items[0])
+    window = items[first:first + 3]
+    step(items[first - 1])
     sync(device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
-        for item in items[1:4]:
+        t0 = time.perf_counter()
+        for item in window:
             step(item)
         sync(device)
+        wall = time.perf_counter() - t0
     table = None
     for sort in (["self_device_time_total", "self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
         try:
@@ -110,7 +118,12 @@ def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: to
         except Exception:  # noqa: BLE001 - the key's name differs between torch versions
             continue
     path.write_text(table or "")
-    return {"steps": len(items[1:4]), "table": path.name, "top": top_kernels(prof)}
+    out = {"steps": len(window), "first": first, "window_s": round(wall, 4), "table": path.name,
+           "top": top_kernels(prof)}
+    tokens = [getattr(item, "num_tokens", None) for item in window]
+    if window and all(isinstance(n, int) for n in tokens):
+        out["tok_s"] = sum(tokens) / wall
+    return out
 
 
 class Perf:
@@ -185,8 +198,10 @@ class Perf:
                 out["first_step_s"] = round(fwd_first, 2)
                 out["setup_s"] = round(time.perf_counter() - t0, 1)
                 if profile_as and profile_as in self.args.rows:
+                    # the timed window's own batches: the profile then accounts for the timed steps
                     out["profile"] = profile(target_forward(self.app, t, self.dev), self.batches,
-                                             self.out / f"{profile_as}.txt", self.dev)
+                                             self.out / f"{profile_as}.txt", self.dev,
+                                             first=max(1, min(self.args.warmup, len(self.batches) - 3)))
             finally:
                 if compile:
                     t.compiled = None
@@ -342,9 +357,13 @@ def summary(doc: dict[str, Any]) -> str:
     for name, r in doc["rows"].items():
         if r.get("status") != "ok":
             lines.append(f"{name:30s} {r.get('status')}: {r.get('reason') or r.get('error')}")
+        elif "window_s" in r:  # a profile row: its window's rate, to set against the timed row's
+            lines.append(f"{name:30s} profiled {r['steps']} steps in {r['window_s']:.3f} s"
+                         + (f" ({r['tok_s'] / 1e3:.1f}K tok/s)" if "tok_s" in r else ""))
         elif "tok_s" in r:
             lines.append(f"{name:30s} {r['tok_s'] / 1e3:7.1f}K tok/s  mfu {r['mfu']:.3f}  "
-                         f"vs-bf16 {r.get('mfu_vs_bf16', r['mfu']):.3f}  peak {r.get('peak_mem_gb')}")
+                         f"vs-bf16 {r.get('mfu_vs_bf16', r['mfu']):.3f}  peak {r.get('peak_mem_gb')}"
+                         + (f"  profiled {r['profile']['tok_s'] / 1e3:.1f}K" if "tok_s" in r.get("profile", {}) else ""))
         elif "tflops" in r:
             lines.append(f"{name:30s} {r['tflops']:.0f} TFLOP/s")
         elif "layers" in r:

@@ -378,3 +378,6 @@ def test_perf_harness_smoke_writes_every_row(tmp_path):
     for name in ("drafter_liger_kernels", "drafter_liger_head", "drafter_compile", "drafter_all", "fp8"):
         assert rows[name]["status"] == "skipped" and rows[name]["reason"], name
     assert (out / "profile_target_bf16.txt").read_text().strip()
+    # a profile carries its own window's wall time and rate, to set against the kernels' sum
+    prof = rows["profile_target_bf16"]
+    assert prof["steps"] >= 1 and prof["window_s"] > 0 and prof["tok_s"] > 0, prof
