@@ -8,6 +8,9 @@ stage, MFU, memory, channel capacity and checkpoint cost. Results: benchmarks/RE
 One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are two, else 1):
 
 * ``matmul``: bf16 ``8192^3`` matmul rate on cuda:0 (the MFU denominator);
+* ``matmul_fp8``: when the target is quantized (``target.quantization = "fp8"``), the float8
+  ``8192^3`` ``torch._scaled_mm`` rate as well (:func:`benchmarks.h200_stages.scaled_mm_tflops`,
+  the peak ``benchmarks/h200_perf.py`` measures): the fp8 target's MFU denominator;
 * ``target_alone`` (cuda:0), ``drafter_alone`` (cuda:1 on two GPUs, else cuda:0; on features the
   target computed beforehand): each stage by itself, for the bound;
 * ``serial``: target forward then drafter step per batch, one thread, one stream, cuda:0;
@@ -25,8 +28,14 @@ One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are tw
   on every GPU, DDP drafters; ``benchmarks/h200_colocated.py``), one rank in this process / two
   spawned ranks.
 
-Every measurement reports tokens/s, TFLOP/s, MFU and HFU (``benchmarks/flops.py``, against the
-``matmul`` rate) and peak memory per device. At start the plan is printed with each measurement's
+Every measurement reports tokens/s, TFLOP/s, MFU and HFU (``benchmarks/flops.py``) against the
+matching measured peak, and peak memory per device: the drafter's FLOPs against ``matmul``
+(bf16), the target's against ``matmul`` or, when it is quantized, ``matmul_fp8``; a measurement of
+both stages (serial, colocated, pipelines) is credited with the time its FLOPs would take at those
+peaks, ``(F_target / P_fp8 + F_drafter / P_bf16) / seconds``
+(:func:`benchmarks.h200_report.matched_mfu`; ``peak`` and ``peak_tflops`` say which rate), so
+neither stage's precision flatters the other's. ``mfu_vs_bf16`` beside it is the same rate against
+the bf16 peak alone (the figure before quantization; above 1 for a fast fp8 target). At start the plan is printed with each measurement's
 estimated seconds and the whole invocation's estimate.
 
 Each measurement runs ``--warmup`` untimed then ``--steps`` timed steps, in priority order; one that
@@ -53,7 +62,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.h200_report import load_runs, ok, write_results  # noqa: E402
+from benchmarks.h200_report import load_runs, matched_mfu, ok, write_results  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "h200.json"
 GRAPH_1GPU = ROOT / "examples" / "qwen3-8b-h200.toml"
@@ -117,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ckpt_steps = args.ckpt_steps if args.ckpt_steps is not None else (4 if small else 20)
     args.capacities = [int(c) for c in args.capacities.split(",") if c]
     args.skip = {s for s in args.skip.split(",") if s}
-    known = {"matmul", "target_alone", *(f"target_alone_{i}" for i in TARGET_VARIANTS), "plain_forward",
+    known = {"matmul", "matmul_fp8", "target_alone", *(f"target_alone_{i}" for i in TARGET_VARIANTS), "plain_forward",
              "drafter_alone", "serial", "colocated_1gpu", "colocated_2gpu",
              *(f"{k}_{m}" for k in ("pipeline", "checkpoint", "sweep") for m in ("1gpu", "2gpu"))}
     unknown = {n for n in args.skip - known if not n.startswith(("capacity_1gpu_", "capacity_2gpu_"))}
@@ -237,6 +246,20 @@ class Bench:
         size = 256 if self.mode == "cpu" else (2048 if self.tiny else 8192)
         mm = self.measure("matmul", 5, lambda: matmul_tflops(self.dev0, n=size))
         self.peak = mm["tflops"] if mm else float("nan")
+        # the target's matching peak: the fp8 matmul rate when it is quantized (MFU against bf16 would
+        # credit fp8 tensor cores as if they were bf16 ones: an fp8 target read 1.25)
+        self.precision = "fp8" if self.app.resolved.cfg.target.quantization == "fp8" else "bf16"
+        self.run["target_precision"] = self.precision
+        self.peak_target: float | None = self.peak
+        if self.precision == "fp8":
+            if self.dev0.type == "cuda":
+                from benchmarks.h200_stages import scaled_mm_tflops
+
+                mm8 = self.measure("matmul_fp8", 5, lambda: scaled_mm_tflops(self.dev0, n=size))
+            else:
+                self.run["measurements"]["matmul_fp8"] = {"status": "skipped", "reason": "float8 matmul runs on CUDA"}
+                mm8 = None
+            self.peak_target = mm8["tflops"] if mm8 else None
         ckpt_n = a.warmup + a.ckpt_steps
         default_impl = self.app.resolved.cfg.target.attn_implementation
         steps = {  # name -> (estimated seconds, evaluated when its turn comes; the measurement)
@@ -321,35 +344,51 @@ class Bench:
             out = time_target(self.app, target, self.batches, self.dev0, self.args.warmup, self.peak)
         if impl is None:
             self.t_target = out["step_s"]
-        return {"build_s": round(build_s, 1), **out}
+        return {"build_s": round(build_s, 1), **self._matched(out, out["flops_model"], out["flops_computed"])}
+
+    def _matched(self, out: dict[str, Any], target_model: float, target_computed: float | None = None,
+                 gpus: int = 1) -> dict[str, Any]:
+        """``out`` with ``mfu``/``hfu`` against the matching peaks (the target's FLOPs, ``target_model``
+        of ``flops_model``, against ``self.peak_target``), ``mfu_vs_bf16`` and the peak used."""
+        return {**out, **matched_mfu(out, bf16_tflops=self.peak, target_tflops=self.peak_target,
+                                     precision=self.precision, target_model=target_model,
+                                     target_computed=target_computed, gpus=gpus)}
 
     def _drafter_alone(self) -> dict[str, Any]:
         from benchmarks.h200_stages import time_drafter
 
         out = time_drafter(self.app, self._target(), self.batches, self.dev0, self.dev1, self.args.warmup, self.peak)
         self.t_drafter = out["step_s"]
-        return out
+        return self._matched(out, 0.0)
 
     def _serial(self) -> dict[str, Any]:
         from benchmarks.h200_stages import time_serial
 
-        return time_serial(self.app, self._target(), self.batches, self.dev0, self.args.warmup, self.peak)
+        out = time_serial(self.app, self._target(), self.batches, self.dev0, self.args.warmup, self.peak)
+        return self._matched(out, out["target_flops_model"], out["target_flops_computed"])
 
     def _colocated(self, world: int) -> dict[str, Any]:
         from benchmarks.h200_colocated import run_colocated, time_colocated_here
 
         a = self.args
         if world == 1:
-            return time_colocated_here(self.app, self._target(), self.batches, self.dev0, a.warmup, self.peak,
-                                       a.run_root / "colocated_1" / "store")
-        est = 60 + (a.warmup + a.steps) * (self.t_target + self.t_drafter)
-        return run_colocated(GRAPH_1GPU, self.overrides, a.run_root / f"colocated_{world}", world, warmup=a.warmup,
-                             timed=a.steps, peak_tflops=self.peak, cpu=self.mode == "cpu", timeout_s=max(180.0, 3 * est))
+            out = time_colocated_here(self.app, self._target(), self.batches, self.dev0, a.warmup, self.peak,
+                                      a.run_root / "colocated_1" / "store")
+        else:
+            est = 60 + (a.warmup + a.steps) * (self.t_target + self.t_drafter)
+            out = run_colocated(GRAPH_1GPU, self.overrides, a.run_root / f"colocated_{world}", world, warmup=a.warmup,
+                                timed=a.steps, peak_tflops=self.peak, cpu=self.mode == "cpu",
+                                timeout_s=max(180.0, 3 * est))
+        gpus = world if world > 1 and self.mode != "cpu" else 1
+        return self._matched(out, out["target_flops_model"], out["target_flops_computed"], gpus=gpus)
 
     def _plain_forward(self) -> dict[str, Any]:
         from benchmarks.h200_stages import time_plain_forward
 
-        return time_plain_forward(self.reuse, self.app, self.batches, self.dev0, self.args.warmup, self.peak)
+        # the whole model as loaded: decoder layers quantized with the target (its bf16 LM head is
+        # counted against the target's peak too)
+        out = time_plain_forward(self.reuse, self.app, self.batches, self.dev0, self.args.warmup, self.peak)
+        return self._matched(out, out["flops_model"], out["flops_computed"])
 
     def _pipeline_flops(self, out: dict[str, Any], mode: str) -> dict[str, Any]:
         """TFLOP/s and MFU of a pipeline run: FLOPs per real token of the harness's batches
@@ -357,12 +396,15 @@ class Bench:
         from benchmarks.h200_stages import drafter_flops, target_flops
 
         timed = self.batches[self.args.warmup:]
-        flops = target_flops(self.app, self._target(), timed) + drafter_flops(self.app, timed)
+        tf = target_flops(self.app, self._target(), timed)
+        flops = tf + drafter_flops(self.app, timed)
         per_token = 1.0 / sum(b.num_tokens for b in timed)
         secs = 1.0 / (out["tok_s"] * per_token)  # seconds for the FLOPs of these batches at the run's rate
         from benchmarks.h200_stages import flop_fields
 
-        return {**out, **flop_fields(flops, secs, self.peak, gpus=2 if mode == "2gpu" else 1)}
+        gpus = 2 if mode == "2gpu" else 1
+        out = {**out, **flop_fields(flops, secs, self.peak, gpus=gpus), "target_flops_computed": tf.computed}
+        return self._matched(out, tf.model, tf.computed, gpus=gpus)
 
     def _run(self, mode: str, name: str, extra: list[str], timed: int, every: int = 0) -> dict[str, Any]:
         from benchmarks.h200_pipeline import run_pipeline
@@ -442,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def headline(doc: dict[str, Any]) -> str:
     """The summary numbers, one per line (what a terminal tail should show)."""
-    keys = ("matmul_tflops", "target_alone_tok_s", "drafter_alone_tok_s", "serial_tok_s", "pipeline_1gpu_tok_s",
+    keys = ("matmul_tflops", "matmul_fp8_tflops", "target_alone_tok_s", "drafter_alone_tok_s", "serial_tok_s", "pipeline_1gpu_tok_s",
             "speedup_1gpu_vs_serial", "pipeline_2gpu_tok_s", "slowest_stage_2gpu", "slowest_stage_tok_s_2gpu",
             "efficiency_2gpu", "speedup_2gpu_vs_serial", "target_mfu", "plain_forward_mfu",
             "checkpoint_slowdown_1gpu", "checkpoint_slowdown_2gpu", "pipeline_2gpu_null_reason")

@@ -141,10 +141,13 @@ def run_colocated(graph_file: Path, overrides: list[str], run_dir: Path, world: 
     tokens = sum(r["tokens_timed"] for r in ranks)
     model = sum(r["flops_model"] for r in ranks)
     computed = sum(r["flops_computed"] for r in ranks)
+    target_model = sum(r["target_flops_model"] for r in ranks)
+    target_computed = sum(r["target_flops_computed"] for r in ranks)
     gpus = world if not cpu else 1
     return {"world": world, "tok_s": tokens / secs, "step_s": secs / ranks[0]["steps_timed"],
             "steps_timed": ranks[0]["steps_timed"], "tokens_timed": tokens,
             "tflops": model / secs / 1e12, "mfu": model / secs / 1e12 / (peak_tflops * gpus),
             "hfu": computed / secs / 1e12 / (peak_tflops * gpus), "flops_model": model, "flops_computed": computed,
+            "target_flops_model": target_model, "target_flops_computed": target_computed,
             "peak_mem_gb": {k: v for r in ranks for k, v in r.get("peak_mem_gb", {}).items()},
             "per_rank": [{k: r[k] for k in ("device", "tok_s", "step_s", "tokens_timed")} for r in ranks]}

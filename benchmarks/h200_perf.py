@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.bench_h200 import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS  # noqa: E402
+from benchmarks.h200_stages import scaled_mm_tflops  # noqa: E402,F401 - the fp8 peak, shared with bench_h200
 
 TARGET_ROWS = ["target_bf16", "target_bf16_varlen", "target_bf16_varlen_compile", "fp8_feature_error",
                "target_fp8", "target_fp8_varlen", "target_fp8_varlen_compile"]
@@ -57,27 +58,6 @@ PROFILE_ROWS = ["profile_target_bf16", "profile_target_bf16_varlen", "profile_dr
 # rough seconds beyond the timed steps (builds, compiles), for the budget
 FIXED_S = {"target_bf16": 70, "target_bf16_varlen_compile": 120, "target_fp8_varlen_compile": 120,
            "drafter_default": 45, "drafter_compile": 90, "drafter_all": 90, "target_fp8": 30}
-
-
-def scaled_mm_tflops(device: torch.device, n: int = 8192, iters: int = 100, warmup: int = 10) -> dict[str, Any]:
-    """Rate of ``[n, n] @ [n, n]`` in float8 e4m3 with per-row scales and bf16 output
-    (``torch._scaled_mm``, ``use_fast_accum=True``), in TFLOP/s (``2 n^3`` per product)."""
-    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
-    sa = torch.ones(n, 1, device=device)
-    sb = torch.ones(1, n, device=device)
-    mm = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,  # noqa: E731
-                                  use_fast_accum=True)
-    for _ in range(warmup):
-        mm()
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        mm()
-    torch.cuda.synchronize(device)
-    secs = time.perf_counter() - t0
-    return {"tflops": 2 * n**3 * iters / secs / 1e12, "n": n, "iters": iters, "dtype": "float8_e4m3fn",
-            "scales": "rowwise", "out_dtype": "bfloat16"}
 
 
 def top_kernels(prof: Any, n: int = 25) -> list[dict[str, Any]]:

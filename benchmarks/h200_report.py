@@ -9,6 +9,14 @@ A RUN holds ``mode``, ``command``, ``env``, ``settings``, ``data`` and ``measure
 Runs from separate invocations (one 1-GPU machine, one 2-GPU machine) are merged by run name; the
 summary is recomputed from the merged runs and takes every ratio from a single run (a 2-GPU
 speedup divides by the serial loop measured on the same machine in the same invocation).
+
+MFU against the matching peak (:func:`matched_mfu`): a run whose target is quantized
+(``target.quantization = "fp8"``) also measures the fp8 matmul peak (``matmul_fp8``); the target's
+FLOPs count against that peak and the drafter's against the bf16 one. A measurement of both stages
+(serial, colocated, pipeline) is credited with the time its FLOPs would take at those peaks,
+``(F_target / P_fp8 + F_drafter / P_bf16) / seconds``, so it reads 1.0 only when every FLOP ran at
+its own precision's peak; ``peak_tflops`` is the single rate that gives the same MFU
+(``tflops / peak_tflops``) and ``mfu_vs_bf16`` is the same rate against the bf16 peak alone.
 """
 
 from __future__ import annotations
@@ -36,6 +44,44 @@ ATTN_VARIANTS = ("sdpa", "flex_attention", "eager")
 # measurements whose rates, FLOPs and memory are tabled (in this order)
 TABLED = ("target_alone", *(f"target_alone_{i}" for i in ATTN_VARIANTS), "plain_forward", "drafter_alone",
           "serial", "colocated_1gpu", "pipeline_1gpu", "colocated_2gpu", "pipeline_2gpu")
+
+
+def matched_mfu(m: dict[str, Any], *, bf16_tflops: float, target_tflops: float | None, precision: str,
+                target_model: float, target_computed: float | None = None, gpus: int = 1) -> dict[str, Any]:
+    """MFU and HFU of the measurement ``m`` against the matching measured peaks (module docstring).
+
+    Args:
+        m: a measurement with ``tflops`` (model FLOPs per second / 1e12), ``flops_model`` and
+            ``flops_computed``.
+        bf16_tflops: the bf16 matmul peak (the drafter's, and the target's when not quantized).
+        target_tflops: the target's matching peak (``fp8``: the fp8 matmul peak; None when it was
+            not measured: ``mfu`` and ``hfu`` are then None and only the ``*_vs_bf16`` figures stay).
+        precision: the target's matmul precision, ``"bf16"`` or ``"fp8"``.
+        target_model: the target's share of ``flops_model`` (all of it for a target row, 0 for a
+            drafter row); ``target_computed`` likewise of ``flops_computed`` (default: the same
+            fraction as the model FLOPs).
+        gpus: the devices the rate is spread over.
+
+    Returns:
+        ``mfu``, ``hfu``, ``mfu_vs_bf16``, ``hfu_vs_bf16``, ``peak`` (which peaks: ``"bf16"``,
+        ``"fp8"`` or ``"fp8 target + bf16 drafter"``), ``peak_tflops`` (effective), ``target_flops_model``.
+    """
+    model, computed, tflops = m["flops_model"], m["flops_computed"], m["tflops"]
+    if target_computed is None:
+        target_computed = computed * (target_model / model) if model else 0.0
+    out: dict[str, Any] = {"mfu_vs_bf16": tflops / (bf16_tflops * gpus),
+                           "hfu_vs_bf16": tflops * (computed / model) / (bf16_tflops * gpus) if model else None,
+                           "target_flops_model": target_model}
+    fp8 = precision == "fp8" and target_model > 0
+    if fp8 and not target_tflops:
+        return {**out, "mfu": None, "hfu": None, "peak": "fp8 (not measured)", "peak_tflops": None}
+    pt = target_tflops if fp8 else bf16_tflops
+    secs = model / (tflops * 1e12)
+    ideal_model = target_model / pt + (model - target_model) / bf16_tflops  # seconds x 1e12 at the peaks
+    ideal_computed = target_computed / pt + (computed - target_computed) / bf16_tflops
+    peak = "bf16" if not fp8 else ("fp8" if target_model >= model else "fp8 target + bf16 drafter")
+    return {**out, "mfu": ideal_model / 1e12 / (secs * gpus), "hfu": ideal_computed / 1e12 / (secs * gpus),
+            "peak": peak, "peak_tflops": model / ideal_model}
 
 
 def ok(run: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
@@ -67,6 +113,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
         s[key], src[key] = (m.get(field) if m else None), r  # older results files lack newer fields
 
     take("matmul_tflops", SINGLE, "matmul", "tflops")
+    take("matmul_fp8_tflops", SINGLE, "matmul_fp8", "tflops")  # measured when the target is fp8
     take("serial_tok_s", SINGLE, "serial")
     take("target_alone_tok_s", SINGLE, "target_alone")
     take("drafter_alone_tok_s", SINGLE, "drafter_alone")

@@ -15,8 +15,10 @@ each measurement so the next one (and the csp stages, on their own streams) get 
 
 Timing: ``warmup`` untimed steps, then ``timed`` steps between two device synchronisations. Tokens
 are real (non-padding) tokens. FLOPs: :mod:`benchmarks.flops` (``model`` FLOPs for ``tflops`` and
-``mfu``, ``computed`` FLOPs for ``hfu``), both divided by the bf16 matmul rate measured in the same
-run. Peak memory: ``torch.cuda.max_memory_allocated``, reset at the start of each measurement.
+``mfu``, ``computed`` FLOPs for ``hfu``), both divided by the matmul rate given (the bf16 one measured in
+the same run; ``benchmarks/bench_h200.py`` then re-expresses a quantized target's against the fp8
+peak of :func:`scaled_mm_tflops`, :func:`benchmarks.h200_report.matched_mfu`). :func:`time_serial`
+records the target's share of its FLOPs (``target_flops_model`` / ``target_flops_computed``) for that. Peak memory: ``torch.cuda.max_memory_allocated``, reset at the start of each measurement.
 """
 
 from __future__ import annotations
@@ -83,6 +85,27 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 100, warmup:
     del a, b, c
     return {"tflops": 2 * n**3 * iters / secs / 1e12, "n": n, "iters": iters, "dtype": str(dtype),
             "device": str(device)}
+
+
+def scaled_mm_tflops(device: torch.device, n: int = 8192, iters: int = 100, warmup: int = 10) -> dict[str, Any]:
+    """Rate of ``[n, n] @ [n, n]`` in float8 e4m3 with per-row scales and bf16 output
+    (``torch._scaled_mm``, ``use_fast_accum=True``), in TFLOP/s (``2 n^3`` per product)."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    sa = torch.ones(n, 1, device=device)
+    sb = torch.ones(1, n, device=device)
+    mm = lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,  # noqa: E731
+                                  use_fast_accum=True)
+    for _ in range(warmup):
+        mm()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        mm()
+    sync(device)
+    secs = time.perf_counter() - t0
+    return {"tflops": 2 * n**3 * iters / secs / 1e12, "n": n, "iters": iters, "dtype": "float8_e4m3fn",
+            "scales": "rowwise", "out_dtype": "bfloat16"}
 
 
 def target_flops(app: Any, target: Any, batches: list[Any]) -> Any:
@@ -269,8 +292,10 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
             secs = _timed(step, batches, warmup, device)
         timed = batches[warmup:]
         out = _rate(sum(b.num_tokens for b in timed), secs, len(timed))
-        flops = target_flops(app, target, timed) + drafter_flops(app, timed)
+        tf = target_flops(app, target, timed)
+        flops = tf + drafter_flops(app, timed)
         out.update({"device": str(device), **flop_fields(flops, secs, peak_tflops),
+                    "target_flops_model": tf.model, "target_flops_computed": tf.computed,
                     "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     finally:
         stage.teardown()

@@ -76,6 +76,14 @@ def test_smoke_run_reports_every_key_consistently(smoke):
         assert m["tflops"] > 0 and 0 < m["flops_model"] <= m["flops_computed"], name
         gpus = 2 if name == "pipeline_2gpu" else 1
         assert math.isclose(m["mfu"], m["tflops"] / (peak * gpus)) and m["hfu"] >= m["mfu"], name
+        # a bf16 target: every FLOP against the bf16 peak, the same figure as mfu_vs_bf16
+        assert m["peak"] == "bf16" and math.isclose(m["peak_tflops"], peak), name
+        assert math.isclose(m["mfu_vs_bf16"], m["mfu"]) and math.isclose(m["hfu_vs_bf16"], m["hfu"]), name
+    assert run["target_precision"] == "bf16" and "matmul_fp8" not in ms and doc["matmul_fp8_tflops"] is None
+    for name in ("serial", "colocated_1gpu", "pipeline_1gpu", "pipeline_2gpu"):  # the target's share, for fp8
+        assert 0 < ms[name]["target_flops_model"] < ms[name]["flops_model"], name
+    assert ms["drafter_alone"]["target_flops_model"] == 0
+    assert ms["target_alone"]["target_flops_model"] == ms["target_alone"]["flops_model"]
     # serial FLOPs are the target's plus the drafter's on the same batches (drafter_alone cycles 4)
     assert ms["serial"]["flops_model"] > ms["target_alone"]["flops_model"]
     assert ms["target_alone"]["attn_implementation"] == "sdpa"
