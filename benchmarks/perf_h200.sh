@@ -21,8 +21,11 @@
 # SUITE=fastest (~7 minutes): the compiled and fp8 target rows with their profiles, then bench_h200.py's
 #   serial, colocated and pipeline with the fastest target (fp8, varlen, compiled) and with the bf16
 #   one, both with the example graph's compiled drafter -> OUT/perf.json, OUT/h200-fp8.json,
-#   OUT/h200-bf16.json (RESULTS.md, "Fastest settings"). WARMUP (10): untimed steps of each bench
-#   measurement; a compiled target in a pipeline thread needed about 8 steps to reach its rate.
+#   OUT/h200-bf16.json (RESULTS.md, "Fastest settings"); last, benchmarks/h200_combine.py puts the
+#   three side by side with the goals, MFU against the matching peak -> OUT/h200.json (the format of
+#   benchmarks/results/h200.json, its "2gpu" run kept from KEEP_2GPU, default that file; KEEP_2GPU=
+#   keeps none). WARMUP (10): untimed steps of each bench measurement; a compiled target in a
+#   pipeline thread needed about 8 steps to reach its rate.
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -55,6 +58,9 @@ if [ "${SUITE:-engine}" = fastest ]; then
       --set data.source="$DATA" "${E[@]}" --skip $SKIP --out "$OUT/h200-$v.json" > "$OUT/bench-$v.log" 2>&1
     echo "bench $v rc=$?"; grep -E "^(serial|pipeline_1gpu|colocated_1gpu|target_alone|drafter_alone)_tok_s" "$OUT/bench-$v.log"
   done
+  KEEP=${KEEP_2GPU-benchmarks/results/h200.json}
+  python3 -m benchmarks.h200_combine "$OUT" ${KEEP:+--keep-2gpu "$KEEP"} > "$OUT/combine.log" 2>&1
+  echo "combine rc=$? -> $OUT/h200.json"; head -9 "$OUT/combine.log"
   exit 0
 fi
 if [ "${SUITE:-engine}" = engine ]; then
