@@ -177,16 +177,30 @@ def make_batches(app: Any, n: int, pin: bool) -> list[Any]:
     return out
 
 
-def _timed(step: Any, items: list[Any], warmup: int, device: torch.device) -> float:
-    """Run ``step(item)`` over ``items``; seconds from after item ``warmup - 1`` to the end (synced)."""
+def _timed(step: Any, items: list[Any], warmup: int, device: torch.device,
+           step_ms: list[float] | None = None) -> float:
+    """Run ``step(item)`` over ``items``; seconds from after item ``warmup - 1`` to the end (synced).
+
+    ``step_ms``: on CUDA, filled with each timed step's device-timeline milliseconds (CUDA events
+    recorded between the steps, no sync inside the window), to tell one slow step from a uniform rate."""
     for item in items[:warmup]:
         step(item)
     sync(device)
+    events = [] if step_ms is not None and device.type == "cuda" else None
     t0 = time.perf_counter()
     for item in items[warmup:]:
+        if events is not None:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
         step(item)
+    if events is not None:
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
     sync(device)
-    return time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    if events is not None:
+        step_ms[:] = [round(a.elapsed_time(b), 2) for a, b in zip(events, events[1:])]
+    return secs
 
 
 def _rate(tokens: int, secs: float, steps: int) -> dict[str, Any]:
@@ -217,12 +231,15 @@ def time_target(app: Any, target: Any, batches: list[Any], device: torch.device,
     (document-causal pairs), HFU (the pairs the kernel visits) and peak memory."""
     fwd = target_forward(app, target, device)
     before = reset_peak([device])
-    secs = _timed(fwd, batches, warmup, device)
+    per_step: list[float] = []
+    secs = _timed(fwd, batches, warmup, device, per_step)
     timed = batches[warmup:]
     out = _rate(sum(b.num_tokens for b in timed), secs, len(timed))
     out.update({"device": str(device), **flop_fields(target_flops(app, target, timed), secs, peak_tflops),
                 "layers": len(target.decoder_layers), "attn_implementation": target.hf_config._attn_implementation,
                 "resident_gb": before, "peak_mem_gb": memory_gb([device])})
+    if per_step:  # device-timeline ms of each timed step (CUDA): a uniform rate or one slow step
+        out["step_ms"] = per_step
     return out
 
 
