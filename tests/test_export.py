@@ -221,15 +221,30 @@ def test_a_damaged_checkpoint_is_one_line_exit_2_in_eval_and_export(tmp_path, ca
 def test_export_of_a_run_directory_names_its_checkpoints(tmp_path, capsys):
     """Regression (fresh-user run): ``dflash.export RUN_DIR -o OUT`` said only "drafter_config.json
     is missing". Invariant: it says, as dflash.eval does, that RUN_DIR is a run directory and names
-    one of its checkpoints; exit 2, one line, nothing written."""
+    one of its checkpoints; exit 2, one line, nothing written.
+    Regression (tester): an empty or interrupted newer ``step_*`` directory was the one suggested;
+    the example is the newest complete, healthy one, or the line says there is none."""
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "runs" / "dflash_run" / "checkpoints"
+    run = tmp_path / "run"
+    ck = run / "checkpoints" / "step_00000050"
+    shutil.copytree(fixture / "step_00000050", ck)
     d = make()
-    ck = tmp_path / "run" / "checkpoints" / "step_00000005"
-    ck.mkdir(parents=True)
-    save_drafter(ck, d, d.cfg, TCFG)
-    assert export_main([str(tmp_path / "run"), "-o", str(tmp_path / "out")]) == 2
+    (run / "checkpoints" / "step_00000098").mkdir()
+    save_drafter(run / "checkpoints" / "step_00000098", d, d.cfg, TCFG)  # weights, no meta.json
+    (run / "checkpoints" / "step_00000099").mkdir()  # empty: an interrupted save
+    assert export_main([str(run), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "is a run directory; give one of its checkpoints" in err, err
-    assert str(ck) in err and not (tmp_path / "out").exists()
+    assert f"e.g. {ck}" in err and "step_00000098" not in err and "step_00000099" not in err, err
+    assert not (tmp_path / "out").exists()
+    shutil.rmtree(ck)
+    assert export_main([str(run), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds no complete, healthy checkpoint" in err, err
+    assert "e.g." not in err and "step_00000099" not in err and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("text", ["", "\n  \n"])

@@ -102,7 +102,8 @@ def check_checkpoint(path: str, allow_unhealthy: bool = False) -> Path:
     ``allow_unhealthy`` such a checkpoint is accepted after one loud ``WARNING`` line on stderr.
 
     Raises:
-        EvalInputError: missing, not a directory, a run directory, lacking checkpoint files, or
+        EvalInputError: missing, not a directory, a run directory (naming its newest complete,
+            healthy checkpoint, or saying it has none), lacking checkpoint files, or
             unhealthy (naming why and the nearest healthy checkpoint) without ``allow_unhealthy``.
     """
     from dflash.checkpoint.model_files import DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS
@@ -113,12 +114,17 @@ def check_checkpoint(path: str, allow_unhealthy: bool = False) -> Path:
     if not p.is_dir():
         raise EvalInputError(f"{path}: not a directory; give a checkpoint directory "
                              "(RUN_DIR/checkpoints/step_N)")
-    from dflash.checkpoint import run_dir_checkpoints
+    from dflash.checkpoint import is_healthy, run_dir_checkpoints
 
     steps = run_dir_checkpoints(p)
     if steps is not None:
-        hint = f", e.g. {steps[-1]}" if steps else " (it has none yet)"
-        raise EvalInputError(f"{path} is a run directory; give one of its checkpoints{hint}")
+        # the example must be usable: the newest complete, healthy one (as --resume suggests),
+        # never an empty or interrupted step_* directory
+        usable = next((s for s in reversed(steps) if is_healthy(s)), None)
+        if usable is not None:
+            raise EvalInputError(f"{path} is a run directory; give one of its checkpoints, e.g. {usable}")
+        raise EvalInputError(f"{path} is a run directory and holds no complete, healthy checkpoint "
+                             f"(python -m dflash.logs {path} says why); give a checkpoint directory")
     missing = [n for n in (WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG) if not (p / n).is_file()]
     if missing:
         raise EvalInputError(f"{path} is not a drafter checkpoint: {', '.join(missing)} missing")
