@@ -242,6 +242,24 @@ def test_eval_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         assert "step_00000005" not in err, err
 
 
+@pytest.mark.parametrize("text, says", [
+    (b"[data]\nseed = " + b"1" * 5000 + b"\n", "an integer has more than 4,300 digits"),
+    (b"[data\n", "invalid TOML"), (b"\xff\xfe", "not a UTF-8 text file")])
+def test_an_unreadable_run_config_toml_names_the_file(tmp_path, text, says):
+    """Regression (tester): a hand-edited integer of more than 4,300 digits in RUN_DIR/config.toml
+    (Python's int-string limit: a bare ValueError, not a TOML error) escaped as a ValueError saying
+    only to call sys.set_int_max_str_digits. Invariant: an EvalInputError naming the file."""
+    from dflash.eval.inputs import EvalInputError, run_data_config
+
+    ck = tmp_path / "run" / "checkpoints" / "step_00000005"
+    ck.mkdir(parents=True)
+    (tmp_path / "run" / "config.toml").write_bytes(text)
+    with pytest.raises(EvalInputError) as e:
+        run_data_config(ck)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{(tmp_path / 'run' / 'config.toml').resolve()}: ") and says in msg, msg
+
+
 @pytest.mark.parametrize("bad, says", [
     ('{"conversations": []}', ':1: expected a JSON object with a string "prompt"'),
     ('{"prompt": "ok"}\nnot json', ':2: expected a JSON object with a string "prompt"')])

@@ -171,6 +171,21 @@ def test_graph_dict_keeps_the_run_and_moves_its_out_dir(tiny_run):
     assert hidden["rank_local"] and not hidden["ordered"]
 
 
+@pytest.mark.parametrize("text, says", [
+    (b"[data]\nseed = " + b"1" * 5000 + b"\n", "an integer has more than 4,300 digits"),
+    (b"[data\n", "invalid TOML"), (b"\xff\xfe", "not a UTF-8 text file")])
+def test_an_unreadable_config_toml_is_one_line_naming_the_file(tmp_path, capsys, text, says):
+    """Regression (tester): a hand-edited integer of more than 4,300 digits in the run's config.toml
+    (Python's int-string limit: a bare ValueError, not a TOML error) was a traceback. Invariant: any
+    config.toml that is not readable TOML is one line naming the file, exit 2."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_bytes(text)
+    assert main([str(run), "--gpus", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err and f"{run / 'config.toml'}: " in err and says in err, err
+
+
 def test_the_model_predicts_the_committed_h200_runs_within_ten_percent():
     """Invariant: fed only the stage rates measured alone in a committed H200 run
     (benchmarks/results/h200.json, each run's target and drafter alone), the model predicts that

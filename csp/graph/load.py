@@ -80,12 +80,7 @@ def load_spec(
                          "TOML, saved as UTF-8") from None
     except OSError as exc:
         raise GraphError(f"{path}: cannot read graph file: {exc}") from exc
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise GraphError(f"{path}: invalid TOML: {exc}") from None
-    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
-        raise GraphError(f"{path}: invalid TOML: {_too_long_int()}; give a smaller number") from None
+    data = _parse_toml(text, path)
     if file_paths is not None:
         _rebase_paths(data, _spelled_base(path), file_paths)
     overridden: dict[str, str] = {}
@@ -141,6 +136,35 @@ def _override_note(message: str, overridden: dict[str, str]) -> str:
         if where == msgspec_path or inside or created:
             return f" (from --set {cut(item)})"
     return ""
+
+
+def _parse_toml(text: str, path: Path) -> dict[str, Any]:
+    """``text``, the contents of the TOML file ``path``, as a dict; :class:`GraphError` naming the file if it is not TOML."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise GraphError(f"{path}: invalid TOML: {exc}") from None
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise GraphError(f"{path}: invalid TOML: {_too_long_int()}; give a smaller number") from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file ``path`` as a plain dict, no overrides or decoding (e.g. a run's recorded
+    ``config.toml``, read by reports).
+
+    Raises:
+        GraphError: one line naming the file: missing or unreadable, not UTF-8 text, invalid TOML,
+            or an integer of more digits than Python converts (4,300 by default).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise GraphError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason}); a TOML file "
+                         "is saved as UTF-8") from None
+    except OSError as exc:
+        raise GraphError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    return _parse_toml(text, path)
 
 
 _TOML_OPENERS = ('"', "'", "[", "{")
@@ -209,4 +233,4 @@ def apply_override(data: dict[str, Any], item: str) -> str:
         walked.append(part)
 
 
-__all__ = ["ECHO_LIMIT", "apply_override", "cut", "load_spec"]
+__all__ = ["ECHO_LIMIT", "apply_override", "cut", "load_spec", "read_toml"]

@@ -29,12 +29,11 @@ def run_data_config(checkpoint: Path):
     writes its resolved graph file to ``RUN_DIR/config.toml``; only its ``[data]`` table is read.
 
     Raises:
-        EvalInputError: ``config.toml`` exists but its ``[data]`` table does not decode.
+        EvalInputError: ``config.toml`` exists but is not readable TOML (an integer of more than
+            4,300 digits included) or its ``[data]`` table does not decode.
     """
-    try:
-        import tomllib
-    except ImportError:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
+    from csp.errors import GraphError
+    from csp.graph.load import read_toml
     from dflash.data import DataConfig
 
     ckpt = Path(checkpoint).resolve()
@@ -42,8 +41,10 @@ def run_data_config(checkpoint: Path):
     if ckpt.parent.name != "checkpoints" or not path.is_file():
         return None
     try:
-        return msgspec.convert(tomllib.loads(path.read_text()).get("data", {}), DataConfig)
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        return msgspec.convert(read_toml(path).get("data", {}), DataConfig)
+    except GraphError as exc:  # not TOML, an integer too long for Python, not UTF-8: names the file
+        raise EvalInputError(str(exc)) from None
+    except msgspec.ValidationError as exc:
         raise EvalInputError(f"{path}: cannot read its [data] table: {exc}") from None
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import struct
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from csp.backpressure import StatsFormatError, read_stats, summarize
+from csp.errors import GraphError
+from csp.graph.load import read_toml
 from csp.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
@@ -120,9 +121,12 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
     if not (run / "config.toml").is_file():
         raise PlanError(f"{run} has no config.toml: point at a dflash.run directory (its run.out_dir)")
     try:
-        cfg = tomllib.loads((run / "config.toml").read_text(encoding="utf-8"))
+        cfg = read_toml(run / "config.toml")  # bad TOML, a too-long integer, not UTF-8: one line
+    except GraphError as exc:
+        raise PlanError(str(exc)) from None
+    try:
         summary = summarize(read_stats(run), window_s)
-    except (FileNotFoundError, StatsFormatError, tomllib.TOMLDecodeError) as exc:
+    except (FileNotFoundError, StatsFormatError) as exc:
         raise PlanError(f"{run}: {exc}") from None
     model = fit(summary)
     if model is None:
