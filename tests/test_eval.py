@@ -132,6 +132,29 @@ def test_evaluate_reports_consistent_numbers(models):
         assert r.new_tokens >= 8 and r.steps >= 1
 
 
+def test_positions_no_anchor_reached_are_dash_in_the_table_and_null_in_json(models):
+    """Regression (tester): with texts shorter than a block the report printed ``nan`` for the
+    positions no anchor reached, and the ``--json`` result (``null`` there) did not read back.
+    Invariant: ``-`` in the table with the anchors scored per position, None / ``null`` in the
+    result, and the JSON decodes back to the same result."""
+    import msgspec
+
+    from dflash.eval.report import EvalResult, format_result
+
+    target, head, drafter = models
+    res = evaluate(target, drafter, head, [prompt(3)], max_new_tokens=2)
+    assert res.acc_per_pos[-1] is None and res.n_per_pos[-1] == 0, (res.acc_per_pos, res.n_per_pos)
+    assert res.acc_per_pos[0] is not None and res.n_per_pos[0] > 0
+    line = next(x for x in format_result(res).splitlines() if x.startswith("acc per position:"))
+    assert "nan" not in line and line.split(" (")[0].endswith(" -"), line
+    assert f"anchors scored per position: {' '.join(map(str, res.n_per_pos))}" in line, line
+    text = msgspec.json.encode(res)
+    assert b"NaN" not in text and b"null" in text
+    assert msgspec.json.decode(text, type=EvalResult) == res
+    full = evaluate(target, drafter, head, [prompt(3)], max_new_tokens=8)  # every position reached
+    assert None not in full.acc_per_pos and "anchors scored" not in format_result(full)
+
+
 def test_evaluate_records_dtype_threads_and_sampled_tau(models):
     """Invariant: an eval result says the dtype and CPU threads it decoded with, and with a
     temperature its sampled tau beside greedy (reproducible from the seed); greedy-only leaves it

@@ -15,6 +15,7 @@ decode (``temperature > 0``) samples the walk, ``q`` restricted to the selector'
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -156,7 +157,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                       tau_sim=tau_from_accepted(sim), accepted_sim=sim,
                       streak_visited=sum(all_streak) / max(len(all_streak), 1),
                       streak_all=float(torch.cat(all_streaks).float().mean()),
-                      acc_per_pos=acc.tolist(), block_size=bs, per_prompt=per,
+                      acc_per_pos=_scored(acc), n_per_pos=torch.cat(valids).sum(0).tolist(),
+                      block_size=bs, per_prompt=per,
                       selector=_selector_figures(drafter, extra) if dflash2 else None)
 
 
@@ -168,4 +170,9 @@ def _selector_figures(drafter: DFlashDrafter, extra) -> SelectorFigures:
         recall=float((in_k & valid).sum() / valid.sum().clamp(min=1)),
         oracle_tau=tau_from_accepted(float(streak_lengths(in_k, valid).float().mean())),
         backbone_tau=tau_from_accepted(float(streak_lengths(top1, valid).float().mean())),
-        backbone_acc_per_pos=accuracy_per_position(top1, valid).tolist())
+        backbone_acc_per_pos=_scored(accuracy_per_position(top1, valid)))
+
+
+def _scored(acc: torch.Tensor) -> list[float | None]:
+    """Per-position accuracies as a list, None where no anchor reached the position (NaN)."""
+    return [None if math.isnan(a) else a for a in acc.tolist()]

@@ -7,6 +7,8 @@ can be read and printed without it.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 __all__ = ["EvalResult", "PromptResult", "SelectorFigures", "explain", "format_prompt", "format_result"]
@@ -38,14 +40,15 @@ class SelectorFigures(msgspec.Struct, kw_only=True):
             top-K (1 + mean leading run of "label in top-K"): the ceiling of any selector.
         backbone_tau: tokens per verify step of the backbone's top-1 on the same blocks (what a
             DFlash drafter of these weights would draft), to set beside ``streak_all + 1`` of the walk.
-        backbone_acc_per_pos: ``[bs-1]`` the backbone top-1's accuracy per position.
+        backbone_acc_per_pos: ``[bs-1]`` the backbone top-1's accuracy per position (None where
+            no anchor reached the position).
     """
 
     top_k: int
     recall: float
     oracle_tau: float
     backbone_tau: float
-    backbone_acc_per_pos: list[float]
+    backbone_acc_per_pos: list[float | None]
 
 
 class EvalResult(msgspec.Struct, kw_only=True):
@@ -62,7 +65,9 @@ class EvalResult(msgspec.Struct, kw_only=True):
             (equals ``mean_accepted`` up to kernel numerics).
         streak_all: teacher-forced mean streak over every anchor of the generated text (the
             simulated accepted length without the independence assumption).
-        acc_per_pos: ``[bs-1]`` teacher-forced accuracies.
+        acc_per_pos: ``[bs-1]`` teacher-forced accuracies; None (``null`` in ``--json``) where no
+            anchor reached the position (the generated text ended before it).
+        n_per_pos: ``[bs-1]`` anchors scored at each position (empty in results saved before it).
         block_size: the drafter's block size (tau is at most ``block_size``).
         per_prompt: one :class:`PromptResult` per prompt.
         dtype: the decode's dtype ("float32" | "bfloat16").
@@ -82,7 +87,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     accepted_sim: float
     streak_visited: float
     streak_all: float
-    acc_per_pos: list[float]
+    acc_per_pos: list[float | None]
     block_size: int
     per_prompt: list[PromptResult]
     dtype: str = "float32"
@@ -95,6 +100,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     sampled_accepted: float | None = None
     seconds: float | None = None
     selector: SelectorFigures | None = None
+    n_per_pos: list[int] = msgspec.field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -151,11 +157,22 @@ def format_result(res: EvalResult) -> str:
         lines.append(f"DFlash2: drafts are the selector's walk over the top-{sel.top_k}; recall@{sel.top_k} "
                      f"{sel.recall:.3f} (label in the top-{sel.top_k}); walk vs backbone top-1 "
                      f"{res.streak_all + 1:.3f} vs {sel.backbone_tau:.3f} tokens/step")
-    lines.append("acc per position: " + " ".join(f"{a:.2f}" for a in res.acc_per_pos))
+    lines.append("acc per position: " + _per_position(res.acc_per_pos, res.n_per_pos))
     if sel is not None:
-        lines.append("backbone top-1 acc per position: " + " ".join(f"{a:.2f}" for a in sel.backbone_acc_per_pos))
+        lines.append("backbone top-1 acc per position: " + _per_position(sel.backbone_acc_per_pos, res.n_per_pos))
     lines += [f"why they differ: {why}" for why in explain(res)]
     return "\n".join(lines)
+
+
+def _per_position(acc: list[float | None], n: list[int]) -> str:
+    """``0.95 0.80 0.61``: two decimals per position; when some position was never reached, ``-``
+    there (None, or NaN in an older result) and the anchors scored per position, when known."""
+    unscored = [a is None or math.isnan(a) for a in acc]
+    text = " ".join("-" if u else f"{a:.2f}" for a, u in zip(acc, unscored))
+    if not any(unscored):
+        return text
+    counts = f"anchors scored per position: {' '.join(map(str, n))}; " if len(n) == len(acc) else ""
+    return f"{text} ({counts}-: no anchor reached that position)"
 
 
 def format_prompt(i: int, r: PromptResult) -> str:
