@@ -43,11 +43,14 @@ permissions (safetensors alone writes them ``0600``).
 
 The export is written into a temporary sibling directory and renamed into place
 (:func:`export_drafter`), so a Ctrl-C leaves ``-o`` as it was: one line on stderr says so, exit 130.
+The rename also refuses (one line, exit 2) an ``-o`` that another writer filled while this export
+ran, e.g. two exports to the same new directory: the first one's files are left as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -111,8 +114,8 @@ from dflash.eval.inputs import check_checkpoint  # noqa: E402
 from dflash.model.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 
 __all__ = ["CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED", "NO_REMOTE_CODE",
-           "ExportedThenInterrupted", "LastLayerWarning", "build_parser", "check_output", "export_drafter",
-           "exported_weights", "hf_config_dict", "last_layer_problem", "load_exported", "main", "model_card"]
+           "ExportedThenInterrupted", "LastLayerWarning", "OutputTaken", "build_parser", "check_output",
+           "export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem", "load_exported", "main", "model_card"]
 
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 CARD_FILE = "README.md"  # the model card: how to load it (trust_remote_code) and decode with it
@@ -239,17 +242,21 @@ def exported_weights(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
+                   dtype: torch.dtype = torch.bfloat16, *, force: bool = True) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``modeling_dflash.py`` and the model card
     ``README.md`` into ``out_dir`` (created if needed, with its parents).
 
     The files are written into a temporary sibling directory (``.NAME.tmp-*``), which is then
     renamed to ``out_dir`` when that is missing or empty, so an interrupted export leaves nothing
-    there; into a non-empty ``out_dir`` (``--force``) the files are moved in one by one,
-    each atomically (a Ctrl-C is held until all are in place; only a hard kill in that
-    instant can leave a mix of old and new files). The temporary directory is always removed.
+    there. The rename is the check: with ``force=False`` an ``out_dir`` that is non-empty by then
+    (another export to the same directory finished first) is left as it is and
+    :class:`OutputTaken` is raised. With ``force`` (the default; ``--force``) the files are moved
+    into a non-empty ``out_dir`` one by one, each atomically (a Ctrl-C is held until all are in
+    place; only a hard kill in that instant can leave a mix of old and new files). The temporary
+    directory is always removed.
 
     Raises:
+        OutputTaken: ``force`` is False and ``out_dir`` was not missing or empty at the final move.
         ExportedThenInterrupted: a Ctrl-C came while the files were moved; the export is complete.
 
     Warns :class:`LastLayerWarning` (and still exports) when :func:`last_layer_problem` finds one.
@@ -273,14 +280,29 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
             os.chmod(tmp / name, 0o666 & ~umask)
         os.chmod(tmp, 0o777 & ~umask)
         with _ctrl_c_deferred():
-            if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-                os.replace(tmp, out)  # rename(2) onto a missing or empty directory: atomic
-            else:  # --force into a non-empty directory: each file replaced atomically
-                for name in EXPORT_FILES:
+            try:  # rename(2) onto a missing or empty directory: atomic; onto anything else it fails
+                os.replace(tmp, out)
+            except OSError as e:
+                if e.errno not in _TAKEN or not out.exists():
+                    raise
+                if not force:  # filled since check_output (a concurrent export): leave it alone
+                    raise OutputTaken(e.errno, f"{out} is not empty", str(out)) from None
+                if not out.is_dir():
+                    raise
+                for name in EXPORT_FILES:  # --force into a non-empty directory: each file atomically
                     os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+_TAKEN = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
+"""What ``rename(2)`` of the temporary directory says when ``out_dir`` is a non-empty directory or a file."""
+
+
+class OutputTaken(FileExistsError):
+    """:func:`export_drafter` with ``force=False`` found ``out_dir`` non-empty (or a file) at the
+    final rename; nothing of this export was moved there."""
 
 
 class ExportedThenInterrupted(KeyboardInterrupt):
@@ -420,7 +442,11 @@ def _export(args, written: list[Path]) -> bool:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LastLayerWarning)
             try:
-                out = export_drafter(drafter, args.out, getattr(torch, args.dtype))
+                out = export_drafter(drafter, args.out, getattr(torch, args.dtype), force=args.force)
+            except OutputTaken as e:  # another export (or anything) filled -o after check_output
+                raise ValueError(f"-o {args.out} was filled by another writer while this export ran "
+                                 "(a second dflash.export to the same -o?) and is left as it is; give "
+                                 "a new directory, or --force to overwrite it") from e
             except OSError as e:  # not the internal .NAME.tmp-* path: the -o the user gave, and why
                 raise ValueError(f"-o {args.out}: cannot create or write the export there "
                                  f"({e.strerror or e}); give a directory you can write to") from e

@@ -161,6 +161,45 @@ def test_export_cli_refuses_to_overwrite(tmp_path, capsys):
         assert stat.S_IMODE((full / name).stat().st_mode) == 0o666 & ~umask
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_a_second_export_into_the_same_new_directory_is_refused(tmp_path, capsys, monkeypatch, force):
+    """Regression (tester): two concurrent ``dflash.export CKPT -o NEW`` both succeeded, the later
+    one silently replacing the first's files. Simulated race: the first export finishes while the
+    second writes its temporary directory. Invariant: without --force the second fails with one
+    line (exit 2) and the first's files are left intact, no temporary directory left behind; with
+    --force it overwrites, as --force says."""
+    from dflash import export
+
+    d = make()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_drafter(ck, d, d.cfg, TCFG)
+    out = tmp_path / "new"
+    card = export.model_card
+
+    def first_export_finishes_meanwhile(cfg, dtype):  # called after check_output, before the move
+        monkeypatch.setattr(export, "model_card", card)
+        assert export_main([str(ck), "-o", str(out), "--dtype", "float32"]) == 0
+        return card(cfg, dtype)
+
+    monkeypatch.setattr(export, "model_card", first_export_finishes_meanwhile)
+    args = [str(ck), "-o", str(out), "--dtype", "bfloat16"] + (["--force"] if force else [])
+    capsys.readouterr()
+    rc = export_main(args)
+    captured = capsys.readouterr()
+    dtype = json.loads((out / "config.json").read_text())["dtype"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "new"]  # no .new.tmp-* left
+    if force:
+        assert rc == 0 and dtype == "bfloat16"
+        return
+    err = captured.err.strip()
+    assert rc == 2 and "\n" not in err and "Traceback" not in err, err
+    assert f"-o {out} was filled by another writer" in err and "--force" in err, err
+    assert dtype == "float32" and sorted(p.name for p in out.iterdir()) == sorted(export.EXPORT_FILES)
+    weights = load_exported(out)[0].state_dict()  # loads: the first export is whole
+    assert weights.keys() == make().state_dict().keys()
+
+
 def test_export_warns_when_the_target_last_layer_is_captured(tmp_path, capsys):
     """Invariant: exporting a drafter whose target_layer_ids include the target's last layer
     (which the vLLM speculators converter rejects) warns, naming the ids; the export still
