@@ -363,6 +363,19 @@ def test_resume_auto_rejects_a_poisoned_checkpoint_loudly_and_falls_back(tmp_pat
     assert is_healthy(run / "checkpoints" / "step_00000008")  # retrained from step 4
 
 
+def test_resume_auto_with_every_checkpoint_rejected_says_step_0_once(tmp_path, cache_dir):
+    """Invariant: when resume = "auto" rejects every checkpoint of the run directory, the run says
+    once that it starts from step 0 (after the REJECTED lines), not twice."""
+    run = tmp_path / "run"
+    assert main(small(run, cache_dir, steps=4)) == 0
+    (run / "checkpoints" / "step_00000004" / "meta.json").write_text("garbage")
+    before = len(run_log(run))
+    assert main(small(run, cache_dir, steps=4)) == 0
+    log = run_log(run)[before:]
+    assert "REJECTED checkpoint" in log
+    assert log.count("starting from step 0") == 1, log
+
+
 def test_a_fresh_start_never_loses_its_checkpoints_to_an_old_lineage(tmp_path, cache_dir):
     """Invariant: --resume none in a directory holding an older run's higher-step
     checkpoints moves them to checkpoints/archive-*/ (nothing deleted); retention then keeps the new

@@ -39,7 +39,7 @@ import torch
 
 import csp
 import csp.dist
-from dflash.checkpoint import CheckpointError, check_architecture
+from dflash.checkpoint import CheckpointError, check_architecture, list_checkpoints
 from dflash.checkpoint.files import device_of
 from dflash.checkpoint.resume import (
     archive_foreign,
@@ -209,6 +209,8 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
+    # when auto rejects every checkpoint there was, choose_resume itself says the run starts at step 0
+    found = bool(list_checkpoints(run_dir / "checkpoints"))
     got = choose_resume(run_dir, resume)  # logs a REJECTED line for each checkpoint it passes over
     state, changes = ResumeState(), []
     if got is not None:
@@ -233,7 +235,7 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
         if archived is not None:
             log.warning("moved %d checkpoint(s) this run does not continue (%s) to %s; delete that "
                         "directory when you no longer need them", len(moved), ", ".join(moved), archived)
-    if got is None and resume != "none":
+    if got is None and resume != "none" and not found:
         log.info("no checkpoint to resume in %s; starting from step 0", run_dir / "checkpoints")
     metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
     app = RunApp(resolved=resolved, run_dir=run_dir, sampler=sampler, metrics=metrics, resume=state)
