@@ -107,6 +107,27 @@ def test_auto_with_every_checkpoint_bad_starts_fresh(run_dir):
     assert choose(run_dir, "auto") is None
 
 
+def test_an_explicit_unreadable_checkpoint_names_the_healthy_one_to_give_instead(run_dir):
+    """Invariant: --resume PATH to a checkpoint that fails verification names the nearest healthy
+    checkpoint beside it as the one to pass instead."""
+    newest = step_dir(run_dir / "checkpoints", 3)
+    (newest / "meta.json").write_text("garbage")
+    with pytest.raises(CheckpointError, match="cannot be used: meta.json is missing or unreadable") as err:
+        choose(run_dir, str(newest))
+    assert f"give --resume {step_dir(run_dir / 'checkpoints', 2)} instead" in str(err.value)
+
+
+def test_an_explicit_unreadable_checkpoint_with_no_healthy_sibling_says_so(run_dir):
+    """Invariant: when no checkpoint beside the refused one is healthy, the message says so and
+    how to go on (another checkpoint, or a fresh start)."""
+    for s in (1, 2, 3):
+        (step_dir(run_dir / "checkpoints", s) / "meta.json").write_text("garbage")
+    with pytest.raises(CheckpointError, match="cannot be used: meta.json is missing or unreadable") as err:
+        choose(run_dir, str(step_dir(run_dir / "checkpoints", 3)))
+    assert f"no healthy checkpoint beside it in {run_dir / 'checkpoints'}" in str(err.value)
+    assert "--resume none" in str(err.value)
+
+
 def test_fresh_start_archives_every_existing_checkpoint(run_dir):
     """Invariant: a fresh start never mixes with an old lineage: every checkpoint already in
     checkpoints/ moves (nothing is deleted) to checkpoints/archive-*/, with its rank_state files."""

@@ -32,6 +32,7 @@ import torch
 from dflash.checkpoint.format import (
     ARCHIVE_PREFIX,
     DRAFTER_CONFIG,
+    PREFIX,
     RANK_STATE,
     TRAIN_CONFIG,
     WEIGHTS,
@@ -152,7 +153,8 @@ def choose(run_dir: Path, resume: str) -> Resume | None:
         ``REJECTED checkpoint PATH: reason`` warning); None to start fresh.
 
     Raises:
-        CheckpointError: a given path does not exist or fails :func:`verify`.
+        CheckpointError: a given path does not exist or fails :func:`verify` (the message names the
+            nearest healthy checkpoint beside it, or says there is none).
     """
     if resume == "none":
         return None
@@ -175,9 +177,26 @@ def choose(run_dir: Path, resume: str) -> Resume | None:
     try:
         return verify(path)
     except CheckpointError as exc:
-        raise CheckpointError(
-            f"--resume {resume}: cannot be used: {exc}; pick another one (python -m dflash.logs RUN_DIR "
-            "lists them) or use --resume auto") from None
+        reason = str(exc)
+    near = _healthy_beside(path)
+    if near is not None:
+        raise CheckpointError(f"--resume {resume}: cannot be used: {reason}; give --resume {near} instead "
+                              "(the nearest healthy checkpoint beside it) or --resume auto")
+    raise CheckpointError(f"--resume {resume}: cannot be used: {reason}; there is no healthy checkpoint beside "
+                          f"it in {path.parent}: give another checkpoint, or --resume none to start fresh")
+
+
+def _healthy_beside(path: Path) -> Path | None:
+    """The checkpoint beside ``path`` (same directory) nearest to it in step that passes
+    :func:`is_healthy` (files and headers; the older one on a tie), or None."""
+    def step(p: Path) -> int:
+        digits = p.name.removeprefix(PREFIX)
+        return int(digits) if digits.isdigit() else -1
+
+    here = step(path)
+    others = [p for p in list_checkpoints(path.parent) if p.resolve() != path.resolve()]
+    others.sort(key=lambda p: (abs(step(p) - here), step(p)))
+    return next((p for p in others if is_healthy(p)), None)
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:
