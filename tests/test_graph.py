@@ -128,6 +128,23 @@ def test_bad_syntax(tmp_path):
         csp.load_spec(write(tmp_path, "[[channel]]\nname = 'x'\ncapacity = = 3\n"))
 
 
+def test_a_graph_file_with_a_utf8_byte_order_mark_loads(tmp_path):
+    """Invariant: a graph file saved with a UTF-8 byte-order mark reads as without it."""
+    path = tmp_path / "graph.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + textwrap.dedent(GOOD).lstrip().encode())
+    assert csp.load_spec(path) == csp.load_spec(write(tmp_path, GOOD, "plain.toml"))
+
+
+def test_a_dflash_graph_file_with_a_utf8_byte_order_mark_loads(tmp_path):
+    """Invariant: dflash.run reads its graph through the same loader: a BOM is accepted."""
+    from dflash.run.config import load_config
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "dflash-tiny.toml"
+    path = tmp_path / "g.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + example.read_bytes())
+    assert load_config(path).run.name == "dflash-tiny"
+
+
 def test_unknown_option_key_path(tmp_path, reg):
     spec = csp.load_spec(write(tmp_path, GOOD.replace("top = 5", "tpo = 5")))
     with pytest.raises(csp.GraphError, match=r"process 'take': options: Object contains unknown field `tpo` - at `\$\.process\[1\]\.options`"):

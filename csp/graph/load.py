@@ -65,6 +65,8 @@ def load_spec(
     below it, else absolute) and normalised, so ``examples/../models/x`` reads ``models/x``.
     Absolute, ``~`` and empty values, and every value set by ``--set``, are left as given.
 
+    The file is UTF-8 text; a leading byte-order mark is accepted.
+
     Raises:
         GraphError: the file is missing or unreadable, is not valid TOML, an override is
             malformed or addresses nothing, or decoding fails (message: ``FILE: <msgspec error>
@@ -72,7 +74,7 @@ def load_spec(
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (some Windows editors) is dropped
     except FileNotFoundError:
         raise GraphError(f"{path}: graph file not found (cwd {Path.cwd()})") from None
     except UnicodeDecodeError as exc:  # TOML is UTF-8 text: a binary or other-encoding file
