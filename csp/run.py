@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -35,6 +36,20 @@ EXIT_CODES = {
        "[runtime].deadlock_timeout_s (30 s; 0 = off); the error line names the cycle of waits",
     130: "stopped by Ctrl-C or SIGTERM (graceful drain), or aborted by a second signal",
 }
+
+
+DFLASH_TABLES = ("run", "data", "target", "drafter", "loss", "train", "checkpoint", "monitor")
+"""The top-level tables a DFlash graph file has beyond csp's own (``dflash.run.config.DFlashFile``):
+an unknown-field error on one of them says the file is for ``python -m dflash.run``."""
+
+
+def dflash_hint(exc: GraphError, graph: Path) -> str:
+    """``"; ... python -m dflash.run GRAPH"`` when ``exc`` is the unknown top-level field error of a
+    :data:`DFLASH_TABLES` table written in the file (not set by ``--set``), else ``""``."""
+    m = re.search(r": Object contains unknown field `([^`]*)`$", str(exc))
+    if m is None or m.group(1) not in DFLASH_TABLES:
+        return ""
+    return f"; [{m.group(1)}] is a table of DFlash graph files: run this one with python -m dflash.run {graph}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = load_spec(args.graph, overrides=args.overrides)
         graph = Graph.from_spec(spec, allow_imports=args.allow_imports)
     except GraphError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}{dflash_hint(exc, args.graph)}", file=sys.stderr)
         return EXIT_BAD_GRAPH
     run_dir = None if args.no_run_dir else (args.run_dir or Path("runs") / args.graph.stem)
     from csp.dist import launched

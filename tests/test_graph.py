@@ -145,6 +145,38 @@ def test_a_dflash_graph_file_with_a_utf8_byte_order_mark_loads(tmp_path):
     assert load_config(path).run.name == "dflash-tiny"
 
 
+def test_csp_run_on_a_dflash_graph_points_to_dflash_run(capsys):
+    """Invariant: ``python -m csp.run`` on a DFlash graph file refuses its [run] table (exit 2) in
+    one line that says to run it with ``python -m dflash.run GRAPH``."""
+    from csp.run import main
+
+    graph = str(Path(__file__).resolve().parent.parent / "examples" / "dflash-tiny.toml")
+    assert main([graph, "--no-run-dir"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown field `run`" in err
+    assert err.rstrip().endswith(f"run this one with python -m dflash.run {graph}"), err
+
+
+def test_csp_run_other_unknown_fields_get_no_dflash_hint(tmp_path, capsys):
+    """Invariant: an unknown top-level table DFlash does not have, or a DFlash table set by --set,
+    is the plain unknown-field error."""
+    from csp.run import main
+
+    assert main([str(write(tmp_path, GOOD + "\n[bogus]\nx = 1\n")), "--no-run-dir"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("unknown field `bogus`")
+    assert main([str(write(tmp_path, GOOD)), "--no-run-dir", "--set", "run.steps=3"]) == 2
+    assert "dflash.run" not in capsys.readouterr().err
+
+
+def test_csp_run_knows_the_dflash_tables():
+    """Invariant: csp.run's list of DFlash tables is the DFlash graph schema's own top-level
+    tables beyond csp's (csp cannot import dflash to read it)."""
+    from csp.run import DFLASH_TABLES
+    from dflash.run.config import DFlashFile
+
+    assert set(DFLASH_TABLES) == set(DFlashFile.__struct_fields__) - set(csp.GraphSpec.__struct_fields__)
+
+
 def test_unknown_option_key_path(tmp_path, reg):
     spec = csp.load_spec(write(tmp_path, GOOD.replace("top = 5", "tpo = 5")))
     with pytest.raises(csp.GraphError, match=r"process 'take': options: Object contains unknown field `tpo` - at `\$\.process\[1\]\.options`"):
