@@ -18,8 +18,8 @@ Usage::
 
 On a terminal the report is a rich table (a rich Live view with ``--follow``); when stdout is not a
 terminal it is plain text, and ``--follow`` prints one verdict line per refresh, then the report.
-Exit status: 0, or 2 when the stats log is missing or malformed (or an option is bad, e.g.
-``--window 0``). Rates are human-readable (``37K`` items/s, ``1.2 GB/s``, :mod:`csp.units`).
+Exit status: 0, or 2 when the stats log is missing or malformed, the file given is not a stats log
+(a graph file, a trace), or an option is bad (e.g. ``--window 0``). Rates are human-readable (``37K`` items/s, ``1.2 GB/s``, :mod:`csp.units`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = N
         log = StatsReader(str(path))
         if live:
             live.start()
-        with open(path) as f:
+        with open(path, encoding="utf-8", errors="replace") as f:  # as read_stats reads it
             while True:
                 if log.feed(f.read()):
                     summary = summarize(log, window_s)
@@ -185,7 +185,8 @@ def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = N
 
 
 EXIT_CODES = {0: "the report was printed (or --follow ended at the run's final record, or on Ctrl-C)",
-              2: "no stats log in RUN (csp/stats.jsonl), a malformed one, or a bad option"}
+              2: "no stats log in RUN (csp/stats.jsonl), a malformed one, a RUN file that is not a "
+                 "stats log, or a bad option"}
 
 
 def build_parser():

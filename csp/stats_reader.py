@@ -69,6 +69,8 @@ class StatsReader:
         samples: snapshots in file order, the final record last.
         final: the final record, or None while the run is live (or if it crashed).
         truncated_tail: True when the file ended in half a line (the writer died mid-write).
+        header_seen: the header record has been read (a stats log's first record; any other
+            first record is a StatsFormatError saying the file is not a stats log).
     """
 
     def __init__(self, source: str = "stats.jsonl") -> None:
@@ -78,6 +80,7 @@ class StatsReader:
         self.samples: list[Sample] = []
         self.final: Sample | None = None
         self.truncated_tail = False
+        self.header_seen = False
         self._pending = ""
         self._line = 0
 
@@ -100,10 +103,18 @@ class StatsReader:
         where = f"{self.source}:{self._line}"
         try:
             raw: Any = msgspec.json.decode(line)
-            kind = raw.get("kind") if isinstance(raw, dict) else None
+        except msgspec.DecodeError as e:
+            if not self.header_seen:
+                raise StatsFormatError(self._not_a_stats_log()) from None
+            raise StatsFormatError(f"{where}: {e} (see docs/architecture.md, stats.jsonl)") from e
+        kind = raw.get("kind") if isinstance(raw, dict) else None
+        if not self.header_seen and kind != "header":
+            raise StatsFormatError(self._not_a_stats_log())
+        try:
             if kind == "header":
                 header = msgspec.convert(raw, _Header)
                 self.t0, self.graph = header.t0, header.graph
+                self.header_seen = True
                 return 1
             if kind in ("snapshot", "final"):
                 sample = msgspec.convert(raw, Sample)
@@ -111,9 +122,15 @@ class StatsReader:
                 if kind == "final":
                     self.final = sample
                 return 1
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except msgspec.ValidationError as e:
             raise StatsFormatError(f"{where}: {e} (see docs/architecture.md, stats.jsonl)") from e
         return 0  # unknown kinds are skipped: newer writers may add records
+
+    def _not_a_stats_log(self) -> str:
+        """What is said of a file whose first record is not a stats header (a graph file, a trace,
+        another log): a stats log always starts with one."""
+        return (f"{self.source} is not a csp stats log (line {self._line} is not its header record); give a "
+                "run directory (its csp/stats.jsonl is read) or a csp/stats.jsonl file")
 
 
 def read_stats(path: str | Path) -> StatsReader:
@@ -123,11 +140,13 @@ def read_stats(path: str | Path) -> StatsReader:
     """
     path = stats_path(path)
     log = StatsReader(str(path))
-    log.feed(path.read_text())
+    log.feed(path.read_text(encoding="utf-8", errors="replace"))  # a binary file: not a stats log
     if log._pending.strip():  # no newline at the end: a complete record, or a crashed writer's half
         try:
             log.feed("\n")
         except StatsFormatError:
+            if not log.header_seen:  # not half a record: a one-line file of something else
+                raise
             log.truncated_tail = True
     return log
 

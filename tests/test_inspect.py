@@ -95,6 +95,21 @@ def test_malformed_line_names_file_and_line(tmp_path):
         read_stats(bad)
 
 
+@pytest.mark.parametrize("content", [b"[run]\nname = 'x'\n", b"just some text", b"\xff\xfe\x00binary\n",
+                                     b'{"kind": "start", "step": 0}\n', b'{"traceEvents": []}'],
+                         ids=["toml graph", "text", "binary", "other jsonl", "trace"])
+def test_a_file_that_is_not_a_stats_log_is_named_with_what_to_give(tmp_path, capsys, content):
+    """Invariant: csp.inspect given a file that is not a stats log (a graph file, text, a trace,
+    another JSON log) exits 2 with one line naming the file and what it reads instead; it was
+    "JSON is malformed", or an empty "live" report."""
+    path = tmp_path / "thing"
+    path.write_bytes(content)
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{path} is not a csp stats log" in err and "give a run directory" in err, err
+
+
 def test_crashed_run_half_line_and_no_final(tmp_path):
     """A writer killed mid-line leaves a half record: the rest is still analysed, status is live."""
     src = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().splitlines()
