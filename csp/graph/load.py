@@ -160,7 +160,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise GraphError(f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason}); a TOML file "
                          "is saved as UTF-8") from None
