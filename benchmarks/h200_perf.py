@@ -70,11 +70,13 @@ def top_kernels(prof: Any, n: int = 25) -> list[dict[str, Any]]:
 
 
 def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: torch.device,
-            first: int = 1) -> dict[str, Any]:
+            first: int = 1, trace: Path | None = None) -> dict[str, Any]:
     """``torch.profiler`` over ``step(item)`` for ``items[first:first + 3]`` (after one untimed step on
     ``items[first - 1]``): the top kernels by device time to ``path`` and ``top``, and the window's
     wall time (``window_s``, synced at both ends; ``tok_s`` when the items have ``num_tokens``), so a
-    profile whose kernels add up to less than the timed rate's step says the device sat idle."""
+    profile whose kernels add up to less than the timed rate's step says the device sat idle.
+    ``trace``: also the Chrome trace there, gzipped (``*.json.gz``; ``chrome://tracing`` or Perfetto
+    read it), to see what the host was doing while the device sat idle."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -98,6 +100,16 @@ def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: to
         except Exception:  # noqa: BLE001 - the key's name differs between torch versions
             continue
     path.write_text(table or "")
+    if trace is not None:
+        import gzip
+        import os
+        import shutil
+
+        raw = trace.with_suffix("")  # .json
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.unlink(raw)
     out = {"steps": len(window), "first": first, "window_s": round(wall, 4), "table": path.name,
            "top": top_kernels(prof)}
     tokens = [getattr(item, "num_tokens", None) for item in window]
@@ -181,7 +193,8 @@ class Perf:
                     # the timed window's own batches: the profile then accounts for the timed steps
                     out["profile"] = profile(target_forward(self.app, t, self.dev), self.batches,
                                              self.out / f"{profile_as}.txt", self.dev,
-                                             first=max(1, min(self.args.warmup, len(self.batches) - 3)))
+                                             first=max(1, min(self.args.warmup, len(self.batches) - 3)),
+                                             trace=self.out / f"{profile_as}.trace.json.gz")
             finally:
                 if compile:
                     t.compiled = None

@@ -178,11 +178,13 @@ def make_batches(app: Any, n: int, pin: bool) -> list[Any]:
 
 
 def _timed(step: Any, items: list[Any], warmup: int, device: torch.device,
-           step_ms: list[float] | None = None) -> float:
+           step_ms: list[float] | None = None, host_ms: list[float] | None = None) -> float:
     """Run ``step(item)`` over ``items``; seconds from after item ``warmup - 1`` to the end (synced).
 
     ``step_ms``: on CUDA, filled with each timed step's device-timeline milliseconds (CUDA events
-    recorded between the steps, no sync inside the window), to tell one slow step from a uniform rate."""
+    recorded between the steps, no sync inside the window), to tell one slow step from a uniform rate.
+    ``host_ms``: filled with each timed step's host milliseconds (a host that waits on the device
+    inside a step shows here as the device's time; one that only enqueues, as less)."""
     for item in items[:warmup]:
         step(item)
     sync(device)
@@ -192,7 +194,10 @@ def _timed(step: Any, items: list[Any], warmup: int, device: torch.device,
         if events is not None:
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
+        h0 = time.perf_counter()
         step(item)
+        if host_ms is not None:
+            host_ms.append(round((time.perf_counter() - h0) * 1e3, 2))
     if events is not None:
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
@@ -232,7 +237,8 @@ def time_target(app: Any, target: Any, batches: list[Any], device: torch.device,
     fwd = target_forward(app, target, device)
     before = reset_peak([device])
     per_step: list[float] = []
-    secs = _timed(fwd, batches, warmup, device, per_step)
+    per_host: list[float] = []
+    secs = _timed(fwd, batches, warmup, device, per_step, per_host)
     timed = batches[warmup:]
     out = _rate(sum(b.num_tokens for b in timed), secs, len(timed))
     out.update({"device": str(device), **flop_fields(target_flops(app, target, timed), secs, peak_tflops),
@@ -240,6 +246,7 @@ def time_target(app: Any, target: Any, batches: list[Any], device: torch.device,
                 "resident_gb": before, "peak_mem_gb": memory_gb([device])})
     if per_step:  # device-timeline ms of each timed step (CUDA): a uniform rate or one slow step
         out["step_ms"] = per_step
+    out["host_ms"] = per_host
     return out
 
 

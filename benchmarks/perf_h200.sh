@@ -31,6 +31,13 @@ OUT=$1; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 left() { echo $(( ${TOTAL_S:-530} - ($(date +%s) - T0) )); }
+# the SM clock, power and utilisation every 250 ms -> OUT/smi.csv: a rate that drops with the clock is
+# the power limit, one that drops at full clock is the host or a sync
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 250 > "$OUT/smi.csv" 2>/dev/null &
+  SMI=$!; trap 'kill $SMI 2>/dev/null' EXIT
+fi
 
 if compgen -G ".whl/*.whl" > /dev/null; then
   LIB=${PYLIB:-/tmp/dflash-pylib}
@@ -52,7 +59,8 @@ if [ "${SUITE:-engine}" = fastest ]; then
   echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -12 "$OUT/perf.log"
   SKIP=sweep_1gpu,checkpoint_1gpu,target_alone_sdpa,target_alone_flex_attention,target_alone_eager,plain_forward
   for v in fp8 bf16; do
-    if [ $v = fp8 ]; then E=(--set target.quantization=\"fp8\" --set target.attn_implementation=\"varlen\" --set target.compile=true); else E=(); fi
+    E=(--set target.attn_implementation=\"varlen\" --set target.compile=true)
+    [ $v = fp8 ] && E+=(--set target.quantization=\"fp8\")
     b=$(( $(left) - 15 )); [ $b -lt 60 ] && { echo "bench $v: skipped, ${b}s left"; continue; }
     timeout $(( b + 10 )) python3 benchmarks/bench_h200.py --budget-s $b --warmup ${WARMUP:-10} --steps 10 \
       --set data.source="$DATA" "${E[@]}" --skip $SKIP --out "$OUT/h200-$v.json" > "$OUT/bench-$v.log" 2>&1

@@ -214,6 +214,12 @@ class Target(nn.Module):
         compiled = self.compiled is not None and self.compiled.use_for(input_ids.shape)
         if impl == VARLEN:  # no mask: one causal sequence per document (dflash.model.target_engine)
             mask, extra = None, varlen_kwargs(doc_ids, doc_ids.shape[1] if compiled else None)
+            if compiled:  # the number of sequences varies per batch: one dynamic graph from the first
+                # call, not a static one and then, at the first batch with another count, a
+                # recompile of every layer that stalls the stage for seconds
+                import torch._dynamo
+
+                torch._dynamo.mark_dynamic(extra["cu_seq_lens_q"], 0)
         else:
             mask = document_attention_mask(doc_ids, impl, self.model.model.embed_tokens.weight.dtype)
         out = self.model.model(input_ids=input_ids, position_ids=position_ids,

@@ -158,19 +158,33 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                          "(dflash.model.target_engine.varlen_kwargs of the packed batch's doc_ids)")
     B, nh, T, d = query.shape
     flat = lambda x: x.transpose(1, 2).reshape(B * T, x.shape[1], d)  # noqa: E731 - [B*T, h, d]
-    if _GQA_KWARG is None:  # torch 2.11 takes fewer kv heads as is; later versions ask for enable_gqa
-        _GQA_KWARG = "enable_gqa" in inspect.signature(varlen_attn).parameters
+    if _GQA_KWARG is None:  # set by register_varlen; here only for a caller that skipped it
+        _GQA_KWARG = _takes_enable_gqa()
     extra = {"enable_gqa": True} if _GQA_KWARG and key.shape[1] != nh else {}
     out = varlen_attn(flat(query), flat(key), flat(value), cu, cu, int(max_len), int(max_len),
                       scale=scaling, window_size=(-1, 0), **extra)
     return out.view(B, T, nh, d), None
 
 
+def _takes_enable_gqa() -> bool:
+    """Whether ``varlen_attn`` asks for ``enable_gqa`` (later torch) or takes fewer kv heads as is (2.11)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def register_varlen() -> None:
-    """Register :func:`varlen_attention` as transformers' ``"varlen"`` attention (idempotent)."""
+    """Register :func:`varlen_attention` as transformers' ``"varlen"`` attention (idempotent).
+
+    Also settles which ``varlen_attn`` signature the installed torch has, before any forward: a
+    compiled layer guards on that module global, and one that changed after its first trace would
+    recompile every layer once more."""
+    global _GQA_KWARG
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, varlen_attention)
+    if _GQA_KWARG is None:
+        _GQA_KWARG = _takes_enable_gqa()
 
 
 # -- compile ---------------------------------------------------------------------------------------
