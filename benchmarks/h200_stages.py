@@ -146,8 +146,14 @@ def flop_fields(flops: Any, secs: float, peak_tflops: float, gpus: int = 1) -> d
 def attention_implementation(target: Any, impl: str) -> Iterator[Any]:
     """``target`` running attention ``impl`` ("sdpa" | "flex_attention" | "eager", every value
     ``[target].attn_implementation`` takes; tests/test_model_target.py holds them equivalent),
-    switched in place (``set_attn_implementation``) and switched back on exit."""
+    switched in place (``set_attn_implementation``) and switched back on exit. A compiled target
+    (``[target] compile = true``) runs eagerly meanwhile: its layers were compiled for its own
+    implementation, and another would recompile each of them."""
     model_impl, mask_impl = target.model.config._attn_implementation, target.hf_config._attn_implementation
+    compiled = target.compiled
+    if compiled is not None:
+        target.compiled = None
+        compiled.off()
     target.model.set_attn_implementation(impl)
     target.hf_config._attn_implementation = impl  # the mask form Target.forward builds
     try:
@@ -155,6 +161,7 @@ def attention_implementation(target: Any, impl: str) -> Iterator[Any]:
     finally:
         target.model.set_attn_implementation(model_impl)
         target.hf_config._attn_implementation = mask_impl
+        target.compiled = compiled
 
 
 # -- batches --------------------------------------------------------------------------------------

@@ -209,14 +209,16 @@ def _cfg(*sets):
 def test_config_hash_unchanged_when_switches_are_default():
     """A file that leaves the speed switches at their defaults keeps the hash it had before they
     existed (checkpoints resume without a 'config differs' warning); setting one changes it. The
-    example file itself turns on drafter.compile, so its defaults are taken with that set back."""
+    example file itself compiles both stages and runs the target on varlen attention, so its
+    defaults are taken with those set back."""
     from dflash.run.config import config_hash
 
-    assert config_hash(_cfg("drafter.compile=false")) == "5e292ff0d990de03"  # the file compiles the drafter
+    defaults = ("drafter.compile=false", "target.compile=false", 'target.attn_implementation="flex_attention"')
+    assert config_hash(_cfg(*defaults)) == "5e292ff0d990de03"
     assert config_hash(_cfg()) != "5e292ff0d990de03"
-    for s in ('train.lm_head="liger"', 'target.quantization="fp8"',  # each with the drafter compile off
-              'drafter.kernels="liger"', "target.compile=true"):
-        assert config_hash(_cfg("drafter.compile=false", s)) != "5e292ff0d990de03", s
+    for s in ('train.lm_head="liger"', 'target.quantization="fp8"',  # each with the others at their defaults
+              'drafter.kernels="liger"', "target.compile=true", "drafter.compile=true"):
+        assert config_hash(_cfg(*defaults, s)) != "5e292ff0d990de03", s
 
 
 def test_preflight_refuses_fused_head_with_kl_and_cpu_engines(monkeypatch):

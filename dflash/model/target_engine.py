@@ -223,6 +223,11 @@ class CompiledLayers:
 
             layer.forward = forward
 
+    def off(self) -> None:
+        """Run every layer eagerly until the next :meth:`use_for` (a caller that detaches this
+        object from its target for a while, to run another attention implementation, calls it)."""
+        self._on = False
+
     def use_for(self, shape: tuple[int, ...]) -> bool:
         """Choose compiled (True: ``shape`` is the compiled shape, or the first) or eager layers."""
         shape = tuple(shape)
