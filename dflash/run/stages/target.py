@@ -12,6 +12,7 @@ import csp
 from dflash.messages import Batch, TargetOutput
 from dflash.model.features import FeaturePostprocess
 from dflash.model.target import TargetConfig, load_target
+from dflash.run.step_gate import StepGate
 from dflash.train.sentinel import FiniteSentinel
 
 if TYPE_CHECKING:
@@ -58,11 +59,12 @@ class TargetStage(csp.Process):
         self.target = load_target(o.target, self.device, num_draft_layers=o.num_draft_layers, need_final=o.need_final)
         self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=o.check_channels)
         self.features = o.features  # the noise, when postprocess_side = "target"
+        self.gate = StepGate()  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
 
     def forward(self, batch: Batch) -> TargetOutput:
         """The target's hidden states for one batch (moved to this replica's device)."""
         t0 = time.perf_counter()
-        with self.ctx.span("target.forward"), torch.no_grad():
+        with self.ctx.span("target.forward"), torch.no_grad(), self.gate.step(tuple(batch.input_ids.shape)):
             b = batch.to(self.device, non_blocking=True)
             layer_hidden, final_hidden = self.target.forward(
                 b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final

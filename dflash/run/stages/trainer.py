@@ -27,6 +27,7 @@ from dflash.messages import DrafterInput, StepMetrics
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import TargetConfig
 from dflash.run.config import DFlashFile, TrainSection
+from dflash.run.step_gate import StepGate
 from dflash.train import parallel
 from dflash.train.loss import LossConfig
 from dflash.train.nonfinite import NonFiniteGuard, last_trusted_checkpoint
@@ -115,6 +116,7 @@ class DrafterStage(csp.Process):
             self.ckpt.reserve(dict(self.drafter.state_dict()), {"optimizer": {"state": like}})
         self.window = CheckpointWindow()
         self.saved_step = -1
+        self.gate = StepGate()  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
 
     def run(self, inputs, outputs) -> None:
         metrics = outputs["metrics"]
@@ -138,7 +140,8 @@ class DrafterStage(csp.Process):
         """One optimizer step (or a counted skip) on one batch; raises
         :class:`dflash.train.sentinel.NonFiniteError` when the skip streak is exhausted."""
         self.step += 1
-        with self.ctx.span("drafter.step"):
+        shapes = (tuple(inp.batch.input_ids.shape), tuple(inp.anchors.shape))
+        with self.ctx.span("drafter.step"), self.gate.step(shapes):
             m = train_step(self.model, self.head, self.optim, self.guard, inp, self.opts, step=self.step,
                            cuda=self.cuda, before_update=self.ckpt.before_update)
         self.window.add(m, inp.batch.sampler_state)

@@ -1,0 +1,115 @@
+"""Steps that may compile run alone in the process; every other step runs beside the others.
+
+Why: ``torch.compile`` traces with ``torch.fx``, whose tracer patches ``nn.Module.__call__`` for the
+whole process while it traces. A module called from another thread meanwhile is routed into that
+trace, and a compiled function called meanwhile raises "Detected that you are using FX to
+symbolically trace a dynamo-optimized function" (measured: a target stage failed so on an H200 while
+the drafter stage, in another thread, recompiled for a batch of a new shape). Stages compile on the
+first batch of each shape they see: the drafter's compiled layers and flex attention, the target's
+compiled layers, transformers' flex attention in an eager target.
+
+So each stage keeps a :class:`StepGate` and runs its model work (the target's forward, the drafter's
+optimizer step) inside :meth:`StepGate.step` with the batch's shapes: a step on shapes new to that
+stage holds the process-wide lock exclusively, any other step holds it shared. Shared steps run
+concurrently (the pipeline's overlap is untouched); a waiting exclusive step stops new shared ones
+from starting, so it runs once the steps in flight finish (at most one step of each other stage).
+
+What stays unguarded: a recompile on shapes a stage has seen (a guard that fails on a value, not a
+shape); the engine avoids those (``dflash.model.target`` marks the varlen boundaries dynamic).
+Hold the gate around compute only, never around a channel ``put``/``get``: a stage blocked on a
+channel while holding it shared would keep a waiting exclusive step, and then every stage, waiting.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
+
+__all__ = ["StepGate", "process_lock"]
+
+
+class _SharedExclusiveLock:
+    """A readers-writer lock that prefers a waiting writer (one process; not reentrant)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0  # exclusive holders waiting: new shared holders wait behind them
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+    def state(self) -> tuple[int, bool, int]:
+        """``(shared holders, exclusive held, exclusive waiting)`` (for tests and debugging)."""
+        with self._cond:
+            return self._shared, self._exclusive, self._waiting
+
+
+_LOCK = _SharedExclusiveLock()
+_held = threading.local()  # a step inside a step (one thread) is part of the outer one
+
+
+def process_lock() -> _SharedExclusiveLock:
+    """The one lock every :class:`StepGate` of this process shares."""
+    return _LOCK
+
+
+class StepGate:
+    """One stage's gate: :meth:`step` runs a step exclusively on shapes this gate has not seen
+    (the step may compile), shared otherwise. Not shared between stages: each has its own shapes."""
+
+    def __init__(self, lock: _SharedExclusiveLock | None = None) -> None:
+        self._lock = lock or _LOCK
+        self._seen: set[Hashable] = set()
+
+    def is_new(self, shapes: Hashable) -> bool:
+        """Whether a step on ``shapes`` would run exclusively."""
+        return shapes not in self._seen
+
+    @contextmanager
+    def step(self, shapes: Hashable) -> Iterator[None]:
+        """Hold the process lock for one step on ``shapes`` (e.g. ``(tuple(input_ids.shape),)``).
+
+        A step that raises leaves its shapes unseen, so the next step on them runs exclusively too.
+        Nested calls in one thread run inside the outer hold."""
+        if getattr(_held, "on", False):
+            yield
+            return
+        new = shapes not in self._seen
+        with self._lock.exclusive() if new else self._lock.shared():
+            _held.on = True
+            try:
+                yield
+            finally:
+                _held.on = False
+        if new:
+            self._seen.add(shapes)
