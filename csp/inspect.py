@@ -161,7 +161,8 @@ def follow(run: str | Path, *, interval: float = 1.0, window_s: float | None = N
             live.start()
         with open(path, encoding="utf-8", errors="replace") as f:  # as read_stats reads it
             while True:
-                if log.feed(f.read()):
+                chunk = f.read()
+                if (log.feed(chunk) if chunk else 0) or log.feed_tail():
                     summary = summarize(log, window_s)
                     if as_json:
                         out.write(msgspec.json.encode(summary).decode() + "\n")

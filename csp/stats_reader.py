@@ -99,6 +99,24 @@ class StatsReader:
                 added += self._add(line)
         return added
 
+    def feed_tail(self) -> int:
+        """Parse the trailing line that has no newline yet once it is a whole record: a log whose
+        writer ended without the last newline (an editor's save, a copied file) is then complete.
+        A half-written record (a live writer mid-line) is left for the next :meth:`feed`.
+
+        Returns: the number of records added (0 or 1). Raises: StatsFormatError when the line is
+        not JSON-lines at all and no header was seen (the file is not a stats log).
+        """
+        tail = self._pending.strip()
+        if not tail:
+            return 0
+        try:
+            msgspec.json.decode(tail)
+        except msgspec.DecodeError:
+            if self.header_seen or tail.startswith("{"):
+                return 0  # the rest of the record is still to come
+        return self.feed("\n")
+
     def _add(self, line: str) -> int:
         where = f"{self.source}:{self._line}"
         try:

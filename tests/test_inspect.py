@@ -162,6 +162,40 @@ def test_follow_tails_until_final(tmp_path):
     assert set(sleeps) == {0.5}
 
 
+def test_follow_ends_at_a_final_record_without_a_newline(tmp_path):
+    """A finished log whose last line lacks its newline (saved by an editor, copied) still ends
+    --follow at its final record instead of waiting forever; a half-written record is waited for."""
+    text = (FIXTURES / "pipeline" / "csp" / "stats.jsonl").read_text().rstrip("\n")
+    path = tmp_path / "stats.jsonl"
+    cut = len(text) - 10
+    path.write_text(text[:cut])  # the last record half written
+    sleeps = []
+
+    def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) == 3:
+            with path.open("a") as f:
+                f.write(text[cut:])  # the rest of it, and still no newline
+        if len(sleeps) > 20:
+            raise AssertionError("--follow did not end at the final record")
+
+    out = io.StringIO()
+    summary = follow(path, interval=0.1, out=out, sleep=fake_sleep)
+    assert summary.status == "completed"
+    assert 3 <= len(sleeps) <= 4
+
+
+def test_follow_on_a_text_file_without_a_newline_says_it_is_not_a_stats_log(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("some notes, no newline")
+
+    def fake_sleep(s: float) -> None:
+        raise AssertionError("--follow waited on a file that is not a stats log")
+
+    with pytest.raises(StatsFormatError, match="not a"):
+        follow(path, interval=0.1, out=io.StringIO(), sleep=fake_sleep)
+
+
 # --------------------------------------------------------------------------------------------
 # Synthetic graphs on the real runtime. "Work" is time.sleep(delay) per item: it stands for a
 # stage's compute without loading the 2 shared CPU cores (ordering never relies on it).
