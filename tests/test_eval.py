@@ -283,6 +283,26 @@ def test_an_unreadable_run_config_toml_names_the_file(tmp_path, text, says):
     assert "\n" not in msg and msg.startswith(f"{(tmp_path / 'run' / 'config.toml').resolve()}: ") and says in msg, msg
 
 
+def test_a_broken_run_config_toml_is_said_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """A run whose config.toml does not read (its [data] table names the held-out prompts) is a
+    one-line error before the drafter and the target load, not after."""
+    import dflash.checkpoint.model_files as model_files
+    import dflash.eval.cli as cli
+
+    src = _write_source(tmp_path / "d.jsonl", [False] * 3)
+    ck = tmp_path / "run" / "checkpoints" / "step_00000005"
+    ck.mkdir(parents=True)
+    (tmp_path / "run" / "config.toml").write_text("[data\n")
+    monkeypatch.setattr(cli, "check_checkpoint", lambda *a: None)
+
+    def no_models(*a, **k):
+        raise AssertionError("a model was loaded before the config.toml error")
+    monkeypatch.setattr(model_files, "load_drafter", no_models)
+    assert cli.main([str(ck), "--data", str(src), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "config.toml" in err and "invalid TOML" in err, err
+
+
 @pytest.mark.parametrize("bad, says", [
     ('{"conversations": []}', ':1: expected a JSON object with a string "prompt"'),
     ('{"prompt": "ok"}\nnot json', ':2: expected a JSON object with a string "prompt"')])

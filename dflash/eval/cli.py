@@ -53,9 +53,13 @@ from dflash.eval.report import (
 __all__ = ["main"]
 
 
-def _prompts(args, tok, texts: list[str] | None = None) -> list[list[int]]:
+_UNREAD = object()  # _prompts: the run's [data] table not read yet
+
+
+def _prompts(args, tok, texts: list[str] | None = None, data_cfg=_UNREAD) -> list[list[int]]:
     """Token ids of the CLI's prompts (module docstring says which conversations); ``texts``: the
-    ``--prompts`` file's prompts when the caller has read them already (read here when None).
+    ``--prompts`` file's prompts when the caller has read them already (read here when None);
+    ``data_cfg``: the run's ``[data]`` table (:func:`run_data_config`) when already read.
 
     Raises:
         EvalInputError: a malformed ``--prompts`` line or an unreadable run ``[data]`` table.
@@ -65,7 +69,8 @@ def _prompts(args, tok, texts: list[str] | None = None) -> list[list[int]]:
         texts = read_prompt_file(args.prompts) if texts is None else texts
         convs = [[{"role": "user", "content": prompt}] for prompt in texts]
         return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
-    data_cfg = run_data_config(Path(args.checkpoint))
+    if data_cfg is _UNREAD:
+        data_cfg = run_data_config(Path(args.checkpoint))
     if data_cfg is None:
         print(f"dflash.eval: {args.checkpoint} is not inside a run directory with config.toml: "
               f"using the last {args.num_prompts} conversations of {args.data} (may be training data)",
@@ -124,6 +129,9 @@ def _main(argv: list[str] | None) -> int:
                                  '{"prompt": "..."} object per line')
         if args.data:
             resolve_source(args.data, "--data")  # an unknown source fails here, before loading any model
+        # the run's [data] table (its held-out prompts): a broken config.toml is said before the
+        # models load, not after a minute of loading them
+        data_cfg = None if args.prompts else run_data_config(Path(args.checkpoint))
     except (EvalInputError, DataError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
@@ -165,7 +173,7 @@ def _main(argv: list[str] | None) -> int:
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
     try:
-        ids = _prompts(args, tok, texts)
+        ids = _prompts(args, tok, texts, data_cfg)
     except (EvalInputError, DataError, ValueError, KeyError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
