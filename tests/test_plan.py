@@ -148,6 +148,7 @@ def test_cli_writes_a_graph_that_loads_and_places(tiny_run, tmp_path, capsys):
     assert main([str(tiny_run), "--gpus", "8", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "vs colocated" in text and "check: this run's layout predicted" in text
+    assert "over the whole stats log, start-up included" in text  # not the summary's mean of windows
     world = int(re.search(r"--nproc-per-node (\d+)", text).group(1)) if "torchrun" in text else 1
     cpu = tmp_path / "cpu.toml"
     cpu.write_text(re.sub(r"cuda:\d+", "cpu", out.read_text()))

@@ -57,7 +57,8 @@ def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) ->
              (f"        hidden {i.bytes_per_token:,.0f} B/token; all-reduce {i.grad_bytes / 1e9:.3g} GB/step; "
               f"memory: target {i.target_mem / 2**30:.1f} GiB, drafter {i.drafter_mem / 2**30:.1f} GiB"),
              (f"check: this run's layout predicted {count(m.predicted_tok_s)} tok/s (bound {m.bottleneck}), "
-              f"measured {count(m.measured_tok_s)} ({m.predicted_tok_s / m.measured_tok_s:.2f}x)"),
+              f"measured {count(m.measured_tok_s)} over {m.measured_over} "
+              f"({m.predicted_tok_s / m.measured_tok_s:.2f}x)"),
              *(f"note: {n}" for n in m.notes), ""]
     head = ["layout", "tok/s", "vs colocated", "bound", "GiB/GPU", "cross-host GB/s"]
     rows = [[lay.name, count(lay.tok_s), f"{lay.tok_s / base.tok_s:.2f}x", lay.bound, f"{lay.mem_gib:.1f}",

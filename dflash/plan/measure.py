@@ -45,6 +45,9 @@ class Measured(msgspec.Struct, kw_only=True):
         bottleneck: the stage (or channel) with that capacity.
         config: the run's ``config.toml`` as a dict (the base of the written graph).
         notes: what the reader should know about the inputs (shared devices, defaults used).
+        measured_over: the span ``measured_tok_s`` covers, in words ("the whole stats log", start-up
+            included, or "its last W s"): the run summary's throughput is a mean of its training
+            windows instead, so the two differ by the start-up.
     """
 
     inputs: Inputs
@@ -53,6 +56,7 @@ class Measured(msgspec.Struct, kw_only=True):
     bottleneck: str
     config: dict[str, Any]
     notes: list[str]
+    measured_over: str = "the whole stats log"
 
 
 def safetensors_bytes(path: Path) -> int:
@@ -169,7 +173,9 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
                     target_mem=_target_mem(cfg, t_dev[0], notes), drafter_mem=d_mem,
                     **({"net_bytes_per_s": net_bytes_per_s} if net_bytes_per_s else {}))
     return Measured(inputs=inputs, measured_tok_s=measured, predicted_tok_s=model.bounds[0].capacity * per_item,
-                    bottleneck=model.bounds[0].name, config=cfg, notes=notes)
+                    bottleneck=model.bounds[0].name, config=cfg, notes=notes,
+                    measured_over="the whole stats log, start-up included" if window_s is None
+                    else f"the stats log's last {window_s:g} s")
 
 
 def _records(run: Path) -> list[dict]:
