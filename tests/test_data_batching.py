@@ -19,6 +19,7 @@ from dflash.data import (
 )
 from dflash.data.batching import epoch_rng, plan_bucketed, plan_packed, plan_sorted
 from dflash.messages import Batch
+from dflash.train.anchors import sample_anchors
 
 STRATEGIES = ["sorted", "random", "bucketed", "packed"]
 PAD = 0
@@ -101,12 +102,19 @@ def test_padding_waste_exact_on_hand_computed_case():
     st = packed.epoch_stats(0)  # rows: [5,3] and [5] -> 16 computed, 13 real
     assert (st.num_batches, st.num_padding, st.padding_waste) == (2, 3, 3 / 16)
 
+    # three full rows of 8, two rows per batch: the second batch is one row + one empty filler row
+    filled = Sampler(make_dataset([8, 8, 8]), cfg("packed", tokens_per_batch=16, packed_rows=2), pad_id=PAD)
+    st = filled.epoch_stats(0)
+    assert (st.num_batches, st.num_tokens, st.num_padding, st.padding_waste) == (2, 24, 8, 8 / 32)
+    assert st.mean_batch_tokens == 16
+    assert [b.num_padding for b in epoch_batches(filled)] == [0, 8]
+
 
 def test_packed_rows_documents_whole_and_long_ones_split():
     lengths = [3, 9, 4, 20, 1]
     plan = plan_packed(np.array(lengths), pack_length=8, packed_rows=2, window=4, rng=epoch_rng(0, 0))
     for pb in plan:
-        assert pb.width == 8 and 1 <= len(pb.rows) <= 2
+        assert pb.width == 8 and len(pb.rows) == 2
         for row in pb.rows:
             assert sum(stop - start for _, start, stop in row) <= 8
     pieces = sorted((d, a, b) for pb in plan for row in pb.rows for d, a, b in row)
@@ -116,6 +124,44 @@ def test_packed_rows_documents_whole_and_long_ones_split():
     for b in epoch_batches(s):
         assert b.input_ids.shape[1] == 8
         check_batch_layout(b, ds)
+
+
+@pytest.mark.parametrize("packed_rows", [2, 3, 4, 5])
+def test_packed_batches_all_have_packed_rows_rows(packed_rows):
+    """Invariant: a compiled stage sees one shape all epoch: every packed batch, the last one too,
+    is [packed_rows, pack_length] (filler rows fill the last batch)."""
+    lengths = spread_lengths(97, seed=4)
+    ds = make_dataset(lengths)
+    c = cfg("packed", tokens_per_batch=240 * packed_rows, packed_rows=packed_rows, pack_window=3)
+    s = Sampler(ds, c, pad_id=PAD)
+    short = 0
+    for epoch in range(4):
+        plan = s.plan(epoch)
+        assert all(len(pb.rows) == packed_rows and pb.width == c.pack_length for pb in plan)
+        short += any(row == [] for row in plan[-1].rows)
+        assert all(row for pb in plan[:-1] for row in pb.rows)     # filler only in the last batch
+    assert short > 0, "no epoch needed filler rows: the test does not exercise the last batch"
+    assert {tuple(b.input_ids.shape) for b in epoch_batches(s)} == {(packed_rows, c.pack_length)}
+
+
+def test_packed_filler_rows_are_padding_only():
+    ds = make_dataset([8, 8, 8, 5, 7])  # window 1: five rows (5 and 7 never share), 4 per batch
+    c = cfg("packed", tokens_per_batch=32, packed_rows=4, pack_window=1)
+    s = Sampler(ds, c, pad_id=PAD)
+    plan = s.plan(0)
+    n_real = sum(1 for pb in plan for row in pb.rows if row)
+    assert n_real == 5 and len(plan) == 2 and plan[-1].rows[1:] == [[], [], []]
+    last = epoch_batches(s)[-1]
+    check_batch_layout(last, ds)
+    assert last.input_ids.shape == (4, 8)
+    fill = slice(1, None)
+    assert (last.doc_ids[fill] == -1).all() and not last.loss_mask[fill].any()
+    assert (last.input_ids[fill] == PAD).all() and (last.position_ids[fill] == 0).all()
+    assert last.num_tokens == int(last.doc_ids[0].ge(0).sum()) and last.num_padding == 32 - last.num_tokens
+    anchors = sample_anchors(last.loss_mask, last.doc_ids, 6, 3, torch.Generator().manual_seed(0))
+    assert (anchors[fill] == -1).all() and (anchors[0] >= 0).any()
+    st = s.epoch_stats(0)  # the filler rows are computed tokens, all padding
+    assert (st.num_tokens, st.num_padding) == (36, 2 * 32 - 36)
 
 
 def test_bucketed_consecutive_batches_come_from_different_buckets():

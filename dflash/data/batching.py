@@ -17,9 +17,18 @@ A *plan* is a list of :class:`PlannedBatch`; each row of a batch is a list of
   longer than ``pack_length`` is cut into ``pack_length`` pieces, each its own document (positions
   restart at 0, so keep ``pack_length >= max_length`` to never cut).
 
+  Every packed batch is exactly ``[packed_rows, pack_length]``: when the rows do not divide into
+  ``packed_rows``, the epoch's last batch is filled with *empty rows* (no spans; collated as all
+  padding: ``doc_ids`` -1, ``loss_mask`` False, so no anchor is eligible and no slot is trained).
+  The shape is fixed because a compiled stage (``[target] compile``, ``[drafter] compile``) sees
+  one shape all epoch: a single ``[1, T]`` batch among ``[4, T]`` ones would run the target
+  eagerly and recompile the drafter mid-run (a stall of seconds, and a ``torch.compile`` in one
+  thread patches ``nn.Module.__call__`` process-wide while another thread runs modules).
+
 Statistics (:func:`plan_stats`):
 
 * ``padding_waste``: padding tokens / computed tokens (``sum B*T``) over the epoch, a fraction.
+  A packed plan's empty filler rows are computed and all padding, so they count in full.
 * ``diversity``: mean over batches holding >= 2 documents of ``std(log2 L in batch) /
   std(log2 L over the dataset)``, L = document lengths. About 1 when every batch is a
   representative sample of the data (random, packed); near 0 when each batch holds documents of
@@ -43,6 +52,7 @@ Span = tuple[int, int, int]
 class PlannedBatch(NamedTuple):
     """One batch of a plan: ``rows`` of spans, padded (or packed) to ``width`` tokens per row.
 
+    A row may be empty (``[]``, a packed plan's filler row): all padding once collated.
     ``bucket`` is the length bucket (bucketed strategy) or -1.
     """
 
@@ -98,7 +108,12 @@ def plan_bucketed(lengths: np.ndarray, batch_size: int, num_buckets: int,
 
 def plan_packed(lengths: np.ndarray, pack_length: int, packed_rows: int, window: int,
                 rng: np.random.Generator) -> list[PlannedBatch]:
-    """Packed rows of ``pack_length`` tokens, ``packed_rows`` rows per batch (module docstring)."""
+    """Packed rows of ``pack_length`` tokens, exactly ``packed_rows`` rows per batch (module docstring).
+
+    Returns:
+        The epoch's batches, each with ``len(rows) == packed_rows`` and ``width == pack_length``;
+        the last one's trailing rows may be empty (``[]``: filler, all padding once collated).
+    """
     open_rows: list[list] = []  # [free tokens, spans]
     closed: list[list[Span]] = []
     for i in rng.permutation(len(lengths)):
@@ -117,6 +132,7 @@ def plan_packed(lengths: np.ndarray, pack_length: int, packed_rows: int, window:
                     closed.append(open_rows.pop(fullest)[1])
                 open_rows.append([pack_length - size, [(int(i), start, stop)]])
     closed.extend(row[1] for row in open_rows)
+    closed.extend([] for _ in range(-len(closed) % packed_rows))  # filler: one shape all epoch
     return [PlannedBatch(closed[s: s + packed_rows], pack_length)
             for s in range(0, len(closed), packed_rows)]
 

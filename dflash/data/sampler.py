@@ -40,7 +40,9 @@ def collate(dataset: TokenizedDataset, pb: PlannedBatch, pad_id: int, *, seq: in
     Shapes: ``B = len(pb.rows)``, ``T = pb.width``. ``input_ids`` [B,T] int64 (``pad_id`` on
     padding), ``loss_mask`` [B,T] bool, ``position_ids`` [B,T] int64 restarting at 0 at every
     document (0 on padding), ``doc_ids`` [B,T] int32 numbering documents 0.. within each row (-1 on
-    padding). ``sampler_state`` is left empty (the Sampler fills it).
+    padding). An empty row (a packed plan's filler, see :mod:`dflash.data.batching`) is all
+    padding: ``pad_id``, mask False, position 0, doc -1. ``num_tokens`` counts real tokens and
+    ``num_padding = B*T - num_tokens``. ``sampler_state`` is left empty (the Sampler fills it).
     """
     b, t = len(pb.rows), pb.width
     ids = np.full((b, t), pad_id, np.int64)

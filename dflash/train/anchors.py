@@ -10,6 +10,8 @@ A block at anchor ``a`` covers positions ``a .. a + bs - 1``: the anchor token i
 
 Up to ``num_anchors`` distinct anchors per row are drawn uniformly without replacement among the
 eligible positions (all of them when fewer are eligible), sorted ascending; unused slots are -1.
+A row with no eligible position (all padding, e.g. a packed plan's filler row) gets only -1s, and
+its slots are untrained, so the loss (a mean over trained slots) is that of the other rows.
 The draw happens on CPU from the caller's ``torch.Generator``, so a (seed, batch) pair gives the
 same anchors on any device.
 """
