@@ -154,3 +154,56 @@ def test_utf8_bom_is_not_data(tmp_path, layout):
     src = read_source(str(p))
     assert not src.skipped and src.records_read == 2
     assert [c[1]["content"] for c in src.conversations] == ["first", "second"]
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "array"])
+def test_deeply_nested_row_is_malformed_json_not_a_crash(tmp_path, layout):
+    """A row nested deeper than Python's JSON decoder recurses (RecursionError) is a skipped
+    ``malformed_json`` row like any other broken row, never a traceback; in JSONL the rows after
+    it are still read."""
+    deep = "[" * 100_000 + "]" * 100_000
+    good = json.dumps(_conv("kept"))
+    if layout == "jsonl":
+        text, kept = "\n".join([good, '{"messages": ' + deep + "}", deep, good]) + "\n", 2
+    else:
+        text, kept = "[" + good + ", " + deep + ", " + good + "]", 1   # the array stops at it
+    p = tmp_path / f"deep.{layout}"
+    p.write_text(text)
+    src = read_source(str(p))
+    assert len(src.conversations) == kept
+    assert src.skipped["malformed_json"] == (2 if layout == "jsonl" else 1)
+
+
+def test_lone_surrogate_is_a_skipped_row_not_a_tokenizer_crash(tmp_path):
+    r"""JSON may spell a lone UTF-16 surrogate (``"\ud800"``); such text is not Unicode a
+    tokenizer can encode (it raised a TypeError for the whole batch). The row is skipped as
+    ``invalid_unicode``; the rest of the file is kept."""
+    rows = [json.dumps(_conv("kept")), '{"messages": [{"role": "user", "content": "q"}, '
+            '{"role": "assistant", "content": "bad \\ud800 text"}]}',
+            '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", '
+            '"content": "a", "reasoning_content": "\\udfff"}]}']
+    p = tmp_path / "surrogate.jsonl"
+    p.write_text("\n".join(rows) + "\n")
+    src = read_source(str(p))
+    assert len(src.conversations) == 1 and dict(src.skipped) == {"invalid_unicode": 2}
+
+
+def test_jsonl_whose_first_row_is_an_array_is_read_as_jsonl(tmp_path):
+    """A JSONL file whose first row happens to be a JSON array (a bad row) is JSONL, not a JSON
+    array file: every later row is read (before, the reader stopped at that row's ']' and
+    silently ignored the rest of the file)."""
+    rows = [json.dumps([_conv("in an array")]), json.dumps(_conv("second")), json.dumps(_conv("third"))]
+    p = tmp_path / "first_array.jsonl"
+    p.write_text("\n".join(rows) + "\n")
+    src = read_source(str(p))
+    assert [c[1]["content"] for c in src.conversations] == ["second", "third"]
+    assert dict(src.skipped) == {"unrecognised_shape": 1} and src.records_read == 3
+
+
+def test_json_array_with_trailing_text_counts_it(tmp_path):
+    """Text after a JSON array's closing bracket is not silently dropped: it counts as one
+    ``malformed_json`` record."""
+    p = tmp_path / "trailing.json"
+    p.write_text("[\n" + json.dumps(_conv("kept")) + "\n]\n" + json.dumps(_conv("lost")) + "\n")
+    src = read_source(str(p))
+    assert len(src.conversations) == 1 and dict(src.skipped) == {"malformed_json": 1}

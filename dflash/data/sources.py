@@ -19,7 +19,9 @@ Accepted record shapes (``format = "auto"`` picks per record, by key):
 * prompt/completion: ``{"prompt": str, "completion": str}`` (optional ``"system": str``)
 
 A file is either a JSON array of records or JSONL (one record per line); the first
-non-whitespace byte decides. A leading UTF-8 byte-order mark is ignored. JSONL lines end at
+non-whitespace byte decides, except that a file whose first line is a complete JSON value with
+more lines after it is JSONL (its first row an array). Text after an array's closing bracket
+counts as one ``malformed_json`` record; so does a row nested too deeply for the decoder. A leading UTF-8 byte-order mark is ignored. JSONL lines end at
 LF only (CRLF works too): U+2028, U+2029, U+0085 and the other characters that
 :meth:`str.splitlines` treats as line breaks are legal raw inside JSON strings and stay in their
 row. A JSON array is read record by record, so a truncated file (the ShareGPT file shipped by
@@ -31,6 +33,8 @@ Skip reasons counted here (a skipped record never reaches the tokenizer):
 ``missing_role``, ``unknown_role``, ``non_string_content``, ``empty_turn`` (empty or
 whitespace-only content, or answer, once reasoning is split out), ``no_assistant_turn``,
 ``non_string_reasoning`` (a reasoning field that is neither a string nor null),
+``invalid_unicode`` (content or reasoning holding a lone UTF-16 surrogate such as ``"\\ud800"``,
+which JSON can spell but no tokenizer encodes),
 ``malformed_reasoning`` (reasoning that cannot be split without losing or inventing text: more than
 one ``</think>``, text before ``<think>``, a reasoning field *and* inline reasoning, or reasoning on
 a non-assistant turn). Turns after the last assistant turn are dropped (they carry no loss) without
@@ -142,17 +146,39 @@ def iter_json_array(text: str) -> Iterator[tuple[Any, str | None]]:
             yield None, "unterminated JSON array"
             return
         if text[pos] == "]":
+            if text[pos + 1:].strip():
+                yield None, f"extra text after the JSON array's closing ']' at char {pos}"
             return
         try:
             record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            yield None, str(e)
+        except (json.JSONDecodeError, RecursionError) as e:
+            yield None, _decode_error(e)
             return
         yield record, None
 
 
+def _decode_error(e: Exception) -> str:
+    if isinstance(e, RecursionError):  # Python's decoder recurses once per nesting level
+        return "nested too deeply for the JSON decoder"
+    return str(e)
+
+
+def _is_jsonl(text: str) -> bool:
+    """Whether ``text`` (starting with ``[``) is JSONL whose first row is an array: its first
+    line is a complete JSON value and more rows follow. A JSON array file spread over lines
+    opens with a line that does not parse alone; a one-line array has nothing after it."""
+    first, _, rest = text.lstrip().partition("\n")
+    if not rest.strip():
+        return False
+    try:
+        json.loads(first)
+    except (json.JSONDecodeError, RecursionError):
+        return False
+    return True
+
+
 def _iter_records(text: str) -> Iterator[tuple[Any, str | None]]:
-    if text.lstrip()[:1] == "[":
+    if text.lstrip()[:1] == "[" and not _is_jsonl(text):
         yield from iter_json_array(text)
         return
     for line in text.split("\n"):  # not splitlines(): U+2028/U+2029/U+0085 are legal in JSON strings
@@ -160,8 +186,8 @@ def _iter_records(text: str) -> Iterator[tuple[Any, str | None]]:
             continue
         try:
             yield json.loads(line), None
-        except json.JSONDecodeError as e:
-            yield None, str(e)
+        except (json.JSONDecodeError, RecursionError) as e:
+            yield None, _decode_error(e)
 
 
 def _turns(record: dict, fmt: str) -> tuple[list[Any], str, str, dict[str, str]] | None:
@@ -213,6 +239,16 @@ def normalise_record(record: Any, fmt: str = "auto") -> Conversation | str:
     return messages[: last + 1]
 
 
+def _is_unicode(text: str) -> bool:
+    """False for text holding a lone UTF-16 surrogate (JSON can spell one, ``"\\ud800"``), which
+    no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def split_reasoning(role: str, content: str, reasoning: Any = None) -> Message | str:
     """The message ``{"role", "content"[, "reasoning_content"]}`` of one turn, or a skip reason.
 
@@ -221,6 +257,8 @@ def split_reasoning(role: str, content: str, reasoning: Any = None) -> Message |
     """
     if reasoning is not None and not isinstance(reasoning, str):
         return "non_string_reasoning"
+    if not _is_unicode(content) or (reasoning is not None and not _is_unicode(reasoning)):
+        return "invalid_unicode"
     if role == "assistant" and THINK_CLOSE in content:
         head, _, answer = content.partition(THINK_CLOSE)
         before, _, inline = head.rpartition(THINK_OPEN)
