@@ -102,6 +102,21 @@ def test_abort_with_an_older_checkpoint_says_which_steps_are_redone(tmp_path, ck
     assert "# resume from step 2" in text
 
 
+def test_abort_whose_last_step_was_checkpointed_does_not_say_none_was_written(tmp_path, ckpt):
+    """Regression: a second Ctrl-C while the checkpoint of the last step was being written (the
+    writer finishes it) gave "aborted ...: no final checkpoint was written" above "saved
+    step_00000008 (step 8, healthy, the final one)". Invariant: the title says no final
+    checkpoint was written only when the last step has none."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(4), _train(8)])
+    ckpt.update(path=run / "checkpoints" / "step_00000008", step=8)
+    text = closing_summary(run, status="aborted", exit_code=130, total_steps=30, stopped_by="SIGINT")
+    assert text.splitlines()[0] == ("run summary: aborted by a second stop signal (SIGINT); the "
+                                    "checkpoint of its last step was written (exit 130)")
+    assert "no final checkpoint" not in text
+    assert f"(step 8, healthy, the final one)" in text
+
+
 def test_failed_run_gives_the_error_and_only_this_segments_numbers(tmp_path, ckpt):
     """Invariant: after a resume the summary counts this segment only (steps, windows, skips),
     and a failed run shows its one-line error."""

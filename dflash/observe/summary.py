@@ -135,13 +135,21 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     start_step = int(start.get("step", 0) or 0)
 
     done = last.get("step", start_step)
+    try:
+        ckpt = last_healthy(run_dir)
+    except Exception:  # noqa: BLE001 - a summary never fails the run's exit
+        ckpt = None
+    ckpt_step = (read_meta(ckpt) or {}).get("step") if ckpt is not None else None
     how = STATUS_TEXT.get(status, status)
     if status == "nothing to do" and isinstance(done, int) and done > total_steps:  # run.steps was lowered
         how = f"nothing to do: the checkpoint is already past the last step (step {done}, run.steps = {total_steps})"
     elif status == "stopped" and stopped_by:
         how = f"stopped by {stopped_by} after draining"
-    elif status == "aborted" and stopped_by:
-        how = f"aborted by a second stop signal ({stopped_by}): no final checkpoint was written"
+    elif status == "aborted":
+        # the checkpoint writer finishes a save in flight, so the last step may have one after all
+        how = (f"aborted by a second stop signal ({stopped_by})" if stopped_by else "aborted (second stop signal)")
+        how += ("; the checkpoint of its last step was written" if ckpt is not None and ckpt_step == done
+                else ": no final checkpoint was written")
     title = f"run summary: {how} (exit {exit_code})" + (f" in {seconds:.1f} s" if seconds is not None else "")
     lines = [title]
     row = lambda k, v: lines.append(f"  {k:<12} {v}")  # noqa: E731
@@ -169,11 +177,6 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         skipped += f" (last: step {skips[-1].get('step')}, {skips[-1].get('reason')})"
     row("skipped", skipped)
 
-    try:
-        ckpt = last_healthy(run_dir)
-    except Exception:  # noqa: BLE001 - a summary never fails the run's exit
-        ckpt = None
-    ckpt_step = (read_meta(ckpt) or {}).get("step") if ckpt is not None else None
     finished = status in FINISHED
     label = "checkpoint" if finished else "saved"
     if ckpt is None:
