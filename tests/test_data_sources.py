@@ -164,14 +164,14 @@ def test_deeply_nested_row_is_malformed_json_not_a_crash(tmp_path, layout):
     deep = "[" * 100_000 + "]" * 100_000
     good = json.dumps(_conv("kept"))
     if layout == "jsonl":
-        text, kept = "\n".join([good, '{"messages": ' + deep + "}", deep, good]) + "\n", 2
+        text, kept = "\n".join([deep, good, '{"messages": ' + deep + "}", deep, good]) + "\n", 2
     else:
         text, kept = "[" + good + ", " + deep + ", " + good + "]", 1   # the array stops at it
     p = tmp_path / f"deep.{layout}"
     p.write_text(text)
     src = read_source(str(p))
     assert len(src.conversations) == kept
-    assert src.skipped["malformed_json"] == (2 if layout == "jsonl" else 1)
+    assert src.skipped["malformed_json"] == (3 if layout == "jsonl" else 1)
 
 
 def test_lone_surrogate_is_a_skipped_row_not_a_tokenizer_crash(tmp_path):

@@ -172,7 +172,9 @@ def _is_jsonl(text: str) -> bool:
         return False
     try:
         json.loads(first)
-    except (json.JSONDecodeError, RecursionError):
+    except RecursionError:  # a whole row nested too deeply: no array file's first line is that
+        return True
+    except json.JSONDecodeError:
         return False
     return True
 
