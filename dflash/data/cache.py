@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-CACHE_VERSION = 2
-"""Bumped whenever the tokenization code changes what it produces; part of every key."""
+CACHE_VERSION = 3
+"""Bumped whenever the tokenization code changes what it produces; part of every key (3: the
+reader keeps the rows after a JSONL file's array first row, which version 2 cached without)."""
 
 ARRAYS = ("tokens", "loss_mask", "offsets", "source_index")
 
