@@ -163,15 +163,19 @@ def _decode_error(e: Exception) -> str:
     return str(e)
 
 
+_NON_SPACE = re.compile(r"\S")
+
+
 def _is_jsonl(text: str) -> bool:
     """Whether ``text`` (starting with ``[``) is JSONL whose first row is an array: its first
     line is a complete JSON value and more rows follow. A JSON array file spread over lines
     opens with a line that does not parse alone; a one-line array has nothing after it."""
-    first, _, rest = text.lstrip().partition("\n")
-    if not rest.strip():
+    start = len(text) - len(text.lstrip()) if text[:1].isspace() else 0
+    nl = text.find("\n", start)
+    if nl < 0 or _NON_SPACE.search(text, nl + 1) is None:  # no copy of a large array file's rest
         return False
     try:
-        json.loads(first)
+        json.loads(text[start:nl])
     except RecursionError:  # a whole row nested too deeply: no array file's first line is that
         return True
     except json.JSONDecodeError:
