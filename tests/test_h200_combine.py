@@ -185,17 +185,19 @@ def test_the_runs_and_the_kept_2gpu_run():
 
 
 def test_the_command_line_on_the_committed_fastest_run(tmp_path):
-    """The committed SUITE=fastest files (written before bench_h200 measured the fp8 peak): the fp8
-    rows are recomputed against perf.json's fp8 peak, and the goals are those of
-    benchmarks/results/h200.json."""
+    """The committed SUITE=fastest files: the fp8 target row's MFU is against an fp8 peak measured
+    in the same call (the bench run's own, as bench_h200 now measures it; perf.json's for files
+    written before it did), and the goals are those of benchmarks/results/h200.json."""
     out = tmp_path / "h200.json"
     keep = tmp_path / "old.json"
     keep.write_text(json.dumps({"runs": {"2gpu": {"command": "x", "measurements": {}}}}))
     assert main([str(FASTEST), "--keep-2gpu", str(keep), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     perf = json.loads((FASTEST / "perf.json").read_text())["rows"]
-    fp8_peak = perf["matmul_fp8"]["tflops"]
+    bench = json.loads((FASTEST / "h200-fp8.json").read_text())
+    fp8_peak = bench.get("matmul_fp8_tflops") or perf["matmul_fp8"]["tflops"]
     t = doc["rows"]["target_alone_fp8"]
+    assert t["peak"] == "fp8" and math.isclose(t["peak_tflops"], fp8_peak)
     assert math.isclose(t["mfu"], t["tflops"] / fp8_peak) and t["mfu"] < 1 < t["mfu_vs_bf16"]
     # the fp8 run's own measurements carry the same matched MFU (the tables drawn from runs show it)
     m = doc["runs"]["1gpu_fp8"]["measurements"]["target_alone"]
@@ -204,4 +206,5 @@ def test_the_command_line_on_the_committed_fastest_run(tmp_path):
     committed = json.loads((ROOT / "benchmarks" / "results" / "h200.json").read_text())
     for k, g in doc["goals"].items():
         assert g["met"] == committed["goals"][k]["met"] and g["value"] == pytest.approx(committed["goals"][k]["value"]), k
-    assert [doc["goals"][k]["met"] for k in doc["goals"]] == [False, True, True, False, False, False]
+    # bf16 MFU (compiled varlen) met; fp8 1.56x of it missed; drafter met; the pipeline goals missed
+    assert [doc["goals"][k]["met"] for k in doc["goals"]] == [True, False, True, False, False, False]
