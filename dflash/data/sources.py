@@ -131,6 +131,9 @@ def resolve_source(source: str, arg: str | None = None) -> tuple[Path, dict[str,
     return path, identity
 
 
+_NON_SPACE = re.compile(r"\S")
+
+
 def iter_json_array(text: str) -> Iterator[tuple[Any, str | None]]:
     """Yield ``(record, None)`` for each element of the JSON array in ``text``.
 
@@ -146,7 +149,7 @@ def iter_json_array(text: str) -> Iterator[tuple[Any, str | None]]:
             yield None, "unterminated JSON array"
             return
         if text[pos] == "]":
-            if text[pos + 1:].strip():
+            if _NON_SPACE.search(text, pos + 1):
                 yield None, f"extra text after the JSON array's closing ']' at char {pos}"
             return
         try:
@@ -163,14 +166,11 @@ def _decode_error(e: Exception) -> str:
     return str(e)
 
 
-_NON_SPACE = re.compile(r"\S")
-
-
 def _is_jsonl(text: str) -> bool:
     """Whether ``text`` (starting with ``[``) is JSONL whose first row is an array: its first
     line is a complete JSON value and more rows follow. A JSON array file spread over lines
     opens with a line that does not parse alone; a one-line array has nothing after it."""
-    start = len(text) - len(text.lstrip()) if text[:1].isspace() else 0
+    start = _NON_SPACE.search(text).start()  # the caller saw a "[": there is one
     nl = text.find("\n", start)
     if nl < 0 or _NON_SPACE.search(text, nl + 1) is None:  # no copy of a large array file's rest
         return False
@@ -184,7 +184,8 @@ def _is_jsonl(text: str) -> bool:
 
 
 def _iter_records(text: str) -> Iterator[tuple[Any, str | None]]:
-    if text.lstrip()[:1] == "[" and not _is_jsonl(text):
+    first = _NON_SPACE.search(text)  # not text.lstrip(): no copy of a large file's text
+    if first is not None and text[first.start()] == "[" and not _is_jsonl(text):
         yield from iter_json_array(text)
         return
     for line in text.split("\n"):  # not splitlines(): U+2028/U+2029/U+0085 are legal in JSON strings

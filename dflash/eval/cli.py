@@ -53,24 +53,20 @@ from dflash.eval.report import (
 __all__ = ["main"]
 
 
-_UNREAD = object()  # _prompts: the run's [data] table not read yet
-
-
-def _prompts(args, tok, texts: list[str] | None = None, data_cfg=_UNREAD) -> list[list[int]]:
+def _prompts(args, tok, texts: list[str] | None = None, data_cfg=None) -> list[list[int]]:
     """Token ids of the CLI's prompts (module docstring says which conversations); ``texts``: the
     ``--prompts`` file's prompts when the caller has read them already (read here when None);
-    ``data_cfg``: the run's ``[data]`` table (:func:`run_data_config`) when already read.
+    ``data_cfg``: the run's ``[data]`` table (:func:`run_data_config` of the checkpoint, read by the
+    caller before any model loads), None when the checkpoint is not in a run directory.
 
     Raises:
-        EvalInputError: a malformed ``--prompts`` line or an unreadable run ``[data]`` table.
+        EvalInputError: a malformed ``--prompts`` line.
         DataError: an unknown ``--data`` source or a chat template the data path cannot split.
     """
     if args.prompts:
         texts = read_prompt_file(args.prompts) if texts is None else texts
         convs = [[{"role": "user", "content": prompt}] for prompt in texts]
         return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
-    if data_cfg is _UNREAD:
-        data_cfg = run_data_config(Path(args.checkpoint))
     if data_cfg is None:
         print(f"dflash.eval: {args.checkpoint} is not inside a run directory with config.toml: "
               f"using the last {args.num_prompts} conversations of {args.data} (may be training data)",

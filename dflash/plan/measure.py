@@ -45,8 +45,8 @@ class Measured(msgspec.Struct, kw_only=True):
         bottleneck: the stage (or channel) with that capacity.
         config: the run's ``config.toml`` as a dict (the base of the written graph).
         notes: what the reader should know about the inputs (shared devices, defaults used).
-        measured_over: the span ``measured_tok_s`` covers, in words ("the whole stats log", start-up
-            included, or "its last W s"): the run summary's throughput is a mean of its training
+        measured_over: the span ``measured_tok_s`` covers, in words (the whole stats log, start-up
+            included, or its last W s): the run summary's throughput is a mean of its training
             windows instead, so the two differ by the start-up.
     """
 
@@ -56,7 +56,7 @@ class Measured(msgspec.Struct, kw_only=True):
     bottleneck: str
     config: dict[str, Any]
     notes: list[str]
-    measured_over: str = "the whole stats log"
+    measured_over: str
 
 
 def safetensors_bytes(path: Path) -> int:

@@ -203,7 +203,7 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
     if dataset.summary is not None:
         log.info(runlog.data_line(dataset.summary), extra=runlog.FILE_ONLY)  # the terminal got the table
     try:
-        train, heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
+        train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
     except ValueError as exc:
         raise DataError(f"{exc}; lower data.holdout") from exc
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
@@ -242,7 +242,7 @@ def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations (%d more held out for dflash.eval: data.holdout), %s batching: "
              "padding waste %.1f%%, %d batches/epoch",
-             len(train), len(heldout), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
+             len(train), cfg.data.holdout, cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
     metrics.write(StartRecord(config_hash=resolved.config_hash, step=state.start_step, lineage=state.lineage,
                               data=dataset.summary.to_dict(), batching=msgspec.to_builtins(stats)))
     if got is not None:
