@@ -9,7 +9,7 @@ csp graph, with the same threads, streams and host-side choreography:
   so csp's hooks never see it: no event, no ``record_stream``), copies are plain
   ``non_blocking=True``, one pinned staging buffer is refilled at once;
 * ``csp``: the same tensor goes through the channel (event + ``record_stream``), device moves use
-  ``csp.cuda.to_device``, pinned staging uses ``csp.cuda.PinnedPool``.
+  ``csp.cuda.handoff.to_device``, pinned staging uses ``csp.cuda.handoff.PinnedPool``.
 
 Every trial writes a known value (``trial + 1``) and checks it on the far side; ``torch.cuda._sleep``
 keeps one stream busy for ``--window-ms`` so that the race window is far wider than the host-side
@@ -49,7 +49,7 @@ from csp import cuda as ccuda  # noqa: E402
 
 CASES = {
     "d2h_unwaited_read": "GPU->pinned host copy behind a busy producer stream; a host thread reads the "
-                         "copy at once (naive: non_blocking copy; csp: csp.cuda.to_device)",
+                         "copy at once (naive: non_blocking copy; csp: csp.cuda.handoff.to_device)",
     "d2h_source_freed": "a copier stream copies the tensor to the host late; the source is freed and "
                         "the producer's next forward reuses its block (naive: plain hand-off; csp: channel)",
     "h2d_pinned_reuse": "the loader refills its pinned staging memory while the H2D copy is queued "
@@ -57,7 +57,7 @@ CASES = {
     "forward_buffer_reuse": "a consumer stream reads the tensor late; the producer's next forward reuses "
                             "the freed block (naive: plain hand-off; csp: channel)",
     "cross_device": "producer on cuda:0 behind a busy stream, consumer on cuda:1 copies it over "
-                    "(naive: plain hand-off + .to(); csp: channel + csp.cuda.to_device)",
+                    "(naive: plain hand-off + .to(); csp: channel + csp.cuda.handoff.to_device)",
 }
 SLOW_PRODUCER = {"d2h_unwaited_read", "cross_device"}  # the race is a read before the write finished
 LIFETIME = {"d2h_source_freed", "forward_buffer_reuse", "cross_device"}  # the consumer lets go early
@@ -368,7 +368,7 @@ def csan_pipeline(mode: str, cuda: bool) -> dict[str, Any]:
     """A small csp CUDA pipeline for a ``TORCH_CUDA_SANITIZER=1`` run.
 
     Part 1 (main thread, two streams): a tensor written on stream P crosses a channel to stream C
-    and is read there, then H2D through a copy stream and D2H with ``csp.cuda.to_device``. With
+    and is read there, then H2D through a copy stream and D2H with ``csp.cuda.handoff.to_device``. With
     ``mode="naive"`` the tensor is :class:`Hidden` and CSAN must report the read on C (the
     positive control). Part 2 (``csp`` only): every single-GPU race case's csp variant, a few
     trials, each process thread under CSAN's dispatch mode.

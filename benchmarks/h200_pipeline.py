@@ -1,7 +1,7 @@
 """Run the DFlash csp training graph in this process for a fixed number of steps and time it.
 
 Used by ``benchmarks/bench_h200.py``. A run is built exactly as ``python -m dflash.run`` builds it
-(:func:`dflash.run.config.load_config` with ``--set`` overrides, :func:`dflash.run.cli.load_resolved`, :func:`dflash.run.cli.prepare`,
+(:func:`dflash.run.config.load_config` with ``--set`` overrides, :func:`dflash.run.resolve.load_and_resolve`, :func:`dflash.run.prepare.prepare`,
 ``csp.Graph.from_spec``, ``csp.Runtime``), with the monitor logging every step
 (``monitor.window = 1``) so ``metrics.jsonl`` holds one ``train`` record per step.
 
@@ -200,8 +200,9 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
     """
     import csp
     import dflash.run.stages  # noqa: F401  (registers the dflash.* kinds)
-    from dflash.run.cli import load_resolved, prepare
     from dflash.run.config import load_config, to_toml
+    from dflash.run.prepare import prepare
+    from dflash.run.resolve import load_and_resolve
 
     total = warmup + timed
     sets = [*overrides, *BENCH_SETTINGS, f"run.out_dir={run_dir}", f"run.steps={total + SLACK_STEPS}",
@@ -216,7 +217,7 @@ def run_pipeline(graph_file: Path, overrides: list[str], run_dir: Path, *, warmu
     run_dir.mkdir(parents=True)
     (run_dir / "config.toml").write_bytes(to_toml(cfg))
     torch.manual_seed(cfg.run.seed)
-    resolved, tok = load_resolved(cfg)
+    resolved, tok = load_and_resolve(cfg)
     app = prepare(resolved, "none", tok)
     graph = csp.Graph.from_spec(cfg)
     # join_timeout_s: after the abort the drafter's teardown finishes an in-flight checkpoint first

@@ -273,7 +273,7 @@ def _drafter_input(app: Any, out: Any, device: torch.device) -> Any:
     import csp
     from dflash.model.features import to_drafter_input
 
-    out = csp.cuda.to_device(out, device) if device != out.layer_hidden.device else out
+    out = csp.cuda.handoff.to_device(out, device) if device != out.layer_hidden.device else out
     return to_drafter_input(out, feature_noise=app.resolved.cfg.train.feature_noise, seed=app.resolved.cfg.run.seed)
 
 
@@ -368,9 +368,10 @@ def scratch_app(graph_file: Path, overrides: list[str], run_dir: Path) -> Any:
     """The prepared run objects (config with tokenizer-derived fields, data, drafter config) for the
     measurements outside csp, from the same graph file and overrides as the pipeline runs."""
     from benchmarks.h200_pipeline import BENCH_SETTINGS
-    from dflash.run.cli import load_resolved, prepare
     from dflash.run.config import load_config
+    from dflash.run.prepare import prepare
+    from dflash.run.resolve import load_and_resolve
 
     cfg = load_config(graph_file, [*overrides, *BENCH_SETTINGS, f"run.out_dir={run_dir}"])
-    resolved, tok = load_resolved(cfg)
+    resolved, tok = load_and_resolve(cfg)
     return prepare(resolved, "none", tok)

@@ -26,7 +26,7 @@ class                   also a                 raised by
 ``NoEventLoop``         ``RuntimeError``       ``asend``/``areceive`` outside an asyncio event loop
 ``RegistryError``       ``ValueError``         ``csp.register``: an invalid kind, or one already taken
 ``NotAProcess``         ``TypeError``          ``csp.register``: not a ``csp.Process`` subclass
-``PinnedPoolError``     ``ValueError``         ``csp.cuda.PinnedPool``: ``max_bytes`` or a request too big
+``PinnedPoolError``     ``ValueError``         ``csp.cuda.handoff.PinnedPool``: ``max_bytes`` or a request too big
 ``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
 ``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
 ``DistConfigError``     ``ValueError``         ``csp.dist``: an argument out of range (``peer_timeout_s < 0``)
@@ -34,7 +34,7 @@ class                   also a                 raised by
 ``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
 ``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
 ``StatsNotFound``       ``FileNotFoundError``  reading a directory that has no stats log
-``DotNotFound``         ``RuntimeError``       ``csp.draw``: Graphviz's ``dot`` is not on PATH
+``DotNotFound``         ``RuntimeError``       ``csp.observe.draw``: Graphviz's ``dot`` is not on PATH
 ======================  =====================  =============================================================
 
 What stays a builtin, and why (``tests/test_errors.py`` walks every ``raise`` in csp and checks
@@ -176,7 +176,7 @@ class NotAProcess(CspError, TypeError):
 
 
 class PinnedPoolError(CspError, ValueError):
-    """A ``csp.cuda.PinnedPool`` size is out of range (``max_bytes`` too small, or a request
+    """A ``csp.cuda.handoff.PinnedPool`` size is out of range (``max_bytes`` too small, or a request
     larger than ``max_bytes``)."""
 
 

@@ -6,8 +6,8 @@ receivers waited, and its items/s and bytes/s; per process replica and per proce
 fraction of alive time spent busy, waiting for input and blocked on output; a one-line verdict
 starting with ``bottleneck:`` (``deadlock:`` for a run stopped as deadlocked); and what-if lines:
 the items/s predicted with one more replica of the slowest stages, and where the bottleneck moves
-(:mod:`csp.whatif`). How each number is normalised, and the bottleneck rule, are in
-:mod:`csp.backpressure`.
+(:mod:`csp.observe.whatif`). How each number is normalised, and the bottleneck rule, are in
+:mod:`csp.observe.backpressure`.
 
 Usage::
 
@@ -19,7 +19,7 @@ Usage::
 On a terminal the report is a rich table (a rich Live view with ``--follow``); when stdout is not a
 terminal it is plain text, and ``--follow`` prints one verdict line per refresh, then the report.
 Exit status: 0, or 2 when the stats log is missing or malformed, the file given is not a stats log
-(a graph file, a trace), or an option is bad (e.g. ``--window 0``). Rates are human-readable (``37K`` items/s, ``1.2 GB/s``, :mod:`csp.units`).
+(a graph file, a trace), or an option is bad (e.g. ``--window 0``). Rates are human-readable (``37K`` items/s, ``1.2 GB/s``, :mod:`csp.observe.units`).
 """
 
 from __future__ import annotations
@@ -35,11 +35,18 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from csp.backpressure import (ChannelSummary, StatsFormatError, StatsReader, Summary, read_stats, stats_path,
-                              summarize)
 from csp.cli import make_parser, positive_float
-from csp.units import bytes_rate, count
-from csp.whatif import fit, what_if_lines
+from csp.observe.backpressure import (
+    ChannelSummary,
+    StatsFormatError,
+    StatsReader,
+    Summary,
+    read_stats,
+    stats_path,
+    summarize,
+)
+from csp.observe.units import bytes_rate, count
+from csp.observe.whatif import fit, what_if_lines
 
 
 def _bytes(c: ChannelSummary) -> str:
@@ -91,7 +98,7 @@ def _plain_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _what_if(summary: Summary) -> list[str]:
-    """The what-if lines (:mod:`csp.whatif`); none for a deadlocked run (nothing moves)."""
+    """The what-if lines (:mod:`csp.observe.whatif`); none for a deadlocked run (nothing moves)."""
     return [] if summary.verdict.deadlock else what_if_lines(fit(summary))
 
 
@@ -125,7 +132,7 @@ def render_rich(summary: Summary, source: str = "run") -> Group:
 
 
 def report(run: str | Path, *, window_s: float | None = None) -> Summary:
-    """The summary of a run directory or stats file (see :func:`csp.backpressure.summarize`)."""
+    """The summary of a run directory or stats file (see :func:`csp.observe.backpressure.summarize`)."""
     return summarize(read_stats(run), window_s)
 
 

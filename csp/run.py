@@ -24,8 +24,7 @@ from typing import Sequence
 from csp.cli import make_parser
 from csp.errors import GraphError, ProcessFailed, ProcessStuck
 from csp.graph import Graph, load_spec
-from csp.runtime import EXIT_BAD_GRAPH, EXIT_FAILED, EXIT_STUCK, Runtime
-
+from csp.runtime.engine import EXIT_BAD_GRAPH, EXIT_FAILED, EXIT_STUCK, Runtime
 
 EXIT_CODES = {
     0: "completed",

@@ -281,7 +281,7 @@ def test_abort_drops_buffered_items():
 
 # ---- custom ends (the hook csp.dist builds on) --------------------------------------------------
 def test_channel_state_carries_custom_ends():
-    from csp.channel import channel_state
+    from csp.core.channel import channel_state
 
     class Tagged(csp.Sender):
         __slots__ = ()

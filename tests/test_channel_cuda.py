@@ -1,4 +1,4 @@
-"""csp.cuda: the channel hand-off hooks, device moves and the pinned pool.
+"""csp.cuda.handoff: the channel hand-off hooks, device moves and the pinned pool.
 
 The CPU tests check the walk, the container rebuilding and the pool's bookkeeping; the tests
 marked ``gpu`` check stream ordering and memory lifetime on a CUDA device (run on the H200).

@@ -176,7 +176,7 @@ def test_a_head_leaves_the_backbone_init_and_hidden_states_unchanged(setup):  # 
 def test_checkpoint_and_optimizer_carry_the_head(tmp_path, setup):  # noqa: F811
     from dflash.checkpoint.model_files import load_drafter, save_drafter
     from dflash.model.target import TargetConfig
-    from dflash.run.config import TrainSection
+    from dflash.train.config import TrainSection
     from dflash.train.optim import make_optimizer
 
     d = with_head(setup["dcfg"])

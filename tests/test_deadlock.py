@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 import csp
-from csp.backpressure import summarize
-from csp.stats_reader import read_stats
+from csp.observe.backpressure import summarize
+from csp.observe.stats_reader import read_stats
 
 pytestmark = pytest.mark.timeout(30)
 

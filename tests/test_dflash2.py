@@ -262,9 +262,10 @@ def test_dflash2_train_step_has_exactly_one_host_read(target, batch, tmp_path):
     from dflash.data import TokenizerInfo
     from dflash.observe.metrics_writer import MetricsLog
     from dflash.run.app import ResumeState, RunApp
-    from dflash.run.config import DFlashFile, RunSection, TrainSection
+    from dflash.run.config import DFlashFile, RunSection
     from dflash.run.resolve import resolve
     from dflash.run.stages.trainer import DrafterStage
+    from dflash.train.config import TrainSection
     from tests.sync_probe import device_syncs
     from tests.test_step_sync import drafter_input
 

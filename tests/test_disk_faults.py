@@ -11,9 +11,10 @@ from collections import namedtuple
 import pytest
 
 from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
+from dflash.checkpoint.config import checkpoint_bytes
 from dflash.errors import ConfigError
 from dflash.run.cli import EXIT_DISK_FULL, main
-from dflash.run.preflight import check_run_dir, checkpoint_bytes, disk_space_warnings
+from dflash.run.validate import check_run_dir, disk_space_warnings
 from tests.test_run_e2e import small
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,7 +84,7 @@ def test_a_read_only_filesystem_is_named(tmp_path, monkeypatch):
 
 def test_acquire_run_lock_turns_os_errors_into_one_line(tmp_path):
     """Invariant: acquire_run_lock itself never lets an OSError out (a race after the check)."""
-    from dflash.run.cli import acquire_run_lock
+    from dflash.run.run_dir import acquire_run_lock
 
     f = tmp_path / "f"
     f.write_text("x")
@@ -97,10 +98,11 @@ def test_free_space_short_of_the_checkpoints_warns(tmp_path, monkeypatch):
     import shutil
 
     from dflash.run.config import load_config
-    from dflash.run.preflight import check_model_shapes
+    from dflash.run.resolve import resolve_drafter, target_hf_config
     from tests.test_run_e2e import GRAPH
 
-    drafter = check_model_shapes(load_config(GRAPH))
+    cfg = load_config(GRAPH)
+    drafter = resolve_drafter(cfg, target_hf_config(cfg.target))
     one = checkpoint_bytes(drafter)
     assert one > 4 * 1000  # fp32 weights and two AdamW moments of a real drafter
     usage = shutil.disk_usage(tmp_path)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from csp.stats import ChannelStatistics
+from csp.core.stats import ChannelStatistics
 from dflash.observe.display import TrainingDisplay, format_line, make_display
 
 

@@ -107,7 +107,7 @@ def test_a_lost_host_stops_the_survivors_naming_it_and_the_run_resumes(tmp_path)
     finally:
         _kill_node(procs)
     out = (logs / "node0.log").read_text()
-    assert rc == 1, out  # csp.runtime.EXIT_FAILED, passed on by torchrun's agent
+    assert rc == 1, out  # csp.runtime.engine.EXIT_FAILED, passed on by torchrun's agent
     assert stopped_s < STOP_BOUND_S
     survivor_rank = 1 - lost_ranks[0]
     errors = [ln for ln in out.splitlines() if ln.startswith(f"rank {survivor_rank}: error:")]

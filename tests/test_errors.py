@@ -12,7 +12,7 @@ import pytest
 
 import csp
 import csp.errors
-from csp.registry import Registry
+from csp.core.registry import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 # builtins csp raises on purpose (csp/errors.py's docstring says why): Python protocols, argparse's
@@ -121,7 +121,7 @@ def test_register_errors_are_csp_errors_and_their_builtins():
 
 
 def test_pinned_pool_errors_are_csp_errors_and_their_builtins():
-    from csp.cuda import PinnedPool
+    from csp.cuda.handoff import PinnedPool
 
     with pytest.raises(ValueError) as small:
         PinnedPool(max_bytes=1)
@@ -138,7 +138,7 @@ def test_pinned_pool_errors_are_csp_errors_and_their_builtins():
 
 
 def test_stats_reading_errors_are_csp_errors(tmp_path):
-    from csp.backpressure import read_stats
+    from csp.observe.backpressure import read_stats
 
     with pytest.raises(FileNotFoundError) as missing:
         read_stats(tmp_path)

@@ -1,4 +1,4 @@
-"""csp.inspect / csp.backpressure: exact parsing of recorded stats logs, the bottleneck rule, and
+"""csp.inspect / csp.observe.backpressure: exact parsing of recorded stats logs, the bottleneck rule, and
 synthetic graphs run with the real runtime whose bottleneck is known by construction."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import msgspec
 import pytest
 
 import csp
-from csp.backpressure import StatsFormatError, StatsReader, read_stats, summarize
 from csp.inspect import follow, main, render_plain, report
+from csp.observe.backpressure import StatsFormatError, StatsReader, read_stats, summarize
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runs"
 
@@ -311,7 +311,7 @@ def test_head_of_line_verdict_from_averages_when_no_stage_is_busy():
     50% and the buffer was non-empty >= 83% of the time, so both held >= 33%: only an ordered channel
     can do that. Invariant: the verdict names 'tokens' instead of "none clear"; with a slow replica
     among its writers, it names that replica."""
-    from csp.backpressure import (
+    from csp.observe.backpressure import (
         ChannelSummary,
         GraphInfo,
         ProcessSummary,
@@ -406,7 +406,7 @@ def test_window_zero_is_a_usage_error_not_a_traceback(capsys):
 def test_rates_are_human_readable(capsys):
     """Regression: rates read ``3.7e+04`` items/s. Invariant: SI prefixes (37K items/s, 1.2 GB/s), a
     decimal only below 10, and "-" for bytes of items without tensors instead of "0 B/s"."""
-    from csp.units import bytes_rate, count, rate
+    from csp.observe.units import bytes_rate, count, rate
 
     assert [count(x) for x in (0, 0.05, 9.5, 41.3, 999.97, 3700, 37_400, 374_000, 1.2e6)] == \
         ["0", "0.05", "9.5", "41", "1.0K", "3.7K", "37K", "374K", "1.2M"]

@@ -46,7 +46,7 @@ FLOORS = {
 
 # Modules imported alone in a fresh interpreter (no hidden dependency on import order): every
 # package __init__, the leaves, and one module per room that pulls in most of its room.
-FRESH = ("csp", "csp.graph", "csp.dist", "csp.backpressure", "csp.stats_reader", "csp.dist.bridge",
+FRESH = ("csp", "csp.graph", "csp.dist", "csp.observe.backpressure", "csp.observe.stats_reader", "csp.dist.bridge",
          "csp.dist.crossing", "dflash", "dflash.errors", "dflash.messages", "dflash.records", "dflash.seeding",
          "dflash.data", "dflash.data.prompts", "dflash.model", "dflash.model.target", "dflash.model.drafter",
          "dflash.model.layer_ids", "dflash.checkpoint", "dflash.checkpoint.model_files", "dflash.train",

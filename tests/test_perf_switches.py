@@ -221,9 +221,22 @@ def test_config_hash_unchanged_when_switches_are_default():
         assert config_hash(_cfg(*defaults, s)) != "5e292ff0d990de03", s
 
 
-def test_preflight_refuses_fused_head_with_kl_and_cpu_engines(monkeypatch):
-    from dflash.run.preflight import check_fast_paths
+def check_fast_paths(cfg):
+    """The rules of the fast paths, as dflash.run.validate runs them: the drafter's kernels, the
+    fused LM head against the loss, the target's engine against its devices."""
+    from dflash.model.drafter_config import check_drafter_devices
+    from dflash.model.target_config import check_target_devices
+    from dflash.run.resolve import resolve_drafter, target_hf_config
+    from dflash.run.validate import devices_of
+    from dflash.train.config import check_train
 
+    drafter = resolve_drafter(cfg, target_hf_config(cfg.target))
+    check_drafter_devices(drafter, devices_of(cfg, "dflash.drafter"))
+    check_train(cfg.train, cfg.loss, drafter, devices_of(cfg, "dflash.drafter"))
+    check_target_devices(cfg.target, devices_of(cfg, "dflash.target"))
+
+
+def test_validate_refuses_fused_head_with_kl_and_cpu_engines(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: types.SimpleNamespace() if n in ("liger_kernel", "torchao") else real(n, *a))

@@ -1,4 +1,4 @@
-"""dflash.run.preflight through ``python -m dflash.run``: cross-table config errors are one line, exit 2,
+"""dflash.run.validate through ``python -m dflash.run``: cross-table config errors are one line, exit 2,
 and come before any data work (no tokenization, no cache, no run directory)."""
 
 from __future__ import annotations
@@ -9,12 +9,20 @@ from pathlib import Path
 import pytest
 
 from dflash.errors import ConfigError
+from dflash.observe.config import check_monitor
 from dflash.run.cli import main
 from dflash.run.config import load_config
-from dflash.run.preflight import check_monitor_backend, preflight
+from dflash.run.resolve import load_and_resolve
+from dflash.run.validate import validate
 from tests.test_run_e2e import GRAPH, small
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def preflight(cfg) -> list[str]:
+    """What ``python -m dflash.run`` checks before any data work: resolve, then validate."""
+    resolved, _ = load_and_resolve(cfg)
+    return validate(resolved, launched=False, resume="none")
 
 
 @pytest.fixture
@@ -82,7 +90,7 @@ def test_missing_wandb_is_a_config_error_naming_the_key(tmp_path, capsys, no_dat
     assert "monitor.wandb = \"disabled\"" in err and "pip install wandb" in err
     assert not run.exists() and not cache.exists()
     cfg = load_config(GRAPH, ["monitor.wandb=disabled"])
-    check_monitor_backend(cfg)                              # "disabled" never needs wandb
+    check_monitor(cfg.monitor)                              # "disabled" never needs wandb
 
 
 def test_default_graph_passes_preflight():

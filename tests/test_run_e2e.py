@@ -280,7 +280,7 @@ def test_data_parallel_drafters_need_torchrun(tmp_path, cache_dir, capsys):
 
 
 def test_two_runs_cannot_share_a_run_directory(tmp_path, cache_dir, capsys):
-    from dflash.run.cli import acquire_run_lock
+    from dflash.run.run_dir import acquire_run_lock
 
     run = tmp_path / "run"
     held = acquire_run_lock(run)  # as if another dflash.run were training there
@@ -456,7 +456,7 @@ def test_earlier_segments_keep_distinct_names_when_they_end_at_the_same_step(tmp
     """Invariant: a segment's csp stats and trace moved aside never overwrite an earlier
     segment's, even when both segments were followed by a start from the same step (two fresh
     starts, or two resumes from one checkpoint); stats and trace of one segment share a name."""
-    from dflash.run.cli import keep_previous_observability
+    from dflash.run.run_dir import keep_previous_observability
 
     csp_dir = tmp_path / "csp"
     csp_dir.mkdir()

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import csp
-import csp.runtime
+import csp.runtime.engine
 from dflash.run.cli import main
 from dflash.run.stages.postprocess import PostprocessStage
 from tests.test_run_e2e import ROOT, cache_dir, records, small  # noqa: F401  (cache_dir: a fixture)
@@ -109,7 +109,7 @@ def test_a_stage_stuck_outside_channel_calls_is_one_line_and_exit_3(tmp_path, ca
     import os
     import signal
 
-    monkeypatch.setattr(csp.runtime, "JOIN_TIMEOUT_S", 2.0)  # the other stages stop well within it
+    monkeypatch.setattr(csp.runtime.engine, "JOIN_TIMEOUT_S", 2.0)  # the other stages stop well within it
     STUCK_RELEASE.clear(), STUCK_INSIDE.clear()
 
     def driver():

@@ -360,9 +360,9 @@ def test_csp_run_cli_stuck_process_is_one_line_and_exit_3(tmp_path, capsys, monk
     traceback, exit 1. Invariant: one 'error:' line naming the process, exit code 3 (EXIT_STUCK,
     documented in --help)."""
     import csp.run
-    import csp.runtime
+    import csp.runtime.engine
 
-    monkeypatch.setattr(csp.runtime, "JOIN_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(csp.runtime.engine, "JOIN_TIMEOUT_S", 0.2)
     graph = tmp_path / "g.toml"
     graph.write_text('[[channel]]\nname = "a"\ncapacity = 2\n\n'
                      '[[process]]\nname = "tick"\nkind = "tests.test_runtime:CliTicker"\noutputs = { out = "a" }\n\n'
@@ -384,7 +384,7 @@ def test_csp_run_cli_stuck_process_is_one_line_and_exit_3(tmp_path, capsys, monk
         for th in threading.enumerate():
             if th.name == "stuck[0]":
                 th.join(10)
-    assert code == csp.runtime.EXIT_STUCK == 3
+    assert code == csp.runtime.engine.EXIT_STUCK == 3
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "process stuck[0] did not stop within 0.2 s" in err[0]
     assert "3    a process did not stop" in csp.run.build_parser().format_help()

@@ -122,9 +122,10 @@ def drafter_stage(tmp_path, sync_free: bool):
     from dflash.data import TokenizerInfo
     from dflash.observe.metrics_writer import MetricsLog
     from dflash.run.app import ResumeState, RunApp
-    from dflash.run.config import DFlashFile, RunSection, TrainSection
+    from dflash.run.config import DFlashFile, RunSection
     from dflash.run.resolve import resolve
     from dflash.run.stages.trainer import DrafterStage
+    from dflash.train.config import TrainSection
 
     cfg = DFlashFile(run=RunSection(name="t", out_dir=str(tmp_path), steps=4),
                      target=TargetConfig(preset="tiny", seed=5, vocab_size=200),

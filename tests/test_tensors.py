@@ -1,4 +1,4 @@
-"""csp.tensors: the one walker over nested items of tensors (map_tensors, iter_tensors)."""
+"""csp.cuda.tensors: the one walker over nested items of tensors (map_tensors, iter_tensors)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import collections
 import msgspec
 import torch
 
-from csp.tensors import Index, iter_tensors, map_tensors
+from csp.cuda.tensors import Index, iter_tensors, map_tensors
 
 
 class Msg(msgspec.Struct, frozen=True):

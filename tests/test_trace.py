@@ -14,9 +14,9 @@ import msgspec
 import pytest
 
 import csp
-from csp.process import NULL_SPAN
-from csp.statslog import StatsWriter
-from csp.trace import Tracer
+from csp.core.process import NULL_SPAN
+from csp.observe.statslog import StatsWriter
+from csp.observe.trace import Tracer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The what-if model (csp.whatif): its arithmetic on a hand-made summary, and its prediction for
+"""The what-if model (csp.observe.whatif): its arithmetic on a hand-made summary, and its prediction for
 the text pipeline checked against a measured run with one more replica."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import csp
-from csp.backpressure import summarize
-from csp.stats_reader import read_stats
-from csp.whatif import fit, predict, what_if_lines
+from csp.observe.backpressure import summarize
+from csp.observe.stats_reader import read_stats
+from csp.observe.whatif import fit, predict, what_if_lines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +54,7 @@ def test_model_arithmetic_on_a_summary():
     """Invariant: capacity = replicas x reference items / busy replica-seconds; the prediction
     scales the measured throughput by the ratio of min capacities, so a non-bottleneck gets +0%;
     a link-bound channel caps it."""
-    from csp.backpressure import ChannelSummary, ProcessSummary, ReplicaSummary, Summary, Verdict
+    from csp.observe.backpressure import ChannelSummary, ProcessSummary, ReplicaSummary, Summary, Verdict
 
     def proc(name, reps, busy, alive, rate_in, rate_out):
         rs = [ReplicaSummary(qualname=f"{name}[{i}]", name=name, replica=i, state="done", alive_s=alive,

@@ -80,7 +80,7 @@ class Hub:
         """The Runtime's ``channel_factory``: a plain channel unless ``name`` crosses ranks."""
         plan = self.placement.channels.get(name)
         if plan is None or not plan.crosses:
-            from csp.channel import channel
+            from csp.core.channel import channel
 
             return channel(item_type, capacity, name, ordered)
         x = CrossChannel(self, name, item_type, capacity, ordered, plan.links)

@@ -7,19 +7,34 @@ The protocol (credits, end of stream, gone links) is described in :mod:`csp.dist
 
 from __future__ import annotations
 
+import queue
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from csp.channel import ChannelState, ItemCheck, Receiver, Sender, channel_state
+from csp.core.channel import ChannelState, ItemCheck, Receiver, Sender, channel_state
+from csp.core.stats import ChannelStatistics
 from csp.dist.placement import Link
 from csp.dist.wire import GONE, ITEM
 from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, PeerGone
-from csp.stats import ChannelStatistics
 
-if TYPE_CHECKING:
-    from csp.dist.bridge import Hub
+__all__ = ["CrossChannel", "DistReceiver", "DistSender", "Hub"]
 
-__all__ = ["CrossChannel", "DistReceiver", "DistSender"]
+
+class Hub(Protocol):
+    """What a crossing channel needs of its rank's hub (:class:`csp.dist.bridge.Hub` is the one):
+    declared here so the bridge imports the crossing halves and never the other way round."""
+
+    rank: int
+    inq: dict[int, queue.SimpleQueue]
+
+    def notify(self) -> None: ...
+    def acquire(self, x: CrossChannel) -> Link | None: ...
+    def refund(self, link: Link) -> None: ...
+    def taken(self, link_id: int) -> None: ...
+    def post(self, peer: int, msg: tuple) -> None: ...
+    def end_link(self, link: Link) -> None: ...
+    def fail(self, message: str) -> None: ...
+    def local_abort(self, reason: str) -> None: ...
 
 
 class DistSender(Sender):
@@ -104,7 +119,7 @@ class DistReceiver(Receiver):
 class CrossChannel:
     """The two local halves of one crossing channel on this rank, with its pump and feeders."""
 
-    def __init__(self, hub: "Hub", name: str, item_type: Any, capacity: int, ordered: bool,
+    def __init__(self, hub: Hub, name: str, item_type: Any, capacity: int, ordered: bool,
                  links: list[Link]) -> None:
         rank = hub.rank
         self.hub, self.name, self.item_type, self.capacity = hub, name, item_type, capacity

@@ -39,7 +39,7 @@ from csp.dist.placement import Placement, place
 from csp.dist.wire import LaneReader, LaneWriter
 from csp.errors import DistError, ProcessFailed, ProcessStuck
 from csp.graph import Graph
-from csp.runtime import EXIT_FAILED, Runtime
+from csp.runtime.engine import EXIT_FAILED, Runtime
 
 __all__ = ["DistResult", "DistRun", "current", "hard_exit", "launched", "process_group", "run"]
 

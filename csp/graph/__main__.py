@@ -1,5 +1,5 @@
-"""``python -m csp.graph GRAPH.toml -o graph.svg``: draw a graph file (see :mod:`csp.draw`)."""
+"""``python -m csp.graph GRAPH.toml -o graph.svg``: draw a graph file (see :mod:`csp.observe.draw`)."""
 
-from csp.draw import main
+from csp.observe.draw import main
 
 raise SystemExit(main())

@@ -11,13 +11,14 @@ from typing import Any, Iterable
 
 import msgspec
 
+from csp.core.process import Process
+from csp.core.registry import Registry
+from csp.core.registry import registry as default_registry
 from csp.errors import GraphError
 from csp.graph.nodes import ChannelNode, ProcessNode
 from csp.graph.plugins import import_plugins
 from csp.graph.schema import GraphSpec, RuntimeSpec, TraceSpec
 from csp.graph.validation import check_wiring
-from csp.process import Process
-from csp.registry import Registry, registry as default_registry
 
 
 class Graph:

@@ -6,11 +6,11 @@ change. :meth:`csp.Graph.validate` calls :func:`check_wiring`.
 
 from __future__ import annotations
 
+from csp.core.process import is_async
 from csp.errors import GraphError
 from csp.graph.devices import check_device
 from csp.graph.nodes import ChannelNode, ProcessNode
 from csp.graph.port_types import compatible, type_name
-from csp.process import is_async
 
 
 def check_wiring(processes: dict[str, ProcessNode], channels: dict[str, ChannelNode]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from csp.tensors import iter_tensors, map_tensors
+from csp.cuda.tensors import iter_tensors, map_tensors
 from dflash.errors import CheckpointError
 
 PREFIX = "step_"
@@ -209,7 +209,7 @@ def nonfinite_tensors(tree: Any, path: str = "") -> list[str]:
 
 
 def slash_path(path: tuple, prefix: str = "") -> str:
-    """``/optimizer/state/0`` for the :func:`csp.tensors.iter_tensors` path ``("optimizer", "state", 0)``."""
+    """``/optimizer/state/0`` for the :func:`csp.cuda.tensors.iter_tensors` path ``("optimizer", "state", 0)``."""
     return prefix + "".join(f"/{key}" for key in path)
 
 

@@ -49,7 +49,7 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
-from csp.tensors import map_tensors
+from csp.cuda.tensors import map_tensors
 from dflash.checkpoint.files import device_of, fsync_dir, usual_mode, write_json
 from dflash.checkpoint.format import (
     META,

@@ -9,7 +9,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from dflash.errors import DataError  # noqa: F401 - the data path raises it; dflash.data re-exports it
+from dflash.errors import (
+    ConfigError,
+    DataError,  # noqa: F401 - the data path raises it; dflash.data re-exports it
+)
 
 Strategy = Literal["sorted", "random", "bucketed", "packed"]
 Reasoning = Literal["train", "context", "drop"]
@@ -102,3 +105,19 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def resolved_workers(self) -> int:
         """``num_workers`` or 1 (this process)."""
         return self.num_workers or 1
+
+
+def check_block_fits(cfg: DataConfig) -> None:
+    """A conversation is kept only with at least ``2 * block_size`` loss tokens within
+    ``max_length`` tokens (:mod:`dflash.data.chat`), so a larger block leaves no data. Checked on the
+    resolved table, whose ``block_size`` is the drafter's.
+
+    Raises:
+        ConfigError: ``2 * block_size > max_length``.
+    """
+    bs, max_len = cfg.block_size, cfg.max_length
+    if 2 * bs > max_len:
+        raise ConfigError(
+            f"drafter.block_size = {bs} leaves no usable conversation: each needs at least 2 x {bs} "
+            f"loss tokens, more than data.max_length = {max_len} tokens can hold; lower "
+            f"drafter.block_size (16 is the DFlash default) or raise data.max_length to >= {2 * bs}")

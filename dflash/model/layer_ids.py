@@ -5,7 +5,7 @@ Layer ids are 0-based decoder layer indices; the captured tensor is that decoder
 ``extract_context_feature`` and SpecForge read. For the last layer (``i = L - 1``) it is not:
 transformers' ``hidden_states[L]`` is taken *after* the final norm (they differ by tens), and
 vLLM speculators reject that layer outright. So a new run may not list the last layer
-(:func:`check_not_last_layer`, raised by ``dflash.run``'s preflight): rejecting it, rather than
+(:func:`check_not_last_layer`, raised while ``dflash.run`` resolves the drafter): rejecting it, rather than
 capturing the post-norm tensor, keeps every export decoding right in z-lab's loop *and* in the
 stacks that refuse the layer. Checkpoints trained on it before still load (``dflash.export``
 warns).

@@ -102,6 +102,37 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"target.vocab_size must be >= 1, got {self.vocab_size}")
 
+    @property
+    def tokenizer_source(self) -> str:
+        """Where the target's tokenizer is loaded from (:func:`dflash.data.load_tokenizer`): ``tokenizer``
+        when set, else the model directory ``path``, else the builtin tokenizer of the preset targets."""
+        return self.tokenizer or self.path or "builtin:tiny"
+
+
+def check_target_devices(cfg: TargetConfig, devices: list[str]) -> None:
+    """The target's fast paths against the installed packages and where the graph runs the target.
+
+    Args:
+        devices: the device of every target replica ("cpu" where the graph gives none).
+
+    Raises:
+        ConfigError: ``target.quantization = "fp8"`` without torchao, or ``quantization = "fp8"`` /
+            ``attn_implementation = "varlen"`` on a CPU target (both are CUDA kernels).
+    """
+    import importlib.util
+
+    from dflash.errors import ConfigError
+
+    if cfg.quantization == "fp8" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError("target.quantization = \"fp8\" needs the torchao package (pip install torchao); "
+                          "set target.quantization = \"none\"")
+    engine = [f"target.quantization = \"{cfg.quantization}\""] if cfg.quantization != "none" else []
+    engine += ["target.attn_implementation = \"varlen\""] if cfg.attn_implementation == "varlen" else []
+    cpu = [x for x in devices if not x.startswith("cuda")]
+    if engine and cpu:
+        raise ConfigError(f"{engine[0]} runs on CUDA only, but process 'target' runs on {cpu[0]}; "
+                          "put the target on a cuda:N device or leave the setting at its default")
+
 
 def for_generation(cfg: TargetConfig) -> TargetConfig:
     """``cfg`` with ``attn_implementation = "sdpa"``: the target as token-by-token generation runs it

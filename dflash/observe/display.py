@@ -3,7 +3,7 @@
 The monitor stage calls :meth:`TrainingDisplay.update` once per logged window with the ``train``
 record it wrote to ``metrics.jsonl`` (keys as in ``docs/architecture.md``: ``step``, ``loss``,
 ``tau_sim`` (tokens per verify step), ``accepted_sim``, ``target_tok_s``, ``drafter_tok_s``, ``lr``, ``skipped_total``, ``time``) and the
-current :class:`csp.stats.ChannelStatistics` of the graph's channels.
+current :class:`csp.core.stats.ChannelStatistics` of the graph's channels.
 
 * On a terminal it is a rich ``Live`` view repainted by rich's own thread at ``refresh_per_second``
   (default 4 Hz). ``update`` only swaps the renderable (no repaint, no I/O), so it costs

@@ -4,7 +4,7 @@ predicted tok/s from a finished run's measurements, and the best one written as 
 The model (each term a number the plan prints or a stated default):
 
 * **Stage rates measured alone.** One target replica's and one drafter replica's tokens/s, from
-  the run's busy time per stage (:func:`csp.whatif.fit`: capacity = replicas x batches / busy
+  the run's busy time per stage (:func:`csp.observe.whatif.fit`: capacity = replicas x batches / busy
   replica-seconds), times the real tokens per batch (``data.tokens_per_batch`` less the padding
   ``metrics.jsonl`` reports). A run whose target and drafter shared a device measured *shared*
   rates; ``--target-tok-s`` / ``--drafter-tok-s`` give rates measured alone instead.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from csp.cli import make_parser, positive_float, positive_int
-from csp.units import count
+from csp.observe.units import count
 from dflash.plan.model import Layout, colocated, layouts
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The model's inputs from a finished run directory: ``csp/stats.jsonl`` (busy time per stage, bytes
 per channel), ``metrics.jsonl`` (padding), ``config.toml`` (the graph, the batch) and the newest
-checkpoint (the drafter's size). Stage capacities come from :func:`csp.whatif.fit`, converted from
+checkpoint (the drafter's size). Stage capacities come from :func:`csp.observe.whatif.fit`, converted from
 batches/s to tokens/s with the real tokens per batch."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import msgspec
 
-from csp.backpressure import StatsFormatError, read_stats, summarize
 from csp.errors import GraphError
 from csp.graph.load import read_toml
-from csp.whatif import fit
+from csp.observe.backpressure import StatsFormatError, read_stats, summarize
+from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
 

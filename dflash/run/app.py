@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash.observe.metrics_writer import MetricsLog
-
-if TYPE_CHECKING:
-    from dflash.run.resolve import Resolved
+from dflash.run.resolve import Resolved
 
 __all__ = ["ResumeState", "RunApp"]
 

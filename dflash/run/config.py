@@ -2,10 +2,11 @@
 
 Every table is a msgspec Struct with unknown keys forbidden, so a typo is reported with its path
 (``Object contains unknown field 'lr_peak' - at $.train``) before anything starts. Each component
-owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]`` is
-:class:`dflash.model.target.TargetConfig`, ``[drafter]`` :class:`dflash.model.drafter.DrafterConfig`, ``[loss]``
-:class:`dflash.train.loss.LossConfig`; this module adds ``[run]``, ``[train]``, ``[checkpoint]`` and
-``[monitor]``.
+owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]``
+:class:`dflash.model.target.TargetConfig`, ``[drafter]`` :class:`dflash.model.drafter_config.DrafterConfig`,
+``[loss]`` :class:`dflash.train.loss.LossConfig`, ``[train]`` :class:`dflash.train.config.TrainSection`,
+``[checkpoint]`` :class:`dflash.checkpoint.config.CheckpointSection` and ``[monitor]``
+:class:`dflash.observe.config.MonitorSection`; this module adds ``[run]`` and assembles the file.
 
 Paths (:data:`PATH_KEYS`): a relative path written in the graph file is relative to the graph
 file's own directory (``examples/dflash-tiny.toml`` says ``path = "../dflash/assets/..."`` and
@@ -19,25 +20,25 @@ component over 255 bytes, at most 4,095 bytes in all (one line, exit 2, naming t
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
 import csp
 from csp.graph.load import cut
+from dflash.checkpoint.config import CheckpointSection
 from dflash.data import DataConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import DFLASH2_FIELDS, DrafterConfig
 from dflash.model.target import TargetConfig
+from dflash.observe.config import MonitorSection
+from dflash.train.config import TrainSection
 from dflash.train.loss import LossConfig
 
 PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegFloat = Annotated[float, Meta(ge=0.0)]
-_FLOAT32_MAX = 3.4028234663852886e38
 MAX_STEPS = 10 ** 8 - 1
 """The most ``run.steps`` may be (99,999,999): checkpoint directories are named ``step_%08d`` and
 ordered by name (:func:`dflash.checkpoint.list_checkpoints`), so a ninth digit would sort step
@@ -45,11 +46,7 @@ ordered by name (:func:`dflash.checkpoint.list_checkpoints`), so a ninth digit w
 is over three years of training."""
 
 
-class _Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class RunSection(_Table):
+class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``[run]``: what this run is called, where it writes, how long it trains."""
 
     name: str
@@ -76,94 +73,6 @@ class RunSection(_Table):
         if not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"run.seed = {cut(str(self.seed))} is out of range: a seed is an integer in "
                              "-2**63 .. 2**64 - 1")
-
-
-class TrainSection(_Table):
-    """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
-
-    num_anchors: PositiveInt = 256
-    """Training blocks (anchors) sampled per packed row, the same for every batch (a sampling
-    setting, not part of the drafter model: it was ``[drafter].num_anchors`` in older configs)."""
-    lr: Annotated[float, Meta(gt=0.0)] = 6e-4
-    """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
-    that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
-    warmup_steps: Annotated[int, Meta(ge=0)] = 20
-    """Linear warmup length, in steps."""
-    min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
-    """Cosine decay floor, as a fraction of lr."""
-    weight_decay: NonNegFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: NonNegFloat = 1.0
-    """Global L2 gradient-norm clip; 0 disables clipping."""
-    feature_noise: NonNegFloat = 0.0
-    """Std of Gaussian noise added to the target features (relative to their RMS); 0 = off."""
-    postprocess_side: Literal["target", "drafter"] = "drafter"
-    """Where postprocess computes: on the features' source device before the move ("target") or on
-    the drafter's device after it ("drafter"). Both give the same DrafterInput (tested)."""
-    max_nonfinite_streak: PositiveInt = 8
-    """Consecutive skipped (non-finite) steps after which the run stops."""
-    check_channels: bool = False
-    """Debug: check every tensor crossing a channel for non-finite values and name the first producer."""
-    host_staging: bool = False
-    """Move features target -> drafter through host memory instead of device to device."""
-    sync_free_loss: bool = True
-    """compute_loss in fixed shapes: every block slot goes through the LM head with weight 0 where
-    it is not trained, and the counts stay tensors, so the loss never waits for the device (the
-    step's one host read then carries them). False: the trained slots are picked by boolean masks
-    (fewer LM-head rows, but each mask and count is a host sync). Same loss and gradients (tested)."""
-    features_fp32: bool = False
-    """Cast the target features to the drafter's fp32 master dtype before ``fc`` even under bf16
-    autocast: a [B, T, k*H] fp32 copy (about 1.3 GB per 16K-token batch at the 8B shape) that
-    autocast rounds straight back. False lets ``fc`` read them in bf16; bitwise equal (tested)."""
-    lm_head_chunk: Annotated[int, Meta(ge=0)] = 2048
-    """With sync_free_loss: LM head and loss this many block slots at a time (dflash.train.chunked_head),
-    so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
-    3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
-    rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
-    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, the performance switches), hence the default."""
-    lm_head: Literal["chunked", "liger"] = "chunked"
-    """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
-    cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only: loss.kl_weight, tv_weight and
-    conf_weight must be 0).
-    Same loss and gradients to bf16 rounding (a GPU test)."""
-
-    def __post_init__(self) -> None:
-        # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
-        # float32: beyond float32's range the step overflows and the drafter crashes at step 1.
-        beta1, beta2 = self.betas
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-            raise ValueError(f"train.betas = {list(self.betas)} must both be in [0, 1)")
-        limit = _FLOAT32_MAX * (1.0 - beta1)
-        if not math.isfinite(self.lr) or self.lr > limit:
-            raise ValueError(f"train.lr = {self.lr:g} is not a usable learning rate: AdamW's first "
-                             f"step lr / (1 - beta1) must fit in float32 (lr <= {limit:.3g}); "
-                             "typical values are 1e-4 .. 1e-3")
-
-
-class CheckpointSection(_Table):
-    """``[checkpoint]``: how often and how many."""
-
-    every: Annotated[int, Meta(ge=0)] = 100
-    """Save every N steps (0 = only at the end)."""
-    keep_last: PositiveInt = 3
-    """Keep the newest K complete healthy checkpoints."""
-
-
-class MonitorSection(_Table):
-    """``[monitor]``: metrics windows and sinks."""
-
-    window: PositiveInt = 10
-    """Steps per logged point; every point records its window size."""
-    wandb: Literal["offline", "online", "disabled"] = "offline"
-    wandb_project: str = "dflash"
-    display: Literal["auto", "live", "plain", "off"] = "auto"
-    """"auto": a rich live view on a terminal, plain lines otherwise."""
-    spike_k: Annotated[float, Meta(gt=0.0)] = 5.0
-    """A window whose loss exceeds the median of the last 20 windows by spike_k robust standard
-    deviations (1.4826 x MAD) is flagged as a spike (the rule of python -m dflash.logs)."""
-    plot: bool = True
-    """At the end of the run write RUN_DIR/plot.png (python -m dflash.plot) when matplotlib is
-    importable; without it one line says how to get it."""
 
 
 class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):

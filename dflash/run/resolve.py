@@ -1,47 +1,47 @@
-"""From a validated graph file to what the run needs: every cross-table check, each stage's options.
+"""From a loaded graph file to what the run needs: the file filled from the target and its
+tokenizer, the drafter resolved against the target, and each stage's options.
 
-:func:`resolve` is the one step between reading the graph file and loading data::
+The second step of the one pass from a graph file to a running graph::
 
-    load_config -> csp.Graph.from_spec -> load_tokenizer -> resolve -> (lock, data, resume) -> run
+    load_config -> load_and_resolve -> validate -> csp.Graph.from_spec -> (lock, data, resume) -> run
 
-Each table validated itself when the file was decoded (:mod:`dflash.run.config`); ``resolve`` checks
-the tables against each other (:mod:`dflash.run.preflight`: drafter vs target depth and width, the
-captured layer ids, attention implementation vs device, the monitor's backend, data-parallel
-drafters vs the launcher; then the mask token vs the tokenizer), fills what the tokenizer decides
-(``[target].vocab_size`` of a preset target, ``[drafter].mask_token_id``, ``[data].block_size``)
-into a *new* file, and builds each stage's frozen options from it. It never mutates its input,
-writes nothing and loads no data; it reads the target's transformers ``config.json`` (never its
-weights).
+:func:`load_and_resolve` reads the target's transformers ``config.json`` (never its weights) and
+its tokenizer, then :func:`resolve` fills what they decide (``[target].vocab_size`` of a preset
+target, ``[drafter].mask_token_id``, ``[data].block_size``) into a *new* file, resolves the
+drafter's dimensions and captured target layers, and builds each stage's frozen options
+(:mod:`dflash.run.options`). It never mutates its input, writes nothing, loads no data and checks
+no rule beyond what resolving needs (a target it cannot read, drafter dimensions that cannot fit
+the target): the rules of the resolved run are :func:`dflash.run.validate.validate`'s.
 """
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import msgspec
 import torch
 
-import csp.dist
+import dflash.data
 from dflash.data import TokenizerInfo
 from dflash.errors import ConfigError
-from dflash.model.drafter import DrafterConfig
+from dflash.model.drafter_config import DrafterConfig
 from dflash.model.features import FeaturePostprocess
+from dflash.model.layer_ids import check_not_last_layer, resolve_layer_ids
+from dflash.model.target_config import TargetConfig, build_hf_config
 from dflash.run.config import DFlashFile, config_hash
-from dflash.run.preflight import (
-    check_block_fits,
-    check_drafter_attention,
-    check_drafter_replicas,
-    check_model_shapes,
-    check_monitor_backend,
-    drafter_replicas,
-    lr_warnings,
+from dflash.run.options import (
+    DrafterStageOptions,
+    MonitorOptions,
+    PostprocessOptions,
+    PrefetchOptions,
+    TargetStageOptions,
 )
-from dflash.run.stages.monitor import MonitorOptions
-from dflash.run.stages.postprocess import PostprocessOptions
-from dflash.run.stages.prefetch import PrefetchOptions
-from dflash.run.stages.target import TargetStageOptions
-from dflash.run.stages.trainer import DrafterStageOptions
 from dflash.train.loss import needs_final_hidden, uses_head
 
-__all__ = ["Resolved", "resolve"]
+__all__ = ["Resolved", "drafter_replicas", "load_and_resolve", "resolve", "resolve_drafter", "target_hf_config"]
+
+DRAFTER_KIND = "dflash.drafter"
 
 
 class Resolved(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,7 +52,6 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
             ``train_config.json`` and :attr:`config_hash` are made from.
         drafter: the drafter config resolved against the target (every dimension set).
         config_hash: :func:`dflash.run.config.config_hash` of ``cfg``.
-        warnings: one line each, for settings that are legal but almost certainly unintended.
         prefetch, target, postprocess, trainer, monitor: the options of the stage kinds
             ``dflash.prefetch``, ``dflash.target``, ``dflash.postprocess``, ``dflash.drafter``
             and ``dflash.monitor``.
@@ -61,7 +60,6 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
     cfg: DFlashFile
     drafter: DrafterConfig
     config_hash: str
-    warnings: tuple[str, ...]
     prefetch: PrefetchOptions
     target: TargetStageOptions
     postprocess: PostprocessOptions
@@ -104,26 +102,91 @@ def _uses_cuda(cfg: DFlashFile) -> bool:
                for p in cfg.process)
 
 
-def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo) -> Resolved:
-    """Check ``cfg`` across its tables, fill it from ``tokenizer`` and build every stage's options.
+def drafter_replicas(cfg: DFlashFile) -> int:
+    """Replicas of the ``dflash.drafter`` process (data-parallel drafters; 1 when there is none)."""
+    return next((p.replicas for p in cfg.process if p.kind == DRAFTER_KIND), 1)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def target_hf_config(target: TargetConfig) -> Any:
+    """The target's transformers config (``config.json`` of ``target.path``, or a preset), with
+    ``target.overrides`` applied; the weights are never read.
+
+    Raises:
+        ConfigError: ``target.path`` missing or without ``config.json``, an unreadable
+            ``config.json``, or an unknown ``target.overrides`` key (one line naming the key).
+    """
+    try:
+        return build_hf_config(target)
+    except (OSError, ValueError) as exc:  # FileNotFoundError, bad overrides, unreadable config.json
+        raise ConfigError(_one_line(exc)) from None
+
+
+def resolve_drafter(cfg: DFlashFile, hf: Any) -> DrafterConfig:
+    """``[drafter]`` with every dimension taken from the target and the captured layers chosen
+    (``target.layer_ids``, or the public rule: evenly spaced from 1 to N-3).
+
+    Raises:
+        ConfigError: ``target.layer_ids`` out of range or naming the last layer, a target too
+            shallow for ``drafter.num_layers`` default layers, a ``drafter.hidden_size`` unlike the
+            target's, or drafter heads that do not divide.
+    """
+    try:
+        layer_ids = resolve_layer_ids(cfg.target, hf, cfg.drafter.num_layers)
+        check_not_last_layer(layer_ids, hf.num_hidden_layers)
+        drafter = cfg.drafter.resolve(hf, layer_ids)
+        drafter.check_resolved()
+    except ValueError as exc:
+        raise ConfigError(_one_line(exc)) from None
+    return drafter
+
+
+def load_and_resolve(cfg: DFlashFile) -> tuple[Resolved, Any]:
+    """Read the target's config, then its tokenizer (no data), and :func:`resolve` ``cfg`` with them.
+
+    The config is read first, so a wrong ``target.path`` is named as that key rather than as a
+    tokenizer that cannot be found there.
+
+    Returns:
+        ``(resolved, tokenizer)``: the tokenizer is the data path's (:func:`dflash.data.load_tokenizer`).
+
+    Raises:
+        ConfigError: :func:`target_hf_config` or :func:`resolve` refused the file.
+        dflash.data.DataError: the tokenizer cannot be loaded.
+    """
+    hf = target_hf_config(cfg.target)
+    tok = dflash.data.load_tokenizer(cfg.target.tokenizer_source)  # looked up at call time: tests replace them
+    return resolve(cfg, dflash.data.tokenizer_info(tok), hf), tok
+
+
+def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo, hf: Any = None) -> Resolved:
+    """Fill ``cfg`` from ``tokenizer``, resolve the drafter against the target and build every
+    stage's options.
 
     Args:
         cfg: a graph file from :func:`dflash.run.config.load_config` (not changed).
         tokenizer: the target tokenizer's vocabulary size and special ids
             (:func:`dflash.data.tokenizer_info`).
+        hf: the target's transformers config (:func:`target_hf_config` of ``cfg.target``; read
+            here when None). Not changed: the filled vocabulary size goes into a copy.
 
     Returns:
         the :class:`Resolved` run configuration.
 
     Raises:
-        ConfigError: the first cross-table mistake, one line naming the key path to change.
+        ConfigError: the target's config cannot be read, the drafter cannot be resolved against
+            it, or a mask token is missing (one line naming the key path to change).
     """
-    check_monitor_backend(cfg)
     full = filled(cfg, tokenizer)
-    drafter = check_model_shapes(full)
-    check_block_fits(full)
-    check_drafter_attention(full)
-    check_drafter_replicas(full, launched=csp.dist.launched())
+    if hf is None:
+        hf = target_hf_config(full.target)
+    elif full.target.vocab_size is not None and full.target.vocab_size != hf.vocab_size:
+        hf = copy.copy(hf)
+        hf.vocab_size = full.target.vocab_size
+    drafter = resolve_drafter(full, hf)
     run, train = full.run, full.train
     features = FeaturePostprocess(noise=train.feature_noise, seed=run.seed, side=train.postprocess_side)
     digest = config_hash(full)
@@ -131,7 +194,6 @@ def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo) -> Resolved:
         cfg=full,
         drafter=drafter,
         config_hash=digest,
-        warnings=tuple(lr_warnings(full)),
         prefetch=PrefetchOptions(seed=run.seed, num_anchors=train.num_anchors, block_size=drafter.block_size,
                                  pin=_uses_cuda(full) and torch.cuda.is_available(),
                                  drafters=drafter_replicas(full), check_channels=train.check_channels),

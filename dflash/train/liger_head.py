@@ -9,7 +9,7 @@ chunked logits in backward to fold each slot's incoming gradient in.
 
 Only the hard-label loss fuses this way: with ``loss.kl_weight``, ``tv_weight`` or ``conf_weight``
 above 0 the other terms need the drafter's (and the target's) distribution per slot (Liger's fused
-JSD returns one mean, not per-slot values, so the position weights could not be applied); :func:`dflash.run.preflight.check_fast_paths` refuses that
+JSD returns one mean, not per-slot values, so the position weights could not be applied); :func:`dflash.train.config.check_train` refuses that
 combination. With ``label = "target_argmax"`` the target's argmax is computed here in chunks
 without gradient.
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:  # the [train] table is declared with the graph file's tables, a floor up
-    from dflash.run.config import TrainSection
+from dflash.train.config import TrainSection
 
 __all__ = ["DrafterOptimizer", "load_optimizer_state", "lr_lambda", "make_optimizer"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from csp.tensors import Index, iter_tensors
+from csp.cuda.tensors import Index, iter_tensors
 
 
 class NonFiniteError(RuntimeError):

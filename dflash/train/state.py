@@ -10,7 +10,7 @@ at start-up. Under torchrun each drafter replica keeps its own optimizer/RNG sta
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -18,10 +18,8 @@ from safetensors.torch import load_file
 from dflash.checkpoint import WEIGHTS
 from dflash.messages import StepMetrics
 from dflash.train import parallel
+from dflash.train.config import TrainSection
 from dflash.train.optim import DrafterOptimizer, load_optimizer_state
-
-if TYPE_CHECKING:  # the [train] table is declared with the graph file's tables, a floor up
-    from dflash.run.config import TrainSection
 
 __all__ = ["CheckpointWindow", "newest_sampler_state", "restore", "train_state"]
 

@@ -28,20 +28,18 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from dflash.messages import DrafterInput, StepMetrics
 from dflash.model.target import SharedHead
 from dflash.train.acceptance import simulated_accepted_length
+from dflash.train.config import TrainSection
 from dflash.train.loss import LossConfig
 from dflash.train.nonfinite import NonFiniteGuard
 from dflash.train.objective import compute_loss
 from dflash.train.optim import DrafterOptimizer
-
-if TYPE_CHECKING:  # the [train] table is declared with the graph file's tables, a floor up
-    from dflash.run.config import TrainSection
 
 __all__ = ["StepOptions", "train_step"]
 

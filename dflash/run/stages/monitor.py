@@ -4,43 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Literal
-
-import msgspec
 
 import csp
 from dflash.messages import StepMetrics
 from dflash.observe.metrics_writer import WandbSink, WindowAggregator
 from dflash.observe.spikes import spike_threshold
 from dflash.records import SkipRecord, TrainRecord
-
-if TYPE_CHECKING:
-    from dflash.run.app import RunApp
+from dflash.run.app import RunApp
 
 log = logging.getLogger("dflash.monitor")
-
-
-class MonitorOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.monitor`` needs (built by :func:`dflash.run.resolve.resolve`).
-
-    Attributes:
-        window: ``[monitor].window``, steps per logged point.
-        wandb, wandb_project: ``[monitor].wandb`` ("offline", "online", "disabled") and its project.
-        display: ``[monitor].display`` ("auto", "live", "plain", "off").
-        spike_k: ``[monitor].spike_k``, robust standard deviations above the median that flag a spike.
-        run_name: ``[run].name``.
-        total_steps: ``[run].steps``, for progress and ETA.
-        wandb_config: the filled graph file as plain data, logged as the wandb run's config.
-    """
-
-    window: int
-    wandb: Literal["offline", "online", "disabled"]
-    wandb_project: str
-    display: Literal["auto", "live", "plain", "off"]
-    spike_k: float
-    run_name: str
-    total_steps: int
-    wandb_config: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 @csp.register("dflash.monitor")
@@ -53,7 +25,7 @@ class MonitorStage(csp.Process):
     refreshes the live display (rich on a terminal, plain lines otherwise) with
     throughput, loss, accepted length, progress/ETA and channel fills. A window whose loss is a spike by
     :func:`dflash.observe.spikes.spike_threshold` (median + ``[monitor].spike_k`` MADs of the previous windows)
-    is flagged in the record and the log. Reads :class:`MonitorOptions`, the app's metrics
+    is flagged in the record and the log. Reads :class:`~dflash.run.options.MonitorOptions`, the app's metrics
     writer, run directory and resume state.
     """
 

@@ -1,7 +1,7 @@
 """``dflash.postprocess``: target hidden states -> drafter input on the drafter's device.
 
 Moves each :class:`TargetOutput` to the drafter's device by the cheapest correct route
-(:func:`csp.cuda.to_device`): by reference on the same device (the channel orders it with an
+(:func:`csp.cuda.handoff.to_device`): by reference on the same device (the channel orders it with an
 event), device to device to another GPU, through host memory only when ``[train].host_staging``
 asks for it. Then :mod:`dflash.model.features` makes the :class:`DrafterInput` (the feature noise is
 added here unless ``[train].postprocess_side = "target"`` added it in the target replica).
@@ -9,38 +9,19 @@ added here unless ``[train].postprocess_side = "target"`` added it in the target
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import msgspec
 import torch
 
 import csp
 from dflash.messages import DrafterInput, TargetOutput
-from dflash.model.features import FeaturePostprocess
+from dflash.run.app import RunApp
+from dflash.run.options import PostprocessOptions
 from dflash.train.sentinel import FiniteSentinel
-
-if TYPE_CHECKING:
-    from dflash.run.app import RunApp
-
-
-class PostprocessOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.postprocess`` needs (built by :func:`dflash.run.resolve.resolve`).
-
-    Attributes:
-        features: the feature noise, added here when ``[train].postprocess_side = "drafter"``.
-        host_staging: ``[train].host_staging``, move through host memory instead of device to device.
-        check_channels: ``[train].check_channels``.
-    """
-
-    features: FeaturePostprocess
-    host_staging: bool = False
-    check_channels: bool = False
 
 
 @csp.register("dflash.postprocess")
 class PostprocessStage(csp.Process):
     """Input ``hidden``: :class:`TargetOutput`; output ``features``: :class:`DrafterInput` on this
-    process's device (bind it to the drafter's device). Reads :class:`PostprocessOptions`."""
+    process's device (bind it to the drafter's device). Reads :class:`~dflash.run.options.PostprocessOptions`."""
 
     inputs = {"hidden": TargetOutput}
     outputs = {"features": DrafterInput}
@@ -55,7 +36,7 @@ class PostprocessStage(csp.Process):
     def process(self, out: TargetOutput) -> DrafterInput:
         """One target output -> drafter input on this process's device."""
         with self.ctx.span("postprocess"):
-            out = csp.cuda.to_device(out, self.device, via_host=self.opts.host_staging)
+            out = csp.cuda.handoff.to_device(out, self.device, via_host=self.opts.host_staging)
             return self.features.at_drafter(out)
 
     def run(self, inputs, outputs) -> None:

@@ -2,39 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 import torch
 
 import csp
 from dflash.messages import Batch
+from dflash.run.app import RunApp
+from dflash.run.options import PrefetchOptions
 from dflash.seeding import ANCHORS, derive_seed
 from dflash.train.anchors import sample_anchors
 from dflash.train.sentinel import FiniteSentinel
-
-if TYPE_CHECKING:
-    from dflash.run.app import RunApp
-
-
-class PrefetchOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.prefetch`` needs (built by :func:`dflash.run.resolve.resolve`).
-
-    Attributes:
-        seed: ``[run].seed``; with the batch id it seeds each batch's anchors.
-        num_anchors: ``[train].num_anchors``, anchor slots per row (``A``).
-        block_size: ``[drafter].block_size`` (``bs``): an anchor needs ``bs - 1`` tokens after it.
-        pin: copy each batch to page-locked memory (a CUDA device is available and the graph uses one).
-        drafters: data-parallel drafter replicas; each takes one batch per optimizer step.
-        check_channels: ``[train].check_channels``, the debug non-finite check of every item sent.
-    """
-
-    seed: int
-    num_anchors: int
-    block_size: int
-    pin: bool
-    drafters: int = 1
-    check_channels: bool = False
 
 
 def anchor_generator(seed: int, batch_id: int) -> torch.Generator:
@@ -51,7 +28,7 @@ class PrefetchStage(csp.Process):
     GPU's critical path. With ``pin`` (when any process runs on CUDA) every batch is copied to
     page-locked memory so the target's host-to-device copy is asynchronous.
     Stops early, after the current batch, when a graceful stop is requested.
-    Reads :class:`PrefetchOptions` and the app's sampler.
+    Reads :class:`~dflash.run.options.PrefetchOptions` and the app's sampler.
     """
 
     inputs: dict = {}

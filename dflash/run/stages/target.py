@@ -3,38 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 import csp
 from dflash.messages import Batch, TargetOutput
-from dflash.model.features import FeaturePostprocess
-from dflash.model.target import TargetConfig, load_target
+from dflash.model.target import load_target
+from dflash.run.app import RunApp
+from dflash.run.options import TargetStageOptions
 from dflash.run.step_gate import StepGate
 from dflash.train.sentinel import FiniteSentinel
-
-if TYPE_CHECKING:
-    from dflash.run.app import RunApp
-
-
-class TargetStageOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.model.target`` needs (built by :func:`dflash.run.resolve.resolve`).
-
-    Attributes:
-        target: the ``[target]`` table (``vocab_size`` filled from the tokenizer for a preset).
-        num_draft_layers: ``[drafter].num_layers`` (the default captured layers depend on it).
-        need_final: the loss needs target logits, so the final hidden state is returned too.
-        features: the feature noise, added here when ``[train].postprocess_side = "target"``.
-        check_channels: ``[train].check_channels``.
-    """
-
-    target: TargetConfig
-    num_draft_layers: int
-    need_final: bool
-    features: FeaturePostprocess
-    check_channels: bool = False
 
 
 @csp.register("dflash.target")
@@ -45,7 +23,7 @@ class TargetStage(csp.Process):
     :class:`TargetOutput` with ``layer_hidden [B, T, k*H]`` and, only when the loss needs target
     logits, ``final_hidden [B, T, H]``, both on this replica's device in the target dtype.
     The output channel is normally ``ordered``: the item is sent with ``seq = batch.seq`` so the
-    fan-in restores the batch order whatever replica finishes first. Reads :class:`TargetStageOptions`.
+    fan-in restores the batch order whatever replica finishes first. Reads :class:`~dflash.run.options.TargetStageOptions`.
     """
 
     inputs = {"batches": Batch}

@@ -15,21 +15,16 @@ Built from: :mod:`dflash.train.optim` (AdamW and schedule), :mod:`dflash.train.n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import msgspec
 import torch
 
 import csp
 from dflash.checkpoint import TRAIN_CONFIG, Checkpointer
 from dflash.checkpoint.model_files import config_files
 from dflash.messages import DrafterInput, StepMetrics
-from dflash.model.drafter import DrafterConfig
-from dflash.model.target import TargetConfig
-from dflash.run.config import DFlashFile, TrainSection
+from dflash.run.app import RunApp
+from dflash.run.options import DrafterStageOptions
 from dflash.run.step_gate import StepGate
 from dflash.train import parallel
-from dflash.train.loss import LossConfig
 from dflash.train.nonfinite import NonFiniteGuard, last_trusted_checkpoint
 from dflash.train.optim import make_optimizer
 from dflash.train.state import (
@@ -40,43 +35,13 @@ from dflash.train.state import (
 )
 from dflash.train.step import train_step
 
-if TYPE_CHECKING:
-    from dflash.run.app import RunApp
-
-__all__ = ["DrafterStage", "DrafterStageOptions"]
-
-
-class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.model.drafter`` needs (built by :func:`dflash.run.resolve.resolve`).
-
-    Attributes:
-        drafter: the resolved drafter config (every dimension set, ``target_layer_ids`` chosen).
-        target: the ``[target]`` table, for the shared embedding and LM head and the checkpoint.
-        seed: ``[run].seed``, seeds the drafter's init.
-        total_steps: ``[run].steps``, steps in total counting those before a resume (the schedule's end).
-        train: ``[train]`` (optimizer, schedule, loss switches, the non-finite streak).
-        loss: ``[loss]``.
-        checkpoint_every, keep_last: ``[checkpoint].every`` (0: only at the end) and ``keep_last``.
-        config_hash: :func:`dflash.run.config.config_hash` of the filled file, stored in checkpoints.
-        train_config: the filled graph file, written as is into each checkpoint's train_config.json.
-    """
-
-    drafter: DrafterConfig
-    target: TargetConfig
-    seed: int
-    total_steps: int
-    train: TrainSection
-    loss: LossConfig
-    checkpoint_every: int
-    keep_last: int
-    config_hash: str
-    train_config: DFlashFile
+__all__ = ["DrafterStage"]
 
 
 @csp.register("dflash.drafter")
 class DrafterStage(csp.Process):
     """Trains the DFlash drafter. Input ``features``: :class:`DrafterInput`; output ``metrics``:
-    one :class:`StepMetrics` per step (skipped steps included). Reads :class:`DrafterStageOptions`,
+    one :class:`StepMetrics` per step (skipped steps included). Reads :class:`~dflash.run.options.DrafterStageOptions`,
     the app's run directory, metrics writer and resume state."""
 
     inputs = {"features": DrafterInput}

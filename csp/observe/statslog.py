@@ -25,9 +25,9 @@ from typing import Any, Callable, Mapping
 
 import msgspec
 
-from csp.stats import ChannelStatistics, ProcessStatistics
+from csp.core.stats import ChannelStatistics, ProcessStatistics
 
-log = logging.getLogger("csp.statslog")
+log = logging.getLogger("csp.observe.statslog")
 
 ChannelsFn = Callable[[], Mapping[str, ChannelStatistics]]
 ProcessesFn = Callable[[], Mapping[str, ProcessStatistics]]
@@ -53,7 +53,7 @@ class StatsWriter:
         channels: returns channel name -> ChannelStatistics now.
         processes: returns qualname -> ProcessStatistics now.
         interval_s: snapshot period in seconds.
-        tracer: a :class:`csp.trace.Tracer` to receive ``fill <channel>`` counters, or None.
+        tracer: a :class:`csp.observe.trace.Tracer` to receive ``fill <channel>`` counters, or None.
     """
 
     def __init__(self, path: Path, graph: Any, channels: ChannelsFn, processes: ProcessesFn,

@@ -1,7 +1,7 @@
 """The lock-protected state of one channel, the part its two cores share.
 
-Private to ``csp.channel`` (see its module doc for the protocol; ``ChannelState`` is public there).
-The cores (``csp._cores``) hold the buffer and the parked send offers; this base holds the parked
+Private to ``csp.core.channel`` (see its module doc for the protocol; ``ChannelState`` is public there).
+The cores (``csp.core._cores``) hold the buffer and the parked send offers; this base holds the parked
 receivers, the open-end counts, errors, closing, abort and statistics. Every method whose
 docstring does not say otherwise must be called with ``state.lock`` held. A method never wakes
 anyone itself: it returns the waiters to wake (in an ``Outcome`` or a sequence) and the caller
@@ -16,9 +16,9 @@ from collections import deque
 from time import perf_counter
 from typing import Any, Iterable
 
-from csp._waiting import BLOCKED, PENDING, RETRY, Item, Outcome
+from csp.core._waiting import BLOCKED, PENDING, RETRY, Item, Outcome
+from csp.core.stats import ChannelStatistics
 from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, ItemTypeError, PeerGone
-from csp.stats import ChannelStatistics
 
 __all__ = ["ChannelState", "ItemCheck"]
 

@@ -1,9 +1,9 @@
-"""Reading a csp run's stats log, ``RUN_DIR/csp/stats.jsonl`` (written by :mod:`csp.statslog`).
+"""Reading a csp run's stats log, ``RUN_DIR/csp/stats.jsonl`` (written by :mod:`csp.observe.statslog`).
 
 The log (format in ``docs/architecture.md``) holds a header with the graph, then periodic snapshots
-of cumulative counters (:class:`csp.stats.ChannelStatistics`, :class:`csp.stats.ProcessStatistics`),
+of cumulative counters (:class:`csp.core.stats.ChannelStatistics`, :class:`csp.core.stats.ProcessStatistics`),
 then a final record. :class:`StatsReader` parses it incrementally, so ``csp.inspect --follow`` can
-tail a live run; :mod:`csp.backpressure` turns the records into summaries and a bottleneck verdict.
+tail a live run; :mod:`csp.observe.backpressure` turns the records into summaries and a bottleneck verdict.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
+from csp.core.stats import ChannelStatistics, ProcessStatistics
 from csp.errors import StatsFormatError, StatsNotFound
-from csp.stats import ChannelStatistics, ProcessStatistics
 
 
 class ChannelInfo(msgspec.Struct, frozen=True):
@@ -57,7 +57,7 @@ class Sample(msgspec.Struct, frozen=True):
     status: str | None = None
     exit_code: int | None = None
     deadlock: str | None = None
-    """The final record of a deadlocked run: its cycle of waits (``csp.deadlock``)."""
+    """The final record of a deadlocked run: its cycle of waits (``csp.runtime.deadlock``)."""
 
 
 class StatsReader:

@@ -57,7 +57,7 @@ class Registry:
             )
 
         def decorate(c: P) -> P:
-            from csp.process import Process
+            from csp.core.process import Process
 
             if not (isinstance(c, type) and issubclass(c, Process)):
                 raise NotAProcess(f"csp.register({kind!r}): {c!r} is not a csp.Process subclass")
@@ -137,7 +137,7 @@ def _class_id(cls: type) -> str:
 
 
 def _import_class(spec: str) -> type:
-    from csp.process import Process
+    from csp.core.process import Process
 
     module_name, _, attr = spec.partition(":")
     try:

@@ -1,6 +1,6 @@
 """How a channel call waits: the one send/receive algorithm and the waiters it parks.
 
-Private to ``csp.channel`` (see its module doc). Every send and receive, from a thread or a task,
+Private to ``csp.core.channel`` (see its module doc). Every send and receive, from a thread or a task,
 blocking or not, is :func:`_step` under the channel lock: try the operation now (the state's
 ``try_send`` / ``try_receive``); if it can not be done, park a *waiter* in the state. The waiter
 sleeps outside the lock and, once woken, the call steps again. ``thread_call`` and ``task_call``
@@ -28,7 +28,7 @@ _allocate_lock = threading.Lock
 _get_ident = threading.get_ident
 
 
-# An item on its way: ``(payload, nbytes, seq)``: the payload in ``csp.cuda.outbound``'s form,
+# An item on its way: ``(payload, nbytes, seq)``: the payload in ``csp.cuda.handoff.outbound``'s form,
 # its size in bytes, its ``seq`` (None off ordered channels).
 Item = tuple  # tuple[Any, int, int | None]
 SEQ = 2  # an Item's index of its seq

@@ -1,6 +1,6 @@
 """The two cores of a channel: first-in-first-out, and ordered by ``seq``.
 
-Private to ``csp.channel``. Each core is a :class:`ChannelState` holding the buffer and the parked
+Private to ``csp.core.channel``. Each core is a :class:`ChannelState` holding the buffer and the parked
 send offers; the methods' contracts are the base class's (called with the lock held, waiters to
 wake returned, never woken here).
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable
 
-from csp._state import ChannelState
-from csp._waiting import BLOCKED, DONE, SENT, SEQ, Item, Outcome
+from csp.core._state import ChannelState
+from csp.core._waiting import BLOCKED, DONE, SENT, SEQ, Item, Outcome
 from csp.errors import SeqError
 
 __all__ = ["FifoState", "OrderedState"]
@@ -88,7 +88,7 @@ class FifoState(ChannelState):
 
 
 class OrderedState(ChannelState):
-    """Delivery in ``seq`` order (see ``csp.channel``): a send whose ``seq`` is at or beyond
+    """Delivery in ``seq`` order (see ``csp.core.channel``): a send whose ``seq`` is at or beyond
     ``next_seq + window`` parks; once no open, unparked sender can fill a gap, the lowest
     ``seq`` that exists is delivered next."""
 

@@ -25,7 +25,7 @@ analysis; Flink's busy / backpressured / idle split of a task's time is the same
   predicted throughput is ``X_measured * min C' / min C``, so whatever the model leaves out
   (startup, imperfect overlap) cancels to first order instead of being predicted as a gain.
 
-:func:`fit` builds the model from a :class:`csp.backpressure.Summary`; :func:`predict` evaluates
+:func:`fit` builds the model from a :class:`csp.observe.backpressure.Summary`; :func:`predict` evaluates
 a layout; :func:`what_if_lines` gives the lines ``python -m csp.inspect`` prints, e.g. ``one more
 replica of tokenize -> predicted 290 items/s (+45%)`` and ``the bottleneck moves to count at 3
 replicas of tokenize (predicted 250 items/s, +25%)``.
@@ -39,7 +39,7 @@ from typing import Mapping
 import msgspec
 
 from csp.errors import UnknownProcess
-from csp.units import count
+from csp.observe.units import count
 
 MIN_ITEMS = 10  # fewer reference items in the window than this: no prediction (too little evidence)
 
@@ -83,7 +83,7 @@ class Model(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def fit(summary, link_bytes_per_s: Mapping[str, float] | None = None) -> Model | None:
-    """Fit the model to a :class:`csp.backpressure.Summary` (module doc).
+    """Fit the model to a :class:`csp.observe.backpressure.Summary` (module doc).
 
     Args:
         summary: the run's summary over its window.

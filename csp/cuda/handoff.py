@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Any
 
+from csp.cuda.tensors import ATOMS, iter_tensors, map_tensors
 from csp.errors import PinnedPoolError, PinnedPoolTimeout
-from csp.tensors import ATOMS, iter_tensors, map_tensors
 
 __all__ = ["Handoff", "PinnedPool", "inbound", "item_nbytes", "outbound", "to_device"]
 

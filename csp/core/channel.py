@@ -34,12 +34,12 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Any, Generic, TypeVar
 
-from csp._cores import FifoState, OrderedState
-from csp._state import ChannelState, ItemCheck
-from csp._waiting import Item, checkpoint, nowait, task_call, thread_call, wake_all
-from csp.cuda import inbound, outbound
+from csp.core._cores import FifoState, OrderedState
+from csp.core._state import ChannelState, ItemCheck
+from csp.core._waiting import Item, checkpoint, nowait, task_call, thread_call, wake_all
+from csp.core.stats import ChannelStatistics
+from csp.cuda.handoff import inbound, outbound
 from csp.errors import ChannelConfigError, EndOfStream, WouldBlock
-from csp.stats import ChannelStatistics
 
 __all__ = ["ChannelState", "ItemCheck", "Receiver", "Sender", "channel", "channel_state"]
 
@@ -213,7 +213,7 @@ class Sender(_End, Generic[T]):
 
         Args:
             item: an instance of the channel's item type (tensors inside are handed off with
-                events, see ``csp.cuda``).
+                events, see ``csp.cuda.handoff``).
             timeout: seconds to wait at most; None waits forever; 0 or less never waits (as
                 :meth:`send_nowait`, raising ChannelTimeout): on a rendezvous it succeeds only
                 if a receiver is already waiting, so it never meets a receive that never waits.

@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar, ContextManager
 
 import msgspec

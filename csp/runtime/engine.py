@@ -5,6 +5,15 @@ on one asyncio event loop owned by :meth:`Runtime.run` (``async def run``). Chan
 the runtime hands each replica its own cloned ends and closes them when its ``run`` returns or
 raises, so end-of-stream propagates downstream by itself.
 
+Devices and streams: a replica of a process whose graph node names a device (``device = "cuda:1"``,
+or ``devices = [...]``, one per replica) runs in its own thread with that device current and a
+fresh non-default CUDA stream of its own (``ctx.device``, ``ctx.stream``); everything the replica
+launches goes to that stream, so replicas on one GPU overlap and no replica waits on the default
+stream. Tensors that cross a channel are ordered between the sender's and the receiver's streams
+by CUDA events, never by ``synchronize()`` (:mod:`csp.cuda.handoff`); a replica with no device, or a
+CPU one, runs with no stream at all. Async (``async def run``) processes share one event loop and
+bind no device.
+
 Stopping:
 
 * **completed** - every source returned and everything drained.
@@ -20,7 +29,7 @@ Stopping:
 * **abort** - :meth:`Runtime.abort` or a second signal (SIGINT or SIGTERM, either order): the
   same teardown, without an error.
 * **deadlock** - every live process has waited inside a channel call with nothing moving for
-  ``deadlock_timeout_s`` (``[runtime]``, default 30 s; 0 = off; :mod:`csp.deadlock`): the cycle of
+  ``deadlock_timeout_s`` (``[runtime]``, default 30 s; 0 = off; :mod:`csp.runtime.deadlock`): the cycle of
   waits is logged and kept in ``RunResult.deadlock`` and the stats log, then the same teardown;
   ``run()`` returns status "deadlocked".
 
@@ -62,14 +71,14 @@ from typing import Any, Iterator
 import anyio
 import msgspec
 
-from csp.channel import channel
-from csp.deadlock import DeadlockWatch
+from csp.core.channel import channel
+from csp.core.process import Context, is_async
+from csp.core.stats import ChannelStatistics, ProcessStatistics
 from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck, RuntimeReused
 from csp.graph import Graph, ProcessNode, TraceSpec
-from csp.process import Context, is_async
-from csp.stats import ChannelStatistics, ProcessStatistics
-from csp.statslog import StatsWriter
-from csp.trace import FlowTap, Tracer
+from csp.observe.statslog import StatsWriter
+from csp.observe.trace import FlowTap, Tracer
+from csp.runtime.deadlock import DeadlockWatch
 
 log = logging.getLogger("csp.runtime")
 stack_log = logging.getLogger("csp.runtime.stack")  # stacks of stuck threads (long, multi-line)
@@ -84,7 +93,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     "deadlocked"), ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``),
     ``stopped_by``: what stopped or aborted it ("SIGINT", "SIGTERM", "request_stop", "abort",
     "deadlock"; for an abort by a second signal, the second signal), None when it completed; and
-    ``deadlock``: the cycle of waits of a deadlocked run (one line, :func:`csp.deadlock.explain`)."""
+    ``deadlock``: the cycle of waits of a deadlocked run (one line, :func:`csp.runtime.deadlock.explain`)."""
 
     status: str
     exit_code: int
@@ -146,10 +155,10 @@ class Runtime:
         instances: run only these ``(process name, replica)`` instances (``csp.dist`` runs each
             rank's share of the graph this way); None runs every instance.
         channel_factory: ``f(item_type=, capacity=, name=, ordered=) -> (Sender, Receiver)`` used
-            instead of :func:`csp.channel` to build each channel (``csp.dist`` builds cross-rank
-            channels with it); None uses :func:`csp.channel`.
+            instead of :func:`csp.core.channel` to build each channel (``csp.dist`` builds cross-rank
+            channels with it); None uses :func:`csp.core.channel`.
         deadlock_timeout_s: seconds of "every live process waits on a channel, nothing moves"
-            before the run stops as deadlocked (:mod:`csp.deadlock`); 0 = off; None follows
+            before the run stops as deadlocked (:mod:`csp.runtime.deadlock`); 0 = off; None follows
             ``graph.runtime.deadlock_timeout_s``. Off whenever ``instances`` or
             ``channel_factory`` is given: this runtime then sees only part of the graph, and a
             peer it cannot see may be busy.

@@ -1,6 +1,6 @@
 """Backpressure analysis of a csp run: read ``RUN_DIR/csp/stats.jsonl``, summarise, find the bottleneck.
 
-The stats log is read by :mod:`csp.stats_reader` (:class:`StatsReader`, :func:`read_stats`, re-exported
+The stats log is read by :mod:`csp.observe.stats_reader` (:class:`StatsReader`, :func:`read_stats`, re-exported
 here). Every number here is a difference of
 two records (the *baseline*, by default the run start where all counters are 0, and the latest
 record) divided by the elapsed seconds between them, so a finished run and a live one (``--follow``)
@@ -53,9 +53,8 @@ import statistics
 import msgspec
 
 from csp.errors import StatsFormatError
-from csp.stats_reader import (ChannelInfo, GraphInfo, ProcessInfo, Sample, StatsReader, read_stats,
-                              stats_path)
-from csp.units import rate
+from csp.observe.stats_reader import ChannelInfo, GraphInfo, ProcessInfo, Sample, StatsReader, read_stats, stats_path
+from csp.observe.units import rate
 
 BUSY_FLOOR = 0.5  # below this busy fraction no stage is called the bottleneck
 REPLICA_BUSY_MARGIN = 0.25  # a replica this much busier than its siblings' median is "the slow one"

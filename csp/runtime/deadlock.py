@@ -22,7 +22,7 @@ on 'b' (full: 1/1), which merge[0] never receives: merge[0] waits to receive on 
 which only split[0] sends``.
 
 The runtime then aborts every channel (each waiting call wakes with ``ChannelAborted``) and ends
-the run with status ``"deadlocked"`` and exit code 4 (``csp.runtime.EXIT_DEADLOCK``); the stats
+the run with status ``"deadlocked"`` and exit code 4 (``csp.runtime.engine.EXIT_DEADLOCK``); the stats
 log's final record carries the explanation as ``deadlock`` and ``python -m csp.inspect`` shows it.
 """
 
@@ -34,7 +34,7 @@ from collections import deque
 from time import perf_counter
 from typing import Any, Callable, Sequence
 
-log = logging.getLogger("csp.deadlock")
+log = logging.getLogger("csp.runtime.deadlock")
 
 LIVE_STATES = ("setup", "running")
 

@@ -1,6 +1,6 @@
 """Draw a graph file: processes as nodes, channels as edges; SVG, PNG, DOT or Mermaid.
 
-``python -m csp.graph GRAPH.toml -o graph.svg`` (also ``python -m csp.draw``)::
+``python -m csp.graph GRAPH.toml -o graph.svg``::
 
     python -m csp.graph examples/dflash-tiny.toml -o graph.dot           # Graphviz DOT text
     python -m csp.graph examples/dflash-tiny.toml -o graph.mmd           # Mermaid (GitHub renders it)
@@ -9,7 +9,7 @@
 
 A node shows the process name, kind, replicas and devices; an edge shows the channel name and
 capacity (``ordered`` when it is), one edge per writer -> reader pair (fan-in and fan-out draw
-several). With ``--run RUN_DIR`` the measured numbers of :mod:`csp.backpressure` are added: per
+several). With ``--run RUN_DIR`` the measured numbers of :mod:`csp.observe.backpressure` are added: per
 edge the average/peak fill, % of time senders were blocked and receivers waited; per node busy /
 waiting / blocked %, and the bottleneck stage is drawn in red.
 
@@ -18,7 +18,7 @@ than ``channel``, ``process``, ``trace`` and ``plugins`` are ignored, while thos
 strict schema (a typo in ``[[channel]]`` is still an error). Plugins are not imported: drawing needs
 no process class.
 
-SVG is drawn in pure Python (:mod:`csp.svg`: a layered layout from networkx, SVG written here), so
+SVG is drawn in pure Python (:mod:`csp.observe.svg`: a layered layout from networkx, SVG written here), so
 ``-o graph.svg`` works after ``pip install``; Graphviz's ``dot`` is used instead when it is on PATH
 (``--engine dot`` to insist, ``--engine python`` to skip it). PNG and PDF come from ``dot``, or from
 the Python SVG through cairosvg when that is importable (``pip install cairosvg``); with neither,
@@ -37,11 +37,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from csp.backpressure import ChannelSummary, ProcessSummary, Summary
 from csp.errors import DotNotFound, GraphError
 from csp.graph import GraphSpec, ProcessSpec, load_spec
+from csp.observe.backpressure import ChannelSummary, ProcessSummary, Summary
 
-DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.svg, + cairosvg)
+DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.observe.svg, + cairosvg)
 EXIT_CODES = {0: "the file was written (or DOT/Mermaid printed)",
               1: "PNG/PDF asked for, but neither Graphviz's dot nor cairosvg is installed (the SVG was "
                  "written instead), or dot failed",
@@ -214,7 +214,7 @@ def build_parser():
                         help="override the format implied by the output suffix")
     parser.add_argument("--engine", choices=["auto", "dot", "python"], default="auto",
                         help="who draws SVG/PNG/PDF: auto = Graphviz's dot when on PATH, else pure Python; "
-                             "dot = Graphviz only; python = csp.svg (+ cairosvg for PNG/PDF)")
+                             "dot = Graphviz only; python = csp.observe.svg (+ cairosvg for PNG/PDF)")
     parser.add_argument("--run", metavar="RUN_DIR", help="a run directory: annotate with its measured statistics")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a graph value, as for dflash.run (repeatable)")
@@ -222,9 +222,9 @@ def build_parser():
 
 
 def render_python(spec: GraphSpec, summary: Summary | None, fmt: str) -> bytes:
-    """SVG (or PNG/PDF through cairosvg) drawn by :mod:`csp.svg`. Raises ImportError for PNG/PDF
+    """SVG (or PNG/PDF through cairosvg) drawn by :mod:`csp.observe.svg`. Raises ImportError for PNG/PDF
     without cairosvg."""
-    from csp.svg import graph_svg
+    from csp.observe.svg import graph_svg
 
     svg = graph_svg(spec, summary, _node_lines, _edge_lines, _edges)
     if fmt == "svg":
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_for_drawing(args.graph, args.set)
         summary = None
         if args.run:
-            from csp.backpressure import read_stats, summarize
+            from csp.observe.backpressure import read_stats, summarize
 
             summary = summarize(read_stats(args.run))
             missing = sorted({c.name for c in spec.channel} - {c.name for c in summary.channels})

@@ -1,0 +1,39 @@
+"""The graph file's ``[checkpoint]`` table, and the size of one checkpoint on disk.
+
+The writer (:mod:`dflash.checkpoint.writer`) owns these settings: how often it saves and how many
+complete, healthy checkpoints it keeps. :func:`checkpoint_bytes` is what the run's disk-space
+warning compares the free space against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
+from msgspec import Meta
+
+if TYPE_CHECKING:  # a type only: the reports that read a run directory import this room without the models
+    from dflash.model.drafter_config import DrafterConfig
+
+__all__ = ["CheckpointSection", "checkpoint_bytes"]
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class CheckpointSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[checkpoint]``: how often and how many."""
+
+    every: Annotated[int, Meta(ge=0)] = 100
+    """Save every N steps (0 = only at the end)."""
+    keep_last: PositiveInt = 3
+    """Keep the newest K complete healthy checkpoints."""
+
+
+def checkpoint_bytes(drafter: DrafterConfig) -> int:
+    """Expected size of one checkpoint of a resolved drafter, in bytes: its parameters (``fc``, the
+    layers' attention, MLP and norms, the final norms) in fp32, plus AdamW's two fp32 moments."""
+    H, n, k = drafter.hidden_size, drafter.num_layers, len(drafter.target_layer_ids)
+    q, kv = drafter.num_attention_heads * drafter.head_dim, drafter.num_key_value_heads * drafter.head_dim
+    layer = H * q * 2 + H * kv * 2 + 3 * H * drafter.intermediate_size + 2 * drafter.head_dim + 2 * H
+    params = k * H * H + n * layer + 2 * H
+    return params * 4 * 3

@@ -1,0 +1,106 @@
+"""Everything that must exist before the graph starts: the tokenized data, the sampler positioned
+at the first batch to train, the checkpoint to resume from, and the run's metrics log.
+
+The step between the checked config and the running graph (:mod:`dflash.run.cli`); the data is
+tokenized once and cached (:func:`dflash.data.load_dataset`), the checkpoint is chosen and verified
+by :mod:`dflash.checkpoint.resume`, and the start (and resume) records open ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from dflash.checkpoint import check_architecture, list_checkpoints
+from dflash.checkpoint.resume import archive_foreign, changes_since, new_lineage
+from dflash.checkpoint.resume import choose as choose_resume
+from dflash.observe import runlog
+from dflash.observe.metrics_writer import MetricsLog
+from dflash.records import ResumeRecord, StartRecord
+from dflash.run.app import ResumeState, RunApp
+from dflash.run.resolve import Resolved
+
+__all__ = ["prepare"]
+
+log = logging.getLogger("dflash.run")
+
+
+def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
+    """Everything that must exist before the graph starts: data, sampler, resume state.
+
+    ``tok``: the tokenizer :func:`dflash.run.resolve.load_and_resolve` loaded (loaded again when None).
+
+    Raises:
+        dflash.data.DataError: unusable data (message names the file and the reasons).
+        CheckpointError: the requested checkpoint cannot be used.
+    """
+    # looked up at call time (not imported at module level), so a test can replace load_dataset
+    from dflash.data import (
+        DataError,
+        Sampler,
+        load_dataset,
+        load_tokenizer,
+        tokenizer_info,
+    )
+
+    cfg = resolved.cfg
+    run_dir = Path(cfg.run.out_dir)
+    if tok is None:
+        tok = load_tokenizer(cfg.target.tokenizer_source)
+    info = tokenizer_info(tok)
+    dataset = load_dataset(cfg.data, tok, console=runlog.console())
+    if dataset.summary is not None:
+        log.info(runlog.data_line(dataset.summary), extra=runlog.FILE_ONLY)  # the terminal got the table
+    try:
+        train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
+    except ValueError as exc:
+        raise DataError(f"{exc}; lower data.holdout") from exc
+    sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
+
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
+    # when auto rejects every checkpoint there was, choose_resume itself says the run starts at step 0
+    found = bool(list_checkpoints(run_dir / "checkpoints"))
+    got = choose_resume(run_dir, resume)  # logs a REJECTED line for each checkpoint it passes over
+    state, changes = ResumeState(), []
+    if got is not None:
+        state = ResumeState(start_step=got.step, path=got.path, train_state=got.train_state, weights=got.weights)
+        changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), resolved.config_hash)
+        try:
+            sampler.load_state_dict(got.train_state["sampler"])
+        except DataError as exc:  # name the settings behind the data order's fingerprint
+            if not changes:
+                raise
+            raise DataError(f"{exc}; changed since {got.path}: " + "; ".join(changes[:8])) from None
+        if changes:
+            log.warning("the config differs from the one checkpoint %s was trained with: %s", got.path,
+                        "; ".join(changes[:8]) + (f"; and {len(changes) - 8} more" if len(changes) > 8 else ""))
+        if runlog.console().is_terminal:
+            runlog.console().rule(f"[bold yellow]RESUMING from step {got.step}: {got.path}")
+        log.warning("RESUMING from step %d: %s", got.step, got.path)
+        check_architecture(got.path, resolved.drafter)
+    state.lineage = (got.lineage if got is not None else None) or new_lineage()
+    if rank == 0:  # one lineage per checkpoints/ directory (dflash.checkpoint.resume)
+        archived, moved = archive_foreign(run_dir / "checkpoints", got)
+        if archived is not None:
+            log.warning("moved %d checkpoint(s) this run does not continue (%s) to %s; delete that "
+                        "directory when you no longer need them", len(moved), ", ".join(moved), archived)
+    if got is None and resume != "none" and not found:
+        log.info("no checkpoint to resume in %s; starting from step 0", run_dir / "checkpoints")
+    metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
+    app = RunApp(resolved=resolved, run_dir=run_dir, sampler=sampler, metrics=metrics, resume=state)
+    stats = sampler.epoch_stats(sampler.epoch)
+    log.info("data: %d training conversations (%d more held out for dflash.eval: data.holdout), %s batching: "
+             "padding waste %.1f%%, %d batches/epoch",
+             len(train), cfg.data.holdout, cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
+    metrics.write(StartRecord(config_hash=resolved.config_hash, step=state.start_step, lineage=state.lineage,
+                              data=dataset.summary.to_dict(), batching=msgspec.to_builtins(stats)))
+    if got is not None:
+        metrics.write(ResumeRecord(step=state.start_step, path=str(got.path),
+                                   rejected=[{"path": str(p), "reason": r} for p, r in got.rejected],
+                                   config_changes=changes))
+    return app

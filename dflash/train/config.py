@@ -1,0 +1,130 @@
+"""The graph file's ``[train]`` table, and its checks against the loss, the drafter and the devices.
+
+The trainer owns these settings (:mod:`dflash.train.step`, :mod:`dflash.train.optim`,
+:mod:`dflash.train.state`), so their rules live here too: the table validates itself when the file
+is decoded (``__post_init__``), :func:`check_train` checks it against the other tables once the run
+is resolved, and :func:`lr_warnings` names a legal but unusable learning rate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from dflash.errors import ConfigError
+from dflash.model.drafter_config import DrafterConfig
+from dflash.train.loss import LossConfig
+
+__all__ = ["TrainSection", "check_train", "lr_warnings"]
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
+
+    num_anchors: PositiveInt = 256
+    """Training blocks (anchors) sampled per packed row, the same for every batch (a sampling
+    setting, not part of the drafter model: it was ``[drafter].num_anchors`` in older configs)."""
+    lr: Annotated[float, Meta(gt=0.0)] = 6e-4
+    """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
+    that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
+    warmup_steps: Annotated[int, Meta(ge=0)] = 20
+    """Linear warmup length, in steps."""
+    min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
+    """Cosine decay floor, as a fraction of lr."""
+    weight_decay: NonNegFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: NonNegFloat = 1.0
+    """Global L2 gradient-norm clip; 0 disables clipping."""
+    feature_noise: NonNegFloat = 0.0
+    """Std of Gaussian noise added to the target features (relative to their RMS); 0 = off."""
+    postprocess_side: Literal["target", "drafter"] = "drafter"
+    """Where postprocess computes: on the features' source device before the move ("target") or on
+    the drafter's device after it ("drafter"). Both give the same DrafterInput (tested)."""
+    max_nonfinite_streak: PositiveInt = 8
+    """Consecutive skipped (non-finite) steps after which the run stops."""
+    check_channels: bool = False
+    """Debug: check every tensor crossing a channel for non-finite values and name the first producer."""
+    host_staging: bool = False
+    """Move features target -> drafter through host memory instead of device to device."""
+    sync_free_loss: bool = True
+    """compute_loss in fixed shapes: every block slot goes through the LM head with weight 0 where
+    it is not trained, and the counts stay tensors, so the loss never waits for the device (the
+    step's one host read then carries them). False: the trained slots are picked by boolean masks
+    (fewer LM-head rows, but each mask and count is a host sync). Same loss and gradients (tested)."""
+    features_fp32: bool = False
+    """Cast the target features to the drafter's fp32 master dtype before ``fc`` even under bf16
+    autocast: a [B, T, k*H] fp32 copy (about 1.3 GB per 16K-token batch at the 8B shape) that
+    autocast rounds straight back. False lets ``fc`` read them in bf16; bitwise equal (tested)."""
+    lm_head_chunk: Annotated[int, Meta(ge=0)] = 2048
+    """With sync_free_loss: LM head and loss this many block slots at a time (dflash.train.chunked_head),
+    so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
+    3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
+    rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
+    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, the performance switches), hence the default."""
+    lm_head: Literal["chunked", "liger"] = "chunked"
+    """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
+    cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only: loss.kl_weight, tv_weight and
+    conf_weight must be 0).
+    Same loss and gradients to bf16 rounding (a GPU test)."""
+
+    def __post_init__(self) -> None:
+        # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
+        # float32: beyond float32's range the step overflows and the drafter crashes at step 1.
+        beta1, beta2 = self.betas
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+            raise ValueError(f"train.betas = {list(self.betas)} must both be in [0, 1)")
+        limit = _FLOAT32_MAX * (1.0 - beta1)
+        if not math.isfinite(self.lr) or self.lr > limit:
+            raise ValueError(f"train.lr = {self.lr:g} is not a usable learning rate: AdamW's first "
+                             f"step lr / (1 - beta1) must fit in float32 (lr <= {limit:.3g}); "
+                             "typical values are 1e-4 .. 1e-3")
+
+
+def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, drafter_devices: list[str]) -> None:
+    """The fused LM head (``train.lm_head = "liger"``) against the loss, the drafter and its devices.
+
+    Args:
+        drafter_devices: the device of every drafter replica ("cpu" where the graph gives none).
+
+    Raises:
+        ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight``, ``tv_weight`` or
+            ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with DFlash2 (no top-K
+            candidates for its selector), with ``train.sync_free_loss = false`` (it replaces the
+            fixed-shape head), on a CPU drafter, or without liger_kernel installed.
+    """
+    if train.lm_head != "liger":
+        return
+    soft = [k for k in ("kl_weight", "tv_weight", "conf_weight") if getattr(loss, k) > 0]
+    if soft:
+        raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
+                          f"loss.{soft[0]} = {getattr(loss, soft[0]):g}: set it to 0 or "
+                          "train.lm_head = \"chunked\"")
+    if drafter.variant == "dflash2":
+        raise ConfigError("train.lm_head = \"liger\" gives no top-K candidates for DFlash2's selector: "
+                          "set train.lm_head = \"chunked\" with drafter.variant = \"dflash2\"")
+    if not train.sync_free_loss:
+        raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "
+                          "train.sync_free_loss = true or train.lm_head = \"chunked\"")
+    cpu = [x for x in drafter_devices if not x.startswith("cuda")]
+    if cpu:
+        raise ConfigError(f"train.lm_head = \"liger\" runs Triton kernels on CUDA, but process "
+                          f"'drafter' runs on {cpu[0]}: set train.lm_head = \"chunked\"")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("train.lm_head = \"liger\" needs the liger-kernel package (pip install liger-kernel); "
+                          "set train.lm_head = \"chunked\"")
+
+
+def lr_warnings(train: TrainSection) -> list[str]:
+    """A learning rate that decodes (finite, float32-safe) but no AdamW run survives."""
+    if train.lr > 1.0:
+        return [f"train.lr = {train.lr:g} is above 1, far beyond a usable AdamW learning rate (6e-4 is "
+                "typical); expect the weights to blow up and steps to be skipped"]
+    return []
