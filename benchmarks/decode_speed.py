@@ -92,7 +92,7 @@ def _prompt_ids(args, tc) -> list[list[int]]:
     from dflash.data.tokenizer import load_tokenizer
     from dflash.eval.cli import _prompts
 
-    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
+    tok = load_tokenizer(tc.tokenizer_source)
     if args.random_drafter and args.data:
         from dflash.data.prompts import source_prompts
         return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)

@@ -337,7 +337,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
         cfg = load_config(args.graph, args.overrides)
         limit = args.num_conversations or cfg.data.max_samples
         records = read_source(cfg.data.source, cfg.data.format, limit)
-        tok = load_tokenizer(cfg.target.tokenizer or cfg.target.path or "builtin:tiny")
+        tok = load_tokenizer(cfg.target.tokenizer_source)
         settings = generation_settings(args, cfg.data.source)
         meta = out.with_name(out.name + ".meta.json")
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,20 +100,22 @@ def test_an_export_interrupted_while_writing_leaves_the_output_as_it_was(tmp_pat
     """Invariant: export writes into a temporary sibling directory and renames it into place, so a
     Ctrl-C while the weights are written leaves -o as it was (absent, empty, or its old files)
     and no temporary directory behind; an uninterrupted export then succeeds."""
+    import dflash.checkpoint.model_files
     import dflash.export as ex
+    import dflash.export.write
 
     out = tmp_path / "out"
     if existing != "missing":
         out.mkdir()
     if existing == "full":
         (out / "config.json").write_text("old")
-    real_save = ex.save_file
+    real_save = ex.write.save_file
 
     def interrupted(*args, **kwargs):
         real_save(*args, **kwargs)  # the weights file exists in the temporary directory
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ex, "save_file", interrupted)
+    monkeypatch.setattr(ex.write, "save_file", interrupted)
     before = sorted(p.name for p in tmp_path.iterdir())
     assert ex.main([str(checkpoint), "-o", str(out), "--force"]) == 130
     err = capsys.readouterr().err.strip()
@@ -125,18 +127,20 @@ def test_an_export_interrupted_while_writing_leaves_the_output_as_it_was(tmp_pat
         assert sorted(p.name for p in out.iterdir()) == (["config.json"] if existing == "full" else [])
     if existing == "full":
         assert (out / "config.json").read_text() == "old"
-    monkeypatch.setattr(ex, "save_file", real_save)
+    monkeypatch.setattr(ex.write, "save_file", real_save)
     assert ex.main([str(checkpoint), "-o", str(out), "--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(ex.EXPORT_FILES)  # the card README.md too
 
 
 def test_ctrl_c_while_export_loads_the_checkpoint_writes_nothing(tmp_path, checkpoint, monkeypatch, capsys):
+    import dflash.checkpoint.model_files
     import dflash.export as ex
+    import dflash.export.write
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ex, "load_drafter", interrupted)
+    monkeypatch.setattr(dflash.checkpoint.model_files, "load_drafter", interrupted)  # imported by each export
     assert ex.main([str(checkpoint), "-o", str(tmp_path / "out")]) == 130
     err = capsys.readouterr().err.strip()
     assert err == f"dflash.export: interrupted (Ctrl-C); nothing was written to {tmp_path / 'out'}"
@@ -150,7 +154,9 @@ def test_a_ctrl_c_while_the_files_move_into_place_is_held_until_they_all_are(tmp
     move: it is raised after, and the line says the export is complete."""
     import signal
 
+    import dflash.checkpoint.model_files
     import dflash.export as ex
+    import dflash.export.write
 
     out = tmp_path / "out"
     if existing == "full":

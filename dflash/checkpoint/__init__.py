@@ -3,7 +3,8 @@
 * :mod:`dflash.checkpoint.format`: the layout, file names and ``meta.json`` (:class:`Meta`); listing,
   reading and validating a checkpoint directory.
 * :mod:`dflash.checkpoint.writer`: :class:`Checkpointer` (background, atomic, non-stalling saves,
-  ``keep_last`` retention, health).
+  ``keep_last`` retention); :mod:`dflash.checkpoint.snapshot`: what it saves (:class:`Snapshot`)
+  and the health rule; :mod:`dflash.checkpoint.config`: the ``[checkpoint]`` table.
 * :mod:`dflash.checkpoint.files`: atomic small-file writes: JSON, :func:`mark_unhealthy`,
   per-replica state files (:func:`write_rank_state`).
 * :mod:`dflash.checkpoint.resume`: which checkpoint a run continues from, verified; one lineage
@@ -58,7 +59,8 @@ from dflash.checkpoint.resume import (
     saved_config,
     verify,
 )
-from dflash.checkpoint.writer import Checkpointer, Snapshot, health_reason
+from dflash.checkpoint.snapshot import Snapshot, health_reason
+from dflash.checkpoint.writer import Checkpointer
 
 __all__ = [
     "ARCHIVE_PREFIX", "DRAFTER_CONFIG", "META", "PREFIX", "RANK_STATE", "REQUIRED_FILES", "TARGET_CONFIG",

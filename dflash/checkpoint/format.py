@@ -61,7 +61,7 @@ class Meta(msgspec.Struct, kw_only=True):
             ones excluded); NaN (``null`` on disk) when every one was skipped.
         window_steps, window_skipped: steps in that window, and how many were skipped.
         skipped_total: skipped steps of the whole run so far.
-        healthy, reason: the health verdict (:func:`dflash.checkpoint.writer.health_reason`).
+        healthy, reason: the health verdict (:func:`dflash.checkpoint.snapshot.health_reason`).
         lineage: id of the run lineage that wrote it; config_hash: hash of the resolved graph file.
         time: unix seconds when written; save_s: seconds from snapshot to ``meta.json``.
     """

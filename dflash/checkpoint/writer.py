@@ -34,9 +34,7 @@ new id, a resume keeps the checkpoint's). Retention only ever deletes checkpoint
 
 from __future__ import annotations
 
-import errno
 import logging
-import math
 import os
 import shutil
 import threading
@@ -67,35 +65,11 @@ from dflash.checkpoint.format import (
     slash_path,
     step_dir,
 )
+from dflash.checkpoint.snapshot import Snapshot, health_reason, is_disk_full, snapshot_tree
 from dflash.errors import DiskFullError
 from dflash.records import CheckpointRecord
 
 log = logging.getLogger("dflash.checkpoint")
-
-
-def _snapshot_tree(obj: Any, copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Copy every tensor in a nested dict/list/tuple structure with ``copy``; other leaves as is.
-    Every container is a new one, so the snapshot shares no dict or list with the live state."""
-    return map_tensors(copy, obj)
-
-
-
-class Snapshot(msgspec.Struct, kw_only=True):
-    """Host copies of everything one checkpoint holds (filled by :meth:`Checkpointer.save`)."""
-
-    step: int
-    batch_id: int
-    loss: float
-    window_steps: int = 0
-    window_skipped: int = 0
-    last_skipped: bool = False
-    skipped_total: int = 0
-    weights: dict[str, torch.Tensor]
-    train_state: dict[str, Any]
-    configs: dict[str, Any]
-    ready: Any = None  # torch.cuda.Event when the D2H copy is asynchronous, else None
-    device: Any = None  # the CUDA device the copy was made from
-    started: float = 0.0
 
 
 class Checkpointer:
@@ -186,13 +160,13 @@ class Checkpointer:
                 self._copy_stream = torch.cuda.Stream(device=device)
             self._copy_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._copy_stream):
-                weights = _snapshot_tree(weights, lambda t: t.detach().clone())
-                train_state = _snapshot_tree(train_state, lambda t: t.detach().clone())
+                weights = snapshot_tree(weights, lambda t: t.detach().clone())
+                train_state = snapshot_tree(train_state, lambda t: t.detach().clone())
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)
         else:
-            weights = _snapshot_tree(weights, lambda t: t.detach().clone())
-            train_state = _snapshot_tree(train_state, lambda t: t.detach().clone())
+            weights = snapshot_tree(weights, lambda t: t.detach().clone())
+            train_state = snapshot_tree(train_state, lambda t: t.detach().clone())
         snap = Snapshot(
             step=step,
             batch_id=batch_id,
@@ -384,22 +358,3 @@ class Checkpointer:
         for old, _ in ours:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """True for "no space left on device" (or a quota): an ``OSError`` with ``ENOSPC``/``EDQUOT``,
-    or safetensors' own error, which carries the OS error only in its text (``code: 28``)."""
-    if isinstance(exc, OSError):
-        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    text = str(exc)
-    return "No space left on device" in text or "StorageFull" in text or f"code: {errno.ENOSPC}," in text
-
-
-def health_reason(snap: Snapshot) -> str | None:
-    """Why a snapshot is not a healthy checkpoint (see the module docstring), or None if it is."""
-    if snap.last_skipped:
-        return (f"its step {snap.step} was skipped as non-finite, with {snap.window_skipped} of the "
-                f"{snap.window_steps} steps since the previous checkpoint")
-    if not math.isfinite(snap.loss):
-        return f"the mean loss of the {snap.window_steps} steps since the previous checkpoint is not finite"
-    return None

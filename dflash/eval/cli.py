@@ -167,7 +167,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     drafter.to(target.model.dtype)
     head = target.shared_head()
-    tok = load_tokenizer(tc.tokenizer or tc.path or "builtin:tiny")
+    tok = load_tokenizer(tc.tokenizer_source)
     try:
         ids = _prompts(args, tok, texts, data_cfg)
     except (EvalInputError, DataError, ValueError, KeyError) as exc:

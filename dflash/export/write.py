@@ -1,0 +1,217 @@
+"""Writing a drafter in the public DFlash layout (:mod:`dflash.export.layout`): ``config.json``,
+``model.safetensors``, ``modeling_dflash.py`` and the model card, renamed into place atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dflash.export.layout import (
+    ARCHITECTURES,
+    CARD_FILE,
+    DFLASH2_CONFIG_KEYS,
+    EXPORT_FILES,
+    MODELING_FILE,
+    NO_REMOTE_CODE,
+    NOT_EXPORTED,
+    ExportedThenInterrupted,
+    LastLayerWarning,
+    OutputTaken,
+)
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+
+__all__ = ["export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem", "model_card"]
+
+
+def model_card(cfg: DrafterConfig, dtype: torch.dtype) -> str:
+    """The export's ``README.md``: what it is and the load-and-decode calls that work."""
+    return f"""---
+library_name: transformers
+tags: [dflash, speculative-decoding, drafter]
+---
+# {"DFlash2" if cfg.variant == "dflash2" else "DFlash"} drafter
+
+A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
+mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of a
+{cfg.num_target_layers}-layer target; weights in {str(dtype).removeprefix("torch.")}. It has no embedding
+and no LM head: it uses the target's.
+
+## Load it
+
+```python
+from transformers import AutoModel
+drafter = AutoModel.from_pretrained(DIR, trust_remote_code=True)
+```
+
+**`trust_remote_code=True` is required**: {NO_REMOTE_CODE}.
+`modeling_dflash.py` (torch and transformers only) is the model class.
+
+## Decode with z-lab's loop
+
+```python
+from dflash.model import dflash_generate   # z-lab's dflash package
+out = dflash_generate(drafter, target, input_ids, max_new_tokens=256, stop_token_ids=None)
+```
+
+Serving engines pick the drafter by `architectures = ["{ARCHITECTURES[cfg.variant]}"]` and read
+`dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`).
+"""
+
+
+def last_layer_problem(cfg: DrafterConfig) -> str | None:
+    """Why ``cfg.target_layer_ids`` may not load where drafters are served, or None if fine.
+
+    None also when the target depth is unknown (``num_target_layers`` unset).
+    """
+    L = cfg.num_target_layers
+    if L is None or not cfg.target_layer_ids or max(cfg.target_layer_ids) < L - 1:
+        return None
+    return (f"target_layer_ids {list(cfg.target_layer_ids)} include the target's last layer "
+            f"({L - 1} of a {L}-layer target); the public DFlash rule uses layers 1..{L - 3} and "
+            "the vLLM speculators converter fails on this drafter (fc.weight size mismatch); "
+            "retrain with target.layer_ids inside [1, L-3] for vLLM")
+
+
+def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The public-layout ``config.json`` content for a resolved drafter config.
+
+    Raises:
+        ValueError: ``mask_token_id`` is unset.
+    """
+    cfg.check_resolved()
+    if cfg.mask_token_id is None:
+        raise ValueError("drafter.mask_token_id is unset; the exported config must name it")
+    sliding = "sliding_attention" in cfg.types
+    arch = ARCHITECTURES[cfg.variant]
+    dflash_config = {
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+    }
+    if cfg.variant == "dflash2":
+        dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_CONFIG_KEYS})
+    return {
+        "architectures": [arch],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": dflash_config,
+        "num_target_layers": cfg.num_target_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "layer_types": cfg.types,
+        "use_sliding_window": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None,
+        "max_window_layers": cfg.num_layers,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+        "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{arch}"},
+    }
+
+
+def exported_weights(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The drafter's state dict on the CPU in ``dtype``, less the :data:`NOT_EXPORTED` keys."""
+    return {k: t.detach().to("cpu", dtype).contiguous() for k, t in drafter.state_dict().items()
+            if not k.startswith(NOT_EXPORTED)}
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
+                   dtype: torch.dtype = torch.bfloat16, *, force: bool = True) -> Path:
+    """Write ``config.json``, ``model.safetensors``, ``modeling_dflash.py`` and the model card
+    ``README.md`` into ``out_dir`` (created if needed, with its parents).
+
+    The files are written into a temporary sibling directory (``.NAME.tmp-*``), which is then
+    renamed to ``out_dir`` when that is missing or empty, so an interrupted export leaves nothing
+    there. The rename is the check: with ``force=False`` an ``out_dir`` that is non-empty by then
+    (another export to the same directory finished first) is left as it is and
+    :class:`OutputTaken` is raised. With ``force`` (the default; ``--force``) the files are moved
+    into a non-empty ``out_dir`` one by one, each atomically (a Ctrl-C is held until all are in
+    place; only a hard kill in that instant can leave a mix of old and new files). The temporary
+    directory is always removed.
+
+    Raises:
+        OutputTaken: ``force`` is False and ``out_dir`` was not missing or empty at the final move.
+        ExportedThenInterrupted: a Ctrl-C came while the files were moved; the export is complete.
+
+    Warns :class:`LastLayerWarning` (and still exports) when :func:`last_layer_problem` finds one.
+    """
+    problem = last_layer_problem(drafter.cfg)
+    if problem is not None:
+        warnings.warn(problem, LastLayerWarning, stacklevel=2)
+    out = Path(out_dir)
+    cfg = hf_config_dict(drafter.cfg, dtype)
+    weights = exported_weights(drafter, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / MODELING_FILE).write_bytes((Path(__file__).parent.parent / "model" / MODELING_FILE).read_bytes())
+        (tmp / CARD_FILE).write_text(model_card(drafter.cfg, dtype))
+        umask = os.umask(0)
+        os.umask(umask)
+        for name in EXPORT_FILES:
+            os.chmod(tmp / name, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        with _ctrl_c_deferred():
+            try:  # rename(2) onto a missing or empty directory: atomic; onto anything else it fails
+                os.replace(tmp, out)
+            except OSError as e:
+                if e.errno not in _TAKEN or not out.exists():
+                    raise
+                if not force:  # filled since check_output (a concurrent export): leave it alone
+                    raise OutputTaken(e.errno, f"{out} is not empty", str(out)) from None
+                if not out.is_dir():
+                    raise
+                for name in EXPORT_FILES:  # --force into a non-empty directory: each file atomically
+                    os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+_TAKEN = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
+"""What ``rename(2)`` of the temporary directory says when ``out_dir`` is a non-empty directory or a file."""
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) until the block has run, then raise :class:`ExportedThenInterrupted`
+    (in the main thread only, where Python handles signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if got:
+        raise ExportedThenInterrupted
