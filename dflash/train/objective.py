@@ -120,36 +120,54 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
             has no ``mask_token_id``, or ``[loss].confidence = "head"`` and the drafter has no
             confidence head.
     """
-    features, input_ids, loss_mask, doc_ids = x.features, x.input_ids, x.loss_mask, x.doc_ids
-    position_ids, anchors, final_hidden = x.position_ids, x.anchors, x.final_hidden
-    dc = getattr(drafter, "module", drafter).cfg  # DDP-wrapped drafters keep their config inside
-    selector = getattr(getattr(drafter, "module", drafter), "candidate_selector", None)  # DFlash2 only
-    conf_head = getattr(getattr(drafter, "module", drafter), "confidence_head", None) if uses_head(cfg) else None
-    bs = dc.block_size
+    core = getattr(drafter, "module", drafter)  # a DDP wrapper keeps the drafter (config, heads) inside
+    conf_head = getattr(core, "confidence_head", None) if uses_head(cfg) else None
+    _check_inputs(core.cfg, cfg, x, conf_head)
+    features = x.features
+    if features_fp32:
+        features = features.to(core.fc.weight.dtype)
+
+    # 1-2. blocks -> drafter hidden [B, A, bs, H]
+    bs = core.cfg.block_size
+    block_ids = _block_ids(x.input_ids, x.anchors, bs, core.cfg.mask_token_id)       # [B, A, bs]
+    layout = training_layout(x.position_ids, x.doc_ids, x.anchors, bs)
+    hidden = drafter(features, head.embed(block_ids), layout)
+    pos, trained = block_targets(x.input_ids, x.loss_mask, x.doc_ids, x.anchors, bs)  # [B, A, bs-1]
+    selector = getattr(core, "candidate_selector", None)  # DFlash2 only
+    if sync_free:
+        return _loss_fixed_shape(head, hidden, pos, trained, x.input_ids, x.anchors, x.final_hidden, cfg,
+                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head)
+    return _loss_masked(head, hidden, pos, trained, x, cfg, selector, block_ids, conf_head)
+
+
+def _check_inputs(dc, cfg: LossConfig, x: LossInput, conf_head) -> None:
+    """The ValueErrors of :func:`compute_loss` (its docstring lists them)."""
     if dc.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset (take it from the tokenizer)")
     if uses_head(cfg) and conf_head is None:
         raise ValueError("loss.confidence = 'head' needs a drafter built with drafter.confidence_head = true "
                          "(the run sets it from loss.confidence)")
-    if needs_final_hidden(cfg) and final_hidden is None:
+    if needs_final_hidden(cfg) and x.final_hidden is None:
         raise ValueError(f"loss label={cfg.label!r}, kl_weight={cfg.kl_weight}, tv_weight={cfg.tv_weight}, "
                          f"confidence={cfg.confidence!r} needs the target's "
                          "final hidden state; run the target with need_final=True")
-    B, A = anchors.shape
-    safe = anchors.clamp(min=0)
-    if features_fp32:
-        fc = getattr(getattr(drafter, "module", drafter), "fc", None)
-        features = features.to(fc.weight.dtype if fc is not None else torch.float32)
 
-    # 1-2. blocks -> drafter hidden [B, A, bs, H]
-    block_ids = torch.full((B, A, bs), dc.mask_token_id, dtype=torch.long, device=input_ids.device)
-    block_ids[:, :, 0] = input_ids.gather(1, safe)
-    layout = training_layout(position_ids, doc_ids, anchors, bs)
-    hidden = drafter(features, head.embed(block_ids), layout)
-    pos, trained = block_targets(input_ids, loss_mask, doc_ids, anchors, bs)     # [B, A, bs-1]
-    if sync_free:
-        return _loss_fixed_shape(head, hidden, pos, trained, input_ids, anchors, final_hidden, cfg,
-                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head)
+
+def _block_ids(input_ids: torch.Tensor, anchors: torch.Tensor, bs: int, mask_token_id: int) -> torch.Tensor:
+    """``[B, A, bs]`` int64: each block's anchor token, then ``bs - 1`` mask tokens."""
+    B, A = anchors.shape
+    block_ids = torch.full((B, A, bs), mask_token_id, dtype=torch.long, device=input_ids.device)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors.clamp(min=0))
+    return block_ids
+
+
+def _loss_masked(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
+                 x: LossInput, cfg: LossConfig, selector, block_ids: torch.Tensor, conf_head) -> LossOutput:
+    """Steps 3-6 on the trained slots only, picked by boolean masks (``sync_free = False``): ``N``
+    LM-head rows, and each mask and count a host sync."""
+    input_ids, anchors, final_hidden = x.input_ids, x.anchors, x.final_hidden
+    B, A, S = pos.shape
+    bs = S + 1
 
     # 3. trained slots only -> logits [N, V]
     draft_logits = head.logits(hidden[:, :, 1:][trained]).float()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -38,10 +38,10 @@ from dflash.train.acceptance import simulated_accepted_length
 from dflash.train.config import TrainSection
 from dflash.train.loss import LossConfig
 from dflash.train.nonfinite import NonFiniteGuard
-from dflash.train.objective import compute_loss
+from dflash.train.objective import LossOutput, compute_loss
 from dflash.train.optim import DrafterOptimizer
 
-__all__ = ["StepOptions", "train_step"]
+__all__ = ["HostRead", "StepOptions", "read_to_host", "train_step"]
 
 
 class StepOptions(Protocol):
@@ -87,30 +87,9 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(o.params, train.grad_clip if train.grad_clip > 0 else float("inf"))
 
-    # 3. the step's one host read: [loss, grad_norm, ce, kl, (tv), (conf), (blocks), acc_1 .. acc_{bs-1}]
-    #    (tv/conf when their weights are > 0; the block count rides along when it is still a
-    #    tensor: the sync-free loss)
-    #    DFlash2 appends [sel_loss, sel_streak, base_streak, recall, oracle, missing, sel_acc_1 ..]
-    blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
-    scalars = [out.loss.detach().float(), grad_norm.float(), out.ce.float(), out.kl.float()]
-    extra = [t for t in (out.tv, out.conf) if t is not None]
-    scalars += [t.float() for t in extra]
-    scalars += [blocks_t.float()] if blocks_t is not None else []
-    parts = [torch.stack(scalars), out.acc_per_pos.float()]
-    sel = out.selector
-    if sel is not None:
-        parts += [torch.stack([sel.loss.detach().float(), sel.streak.float(), out.streak_mean.float(),
-                               sel.recall.float(), sel.oracle_streak.float(), sel.missing.float()]),
-                  sel.acc_per_pos.float()]
-    vals = torch.cat(parts).tolist()
-    loss, gnorm, ce, kl = vals[:4]
-    terms = iter(vals[4:4 + len(extra)])
-    tv = next(terms) if out.tv is not None else None
-    conf = next(terms) if out.conf is not None else None
-    num_blocks = int(vals[4 + len(extra)]) if blocks_t is not None else int(out.num_blocks)
-    S = out.acc_per_pos.shape[0]
-    acc = vals[len(scalars):len(scalars) + S]
-    sel_vals = vals[len(scalars) + S:] if sel is not None else None
+    # 3. the step's one host read (every scalar of the step, in one .tolist())
+    host = read_to_host(out, grad_norm)
+    loss, gnorm = host.loss, host.grad_norm
     lr = o.lr  # the lr this step uses
 
     # 4-5. skip a non-finite step, else update; the schedule follows batches, skipped or not
@@ -127,12 +106,12 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
         step=step,
         batch_id=b.batch_id,
         loss=float("nan") if skipped else loss,
-        ce=float("nan") if skipped else ce,
-        kl=float("nan") if skipped else kl,
-        tv=None if tv is None else float("nan") if skipped else tv,
-        conf=None if conf is None else float("nan") if skipped else conf,
-        acc_per_pos=acc,
-        accepted_sim=simulated_accepted_length(acc),
+        ce=float("nan") if skipped else host.ce,
+        kl=float("nan") if skipped else host.kl,
+        tv=None if host.tv is None else float("nan") if skipped else host.tv,
+        conf=None if host.conf is None else float("nan") if skipped else host.conf,
+        acc_per_pos=host.acc,
+        accepted_sim=simulated_accepted_length(host.acc),
         lr=lr,
         grad_norm=gnorm,
         skipped=skipped,
@@ -140,12 +119,62 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
         replica=inp.replica,
         num_tokens=b.num_tokens,
         num_padding=b.num_padding,
-        num_blocks=num_blocks,
+        num_blocks=host.num_blocks,
         step_s=time.perf_counter() - t0,
         target_s=inp.target_s,
         time=time.time(),
-        **(_selector_metrics(sel_vals, skipped) if sel_vals is not None else {}),
+        **(_selector_metrics(host.selector, skipped) if host.selector is not None else {}),
     )
+
+
+class HostRead(NamedTuple):
+    """A step's scalars on the host, read from the device in one ``.tolist()`` (:func:`read_to_host`).
+
+    Attributes:
+        loss, grad_norm, ce, kl: the step's loss, its global gradient norm before clipping, and
+            the cross-entropy and KL terms.
+        tv, conf: the TV and confidence terms, None when their weights are 0.
+        num_blocks: the training blocks the loss was averaged over.
+        acc: per-position accuracy of block positions 1 .. bs-1.
+        selector: DFlash2's ``[sel_loss, sel_streak, base_streak, recall, oracle_streak,
+            missing, sel_acc_1 ..]``, None for a DFlash drafter.
+    """
+
+    loss: float
+    grad_norm: float
+    ce: float
+    kl: float
+    tv: float | None
+    conf: float | None
+    num_blocks: int
+    acc: list[float]
+    selector: list[float] | None
+
+
+def read_to_host(out: LossOutput, grad_norm: torch.Tensor) -> HostRead:
+    """Every scalar of a step in one device-to-host read: one flat tensor
+    ``[loss, grad_norm, ce, kl, (tv), (conf), (blocks), acc_1 .. acc_{bs-1}, (selector ...)]``
+    (tv/conf when their weights are > 0; the block count when it is still a tensor, as the
+    sync-free loss leaves it), so the step waits on the device once (the module docstring)."""
+    blocks_t = out.num_blocks if isinstance(out.num_blocks, torch.Tensor) else None
+    optional = [t for t in (out.tv, out.conf) if t is not None]
+    scalars = [out.loss.detach(), grad_norm, out.ce, out.kl, *optional] + ([blocks_t] if blocks_t is not None else [])
+    parts = [torch.stack([t.float() for t in scalars]), out.acc_per_pos.float()]
+    sel = out.selector
+    if sel is not None:
+        parts += [torch.stack([sel.loss.detach().float(), sel.streak.float(), out.streak_mean.float(),
+                               sel.recall.float(), sel.oracle_streak.float(), sel.missing.float()]),
+                  sel.acc_per_pos.float()]
+    vals = torch.cat(parts).tolist()
+    n, S = len(scalars), out.acc_per_pos.shape[0]
+    terms = iter(vals[4:4 + len(optional)])
+    return HostRead(
+        loss=vals[0], grad_norm=vals[1], ce=vals[2], kl=vals[3],
+        tv=next(terms) if out.tv is not None else None,
+        conf=next(terms) if out.conf is not None else None,
+        num_blocks=int(vals[n - 1]) if blocks_t is not None else int(out.num_blocks),
+        acc=vals[n:n + S],
+        selector=vals[n + S:] if sel is not None else None)
 
 
 def _selector_metrics(vals: list[float], skipped: bool) -> dict[str, Any]:
