@@ -15,7 +15,7 @@ from collections import deque
 from typing import Any, Iterable
 
 from csp.core._state import ChannelState
-from csp.core._waiting import BLOCKED, DONE, SENT, SEQ, Item, Outcome
+from csp.core._waiting import BLOCKED, DONE, SENT, SEQ, Item, Outcome, Waiter
 from csp.errors import SeqError
 
 __all__ = ["FifoState", "OrderedState"]
@@ -67,11 +67,11 @@ class FifoState(ChannelState):
         self.bytes_moved += nbytes
         return True, payload, wake
 
-    def _park_sender(self, w: Any) -> tuple:
+    def _park_sender(self, w: Waiter) -> tuple:
         self.senders.append(w)
         return ()
 
-    def _remove_sender(self, w: Any) -> None:
+    def _remove_sender(self, w: Waiter) -> None:
         self.senders.remove(w)
 
     def _parked_senders(self) -> Iterable:
@@ -158,11 +158,11 @@ class OrderedState(ChannelState):
         self.bytes_moved += nbytes
         return True, payload, tuple(woken)
 
-    def _park_sender(self, w: Any) -> tuple:
+    def _park_sender(self, w: Waiter) -> tuple:
         self.senders[w.item[SEQ]] = w
         return self._wake_receiver() if len(self.senders) >= self.send_ends else ()
 
-    def _remove_sender(self, w: Any) -> None:
+    def _remove_sender(self, w: Waiter) -> None:
         del self.senders[w.item[SEQ]]
 
     def _parked_senders(self) -> Iterable:

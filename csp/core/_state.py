@@ -16,7 +16,7 @@ from collections import deque
 from time import perf_counter
 from typing import Any, Iterable
 
-from csp.core._waiting import BLOCKED, PENDING, RETRY, Item, Outcome
+from csp.core._waiting import BLOCKED, PENDING, RETRY, Item, Outcome, Waiter
 from csp.core.stats import ChannelStatistics
 from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, ItemTypeError, PeerGone
 
@@ -55,11 +55,11 @@ class ChannelState(ABC):
         """Take the next item if one is ready, else BLOCKED. Raises EndOfStream at the end."""
 
     @abstractmethod
-    def _park_sender(self, w: Any) -> tuple:
+    def _park_sender(self, w: Waiter) -> tuple:
         """Queue sender waiter ``w`` with its offer; returns what the wake-up needs."""
 
     @abstractmethod
-    def _remove_sender(self, w: Any) -> None:
+    def _remove_sender(self, w: Waiter) -> None:
         """Withdraw a parked sender (timeout, cancel, interrupt)."""
 
     @abstractmethod
@@ -98,7 +98,7 @@ class ChannelState(ABC):
         )
 
     # ---- parking ----------------------------------------------------------------------------
-    def park(self, w: Any) -> Outcome:
+    def park(self, w: Waiter) -> Outcome:
         """Park a waiter (a send offer if ``w.item`` is set). Returns BLOCKED, with a receiver
         to wake if the parked offer lets it skip an ordered gap."""
         w.t0 = perf_counter()
@@ -108,14 +108,14 @@ class ChannelState(ABC):
         wake = self._park_sender(w)
         return (False, None, wake) if wake else BLOCKED
 
-    def withdraw(self, w: Any) -> None:
+    def withdraw(self, w: Waiter) -> None:
         """Remove a PENDING waiter (timeout): a withdrawn offer's item stays with its sender."""
         if w.item is None:
             self.receivers.remove(w)
         else:
             self._remove_sender(w)
 
-    def cancel(self, w: Any) -> tuple:
+    def cancel(self, w: Waiter) -> tuple:
         """A parked call gives up (cancelled, interrupted). A PENDING one is withdrawn; a receiver
         woken for an item passes the wake-up on: returns the waiters to wake."""
         if w.state == PENDING:

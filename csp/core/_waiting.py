@@ -111,6 +111,10 @@ class AsyncWaiter:
                 pass
 
 
+Waiter = ThreadWaiter | AsyncWaiter
+"""A parked send or receive: a blocked thread's or a suspended task's (what a channel state queues)."""
+
+
 def wake_all(waiters: tuple | list) -> None:
     """Wake every waiter (call after releasing the channel lock)."""
     for w in waiters:
@@ -127,7 +131,7 @@ async def checkpoint() -> None:
 Attempt = Callable[[Any, Any], Outcome]  # the state's try_send or try_receive
 
 
-def _step(end: Any, attempt: Attempt, item: Item | None, w: Any, new_waiter: Callable,
+def _step(end: Any, attempt: Attempt, item: Item | None, w: Waiter | None, new_waiter: Callable,
           timeout: float | None, deadline: float | None) -> tuple[Outcome, Any]:
     """One try of a send (``item`` set) or receive (``item`` None), under the channel lock.
 
@@ -161,7 +165,7 @@ def _timed_out(state: Any, item: Item | None, timeout: float | None) -> ChannelT
     return ChannelTimeout(f"channel {state.name!r}: {what} timed out after {timeout} s ({why})", state.name)
 
 
-def _give_up(end: Any, w: Any) -> None:
+def _give_up(end: Any, w: Waiter) -> None:
     """The parked call was cancelled or interrupted: withdraw it, pass a wake-up on."""
     with end._core.lock:
         wake = end._core.cancel(w)

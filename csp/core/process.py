@@ -29,9 +29,12 @@ import inspect
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
 
 import msgspec
+
+if TYPE_CHECKING:  # torch is imported only by processes that use a device
+    import torch
 
 NULL_SPAN: ContextManager[None] = contextlib.nullcontext()
 """The shared no-op span returned by :meth:`Context.span` when tracing is off."""
@@ -60,7 +63,7 @@ class Context:
         replica: int = 0,
         replicas: int = 1,
         *,
-        device: Any = None,
+        device: torch.device | None = None,
         run_dir: Path | None = None,
         app: Any = None,
         stop_event: threading.Event | None = None,
@@ -72,7 +75,7 @@ class Context:
         self.replica = replica
         self.replicas = replicas
         self.device = device
-        self.stream: Any = None
+        self.stream: torch.cuda.Stream | None = None
         self.run_dir = run_dir
         self.app = app
         self._stop = stop_event if stop_event is not None else threading.Event()

@@ -26,10 +26,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from csp.cuda.tensors import ATOMS, iter_tensors, map_tensors
 from csp.errors import PinnedPoolError, PinnedPoolTimeout
+
+if TYPE_CHECKING:  # never imported at run time: torch is looked up in sys.modules
+    import torch
 
 __all__ = ["Handoff", "PinnedPool", "inbound", "item_nbytes", "outbound", "to_device"]
 
@@ -127,7 +131,7 @@ def inbound(payload: Any) -> Any:
 
 
 # ---- device moves -------------------------------------------------------------------------------
-def to_device(item: Any, device: Any, stream: Any = None, via_host: bool = False,
+def to_device(item: Any, device: torch.device | str, stream: torch.cuda.Stream | None = None, via_host: bool = False,
               pool: PinnedPool | None = None) -> Any:
     """A copy of ``item`` with every tensor on ``device``; tensors already there are kept by
     reference (a tensor that came through a channel was already ordered by its event).
@@ -200,7 +204,8 @@ def to_device(item: Any, device: Any, stream: Any = None, via_host: bool = False
     return out
 
 
-def _staged(torch: Any, t: Any, device: Any, dst_stream: Any, pool: PinnedPool) -> Any:
+def _staged(torch: ModuleType, t: torch.Tensor, device: torch.device, dst_stream: torch.cuda.Stream,
+            pool: PinnedPool) -> torch.Tensor:
     """GPU ``t`` -> pinned staging buffer -> ``device``, ordered by events on both streams."""
     src_stream = torch.cuda.current_stream(t.device)
     buf = pool.take(t.nbytes)

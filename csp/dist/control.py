@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from csp.errors import DistConfigError
+
+if TYPE_CHECKING:
+    import torch.distributed
 
 __all__ = ["Control"]
 
@@ -65,7 +68,7 @@ class Control:
         csp.errors.DistConfigError (a ValueError): ``peer_timeout_s`` is negative.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, peer_timeout_s: float = PEER_TIMEOUT_S,
+    def __init__(self, store: torch.distributed.Store, rank: int, world_size: int, peer_timeout_s: float = PEER_TIMEOUT_S,
                  store_address: str | None = None) -> None:
         if peer_timeout_s < 0:
             raise DistConfigError(f"peer_timeout_s must be >= 0 seconds (0 = no heartbeat), got {peer_timeout_s}")

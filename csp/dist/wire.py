@@ -147,7 +147,7 @@ class LaneReader:
         device: where CUDA tensors are received (``torch.device("cuda:N")``), or None.
     """
 
-    def __init__(self, peer: int, control: Any, cuda: Any = None, device: Any = None) -> None:
+    def __init__(self, peer: int, control: Any, cuda: Any = None, device: torch.device | None = None) -> None:
         self.peer, self.control, self.cuda, self.device = peer, control, cuda, device
         self.frame = torch.empty(FRAME, dtype=torch.uint8)
 

@@ -26,6 +26,8 @@ from typing import Any, Callable, Mapping
 import msgspec
 
 from csp.core.stats import ChannelStatistics, ProcessStatistics
+from csp.graph import Graph
+from csp.observe.trace import Tracer
 
 log = logging.getLogger("csp.observe.statslog")
 
@@ -33,7 +35,7 @@ ChannelsFn = Callable[[], Mapping[str, ChannelStatistics]]
 ProcessesFn = Callable[[], Mapping[str, ProcessStatistics]]
 
 
-def graph_header(graph: Any) -> dict[str, Any]:
+def graph_header(graph: Graph) -> dict[str, Any]:
     """The ``graph`` object of the header line for a :class:`csp.Graph`."""
     return {
         "channels": [{"name": c.name, "capacity": c.capacity, "ordered": c.ordered}
@@ -56,8 +58,8 @@ class StatsWriter:
         tracer: a :class:`csp.observe.trace.Tracer` to receive ``fill <channel>`` counters, or None.
     """
 
-    def __init__(self, path: Path, graph: Any, channels: ChannelsFn, processes: ProcessesFn,
-                 interval_s: float, tracer: Any = None) -> None:
+    def __init__(self, path: Path, graph: Graph, channels: ChannelsFn, processes: ProcessesFn,
+                 interval_s: float, tracer: Tracer | None = None) -> None:
         self.path = path
         self._channels = channels
         self._processes = processes

@@ -23,9 +23,10 @@ character), which keeps every label inside its box in any viewer.
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import Any, Callable
 from xml.sax.saxutils import escape
 
+from csp.graph import GraphSpec
 from csp.observe.backpressure import ChannelSummary, ProcessSummary, Summary
 
 FONT = 12.0  # px
@@ -274,7 +275,8 @@ def _text(lines: list[str], x: float, y: float, *, bold_first: bool, weight: str
     return out
 
 
-def graph_svg(spec: Any, summary: Summary | None, node_lines: Any, edge_lines: Any, edge_pairs: Any) -> str:
+def graph_svg(spec: GraphSpec, summary: Summary | None, node_lines: Callable[..., list[str]],
+              edge_lines: Callable[..., list[str]], edge_pairs: Callable[..., Any]) -> str:
     """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.observe.draw` for the line builders and pairs)."""
     chans: dict[str, ChannelSummary] = {c.name: c for c in summary.channels} if summary else {}
     procs: dict[str, ProcessSummary] = {p.name: p for p in summary.processes} if summary else {}

@@ -50,13 +50,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from itertools import chain, islice
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 from jinja2 import TemplateError
 
 from dflash.data.sources import THINK_CLOSE, THINK_OPEN, Conversation
 from dflash.data.tokenizer import check_tokenizer, special_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Reasoning = Literal["train", "context", "drop"]
 
@@ -133,7 +136,7 @@ class ChatEncoder:
     calls release the GIL).
     """
 
-    def __init__(self, tokenizer: Any, *, max_length: int, last_turn_only: bool = False,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, *, max_length: int, last_turn_only: bool = False,
                  min_loss_tokens: int = 0, reasoning: Reasoning = "train") -> None:
         check_tokenizer(tokenizer)
         from tokenizers import Tokenizer
@@ -373,7 +376,7 @@ def _run_values(plan: _Plan, runs: int) -> Iterator[int]:
         yield glued
 
 
-def _compiled_renderer(tokenizer: Any):
+def _compiled_renderer(tokenizer: PreTrainedTokenizerBase):
     """A function rendering messages with the tokenizer's compiled chat template, skipping
     ``apply_chat_template``'s per-call normalisation (a no-op for the plain string dicts built
     here), or None when transformers does not expose its compiled-template cache. The caller

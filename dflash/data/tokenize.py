@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from dflash.data.sources import (
 )
 from dflash.data.tokenizer import tokenizer_fingerprint
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 CHUNK = 512
 """Conversations per work item (one ``encode_many`` call)."""
 THREADS = 2
@@ -51,7 +54,7 @@ THREADS = 2
 _ENCODER: ChatEncoder | None = None
 
 
-def _init_worker(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+def _init_worker(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]) -> None:
     global _ENCODER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
     _ENCODER = ChatEncoder(tokenizer, **kwargs)
@@ -107,7 +110,7 @@ def _progress(name: str, total: int, enabled: bool):
         yield _LineProgress(name, total).advance
 
 
-def _encode_all(records: SourceRecords, tokenizer: Any, kwargs: dict[str, Any], workers: int,
+def _encode_all(records: SourceRecords, tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any], workers: int,
                 progress: bool) -> list[Encoded | str]:
     convs = records.conversations
     jobs = [(i, convs[s: s + CHUNK]) for i, s in enumerate(range(0, len(convs), CHUNK))]
@@ -141,7 +144,7 @@ def encoder_kwargs(cfg: DataConfig) -> dict[str, Any]:
             "min_loss_tokens": 2 * cfg.block_size, "reasoning": cfg.reasoning}
 
 
-def _key_parts(cfg: DataConfig, tokenizer: Any) -> tuple[Path, dict[str, Any]]:
+def _key_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[Path, dict[str, Any]]:
     path, identity = resolve_source(cfg.source)
     parts = {
         "source": identity,
@@ -156,7 +159,7 @@ def _key_parts(cfg: DataConfig, tokenizer: Any) -> tuple[Path, dict[str, Any]]:
     return path, parts
 
 
-def load_dataset(cfg: DataConfig, tokenizer: Any, *, progress: bool = True, console=None,
+def load_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, progress: bool = True, console=None,
                  quiet: bool = False) -> TokenizedDataset:
     """Tokenized conversations of ``cfg.source`` (from the cache when possible).
 
@@ -197,7 +200,7 @@ def load_dataset(cfg: DataConfig, tokenizer: Any, *, progress: bool = True, cons
                             summary=summary, key=key)
 
 
-def _tokenize(cfg: DataConfig, tokenizer: Any, parts: dict[str, Any], path: Path, entry: Path,
+def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[str, Any], path: Path, entry: Path,
               progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
     records = read_source(cfg.source, cfg.format, cfg.max_samples)
     kwargs = encoder_kwargs(cfg)

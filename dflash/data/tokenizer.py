@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from dflash.data.config import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TINY_TOKENIZER = "builtin:tiny"
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny_tokenizer"
@@ -69,7 +72,7 @@ def load_tokenizer(spec: str) -> Any:
     return tok
 
 
-def check_tokenizer(tok: Any, name: str = "tokenizer") -> None:
+def check_tokenizer(tok: PreTrainedTokenizerBase, name: str = "tokenizer") -> None:
     """Raise DataError unless ``tok`` is a fast tokenizer with a chat template."""
     if getattr(tok, "backend_tokenizer", None) is None:
         raise DataError(f"{name}: a fast (tokenizers-backed, tokenizer.json) tokenizer is required")
@@ -77,7 +80,7 @@ def check_tokenizer(tok: Any, name: str = "tokenizer") -> None:
         raise DataError(f"{name}: the tokenizer has no chat_template; the data path needs one")
 
 
-def tokenizer_info(tok: Any) -> TokenizerInfo:
+def tokenizer_info(tok: PreTrainedTokenizerBase) -> TokenizerInfo:
     """The vocabulary size and special ids of ``tok`` (see :class:`TokenizerInfo`)."""
     pad = tok.pad_token_id
     if pad is None:
@@ -90,14 +93,14 @@ def tokenizer_info(tok: Any) -> TokenizerInfo:
     )
 
 
-def special_token_ids(tok: Any) -> frozenset[int]:
+def special_token_ids(tok: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids of every special or added token (the candidates for an end-of-turn marker)."""
     ids = set(tok.all_special_ids)
     ids.update(int(i) for i in tok.backend_tokenizer.get_added_tokens_decoder())
     return frozenset(ids)
 
 
-def tokenizer_fingerprint(tok: Any) -> str:
+def tokenizer_fingerprint(tok: PreTrainedTokenizerBase) -> str:
     """sha256 (hex) of the tokenizer's full definition: vocab, merges, normaliser, pre-tokeniser,
     added tokens, special-token map and chat template. Two tokenizers that tokenize or render
     differently get different fingerprints (used in the cache key)."""

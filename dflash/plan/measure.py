@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -18,6 +18,9 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Colocation efficiency when the run cannot measure it: benchmarks/RESULTS.md, "Both stages on
 # flex_attention, one H200": colocated data-parallel on one GPU ran 19.1K tok/s against the serial
@@ -67,7 +70,7 @@ def safetensors_bytes(path: Path) -> int:
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
 
 
-def target_params(hf: Any) -> int:
+def target_params(hf: PretrainedConfig) -> int:
     """Parameters of a Qwen3/Llama-style decoder from its transformers config (embedding, LM head
     unless tied, per layer q/k/v/o projections, the gated MLP and two norms)."""
     h, inter, n_layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers

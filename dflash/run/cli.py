@@ -37,7 +37,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,6 +59,9 @@ from dflash.run.run_dir import (
     nothing_to_do,
 )
 from dflash.run.validate import validate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("dflash.run")
 
@@ -129,7 +132,7 @@ def _main(argv: list[str] | None) -> int:
             lock.close()  # releases the flock
 
 
-def _train(resolved: Resolved, tok: Any, args: argparse.Namespace, resume: str, graph: csp.Graph,
+def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Namespace, resume: str, graph: csp.Graph,
            run_dir: Path, rank: int) -> int:
     from dflash.data import DataError
 

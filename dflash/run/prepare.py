@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -25,12 +25,15 @@ from dflash.records import ResumeRecord, StartRecord
 from dflash.run.app import ResumeState, RunApp
 from dflash.run.resolve import Resolved
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = ["prepare"]
 
 log = logging.getLogger("dflash.run")
 
 
-def prepare(resolved: Resolved, resume: str, tok: Any = None) -> RunApp:
+def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None = None) -> RunApp:
     """Everything that must exist before the graph starts: data, sampler, resume state.
 
     ``tok``: the tokenizer :func:`dflash.run.resolve.load_and_resolve` loaded (loaded again when None).

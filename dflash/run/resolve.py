@@ -17,7 +17,7 @@ the target): the rules of the resolved run are :func:`dflash.run.validate.valida
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -38,6 +38,9 @@ from dflash.run.options import (
     TargetStageOptions,
 )
 from dflash.train.loss import needs_final_hidden, uses_head
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 __all__ = ["Resolved", "drafter_replicas", "load_and_resolve", "resolve", "resolve_drafter", "target_hf_config"]
 
@@ -111,7 +114,7 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def target_hf_config(target: TargetConfig) -> Any:
+def target_hf_config(target: TargetConfig) -> PretrainedConfig:
     """The target's transformers config (``config.json`` of ``target.path``, or a preset), with
     ``target.overrides`` applied; the weights are never read.
 
@@ -125,7 +128,7 @@ def target_hf_config(target: TargetConfig) -> Any:
         raise ConfigError(_one_line(exc)) from None
 
 
-def resolve_drafter(cfg: DFlashFile, hf: Any) -> DrafterConfig:
+def resolve_drafter(cfg: DFlashFile, hf: PretrainedConfig) -> DrafterConfig:
     """``[drafter]`` with every dimension taken from the target and the captured layers chosen
     (``target.layer_ids``, or the public rule: evenly spaced from 1 to N-3).
 
@@ -144,7 +147,7 @@ def resolve_drafter(cfg: DFlashFile, hf: Any) -> DrafterConfig:
     return drafter
 
 
-def load_and_resolve(cfg: DFlashFile) -> tuple[Resolved, Any]:
+def load_and_resolve(cfg: DFlashFile) -> tuple[Resolved, PreTrainedTokenizerBase]:
     """Read the target's config, then its tokenizer (no data), and :func:`resolve` ``cfg`` with them.
 
     The config is read first, so a wrong ``target.path`` is named as that key rather than as a
@@ -162,7 +165,7 @@ def load_and_resolve(cfg: DFlashFile) -> tuple[Resolved, Any]:
     return resolve(cfg, dflash.data.tokenizer_info(tok), hf), tok
 
 
-def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo, hf: Any = None) -> Resolved:
+def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo, hf: PretrainedConfig | None = None) -> Resolved:
     """Fill ``cfg`` from ``tokenizer``, resolve the drafter against the target and build every
     stage's options.
 

@@ -33,13 +33,14 @@ from typing import Any
 import torch
 from torch import nn
 
+import csp
 from dflash.checkpoint import rank_state_path, read_rank_state, write_rank_state  # noqa: F401 - rank_state_path re-exported
 
 __all__ = ["barrier", "group", "is_writer", "load_rank_state", "rank_state_path", "save_rank_state",
            "unwrap", "world", "wrap"]
 
 
-def group(ctx: Any) -> Any | None:
+def group(ctx: csp.Context) -> Any | None:
     """The process group over the ranks running replicas of ``ctx.name``, or None when the run is
     not distributed or all replicas share one rank."""
     from csp.dist import current
@@ -59,12 +60,12 @@ def group(ctx: Any) -> Any | None:
     return g
 
 
-def world(ctx: Any) -> int:
+def world(ctx: csp.Context) -> int:
     """Number of data-parallel replicas of ``ctx.name`` (1 outside a distributed run)."""
     return ctx.replicas if group(ctx) is not None else 1
 
 
-def wrap(module: nn.Module, ctx: Any, **ddp_kwargs: Any) -> nn.Module:
+def wrap(module: nn.Module, ctx: csp.Context, **ddp_kwargs: Any) -> nn.Module:
     """``DistributedDataParallel(module)`` over :func:`group`, or ``module`` itself without one.
 
     Call it in ``setup()`` on every replica (DDP's constructor broadcasts replica 0's parameters
@@ -89,19 +90,19 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module) if type(module).__name__ == "DistributedDataParallel" else module
 
 
-def is_writer(ctx: Any) -> bool:
+def is_writer(ctx: csp.Context) -> bool:
     """True on the replica that writes shared files (weights, meta.json, metrics): replica 0."""
     return group(ctx) is None or ctx.replica == 0
 
 
-def barrier(ctx: Any) -> None:
+def barrier(ctx: csp.Context) -> None:
     """Wait until every data-parallel replica of ``ctx.name`` got here (no-op without a group)."""
     g = group(ctx)
     if g is not None:
         torch.distributed.barrier(group=g)
 
 
-def save_rank_state(ckpt_root: str | Path, step: int, ctx: Any, state: dict[str, Any]) -> Path:
+def save_rank_state(ckpt_root: str | Path, step: int, ctx: csp.Context, state: dict[str, Any]) -> Path:
     """Write this replica's ``state`` (``torch.save``-able: optimizer/scheduler state dicts, RNG
     state, sampler state) atomically (:func:`dflash.checkpoint.files.write_rank_state`), then :func:`barrier`.
 
@@ -112,7 +113,7 @@ def save_rank_state(ckpt_root: str | Path, step: int, ctx: Any, state: dict[str,
     return path
 
 
-def load_rank_state(ckpt_root: str | Path, step: int, ctx: Any) -> dict[str, Any] | None:
+def load_rank_state(ckpt_root: str | Path, step: int, ctx: csp.Context) -> dict[str, Any] | None:
     """This replica's state saved at ``step``, or None if there is none (a checkpoint written
     by a run with fewer drafter ranks: the caller falls back to replica 0's ``train_state``)."""
     return read_rank_state(ckpt_root, step, ctx.replica)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+import csp
 from dflash.checkpoint import WEIGHTS
 from dflash.messages import StepMetrics
 from dflash.train import parallel
@@ -24,7 +25,7 @@ from dflash.train.optim import DrafterOptimizer, load_optimizer_state
 __all__ = ["CheckpointWindow", "newest_sampler_state", "restore", "train_state"]
 
 
-def restore(drafter: torch.nn.Module, o: DrafterOptimizer, resume: Any, train: TrainSection, ctx: Any,
+def restore(drafter: torch.nn.Module, o: DrafterOptimizer, resume: Any, train: TrainSection, ctx: csp.Context,
             device: torch.device) -> int:
     """Load ``resume.path``'s weights, optimizer, schedule and torch RNG state; returns the
     checkpoint's ``skipped_total``.
@@ -48,7 +49,7 @@ def restore(drafter: torch.nn.Module, o: DrafterOptimizer, resume: Any, train: T
     return state.get("skipped_total", 0)
 
 
-def newest_sampler_state(sampler_state: dict, ctx: Any) -> dict:
+def newest_sampler_state(sampler_state: dict, ctx: csp.Context) -> dict:
     """Under data parallelism each replica trained a different batch of this step: the sampler
     state of the newest of them (highest ``batch_id``), so a resume continues after all of them.
     One ``all_gather_object`` over the drafter group; ``sampler_state`` itself otherwise."""
