@@ -1,4 +1,4 @@
-"""The colocated data-parallel baseline of the H200 harness (benchmarks/h200_colocated.py) on CPU
+"""The colocated data-parallel baseline of the H200 harness (benchmarks/h200/colocated.py) on CPU
 ranks with gloo: two spawned ranks, each running target forward then a DDP drafter step on its own
 batches, give one combined rate and FLOP count; a failing rank is one clear error."""
 
@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 
 def test_two_gloo_ranks_run_the_colocated_loop(tmp_path, monkeypatch):
-    from benchmarks.bench_h200 import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS
-    from benchmarks.h200_colocated import run_colocated
+    from benchmarks.h200.bench import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS
+    from benchmarks.h200.colocated import run_colocated
     from dflash.data import load_tokenizer, tokenizer_info
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
@@ -40,8 +40,8 @@ def test_two_gloo_ranks_run_the_colocated_loop(tmp_path, monkeypatch):
 
 
 def test_a_failing_rank_is_one_error(tmp_path):
-    from benchmarks.bench_h200 import GRAPH_1GPU
-    from benchmarks.h200_colocated import run_colocated
+    from benchmarks.h200.bench import GRAPH_1GPU
+    from benchmarks.h200.colocated import run_colocated
 
     with pytest.raises(RuntimeError, match="colocated rank 0"):
         run_colocated(GRAPH_1GPU, ["no.such.key=1"], tmp_path / "c", 2, warmup=1, timed=1, peak_tflops=1.0,

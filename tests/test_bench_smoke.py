@@ -1,6 +1,6 @@
-"""The H200 benchmark harness (benchmarks/bench_h200.py) is right before it meets a GPU.
+"""The H200 benchmark harness (benchmarks/h200/bench.py) is right before it meets a GPU.
 
-The whole harness runs in ``--smoke`` mode (tiny shapes, CPU) and must produce every key RESULTS.md
+The whole harness runs in ``--smoke`` mode (tiny shapes, CPU) and must produce every key the results log
 reports, each ratio computed from the numbers beside it, one target build for all runs (model reuse),
 and a plot. The arithmetic the H200 numbers rest on -- steady-state throughput from metrics.jsonl,
 steps overlapping a checkpoint, attention FLOPs, which run a summary number comes from -- is checked
@@ -22,15 +22,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.h200_pipeline import (  # noqa: E402
+from benchmarks.h200.pipeline import (  # noqa: E402
     StepRecord,
     checkpoint_overlap,
     read_metrics,
     steady_throughput,
 )
-from benchmarks.h200_report import summarize  # noqa: E402
+from benchmarks.h200.report import summarize  # noqa: E402
 
-SCRIPT = ROOT / "benchmarks" / "bench_h200.py"
+SCRIPT = ROOT / "benchmarks" / "h200" / "bench.py"
 REQUIRED = ("command", "matmul_tflops", "serial_tok_s", "pipeline_1gpu_tok_s", "pipeline_2gpu_tok_s",
             "slowest_stage_tok_s_2gpu", "efficiency_2gpu", "speedup_2gpu_vs_serial", "target_mfu",
             "checkpoint_slowdown")
@@ -129,14 +129,14 @@ def test_smoke_run_reports_every_key_consistently(smoke):
 def test_plot_and_merge(smoke, tmp_path):
     tmp, doc = smoke
     png = tmp_path / "h200.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_h200.py"), "--in",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "plot.py"), "--in",
                            str(tmp / "h200.json"), "--out", str(png)], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert png.stat().st_size > 10_000
-    # the generated section of RESULTS.md is filled from the results file, the rest kept
-    md = tmp_path / "RESULTS.md"
-    md.write_text((ROOT / "benchmarks" / "RESULTS.md").read_text())
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_h200.py"), "--in", str(tmp / "h200.json"),
+    # the generated section of the results log is filled from the results file, the rest kept
+    md = tmp_path / "LOG.md"
+    md.write_text((ROOT / "benchmarks" / "results" / "LOG.md").read_text())
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "h200" / "plot.py"), "--in", str(tmp / "h200.json"),
                            "--out", str(png), "--results-md", str(md)], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = md.read_text()
@@ -144,7 +144,7 @@ def test_plot_and_merge(smoke, tmp_path):
     assert "**bound**, 2 GPUs colocated" in text and "| target_stage_mfu | >= 0.67 |" in text
     assert f"| csp pipeline, 2 GPUs (tokens/s) | {doc['pipeline_2gpu_tok_s'] / 1e3:,.1f}K | smoke |" in text
     # a second machine's results file merges in by run name; the summary is recomputed
-    other = {"runs": {"2gpu": {"command": "python benchmarks/bench_h200.py", "measurements": {}}}}
+    other = {"runs": {"2gpu": {"command": "python benchmarks/h200/bench.py", "measurements": {}}}}
     (tmp_path / "x2.json").write_text(json.dumps(other))
     out = tmp_path / "merged.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--merge-only", "--merge", str(tmp / "h200.json"),
@@ -224,7 +224,7 @@ def test_summary_takes_each_ratio_from_one_run():
 def test_model_reuse_memoises_and_restores():
     import dflash.model.target as target_mod
     import dflash.run.stages.target as target_stage
-    from benchmarks.h200_reuse import ModelReuse
+    from benchmarks.h200.reuse import ModelReuse
     from dflash.model.target import TargetConfig
 
     original = target_stage.load_target
@@ -261,7 +261,7 @@ def test_tiny_run_on_the_gpus(tmp_path):
 
 
 def test_attention_implementation_switches_in_place_and_back():
-    from benchmarks.h200_stages import attention_implementation
+    from benchmarks.h200.stages import attention_implementation
     from dflash.model.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(preset="tiny", vocab_size=64), "cpu", num_draft_layers=2, need_final=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import csp
-from csp import cuda as ccuda
+from csp.cuda import handoff as ccuda
 
 pytestmark = pytest.mark.timeout(60)
 

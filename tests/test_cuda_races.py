@@ -1,6 +1,6 @@
 """csp on CUDA prevents the tensor-lifetime race class (failure mode 1 of docs/failure-modes.md).
 
-The cases live in ``benchmarks/cuda_races.py`` (see its docstring); here they run with few trials.
+The cases live in ``benchmarks/micro/cuda_races.py`` (see its docstring); here they run with few trials.
 On a GPU (tests marked ``gpu``): the naive hand-off of every case corrupts at least one trial, the
 csp hand-off of the same graph corrupts none although its consumer let go of the tensor before
 its read ran, and a csp CUDA pipeline runs clean under PyTorch's CUDA stream sanitizer (which
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "cuda_races.py"
+SCRIPT = ROOT / "benchmarks" / "micro" / "cuda_races.py"
 _spec = importlib.util.spec_from_file_location("cuda_races", SCRIPT)
 races = importlib.util.module_from_spec(_spec)
 sys.modules["cuda_races"] = races  # msgspec resolves the Structs' annotations through it

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_projection_follows_its_formula(tmp_path):
     """Invariant: predicted speedup = tau * t_greedy / (t_verify + t_draft), and the tau needed
     for 3x and 5x is 3c and 5c; the z-lab Qwen3-8B check points imply c = tau / speedup."""
-    from benchmarks.decode_projection import main
+    from benchmarks.decode.projection import main
 
     out = tmp_path / "proj.json"
     assert main(["--tiny", "--reps", "2", "--context", "16", "--dtype", "float32", "--tau", "2,4",
@@ -33,7 +33,7 @@ def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path):
     """Invariant: one run times target-only generate, the greedy loop, draft-and-verify and
     z-lab's decoder (or names why it is skipped), and the greedy decoders' outputs all equal
     transformers' generate."""
-    from benchmarks.decode_speed import main
+    from benchmarks.decode.speed import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "How do I sort a list?"}\n')
@@ -46,4 +46,4 @@ def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path):
     for name, row in block["rows"].items():
         assert row["outputs_equal"] == 1, name
         assert row["tok_s"] > 0 and 1 <= row["tau"] <= res["block_size"]
-    assert res["command"].startswith("python -m benchmarks.decode_speed")
+    assert res["command"].startswith("python -m benchmarks.decode.speed")

@@ -309,14 +309,14 @@ def test_a_broken_run_config_toml_is_said_before_any_model_loads(tmp_path, capsy
 def test_bad_prompt_lines_name_the_file_and_line(tmp_path, bad, says, capsys):
     """Invariant: a malformed --prompts file is a one-line error naming the line, not a bare
     KeyError or a JSON message without a location."""
-    from dflash.eval.cli import _prompts
+    from dflash.eval.cli import prompt_ids
     from dflash.eval.inputs import EvalInputError
 
     f = tmp_path / "p.jsonl"
     f.write_text(bad + "\n")
     args = type("A", (), {"prompts": str(f), "num_prompts": 8, "max_prompt_tokens": 64})()
     with pytest.raises(EvalInputError, match=says.replace("(", r"\(")):
-        _prompts(args, None)
+        prompt_ids(args, None)
 
 
 def test_a_device_this_machine_lacks_is_a_one_line_error(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The FLOP accounting of the H200 harness (benchmarks/flops.py) against hand counts, the project's own
+"""The FLOP accounting of the H200 harness (benchmarks/h200/flops.py) against hand counts, the project's own
 attention masks and ``torch.utils.flop_counter.FlopCounterMode`` on CPU models."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flops import (  # noqa: E402
+from benchmarks.h200.flops import (  # noqa: E402
     Flops,
     attention_pairs_causal,
     document_lengths,

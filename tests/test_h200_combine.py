@@ -1,5 +1,5 @@
-"""The H200 results combiner (benchmarks/h200_combine.py) and the choice of MFU peak
-(benchmarks.h200_report.matched_mfu, used by bench_h200.py): on small hand-made dicts and on the
+"""The H200 results combiner (benchmarks/h200/combine.py) and the choice of MFU peak
+(benchmarks.h200.report.matched_mfu, used by h200/bench.py): on small hand-made dicts and on the
 committed SUITE=fastest run (benchmarks/results/h200_fastest/, written before bench_h200 measured
 the fp8 peak), CPU only."""
 
@@ -16,8 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.h200_combine import combine, goals, main  # noqa: E402
-from benchmarks.h200_report import matched_mfu  # noqa: E402
+from benchmarks.h200.combine import combine, goals, main  # noqa: E402
+from benchmarks.h200.report import matched_mfu  # noqa: E402
 
 FASTEST = ROOT / "benchmarks" / "results" / "h200_fastest"
 BF16, FP8 = 500.0, 1000.0  # peaks of the hand-made runs (TFLOP/s)
@@ -62,7 +62,7 @@ def test_a_two_stage_row_credits_each_stages_flops_at_its_own_peak():
 def test_the_harness_applies_the_target_peak():
     """bench_h200.Bench._matched: what each measurement records (the fp8 target's peak when it is
     quantized, the bf16 one otherwise)."""
-    from benchmarks.bench_h200 import Bench
+    from benchmarks.h200.bench import Bench
 
     b = Bench.__new__(Bench)  # only the peaks; no device, no models
     b.peak, b.peak_target, b.precision = BF16, FP8, "fp8"
@@ -77,7 +77,7 @@ def test_the_harness_applies_the_target_peak():
 
 def _perf(bf16_tok: float = 30e3, fp8_tok: float = 60e3, drafter_mfu: float = 0.7) -> dict:
     r = lambda tok, mfu, vs, peak: _m(mfu * peak, tok_s=tok, mfu=mfu, mfu_vs_bf16=vs, peak_tflops_used=peak)  # noqa: E731
-    return {"command": "python benchmarks/h200_perf.py --out OUT", "rows": {
+    return {"command": "python benchmarks/h200/perf.py --out OUT", "rows": {
         "matmul_bf16": {"status": "ok", "tflops": BF16}, "matmul_fp8": {"status": "ok", "tflops": FP8},
         "target_bf16": r(bf16_tok, 0.75, 0.75, BF16),
         "target_bf16_varlen_compile": r(bf16_tok * 0.9, 0.7, 0.7, BF16),
@@ -105,7 +105,7 @@ def _bench(precision: str, serial: float, pipeline: float, new_fields: bool = Fa
         ms["matmul_fp8"] = {"status": "ok", "tflops": 2 * FP8}  # its own peak, not perf.json's
         ms["target_alone"].update(mfu=0.4, mfu_vs_bf16=1.6, peak="fp8", peak_tflops=2 * FP8)
     sets = ['target.quantization="fp8"'] if fp8 else []
-    return {"runs": {"1gpu": {"mode": "1gpu", "command": f"python benchmarks/bench_h200.py {precision}",
+    return {"runs": {"1gpu": {"mode": "1gpu", "command": f"python benchmarks/h200/bench.py {precision}",
                               "settings": {"overrides": ["data.source=x", *sets]}, "measurements": ms}}}
 
 
@@ -170,7 +170,7 @@ def test_an_old_fp8_file_is_recomputed_against_perf_jsons_fp8_peak():
 
 
 def test_the_runs_and_the_kept_2gpu_run():
-    two = {"mode": "2gpu", "command": "python benchmarks/bench_h200.py", "started": "2026-11-30",
+    two = {"mode": "2gpu", "command": "python benchmarks/h200/bench.py", "started": "2026-11-30",
            "measurements": {"pipeline_2gpu": {"status": "ok", "tok_s": 27e3}}}
     doc = combine(_perf(), _bench("bf16", 20e3, 25e3), _bench("fp8", 28e3, 31e3), copy.deepcopy(two),
                   kept_from={"from": "old.json"})

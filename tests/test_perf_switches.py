@@ -375,11 +375,11 @@ def test_gpu_liger_lm_head_same_loss_and_grads(batch, cfg):
 
 @pytest.mark.timeout(180)
 def test_perf_harness_smoke_writes_every_row(tmp_path):
-    """benchmarks/h200_perf.py --smoke (tiny shapes, CPU) runs its plan and records every CPU row as
+    """benchmarks/h200/perf.py --smoke (tiny shapes, CPU) runs its plan and records every CPU row as
     ok and every CUDA-only row as skipped with its reason, in OUT/perf.json."""
     import json
 
-    from benchmarks import h200_perf
+    from benchmarks.h200 import perf as h200_perf
 
     out = tmp_path / "out"
     h200_perf.main(["--smoke", "--out", str(out), "--warmup", "1", "--steps", "1",

@@ -16,7 +16,7 @@ from dflash.plan.write import command, graph_dict, placement
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parent.parent
 
-# The committed one-H200 figures (benchmarks/RESULTS.md): Qwen3-8B target alone 33.6K tok/s, drafter
+# The committed one-H200 figures (benchmarks/results/LOG.md): Qwen3-8B target alone 33.6K tok/s, drafter
 # alone 44.5K; 5 captured layers x H 4096 x 2 bytes + 21 bytes of ids and masks; 1.05B fp32 drafter.
 H200 = Inputs(target_tok_s=33.6e3, drafter_tok_s=44.5e3, coloc=0.99, coloc_source="test",
               bytes_per_token=5 * 4096 * 2 + 21, grad_bytes=4.2e9, tokens_per_batch=16384,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 quality run of benchmarks/RESULTS.md ("Proven drafters"): three label strategies, same
+# The H200 quality run of benchmarks/results/LOG.md ("Proven drafters"): three label strategies, same
 # steps, same held-out prompts, against the shipped target. Two phases (one device call each):
 #
 #   bash benchmarks/quality/h200.sh phase1 OUT   # regenerate 8000 conversations; train "data" and "target_argmax"
@@ -46,7 +46,7 @@ P_FROM=${P_FROM:-8000}
 python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused $P_FROM --num $NP
 decode() {  # name [tag]: target-only greedy vs draft-and-verify with its last checkpoint -> decode[-tag].json
   local ck; ck=$(ls -d "$R/$1"/checkpoints/step_* | sort | tail -1)
-  python3 -m benchmarks.decode_speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+  python3 -m benchmarks.decode.speed "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
     --out "$OUT/decode${2:+-$2}.json" 2>&1 | tail -20
 }
 case $PHASE in

@@ -21,7 +21,7 @@
 #        OUT/ckpt.tar.part-*.
 #
 # Prompts: benchmarks/quality/prompts.py --first-unused 8000 --num NP: the same held-out prompts as
-# the earlier quality rows of benchmarks/RESULTS.md (out of the target's pretraining and, through
+# the earlier quality rows of benchmarks/results/LOG.md (out of the target's pretraining and, through
 # --exclude, out of every regenerated file).
 set -uo pipefail
 PHASE=$1; OUT=$2; R=${R:-/tmp/headline}; NP=${NP:-32}; NEW=${NEW:-256}

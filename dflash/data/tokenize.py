@@ -110,7 +110,7 @@ def _progress(name: str, total: int, enabled: bool):
         yield _LineProgress(name, total).advance
 
 
-def _encode_all(records: SourceRecords, tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any], workers: int,
+def encode_all(records: SourceRecords, tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any], workers: int,
                 progress: bool) -> list[Encoded | str]:
     convs = records.conversations
     jobs = [(i, convs[s: s + CHUNK]) for i, s in enumerate(range(0, len(convs), CHUNK))]
@@ -204,7 +204,7 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
               progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
     records = read_source(cfg.source, cfg.format, cfg.max_samples)
     kwargs = encoder_kwargs(cfg)
-    encoded = _encode_all(records, tokenizer, kwargs, cfg.resolved_workers(), progress)
+    encoded = encode_all(records, tokenizer, kwargs, cfg.resolved_workers(), progress)
     skipped: Counter[str] = Counter(records.skipped)
     kept = [(e, records.source_index[i]) for i, e in enumerate(encoded) if not isinstance(e, str)]
     skipped.update(e for e in encoded if isinstance(e, str))

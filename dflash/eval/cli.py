@@ -50,10 +50,10 @@ from dflash.eval.report import (
     format_result,
 )
 
-__all__ = ["main"]
+__all__ = ["main", "prompt_ids"]
 
 
-def _prompts(args, tok, texts: list[str] | None = None, data_cfg=None) -> list[list[int]]:
+def prompt_ids(args, tok, texts: list[str] | None = None, data_cfg=None) -> list[list[int]]:
     """Token ids of the CLI's prompts (module docstring says which conversations); ``texts``: the
     ``--prompts`` file's prompts when the caller has read them already (read here when None);
     ``data_cfg``: the run's ``[data]`` table (:func:`run_data_config` of the checkpoint, read by the
@@ -169,7 +169,7 @@ def _main(argv: list[str] | None) -> int:
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer_source)
     try:
-        ids = _prompts(args, tok, texts, data_cfg)
+        ids = prompt_ids(args, tok, texts, data_cfg)
     except (EvalInputError, DataError, ValueError, KeyError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ target's own continuation: every draft accepted). A proposer that also has ``log
 drafter proposers: ``q`` is :func:`sampling_probs` of them) or ``sample`` (its own draft
 distribution, e.g. a DFlash2 selector walk's over its K candidates, :mod:`dflash.eval.selector`)
 can be used with ``temperature > 0``. Used by ``python -m dflash.eval`` (:mod:`dflash.eval.measure`)
-and ``benchmarks/decode_speed.py``.
+and ``benchmarks/decode/speed.py``.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ from dflash.eval.proposers import (
 from dflash.model.target import Target
 
 # the drafter proposers are re-exported: a decode is always called with one
-__all__ = ["CachedDrafterProposer", "DrafterContextCache", "DrafterProposer", "OracleProposer", "Proposer",
-           "SamplingProposer", "greedy_decode", "sampling_probs", "speculative_decode"]
+__all__ = ["CachedDrafterProposer", "CachedTarget", "DrafterContextCache", "DrafterProposer", "OracleProposer", "Proposer",
+           "SamplingProposer", "crop_cache", "greedy_decode", "sampling_probs", "speculative_decode"]
 
 
 class OracleProposer:
@@ -138,7 +138,7 @@ def _new_cache(target: Target):
         return DynamicCache()
 
 
-def _crop(cache, keep: int) -> None:
+def crop_cache(cache, keep: int) -> None:
     """Keep the first ``keep`` cached tokens. A negative ``crop`` argument means "remove that
     many" in every transformers 5.x; 0 must be skipped (older 5.x read it as "keep 0")."""
     remove = cache.get_seq_length() - keep
@@ -146,7 +146,7 @@ def _crop(cache, keep: int) -> None:
         cache.crop(-remove)
 
 
-class _CachedTarget:
+class CachedTarget:
     """The target with its KV cache for one generation of at most ``capacity`` positions."""
 
     def __init__(self, target: Target, capacity: int) -> None:
@@ -178,7 +178,7 @@ def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> 
     slice, so on a GPU the host queues steps ahead of the kernels.
     """
     n = prompt.shape[0]
-    run = _CachedTarget(target, n + max_new_tokens)
+    run = CachedTarget(target, n + max_new_tokens)
     out = torch.empty(n + max_new_tokens, dtype=torch.long, device=prompt.device)
     out[:n] = prompt
     _, logits = run(prompt, 0, features=False, last_only=True)
@@ -224,7 +224,7 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     n0 = prompt.shape[0]
     end = n0 + max_new_tokens
     capacity = end + block_size                   # room for the last step's drafts past the end
-    run = _CachedTarget(target, capacity)
+    run = CachedTarget(target, capacity)
     tokens = torch.empty(capacity, dtype=torch.long, device=prompt.device)
     tokens[:n0] = prompt
     f, logits = run(prompt, 0, last_only=True)                               # prefill
@@ -259,7 +259,7 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
             m = int((draft == g[:d]).long().cumprod(0).sum())                # the one host read
             nxt = g[m]
         tokens[n + m] = nxt                # tokens[n:n+m] already hold the accepted drafts
-        _crop(run.cache, n + m)
+        crop_cache(run.cache, n + m)
         accepted.append(m)
         anchors.append(n - 1)
         n += m + 1

@@ -10,7 +10,7 @@ The model (each term a number the plan prints or a stated default):
   rates; ``--target-tok-s`` / ``--drafter-tok-s`` give rates measured alone instead.
 * **Colocation cost.** One GPU running both stages reaches ``coloc / (1/T + 1/D)``. ``coloc`` is
   measured when the run shared a device and the alone rates are given (measured per shared device
-  x ``(1/T + 1/D)``), else ``--coloc``, else 0.99 (benchmarks/RESULTS.md: colocated
+  x ``(1/T + 1/D)``), else ``--coloc``, else 0.99 (benchmarks/results/LOG.md: colocated
   data-parallel 19.1K tok/s on one H200 against the serial bound 19.2K of the stages alone).
 * **Channel bytes per token.** The bytes/s of the target's output channel over tokens/s
   (measured; on paper ``k x H x 2`` bytes of bf16 hidden states plus 21 bytes of ids and masks).

@@ -22,12 +22,12 @@ from dflash.plan.model import Inputs
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-# Colocation efficiency when the run cannot measure it: benchmarks/RESULTS.md, "Both stages on
+# Colocation efficiency when the run cannot measure it: benchmarks/results/LOG.md, "Both stages on
 # flex_attention, one H200": colocated data-parallel on one GPU ran 19.1K tok/s against the serial
 # bound 1 / (1/33.6K + 1/44.8K) = 19.2K of the two stages measured alone.
 DEFAULT_COLOC = 0.99
-DEFAULT_COLOC_SOURCE = "default 0.99 (benchmarks/RESULTS.md: colocated 19.1K vs serial bound 19.2K, one H200)"
-# Drafter activation bytes per token, per hidden unit, per drafter layer: benchmarks/RESULTS.md, the
+DEFAULT_COLOC_SOURCE = "default 0.99 (benchmarks/results/LOG.md: colocated 19.1K vs serial bound 19.2K, one H200)"
+# Drafter activation bytes per token, per hidden unit, per drafter layer: benchmarks/results/LOG.md, the
 # drafter alone peaked at 59.0 GiB on 16,384 tokens (H 4096, 5 layers, chunked LM head), less 15.6 GiB
 # of fp32 weights, gradients and Adam moments and 2.3 GiB of the frozen bf16 embedding and LM head.
 ACT_BYTES = 131
@@ -120,7 +120,7 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
     """Read a finished ``dflash.run`` directory into the model's inputs.
 
     ``target_tok_s`` / ``drafter_tok_s`` replace the run's stage rates (e.g. rates measured alone
-    by ``benchmarks/bench_h200.py`` when this run shared a device); ``coloc`` replaces the
+    by ``benchmarks/h200/bench.py`` when this run shared a device); ``coloc`` replaces the
     colocation efficiency. Raises PlanError (a one-line message) for a directory that is not a
     finished run or whose stats window holds too few batches.
     """

@@ -68,7 +68,7 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
     3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
     rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
-    62.1 GiB and ran 2% faster (benchmarks/RESULTS.md, the performance switches), hence the default."""
+    62.1 GiB and ran 2% faster (benchmarks/results/LOG.md, the performance switches), hence the default."""
     lm_head: Literal["chunked", "liger"] = "chunked"
     """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
     cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only: loss.kl_weight, tv_weight and

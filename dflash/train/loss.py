@@ -39,7 +39,7 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
     ``conf_{b,j} = -(a log c + (1 - a) log(1 - c))``, ``a = 1[argmax z^D = y]`` (not
     differentiated). On a right slot it is ``CE``; on a wrong one it lowers the overconfident
     top-1. Measured on the H200 at 0.1 CE + 0.9 TV + 1.0 conf it lost 30% tau against plain CE
-    (benchmarks/RESULTS.md).
+    (benchmarks/results/LOG.md).
 * Mixed per slot: ``l_{b,j} = (1 - kl_weight - tv_weight) * CE_{b,j} + kl_weight * KL_{b,j}
   + tv_weight * TV_{b,j} + conf_weight * conf_{b,j}`` (terms with weight 0 are not computed, so
   the defaults give exactly the plain CE/KL loss).

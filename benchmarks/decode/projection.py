@@ -24,7 +24,7 @@ public Gemma-3-27B widths in a Qwen3 layout (hidden 5376, 62 layers, 32/16 heads
 vocab 262144, tied embeddings; 27.4B parameters). ``--tiny`` swaps both for CPU-sized shapes (a
 test runs it).
 
-    python -m benchmarks.decode_projection --tau 3.0 --out benchmarks/results/decode_projection_h200.json
+    python -m benchmarks.decode.projection --tau 3.0 --out benchmarks/results/decode_projection_h200.json
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _timed(fn, reps: int, device) -> float:
 def time_shape(preset: str, overrides: dict, layers: list[int], bs: int, context: int, reps: int,
                device: torch.device, dtype: str) -> dict:
     """``{params_b, t_greedy_ms, t_verify_ms, t_draft_ms: {L: ms}}`` for one target shape."""
-    from dflash.eval.decode import CachedDrafterProposer, _CachedTarget, _crop
+    from dflash.eval.decode import CachedDrafterProposer, CachedTarget, crop_cache
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.model.target import TargetConfig, load_target
 
@@ -81,18 +81,18 @@ def time_shape(preset: str, overrides: dict, layers: list[int], bs: int, context
     target = load_target(tc, device, max(layers), need_final=True)
     res["params_b"] = sum(p.numel() for p in target.parameters()) / 1e9
     V = target.hf_config.vocab_size
-    run = _CachedTarget(target, context + 2 * bs)
+    run = CachedTarget(target, context + 2 * bs)
     ctx = torch.randint(0, V, (context,), device=device)
     run(ctx, 0, last_only=True)                                   # fill the KV cache
     one, block = ctx[-1:], ctx[-bs:]
 
     def greedy():
         run(one, context, features=False)
-        _crop(run.cache, context)
+        crop_cache(run.cache, context)
 
     def verify():
         run(block, context)
-        _crop(run.cache, context)
+        crop_cache(run.cache, context)
 
     res["t_greedy_ms"] = 1e3 * _timed(greedy, reps, device)
     res["t_verify_ms"] = 1e3 * _timed(verify, reps, device)
@@ -130,7 +130,7 @@ def project(t: dict, taus: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_projection",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode.projection",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--tau", default="3.0", help="comma-separated measured tau (tokens per verify step)")
     p.add_argument("--block-size", type=int, default=16)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     taus = [float(x) for x in args.tau.split(",")]
     layers = [int(x) for x in (args.drafter_layers or ("1,3" if args.tiny else "3,5")).split(",")]
     implied = [{"benchmark": b, "tau": tau, "speedup": s, "cost_ratio_c": tau / s} for b, tau, s in ZLAB_QWEN3_8B]
-    res = {"command": "python -m benchmarks.decode_projection " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = {"command": "python -m benchmarks.decode.projection " + " ".join(sys.argv[1:] if argv is None else argv),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "formula": "speedup = tau * t_greedy / (t_verify(bs) + t_draft) = tau / c",
            "zlab_qwen3_8b_implied": implied, "block_size": args.block_size, "context": args.context,

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 30-60 s on a 2-core machine)::
 
-    python benchmarks/bench_channels.py [--items 100000] [--capacity 128] [--pings 2000]
+    python benchmarks/micro/channels.py [--items 100000] [--capacity 128] [--pings 2000]
 
 Writes ``benchmarks/results/channels.json``::
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import csp  # noqa: E402
 
 _END = None  # end-of-stream sentinel for the implementations without close semantics
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(_row(impl, "async", rates, anyio.run(async_latency, factory, args.pings)))
         print(results[-1], flush=True)
 
-    command = "python benchmarks/bench_channels.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/micro/channels.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": command.strip(), "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -17,7 +17,7 @@ Each core count runs in its own process, pinned to that many CPUs (``sched_setaf
 them); the load average before and after is recorded, since other work on the machine shows up
 in wall-clock figures.
 
-    python benchmarks/bench_tokenize.py --out benchmarks/results/tokenize_cpu.json
+    python benchmarks/micro/tokenizing.py --out benchmarks/results/tokenize_cpu.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOAL_RATIO = 1.5
 GOAL_PACKAGE_S = 60.0
 COMPLETIONS = 902_087
@@ -84,7 +84,7 @@ def _split(src, tok, kwargs) -> dict:
     threads, ChatEncoder.__init__, tokenize_mod.THREADS = tokenize_mod.THREADS, timed_init, 1
     try:
         w = time.perf_counter()
-        tokenize_mod._encode_all(src, tok, kwargs, 1, False)
+        tokenize_mod.encode_all(src, tok, kwargs, 1, False)
         w = time.perf_counter() - w
     finally:
         ChatEncoder.__init__, tokenize_mod.THREADS = init, threads
@@ -117,7 +117,7 @@ def measure(cores: int, conversations: int, tokenizer: str, repeats: int, packag
     kwargs = {"max_length": 1 << 40, "last_turn_only": False, "min_loss_tokens": 0, "reasoning": "train"}
     src = SourceRecords(records.name, records.path)
     src.conversations = convs
-    wall, cpu, enc = _best(lambda: tokenize_mod._encode_all(src, tok, kwargs, 1, False), repeats)
+    wall, cpu, enc = _best(lambda: tokenize_mod.encode_all(src, tok, kwargs, 1, False), repeats)
     kept = [e for e in enc if not isinstance(e, str)]
     n = sum(len(e.ids) for e in kept)
     out["chat"] = {"seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "tokens": n, "tok_s": round(n / wall),

@@ -1,7 +1,7 @@
-"""Plot benchmarks/results/h200.json (from bench_h200.py) to benchmarks/results/h200.png.
+"""Plot benchmarks/results/h200.json (from h200/bench.py) to benchmarks/results/h200.png.
 
-    python benchmarks/plot_h200.py [--in benchmarks/results/h200.json] [--out benchmarks/results/h200.png]
-                                   [--results-md benchmarks/RESULTS.md]
+    python benchmarks/h200/plot.py [--in benchmarks/results/h200.json] [--out benchmarks/results/h200.png]
+                                   [--results-md benchmarks/results/LOG.md]
 
 Three panels: (1) tokens/s of the serial loop and the pipelines, with each stage alone as the bound;
 (2) pipeline tokens/s against the capacity of the target -> drafter channels; (3) step times of the
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 IN = HERE / "results" / "h200.json"
 OUT = HERE / "results" / "h200.png"
 
@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in", dest="src", type=Path, default=IN)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--results-md", type=Path, default=None,
-                   help="also fill the results section of this file (e.g. benchmarks/RESULTS.md)")
+                   help="also fill the results section of this file (e.g. benchmarks/results/LOG.md)")
     args = p.parse_args(argv)
     doc = json.loads(args.src.read_text())
     plot(doc, args.out)
     print(f"wrote {args.out}")
     if args.results_md is not None:
         sys.path.insert(0, str(HERE.parent))
-        from benchmarks.h200_report import update_markdown
+        from benchmarks.h200.report import update_markdown
 
         update_markdown(args.results_md, doc)
         print(f"updated {args.results_md}")

@@ -16,13 +16,13 @@ bf16 matmul ``[T, H] x [H, H]`` (8192x4096x4096, ~0.27 TFLOP). Prints one JSON l
   ``check`` did not wait for the device (no host sync per item on the fast path).
 * ``pct_of_target_forward_est``: overhead vs a Qwen3-8B target forward on T tokens at the
   ~29.8K tokens/s of a plain transformers forward on one H200 (measured outside this repo; this
-  repo's target stage measures 26.8K, benchmarks/RESULTS.md), an estimate, not measured here.
+  repo's target stage measures 26.8K, benchmarks/results/LOG.md), an estimate, not measured here.
 * ``aminmax_gpu_us``: a one-pass alternative flag (``isfinite(aminmax(t))``) for comparison, and
   ``aminmax_detects_nonfinite`` (NaN, +inf, -inf each caught).
 * ``detects_nan``: a NaN planted in ``final_hidden`` is reported, naming the tensor and batch.
 
-    python benchmarks/sentinel_overhead.py            # GPU, realistic shapes
-    python benchmarks/sentinel_overhead.py --cpu      # CPU, small shapes: same code paths
+    python benchmarks/micro/sentinel_overhead.py            # GPU, realistic shapes
+    python benchmarks/micro/sentinel_overhead.py --cpu      # CPU, small shapes: same code paths
 
 Exit status 1 if the planted NaN was not reported.
 """
@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dflash.messages import Batch, TargetOutput  # noqa: E402
 from dflash.train.sentinel import FiniteSentinel, NonFiniteError, floating_tensors  # noqa: E402
 

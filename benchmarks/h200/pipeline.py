@@ -1,6 +1,6 @@
 """Run the DFlash csp training graph in this process for a fixed number of steps and time it.
 
-Used by ``benchmarks/bench_h200.py``. A run is built exactly as ``python -m dflash.run`` builds it
+Used by ``benchmarks/h200/bench.py``. A run is built exactly as ``python -m dflash.run`` builds it
 (:func:`dflash.run.config.load_config` with ``--set`` overrides, :func:`dflash.run.resolve.load_and_resolve`, :func:`dflash.run.prepare.prepare`,
 ``csp.Graph.from_spec``, ``csp.Runtime``), with the monitor logging every step
 (``monitor.window = 1``) so ``metrics.jsonl`` holds one ``train`` record per step.
@@ -11,7 +11,7 @@ monitor has logged step ``warmup + timed``. Throughput is the real (non-padding)
 ``warmup+1 .. warmup+timed`` divided by the wall time between the end of step ``warmup`` and the end
 of step ``warmup+timed`` (the records' ``time`` fields).
 
-Run it inside ``with benchmarks.h200_reuse.ModelReuse():`` so consecutive runs share the frozen models.
+Run it inside ``with benchmarks.h200.reuse.ModelReuse():`` so consecutive runs share the frozen models.
 """
 
 from __future__ import annotations

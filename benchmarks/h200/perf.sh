@@ -2,8 +2,8 @@
 # The performance measurements of the target and drafter stages in one device call (one H200,
 # at most ~9 minutes; results under OUT):
 #
-#   bash benchmarks/perf_h200.sh OUT                 # SUITE=engine (default), see below
-#   SUITE=stages bash benchmarks/perf_h200.sh OUT    # the earlier stage/pipeline suite
+#   bash benchmarks/h200/perf.sh OUT                 # SUITE=engine (default), see below
+#   SUITE=stages bash benchmarks/h200/perf.sh OUT    # the earlier stage/pipeline suite
 #
 # 0. Packages: every wheel in .whl/ (torchao, liger-kernel, msgspec, tomli-w: carried, not in the
 #    image) installed with --no-deps into a --target dir put on PYTHONPATH; the ShareGPT subset
@@ -11,17 +11,17 @@
 # SUITE=engine:
 #   1. the GPU tests of the engine and kernel switches (tests/test_perf_switches.py -m gpu) and the
 #      sync test of the training step -> OUT/gpu-tests.log;
-#   2. benchmarks/h200_perf.py: bf16 and fp8 matmul peaks, the target alone (flex, varlen, varlen
+#   2. benchmarks/h200/perf.py: bf16 and fp8 matmul peaks, the target alone (flex, varlen, varlen
 #      compiled; then fp8 in place: flex, varlen, varlen compiled) with MFU against the matching peak,
 #      the fp8 feature error per captured layer, the drafter alone (default, Liger kernels, Liger
 #      head, compiled, all three) with its peak memory at the 151,936 vocabulary, and torch.profiler
 #      top kernels -> OUT/perf.json, OUT/profile_*.txt, OUT/perf.log.
 #   Knobs: ROWS (comma list, default all), PERF_STEPS (8), PERF_WARMUP (3), TOTAL_S (530), TESTS=0 skips 1.
-# SUITE=stages: the sync test, bench_h200.py on one GPU, and the drafter under each switch in VARIANTS.
-# SUITE=fastest (~7 minutes): the compiled and fp8 target rows with their profiles, then bench_h200.py's
+# SUITE=stages: the sync test, h200/bench.py on one GPU, and the drafter under each switch in VARIANTS.
+# SUITE=fastest (~7 minutes): the compiled and fp8 target rows with their profiles, then h200/bench.py's
 #   serial, colocated and pipeline with the fastest target (fp8, varlen, compiled) and with the bf16
 #   one, both with the example graph's compiled drafter -> OUT/perf.json, OUT/h200-fp8.json,
-#   OUT/h200-bf16.json (RESULTS.md, "Fastest settings"); last, benchmarks/h200_combine.py puts the
+#   OUT/h200-bf16.json (results/LOG.md, "Fastest settings"); last, benchmarks/h200/combine.py puts the
 #   three side by side with the goals, MFU against the matching peak -> OUT/h200.json (the format of
 #   benchmarks/results/h200.json, its "2gpu" run kept from KEEP_2GPU, default that file; KEEP_2GPU=
 #   keeps none). WARMUP (10): untimed steps of each bench measurement; a compiled target in a
@@ -53,7 +53,7 @@ python3 -c "import torch, importlib.util as u; print('torch', torch.__version__,
 {p: u.find_spec(p) is not None for p in ('torchao', 'liger_kernel', 'msgspec', 'tomli_w', 'triton')})"
 
 if [ "${SUITE:-engine}" = fastest ]; then
-  timeout 260 python3 benchmarks/h200_perf.py --out "$OUT" --budget-s 240 --warmup 3 --steps 8 --set data.source="$DATA" \
+  timeout 260 python3 benchmarks/h200/perf.py --out "$OUT" --budget-s 240 --warmup 3 --steps 8 --set data.source="$DATA" \
     --rows target_bf16,target_bf16_varlen_compile,profile_target_bf16_varlen_compile,fp8_feature_error,target_fp8_varlen,target_fp8_varlen_compile,profile_target_fp8_varlen_compile,drafter_compile \
     > "$OUT/perf.log" 2>&1
   echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -12 "$OUT/perf.log"
@@ -62,12 +62,12 @@ if [ "${SUITE:-engine}" = fastest ]; then
     E=(--set target.attn_implementation=\"varlen\" --set target.compile=true)
     [ $v = fp8 ] && E+=(--set target.quantization=\"fp8\")
     b=$(( $(left) - 15 )); [ $b -lt 60 ] && { echo "bench $v: skipped, ${b}s left"; continue; }
-    timeout $(( b + 10 )) python3 benchmarks/bench_h200.py --budget-s $b --warmup ${WARMUP:-10} --steps 10 \
+    timeout $(( b + 10 )) python3 benchmarks/h200/bench.py --budget-s $b --warmup ${WARMUP:-10} --steps 10 \
       --set data.source="$DATA" "${E[@]}" --skip $SKIP --out "$OUT/h200-$v.json" > "$OUT/bench-$v.log" 2>&1
     echo "bench $v rc=$?"; grep -E "^(serial|pipeline_1gpu|colocated_1gpu|target_alone|drafter_alone)_tok_s" "$OUT/bench-$v.log"
   done
   KEEP=${KEEP_2GPU-benchmarks/results/h200.json}
-  python3 -m benchmarks.h200_combine "$OUT" ${KEEP:+--keep-2gpu "$KEEP"} > "$OUT/combine.log" 2>&1
+  python3 -m benchmarks.h200.combine "$OUT" ${KEEP:+--keep-2gpu "$KEEP"} > "$OUT/combine.log" 2>&1
   echo "combine rc=$? -> $OUT/h200.json"; head -9 "$OUT/combine.log"
   exit 0
 fi
@@ -78,7 +78,7 @@ if [ "${SUITE:-engine}" = engine ]; then
     echo "gpu tests rc=$? ($(tail -1 "$OUT/gpu-tests.log"))"
   fi
   b=$(( $(left) - 25 ))
-  timeout $(( b + 20 )) python3 benchmarks/h200_perf.py --out "$OUT" --budget-s $b \
+  timeout $(( b + 20 )) python3 benchmarks/h200/perf.py --out "$OUT" --budget-s $b \
     --warmup ${PERF_WARMUP:-3} --steps ${PERF_STEPS:-8} --set data.source="$DATA" ${ROWS:+--rows $ROWS} \
     > "$OUT/perf.log" 2>&1
   echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -25 "$OUT/perf.log"
@@ -89,7 +89,7 @@ fi
 mkdir -p "$OUT/v"
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_sync.py > "$OUT/v/gpu-sync.log" 2>&1
 echo "sync test rc=$? ($(tail -1 "$OUT/v/gpu-sync.log"))"
-timeout ${MAIN_S:-360} python3 benchmarks/bench_h200.py --budget-s ${BUDGET_S:-320} --set data.source="$DATA" \
+timeout ${MAIN_S:-360} python3 benchmarks/h200/bench.py --budget-s ${BUDGET_S:-320} --set data.source="$DATA" \
   --skip sweep_1gpu,checkpoint_1gpu,target_alone_eager --out "$OUT/h200-x1.json" --artifacts "$OUT/x1" \
   > "$OUT/bench.log" 2>&1
 echo "main bench rc=$?"; tail -30 "$OUT/bench.log"
@@ -99,7 +99,7 @@ for v in ${VARIANTS:-train.sync_free_loss=false drafter.attn_implementation=\"fl
   i=$((i + 1))
   l=$(left)
   [ $l -lt 60 ] && { echo "variant $v: skipped, ${l}s left"; continue; }
-  timeout $((l - 5)) python3 benchmarks/bench_h200.py --budget-s $((l - 20)) --skip $ONLY_DRAFTER \
+  timeout $((l - 5)) python3 benchmarks/h200/bench.py --budget-s $((l - 20)) --skip $ONLY_DRAFTER \
     --set data.source="$DATA" --set "$v" --out "$OUT/v/variant-$i.json" > "$OUT/v/variant-$i.log" 2>&1
   echo "variant $i $v rc=$?"; grep -m3 "drafter_alone\|drafter_stage_mfu" "$OUT/v/variant-$i.log"
 done

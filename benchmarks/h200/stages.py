@@ -1,7 +1,7 @@
 """The DFlash training stages timed without csp: matmul peak, target alone, drafter alone, the serial
 loop and the plain transformers forward, with FLOP accounting for MFU.
 
-Used by ``benchmarks/bench_h200.py``. Every measurement runs the project's own code: the target is
+Used by ``benchmarks/h200/bench.py``. Every measurement runs the project's own code: the target is
 :class:`dflash.model.target.Target` (``forward`` over packed rows with the document mask, the captured
 layers concatenated), the drafter step is :meth:`dflash.run.stages.trainer.DrafterStage.train_step`
 (:func:`dflash.train.step.train_step`: ``compute_loss`` under bf16 autocast, backward, clipping, the
@@ -14,10 +14,10 @@ Memory: each function drops what it built when it returns; the caller runs :func
 each measurement so the next one (and the csp stages, on their own streams) get the memory back.
 
 Timing: ``warmup`` untimed steps, then ``timed`` steps between two device synchronisations. Tokens
-are real (non-padding) tokens. FLOPs: :mod:`benchmarks.flops` (``model`` FLOPs for ``tflops`` and
+are real (non-padding) tokens. FLOPs: :mod:`benchmarks.h200.flops` (``model`` FLOPs for ``tflops`` and
 ``mfu``, ``computed`` FLOPs for ``hfu``), both divided by the matmul rate given (the bf16 one measured in
-the same run; ``benchmarks/bench_h200.py`` then re-expresses a quantized target's against the fp8
-peak of :func:`scaled_mm_tflops`, :func:`benchmarks.h200_report.matched_mfu`). :func:`time_serial`
+the same run; ``benchmarks/h200/bench.py`` then re-expresses a quantized target's against the fp8
+peak of :func:`scaled_mm_tflops`, :func:`benchmarks.h200.report.matched_mfu`). :func:`time_serial`
 records the target's share of its FLOPs (``target_flops_model`` / ``target_flops_computed``) for that. Peak memory: ``torch.cuda.max_memory_allocated``, reset at the start of each measurement.
 """
 
@@ -109,9 +109,9 @@ def scaled_mm_tflops(device: torch.device, n: int = 8192, iters: int = 100, warm
 
 
 def target_flops(app: Any, target: Any, batches: list[Any]) -> Any:
-    """:class:`benchmarks.flops.Flops` of the target forward over ``batches`` as ``target`` runs it
+    """:class:`benchmarks.h200.flops.Flops` of the target forward over ``batches`` as ``target`` runs it
     (its decoder layers, its current attention implementation)."""
-    from benchmarks.flops import Flops, target_forward_flops
+    from benchmarks.h200.flops import Flops, target_forward_flops
 
     impl = target.hf_config._attn_implementation
     total = Flops(0.0, 0.0)
@@ -122,9 +122,9 @@ def target_flops(app: Any, target: Any, batches: list[Any]) -> Any:
 
 
 def drafter_flops(app: Any, batches: list[Any]) -> Any:
-    """:class:`benchmarks.flops.Flops` of the drafter steps on ``batches`` (forward + backward, the LM
+    """:class:`benchmarks.h200.flops.Flops` of the drafter steps on ``batches`` (forward + backward, the LM
     head on trained slots, target logits when the loss needs them)."""
-    from benchmarks.flops import Flops, drafter_counts, drafter_step_flops
+    from benchmarks.h200.flops import Flops, drafter_counts, drafter_step_flops
     from dflash.train.loss import needs_final_hidden
 
     dc = app.resolved.drafter
@@ -269,7 +269,7 @@ def drafter_stage(app: Any, device: torch.device) -> Any:
     return stage
 
 
-def _drafter_input(app: Any, out: Any, device: torch.device) -> Any:
+def drafter_input(app: Any, out: Any, device: torch.device) -> Any:
     import csp
     from dflash.model.features import to_drafter_input
 
@@ -282,7 +282,7 @@ def time_drafter(app: Any, target: Any, batches: list[Any], target_device: torch
     """Drafter step alone on features the target computed beforehand for ``cached`` batches
     (cycled; held on ``device``)."""
     fwd = target_forward(app, target, target_device)
-    inputs = [_drafter_input(app, fwd(b), device) for b in batches[:cached]]
+    inputs = [drafter_input(app, fwd(b), device) for b in batches[:cached]]
     sync(target_device)
     before = reset_peak([device])
     stage = drafter_stage(app, device)
@@ -306,7 +306,7 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
     """The serial baseline: per batch, target forward then drafter step, one thread, one stream.
 
     ``wrap(drafter) -> module`` replaces the module the step calls (e.g. DDP for the colocated
-    data-parallel loop, :mod:`benchmarks.h200_colocated`); the optimizer keeps the drafter's
+    data-parallel loop, :mod:`benchmarks.h200.colocated`); the optimizer keeps the drafter's
     parameters."""
     fwd = target_forward(app, target, device)
     before = reset_peak([device])
@@ -317,7 +317,7 @@ def time_serial(app: Any, target: Any, batches: list[Any], device: torch.device,
         stage.model = wrap(stage.drafter)
     try:
         def step(batch: Any) -> None:
-            stage.train_step(_drafter_input(app, fwd(batch), device))
+            stage.train_step(drafter_input(app, fwd(batch), device))
 
         with device_scope(device):
             secs = _timed(step, batches, warmup, device)
@@ -339,7 +339,7 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
     logits for every position, all hidden states), causal rows with no document mask (a causal
     kernel), on the same token rows; every position counts as a token. Built for this
     measurement; call release() after it."""
-    from benchmarks.flops import Flops, target_forward_flops
+    from benchmarks.h200.flops import Flops, target_forward_flops
 
     full = reuse.original_load_target(app.resolved.cfg.target, device, num_draft_layers=app.resolved.cfg.drafter.num_layers,
                                       need_final=True)
@@ -367,7 +367,7 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
 def scratch_app(graph_file: Path, overrides: list[str], run_dir: Path) -> Any:
     """The prepared run objects (config with tokenizer-derived fields, data, drafter config) for the
     measurements outside csp, from the same graph file and overrides as the pipeline runs."""
-    from benchmarks.h200_pipeline import BENCH_SETTINGS
+    from benchmarks.h200.pipeline import BENCH_SETTINGS
     from dflash.run.config import load_config
     from dflash.run.prepare import prepare
     from dflash.run.resolve import load_and_resolve

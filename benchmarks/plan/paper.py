@@ -1,9 +1,9 @@
 """The layout plan on paper: predicted best layouts for a 27B-class target + 1.7B drafter on 8, 16
 (2 hosts) and 64 GPUs (8 hosts), and for the Qwen3-8B shape, from the model of :mod:`dflash.plan`.
 
-    python benchmarks/plan_paper.py
+    python benchmarks/plan/paper.py
 
-Inputs (H200, benchmarks/RESULTS.md and results/h200.json): Qwen3-8B target alone 33.6K tok/s (flex,
+Inputs (H200, benchmarks/results/LOG.md and results/h200.json): Qwen3-8B target alone 33.6K tok/s (flex,
 15.5 GiB peak), 5-layer drafter (1.05B trainable, fp32 + AdamW) alone 44.5K tok/s (59.0 GiB peak),
 colocation 0.99. The 27B-class shape (H 5376, 5 captured layers) is scaled by FLOPs per token:
 target ``33.6K x 6.95B / 27B`` (forward FLOPs ~ 2 x non-embedding parameters; Qwen3-8B has 6.95B),
@@ -24,7 +24,7 @@ def shape(target_tok_s: float, drafter_tok_s: float, hidden: int, drafter_params
           target_gib: float | None = None) -> Inputs:
     state = 16 * drafter_params + ACT_BYTES * TOKENS * hidden * 5  # weights, grads, Adam; activations
     return Inputs(target_tok_s=target_tok_s, drafter_tok_s=drafter_tok_s, coloc=0.99,
-                  coloc_source="RESULTS.md, one H200", bytes_per_token=5 * hidden * 2 + IDS_BYTES_PER_TOKEN,
+                  coloc_source="results/LOG.md, one H200", bytes_per_token=5 * hidden * 2 + IDS_BYTES_PER_TOKEN,
                   grad_bytes=4 * drafter_params, tokens_per_batch=TOKENS,
                   target_mem=(target_gib * GIB) if target_gib else 2 * target_params, drafter_mem=state)
 

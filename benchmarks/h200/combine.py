@@ -1,18 +1,18 @@
-"""One results file from one ``SUITE=fastest`` run of ``benchmarks/perf_h200.sh``: ``OUT/perf.json``
-(the stages alone, ``benchmarks/h200_perf.py``), ``OUT/h200-bf16.json`` and ``OUT/h200-fp8.json``
-(``benchmarks/bench_h200.py`` with the bf16 target and with the fp8, varlen, compiled one) side by
+"""One results file from one ``SUITE=fastest`` run of ``benchmarks/h200/perf.sh``: ``OUT/perf.json``
+(the stages alone, ``benchmarks/h200/perf.py``), ``OUT/h200-bf16.json`` and ``OUT/h200-fp8.json``
+(``benchmarks/h200/bench.py`` with the bf16 target and with the fp8, varlen, compiled one) side by
 side, with the goals, written to ``OUT/h200.json``::
 
-    python -m benchmarks.h200_combine OUT [--keep-2gpu FILE] [--out FILE]
+    python -m benchmarks.h200.combine OUT [--keep-2gpu FILE] [--out FILE]
 
 ``benchmarks/results/h200.json`` was generated with (the suite's files copied into
 ``benchmarks/results/h200_fastest/`` first, the 2-GPU run kept from the file it replaces)::
 
-    python -m benchmarks.h200_combine benchmarks/results/h200_fastest \\
+    python -m benchmarks.h200.combine benchmarks/results/h200_fastest \\
         --keep-2gpu benchmarks/results/h200.json --out benchmarks/results/h200.json
 
-The file keeps the format of :mod:`benchmarks.h200_report` (its summary keys over ``runs``, so
-``plot_h200.py`` and ``--merge`` read it as before): ``runs`` holds ``"1gpu"`` (the bf16 bench run),
+The file keeps the format of :mod:`benchmarks.h200.report` (its summary keys over ``runs``, so
+``h200/plot.py`` and ``--merge`` read it as before): ``runs`` holds ``"1gpu"`` (the bf16 bench run),
 ``"1gpu_fp8"`` (the fp8 one; the summary keys never read it) and, with ``--keep-2gpu``, ``"2gpu"``
 copied from FILE with ``kept`` saying where it came from and that this suite did not re-measure it.
 Beside those:
@@ -20,7 +20,7 @@ Beside those:
 * ``rows``: every rate, each with ``mfu`` against its matching measured peak (bf16 rows against the
   bf16 peak of the same file; the fp8 target against the fp8 peak; serial, colocated and pipeline with
   the fp8 target credited at ``(F_target / P_fp8 + F_drafter / P_bf16) / seconds``,
-  :func:`benchmarks.h200_report.matched_mfu`), ``mfu_vs_bf16`` beside it, ``peak`` / ``peak_tflops`` /
+  :func:`benchmarks.h200.report.matched_mfu`), ``mfu_vs_bf16`` beside it, ``peak`` / ``peak_tflops`` /
   ``peak_from``, ``mfu_from`` (``recorded`` by the harness, or ``recomputed`` here from the raw TFLOP/s
   for a file written before the harness measured the fp8 peak: the fp8 peak is then perf.json's and
   the target's share of a two-stage row is the same run's ``target_alone`` FLOPs over the same timed
@@ -34,7 +34,7 @@ Beside those:
   the stage goals read perf.json's rows (one process, one set of batches, the model quantized in
   place) and fall back to the bench runs' stages; ``pipeline_vs_serial`` is the lower of the two
   runs' ratios (each from one run), both listed in ``values``;
-* ``bench_goals``: :mod:`benchmarks.h200_report`'s per-run goals over ``runs`` (the bf16 1-GPU run
+* ``bench_goals``: :mod:`benchmarks.h200.report`'s per-run goals over ``runs`` (the bf16 1-GPU run
   and the kept 2-GPU one), ``inputs``: the files read and their commands.
 """
 
@@ -49,9 +49,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.h200_report import _fmt, command_line, matched_mfu, ok, summarize
+from benchmarks.h200.report import fmt_value, command_line, matched_mfu, ok, summarize
 
-SUITE = "SUITE=fastest bash benchmarks/perf_h200.sh OUT"
+SUITE = "SUITE=fastest bash benchmarks/h200/perf.sh OUT"
 # goal -> (what it is, op, bound); values are computed by goals()
 GOALS = {
     "target_bf16_mfu": ("bf16 target alone, MFU (bf16 peak)", ">=", 0.72),
@@ -278,9 +278,9 @@ def markdown(doc: dict[str, Any]) -> str:
     out = ["| goal | target | value | met | from |", "| --- | --- | ---: | --- | --- |"]
     for k, g in doc["goals"].items():
         kind = "tok" if k.endswith("tok_s") else "num"
-        met = "n/a" if g["met"] is None else ("yes" if g["met"] else f"no (by {_fmt(g['missed_by'], kind)})")
+        met = "n/a" if g["met"] is None else ("yes" if g["met"] else f"no (by {fmt_value(g['missed_by'], kind)})")
         frm = g.get("from")
-        out.append(f"| {k} | {g['goal']} | {_fmt(g['value'], kind)} | {met} | "
+        out.append(f"| {k} | {g['goal']} | {fmt_value(g['value'], kind)} | {met} | "
                    f"{', '.join(frm) if isinstance(frm, list) else frm or '-'} |")
     out += ["", "| row | tokens/s | TFLOP/s | MFU | MFU vs bf16 | peak | peak TFLOP/s |",
             "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
@@ -288,14 +288,14 @@ def markdown(doc: dict[str, Any]) -> str:
         if r.get("status") != "ok":
             out.append(f"| {k} | {r.get('status')}: {r.get('reason') or ''} | | | | | |")
             continue
-        out.append(f"| {k} | {_fmt(r.get('tok_s'), 'tok')} | {_fmt(r.get('tflops'))} | {_fmt(r.get('mfu'))} | "
-                   f"{_fmt(r.get('mfu_vs_bf16'))} | {r.get('peak') or 'n/a'} | {_fmt(r.get('peak_tflops'))} |")
+        out.append(f"| {k} | {fmt_value(r.get('tok_s'), 'tok')} | {fmt_value(r.get('tflops'))} | {fmt_value(r.get('mfu'))} | "
+                   f"{fmt_value(r.get('mfu_vs_bf16'))} | {r.get('peak') or 'n/a'} | {fmt_value(r.get('peak_tflops'))} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.h200_combine", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.h200.combine", description=__doc__.split("\n\n")[0])
     p.add_argument("out_dir", type=Path, help="the suite's OUT (perf.json, h200-bf16.json, h200-fp8.json)")
     p.add_argument("--keep-2gpu", type=Path, default=None, metavar="FILE",
                    help="copy the \"2gpu\" run of this earlier results file in (marked as not re-measured)")
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     names = {k: str(a.out_dir / f) for k, f in (("perf", "perf.json"), ("bf16", "h200-bf16.json"),
                                                 ("fp8", "h200-fp8.json"))}
     doc = combine(docs["perf"], docs["bf16"], docs["fp8"], kept,
-                  command="python -m benchmarks.h200_combine " + " ".join(argv), names=names, kept_from=kept_from)
+                  command="python -m benchmarks.h200.combine " + " ".join(argv), names=names, kept_from=kept_from)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print(markdown(doc))

@@ -2,9 +2,9 @@
 runs the target forward and then the drafter step on its own batches, one thread, one stream, with
 the drafters in ``DistributedDataParallel`` (gradients all-reduced during backward). This is how
 SpecForge-style trainers run; on one GPU it is the serial loop of
-:func:`benchmarks.h200_stages.time_serial` with a one-rank DDP wrapper.
+:func:`benchmarks.h200.stages.time_serial` with a one-rank DDP wrapper.
 
-Used by ``benchmarks/bench_h200.py``:
+Used by ``benchmarks/h200/bench.py``:
 
 * :func:`time_colocated_here`: one rank in this process (``world = 1``), on the harness's own target
   and batches (a one-rank ``gloo``/``nccl`` group over a ``FileStore``, destroyed afterwards);
@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ddp(device: torch.device, group: Any):
@@ -65,7 +65,7 @@ def process_group(device: torch.device, store_path: Path, rank: int, world: int)
 def time_colocated_here(app: Any, target: Any, batches: list[Any], device: torch.device, warmup: int,
                         peak_tflops: float, store_path: Path) -> dict[str, Any]:
     """The colocated loop on one rank in this process: :func:`time_serial` with a DDP drafter."""
-    from benchmarks.h200_stages import time_serial
+    from benchmarks.h200.stages import time_serial
 
     store_path.unlink(missing_ok=True)
     with process_group(device, store_path, 0, 1) as group:
@@ -79,7 +79,7 @@ def _worker(rank: int, world: int, graph_file: str, overrides: list[str], run_di
     sys.path.insert(0, str(ROOT))
     out_path = Path(run_dir) / f"rank{rank}.json"
     try:
-        from benchmarks.h200_stages import make_batches, scratch_app, time_serial
+        from benchmarks.h200.stages import make_batches, scratch_app, time_serial
         from dflash.model.target import load_target
         from dflash.train.loss import needs_final_hidden
 

@@ -20,10 +20,10 @@ and does not track host memory, so the lifetime cases are proven by the value ch
 
 Run (prints the JSON; ``--out`` also writes it)::
 
-    python benchmarks/cuda_races.py --trials 100 --out benchmarks/results/cuda_races.json
-    python benchmarks/cuda_races.py --dry-run --trials 3     # CPU: same Python paths, no races
-    TORCH_CUDA_SANITIZER=1 python benchmarks/cuda_races.py --csan csp   # exits 0, no CSAN report
-    TORCH_CUDA_SANITIZER=1 python benchmarks/cuda_races.py --csan naive # CSAN reports a race
+    python benchmarks/micro/cuda_races.py --trials 100 --out benchmarks/results/cuda_races.json
+    python benchmarks/micro/cuda_races.py --dry-run --trials 3     # CPU: same Python paths, no races
+    TORCH_CUDA_SANITIZER=1 python benchmarks/micro/cuda_races.py --csan csp   # exits 0, no CSAN report
+    TORCH_CUDA_SANITIZER=1 python benchmarks/micro/cuda_races.py --csan naive # CSAN reports a race
 
 The exit status is 1 when a csp run corrupted anything or a case failed (listed under "errors").
 """
@@ -43,9 +43,9 @@ from typing import Any
 import msgspec
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import csp  # noqa: E402
-from csp import cuda as ccuda  # noqa: E402
+from csp.cuda import handoff as ccuda  # noqa: E402
 
 CASES = {
     "d2h_unwaited_read": "GPU->pinned host copy behind a busy producer stream; a host thread reads the "

@@ -8,8 +8,8 @@ on CUDA); a drafted block is one proposer call after a context of ``--context`` 
 ``CachedDrafterProposer``, DFlash2's ``CachedSelectorProposer``). The two variants alternate,
 ``--repeats`` rounds after a warm-up, and the median is reported::
 
-    python -m benchmarks.dflash2_step [GRAPH] [--set KEY=VALUE ...] [--repeats 20] [--device cpu]
-    python -m benchmarks.dflash2_step examples/sharegpt-target-h200.toml --device cuda
+    python -m benchmarks.micro.dflash2_step [GRAPH] [--set KEY=VALUE ...] [--repeats 20] [--device cpu]
+    python -m benchmarks.micro.dflash2_step examples/sharegpt-target-h200.toml --device cuda
 
 Prints one JSON object: ms per step and per block for each variant, their ratio, and the
 parameters DFlash2 adds (convolutions, selector).
@@ -26,7 +26,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dflash2_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.micro.dflash2_step", description=__doc__.split("\n")[0])
     p.add_argument("graph", nargs="?", default="examples/dflash-tiny.toml")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="graph override")
     p.add_argument("--repeats", type=int, default=20)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     n2 = sum(p.numel() for p in d2.parameters())
     sel = sum(p.numel() for p in d2.candidate_selector.parameters())
     res = {
-        "command": "python -m benchmarks.dflash2_step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m benchmarks.micro.dflash2_step " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "device": torch.cuda.get_device_name(dev) if cuda else f"cpu ({torch.get_num_threads()} threads)",
         "shape": {"hidden": H, "vocab": V, "layers": base.num_layers, "block_size": base.block_size,
                   "rows": rows, "tokens_per_row": T, "anchors_per_row": cfg.train.num_anchors,

@@ -1,20 +1,20 @@
 """The target as an inference engine and the drafter on fused kernels, measured on one H200.
 
-    python benchmarks/h200_perf.py --out OUT [--set data.source=PATH] [--budget-s 420] [--rows a,b,..]
-    python benchmarks/h200_perf.py --smoke --out OUT     # tiny shapes on the CPU: the plumbing only
+    python benchmarks/h200/perf.py --out OUT [--set data.source=PATH] [--budget-s 420] [--rows a,b,..]
+    python benchmarks/h200/perf.py --smoke --out OUT     # tiny shapes on the CPU: the plumbing only
 
 Rows (run in the priority order of :meth:`Perf.plan`; each skipped when it would end past ``--budget-s``, each saved as it ends):
 
 * ``matmul_bf16`` / ``matmul_fp8``: ``8192^3`` bf16 ``torch.mm`` and float8 e4m3
   ``torch._scaled_mm`` (per-row scales, bf16 out, fast accumulation: the kernel torchao's fp8 path
   calls), the MFU denominators;
-* ``target_<variant>``: the target forward alone (:func:`benchmarks.h200_stages.time_target`) for
+* ``target_<variant>``: the target forward alone (:func:`benchmarks.h200.stages.time_target`) for
   the graph's attention (flex) and ``varlen`` (``target_bf16_varlen_compile`` only when named in
   ``--rows``), then, after quantizing the same model in place, ``fp8`` with flex, varlen and varlen
   compiled; MFU against the matching peak (``mfu``) and against bf16 (``mfu_vs_bf16``);
 * ``fp8_feature_error``: per captured layer, ``||f_fp8 - f_bf16|| / ||f_bf16||`` and the cosine
   over the real tokens of two batches;
-* ``drafter_<variant>``: the drafter step alone (:func:`benchmarks.h200_stages.time_drafter`) with
+* ``drafter_<variant>``: the drafter step alone (:func:`benchmarks.h200.stages.time_drafter`) with
   the default settings, ``drafter.kernels = "liger"``, ``train.lm_head = "liger"``,
   ``drafter.compile = true`` and all three; ``peak_mem_gb`` is the drafter stage's peak at the
   graph's 151,936-token vocabulary;
@@ -36,13 +36,13 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_h200 import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS  # noqa: E402
-from benchmarks.h200_stages import scaled_mm_tflops  # noqa: E402,F401 - the fp8 peak, shared with bench_h200
+from benchmarks.h200.bench import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS  # noqa: E402
+from benchmarks.h200.stages import scaled_mm_tflops  # noqa: E402,F401 - the fp8 peak, shared with bench_h200
 
 TARGET_ROWS = ["target_bf16", "target_bf16_varlen", "target_bf16_varlen_compile", "fp8_feature_error",
                "target_fp8", "target_fp8_varlen", "target_fp8_varlen_compile"]
@@ -80,7 +80,7 @@ def profile(step: Callable[[Any], Any], items: list[Any], path: Path, device: to
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from benchmarks.h200_stages import sync
+    from benchmarks.h200.stages import sync
 
     window = items[first:first + 3]
     step(items[first - 1])
@@ -123,7 +123,7 @@ class Perf:
         self.args, self.t0 = args, time.perf_counter()
         self.out = args.out
         self.out.mkdir(parents=True, exist_ok=True)
-        self.doc: dict[str, Any] = {"command": "python benchmarks/h200_perf.py " + " ".join(sys.argv[1:]),
+        self.doc: dict[str, Any] = {"command": "python benchmarks/h200/perf.py " + " ".join(sys.argv[1:]),
                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": {}}
         self.dev = torch.device("cpu") if args.smoke else torch.device("cuda:0")
         # the rows compare each switch with the code's defaults: the example graph compiles its
@@ -143,7 +143,7 @@ class Perf:
         (self.out / "perf.json").write_text(json.dumps(self.doc, indent=1, default=str))
 
     def row(self, name: str, estimate_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-        from benchmarks.h200_stages import release
+        from benchmarks.h200.stages import release
 
         rows, left = self.doc["rows"], self.args.budget_s - self.elapsed()
         if self.args.rows and name not in self.args.rows:
@@ -173,7 +173,7 @@ class Perf:
         """Time the target alone with attention ``impl`` (None: the graph's), compiled or not; with
         ``profile_as`` named in ``--rows``, also profile it as it ran (compiled layers included):
         ``OUT/<profile_as>.txt`` and ``out["profile"]``."""
-        from benchmarks.h200_stages import attention_implementation, target_forward, time_target
+        from benchmarks.h200.stages import attention_implementation, target_forward, time_target
         from dflash.model.target_engine import CompiledLayers, register_varlen
 
         t = self.target
@@ -205,7 +205,7 @@ class Perf:
         return out
 
     def _first_step_s(self, t: Any) -> float:
-        from benchmarks.h200_stages import sync, target_forward
+        from benchmarks.h200.stages import sync, target_forward
 
         fwd = target_forward(self.app, t, self.dev)
         t0 = time.perf_counter()
@@ -214,7 +214,7 @@ class Perf:
         return time.perf_counter() - t0
 
     def _features(self) -> list[torch.Tensor]:
-        from benchmarks.h200_stages import target_forward
+        from benchmarks.h200.stages import target_forward
 
         fwd = target_forward(self.app, self.target, self.dev)
         return [fwd(b).layer_hidden.float() for b in self.batches[:2]]
@@ -279,7 +279,7 @@ class Perf:
             self._drafter_row(name)
 
     def _profile_target(self, name: str, impl: str | None) -> None:
-        from benchmarks.h200_stages import attention_implementation, target_forward
+        from benchmarks.h200.stages import attention_implementation, target_forward
 
         def fn() -> dict[str, Any]:
             with attention_implementation(self.target, impl) if impl else _null():
@@ -290,7 +290,7 @@ class Perf:
 
     # -- drafter --------------------------------------------------------------------------------------
     def _drafter_row(self, name: str) -> None:
-        from benchmarks.h200_stages import scratch_app, time_drafter
+        from benchmarks.h200.stages import scratch_app, time_drafter
 
         sets = DRAFTER_ROWS[name]
         n = self.args.warmup + self.args.steps
@@ -312,10 +312,10 @@ class Perf:
                 app.metrics.close()
 
     def _profile_drafter(self, app: Any, name: str) -> dict[str, Any]:
-        from benchmarks.h200_stages import _drafter_input, drafter_stage, target_forward
+        from benchmarks.h200.stages import drafter_input, drafter_stage, target_forward
 
         fwd = target_forward(app, self.target, self.dev)
-        inputs = [_drafter_input(app, fwd(b), self.dev) for b in self.batches[:4]]
+        inputs = [drafter_input(app, fwd(b), self.dev) for b in self.batches[:4]]
         stage = drafter_stage(app, self.dev)
         try:
             return profile(stage.train_step, inputs + inputs[:1], self.out / f"profile_{name}.txt", self.dev)
@@ -323,7 +323,7 @@ class Perf:
             stage.teardown()
 
     def execute(self) -> None:
-        from benchmarks.h200_stages import make_batches, matmul_tflops, scratch_app
+        from benchmarks.h200.stages import make_batches, matmul_tflops, scratch_app
 
         a = self.args
         self.app = scratch_app(GRAPH_1GPU, self.overrides, a.run_root / "perf")
@@ -390,7 +390,7 @@ def _version(pkg: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/h200_perf.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/h200/perf.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="directory for perf.json and the profiles")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip a row that would end later than this")

@@ -1,4 +1,4 @@
-"""The results file of ``benchmarks/bench_h200.py``: per-run measurements, merging, the summary.
+"""The results file of ``benchmarks/h200/bench.py``: per-run measurements, merging, the summary.
 
 ``benchmarks/results/h200.json``::
 
@@ -246,7 +246,7 @@ def write_results(path: Path, runs: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _fmt(v: Any, kind: str = "num") -> str:
+def fmt_value(v: Any, kind: str = "num") -> str:
     if v is None:
         return "n/a"
     if kind == "tok":
@@ -259,46 +259,46 @@ def _fmt(v: Any, kind: str = "num") -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The results section of benchmarks/RESULTS.md, generated from a results file."""
+    """The results section of benchmarks/results/LOG.md, generated from a results file."""
     src = doc.get("sources", {})
     slow = doc.get("slowest_stage_2gpu")
     rows = [
-        ("bf16 matmul 8192^3 (TFLOP/s)", _fmt(doc.get("matmul_tflops")), "matmul_tflops"),
-        ("target forward alone (tokens/s)", _fmt(doc.get("target_alone_tok_s"), "tok"), "target_alone_tok_s"),
-        ("drafter step alone (tokens/s)", _fmt(doc.get("drafter_alone_tok_s"), "tok"), "drafter_alone_tok_s"),
-        ("serial loop, 1 GPU (tokens/s)", _fmt(doc.get("serial_tok_s"), "tok"), "serial_tok_s"),
-        ("csp pipeline, 1 GPU (tokens/s)", _fmt(doc.get("pipeline_1gpu_tok_s"), "tok"), "pipeline_1gpu_tok_s"),
-        ("speedup, 1 GPU vs serial", _fmt(doc.get("speedup_1gpu_vs_serial"), "x"), "speedup_1gpu_vs_serial"),
-        ("csp pipeline, 2 GPUs (tokens/s)", _fmt(doc.get("pipeline_2gpu_tok_s"), "tok"), "pipeline_2gpu_tok_s"),
-        (f"slowest stage alone, 2-GPU run ({slow or 'n/a'})", _fmt(doc.get("slowest_stage_tok_s_2gpu"), "tok"),
+        ("bf16 matmul 8192^3 (TFLOP/s)", fmt_value(doc.get("matmul_tflops")), "matmul_tflops"),
+        ("target forward alone (tokens/s)", fmt_value(doc.get("target_alone_tok_s"), "tok"), "target_alone_tok_s"),
+        ("drafter step alone (tokens/s)", fmt_value(doc.get("drafter_alone_tok_s"), "tok"), "drafter_alone_tok_s"),
+        ("serial loop, 1 GPU (tokens/s)", fmt_value(doc.get("serial_tok_s"), "tok"), "serial_tok_s"),
+        ("csp pipeline, 1 GPU (tokens/s)", fmt_value(doc.get("pipeline_1gpu_tok_s"), "tok"), "pipeline_1gpu_tok_s"),
+        ("speedup, 1 GPU vs serial", fmt_value(doc.get("speedup_1gpu_vs_serial"), "x"), "speedup_1gpu_vs_serial"),
+        ("csp pipeline, 2 GPUs (tokens/s)", fmt_value(doc.get("pipeline_2gpu_tok_s"), "tok"), "pipeline_2gpu_tok_s"),
+        (f"slowest stage alone, 2-GPU run ({slow or 'n/a'})", fmt_value(doc.get("slowest_stage_tok_s_2gpu"), "tok"),
          "slowest_stage_tok_s_2gpu"),
-        ("efficiency, 2 GPUs (pipeline / slowest stage)", _fmt(doc.get("efficiency_2gpu")), "efficiency_2gpu"),
-        ("speedup, 2 GPUs vs serial", _fmt(doc.get("speedup_2gpu_vs_serial"), "x"), "speedup_2gpu_vs_serial"),
-        ("target MFU (document-masked forward)", _fmt(doc.get("target_mfu")), "target_mfu"),
-        ("plain transformers forward MFU", _fmt(doc.get("plain_forward_mfu")), "plain_forward_mfu"),
-        ("step-time change during a checkpoint, 1 GPU", _fmt(doc.get("checkpoint_slowdown_1gpu"), "pct"),
+        ("efficiency, 2 GPUs (pipeline / slowest stage)", fmt_value(doc.get("efficiency_2gpu")), "efficiency_2gpu"),
+        ("speedup, 2 GPUs vs serial", fmt_value(doc.get("speedup_2gpu_vs_serial"), "x"), "speedup_2gpu_vs_serial"),
+        ("target MFU (document-masked forward)", fmt_value(doc.get("target_mfu")), "target_mfu"),
+        ("plain transformers forward MFU", fmt_value(doc.get("plain_forward_mfu")), "plain_forward_mfu"),
+        ("step-time change during a checkpoint, 1 GPU", fmt_value(doc.get("checkpoint_slowdown_1gpu"), "pct"),
          "checkpoint_slowdown_1gpu"),
-        ("step-time change during a checkpoint, 2 GPUs", _fmt(doc.get("checkpoint_slowdown_2gpu"), "pct"),
+        ("step-time change during a checkpoint, 2 GPUs", fmt_value(doc.get("checkpoint_slowdown_2gpu"), "pct"),
          "checkpoint_slowdown_2gpu"),
-        ("drafter step MFU", _fmt(doc.get("drafter_mfu")), "drafter_mfu"),
-        ("serial loop MFU", _fmt(doc.get("serial_mfu")), "serial_mfu"),
-        ("csp pipeline, 1 GPU, MFU", _fmt(doc.get("pipeline_1gpu_mfu")), "pipeline_1gpu_mfu"),
+        ("drafter step MFU", fmt_value(doc.get("drafter_mfu")), "drafter_mfu"),
+        ("serial loop MFU", fmt_value(doc.get("serial_mfu")), "serial_mfu"),
+        ("csp pipeline, 1 GPU, MFU", fmt_value(doc.get("pipeline_1gpu_mfu")), "pipeline_1gpu_mfu"),
         (f"fastest target attention alone ({doc.get('fastest_target_attention') or 'n/a'})",
-         _fmt(((doc.get("target_attention") or {}).get(doc.get("fastest_target_attention")) or {}).get("tok_s"), "tok"),
+         fmt_value(((doc.get("target_attention") or {}).get(doc.get("fastest_target_attention")) or {}).get("tok_s"), "tok"),
          "fastest_target_attention"),
-        ("colocated data-parallel, 1 GPU (tokens/s)", _fmt(doc.get("colocated_1gpu_tok_s"), "tok"),
+        ("colocated data-parallel, 1 GPU (tokens/s)", fmt_value(doc.get("colocated_1gpu_tok_s"), "tok"),
          "colocated_1gpu_tok_s"),
-        ("csp pipeline, 1 GPU vs colocated", _fmt(doc.get("pipeline_1gpu_vs_colocated"), "x"),
+        ("csp pipeline, 1 GPU vs colocated", fmt_value(doc.get("pipeline_1gpu_vs_colocated"), "x"),
          "pipeline_1gpu_vs_colocated"),
-        ("colocated data-parallel, 2 GPUs (tokens/s)", _fmt(doc.get("colocated_2gpu_tok_s"), "tok"),
+        ("colocated data-parallel, 2 GPUs (tokens/s)", fmt_value(doc.get("colocated_2gpu_tok_s"), "tok"),
          "colocated_2gpu_tok_s"),
-        ("csp pipeline, 2 GPUs vs colocated", _fmt(doc.get("speedup_2gpu_vs_colocated"), "x"),
+        ("csp pipeline, 2 GPUs vs colocated", fmt_value(doc.get("speedup_2gpu_vs_colocated"), "x"),
          "speedup_2gpu_vs_colocated"),
         ("**bound**, 2 GPUs colocated (2 / (1/target + 1/drafter), stages alone; not measured)",
-         _fmt(doc.get("colocated_2gpu_bound_tok_s"), "tok"), "colocated_2gpu_bound_tok_s"),
+         fmt_value(doc.get("colocated_2gpu_bound_tok_s"), "tok"), "colocated_2gpu_bound_tok_s"),
         ("**bound**, 2 GPUs csp (min(target, drafter), stages alone; not measured)",
-         _fmt(doc.get("csp_2gpu_bound_tok_s"), "tok"), "csp_2gpu_bound_tok_s"),
-        ("**bound** ratio, 2 GPUs csp / colocated", _fmt(doc.get("csp_vs_colocated_2gpu_bound"), "x"),
+         fmt_value(doc.get("csp_2gpu_bound_tok_s"), "tok"), "csp_2gpu_bound_tok_s"),
+        ("**bound** ratio, 2 GPUs csp / colocated", fmt_value(doc.get("csp_vs_colocated_2gpu_bound"), "x"),
          "csp_vs_colocated_2gpu_bound"),
     ]
     out = ["| quantity | value | run |", "| --- | ---: | --- |"]
@@ -308,14 +308,14 @@ def markdown(doc: dict[str, Any]) -> str:
         out.append(f"| peak GPU memory, {name} (GiB) | {shown} | |")
     for mode, sweep in (doc.get("capacity_sweep") or {}).items():
         by_cap = sorted(sweep["tok_s"].items(), key=lambda kv: int(kv[0]))
-        pts = ", ".join(f"{c}: {_fmt(v, 'tok')}" for c, v in by_cap)
+        pts = ", ".join(f"{c}: {fmt_value(v, 'tok')}" for c, v in by_cap)
         out.append(f"| tokens/s by capacity of {' + '.join(sweep['channels'])}, {mode} | {pts} | |")
     out += ["", "| goal | target | value | met |", "| --- | --- | ---: | --- |"]
     for key, g in (doc.get("goals") or {}).items():
         kind = "pct" if key == "checkpoint_slowdown" else ("tok" if key.endswith("tok_s") else "num")
-        by = f" (by {_fmt(g['missed_by'], kind)})" if "missed_by" in g else ""
+        by = f" (by {fmt_value(g['missed_by'], kind)})" if "missed_by" in g else ""
         met = "n/a" if g["met"] is None else ("yes" if g["met"] else f"no{by}")
-        out.append(f"| {key} | {g['goal']} | {_fmt(g['value'], kind)} | {met} |")
+        out.append(f"| {key} | {g['goal']} | {fmt_value(g['value'], kind)} | {met} |")
     out += ["", "| run | measurement | tokens/s | TFLOP/s | MFU | HFU | attention share | peak GiB |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for rname, run in sorted((doc.get("runs") or {}).items()):
@@ -326,8 +326,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 continue
             mem = ", ".join(f"{d}: {g}" for d, g in (m.get("peak_mem_gb") or {}).items()) or "n/a"
             label = name + (f" ({m['attn_implementation']})" if name == "target_alone" and "attn_implementation" in m else "")
-            out.append(f"| {rname} | {label} | {_fmt(m.get('tok_s'), 'tok')} | {_fmt(m.get('tflops'))} | "
-                       f"{_fmt(m.get('mfu'))} | {_fmt(m.get('hfu'))} | {_fmt(m.get('attention_share'))} | {mem} |")
+            out.append(f"| {rname} | {label} | {fmt_value(m.get('tok_s'), 'tok')} | {fmt_value(m.get('tflops'))} | "
+                       f"{fmt_value(m.get('mfu'))} | {fmt_value(m.get('hfu'))} | {fmt_value(m.get('attention_share'))} | {mem} |")
     if doc.get("pipeline_2gpu_null_reason"):
         out += ["", f"pipeline_2gpu_tok_s is null: {doc['pipeline_2gpu_null_reason']}"]
     if doc.get("smoke"):

@@ -17,7 +17,7 @@ tau (tokens per verify step), whether every output equals ``hf_generate``'s, tok
 first difference, and the speedup over ``hf_generate``. On a GPU every timed region ends with
 ``torch.cuda.synchronize()``; one warm-up decode per decoder is not timed.
 
-    python -m benchmarks.decode_speed CHECKPOINT (--data SOURCE | --prompts FILE.jsonl)
+    python -m benchmarks.decode.speed CHECKPOINT (--data SOURCE | --prompts FILE.jsonl)
         [--num-prompts 16] [--max-new-tokens 256] [--dtypes float32,bfloat16] [--threads 1]
         [--out benchmarks/results/decode_speed_h200.json]
 
@@ -26,7 +26,7 @@ kernel launches, not by weight reads, and bf16 adds kernels. Counted with ``torc
 CPU per greedy token of that target: 2,171 aten ops in bf16 against 1,967 in fp32, 274 copies /
 dtype casts against 138 (RMSNorm and RoPE compute in fp32 and cast back; in fp32 those casts are
 no-ops). Halving bytes buys nothing while the weights fit in cache; at 8B the weight reads
-dominate and bf16 wins (``benchmarks/decode_projection.py`` times those shapes).
+dominate and bf16 wins (``benchmarks/decode/projection.py`` times those shapes).
 
 Prompts are chosen as ``dflash.eval`` chooses them (the run's held-out conversations). Without a
 checkpoint, ``--random-drafter`` times a seeded random drafter against ``--target`` (speed does
@@ -90,13 +90,13 @@ def _load(args, dtype: str, device: torch.device):
 
 def _prompt_ids(args, tc) -> list[list[int]]:
     from dflash.data.tokenizer import load_tokenizer
-    from dflash.eval.cli import _prompts
+    from dflash.eval.cli import prompt_ids
 
     tok = load_tokenizer(tc.tokenizer_source)
     if args.random_drafter and args.data:
         from dflash.data.prompts import source_prompts
         return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
-    return _prompts(args, tok)
+    return prompt_ids(args, tok)
 
 
 def _decoders(args, target, drafter, head, tmp: Path):
@@ -179,7 +179,7 @@ def _time_rows(decoders, prompts, device, N):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_speed", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode.speed", description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="?", help="a dflash drafter checkpoint (or --random-drafter)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="the run's data source (its held-out prompts, as dflash.eval)")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     device = torch.device(args.device)
-    res: dict = {"command": "python -m benchmarks.decode_speed " + " ".join(sys.argv[1:] if argv is None else argv),
+    res: dict = {"command": "python -m benchmarks.decode.speed " + " ".join(sys.argv[1:] if argv is None else argv),
                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "threads": args.threads, "new_tokens_per_prompt": args.max_new_tokens, "by_dtype": {}}
     if device.type == "cpu" and hasattr(os, "getloadavg"):

@@ -1,16 +1,16 @@
 """DFlash training on H200: the csp pipeline against a serial loop, efficiency against the slowest
-stage, MFU, memory, channel capacity and checkpoint cost. Results: benchmarks/RESULTS.md.
+stage, MFU, memory, channel capacity and checkpoint cost. Results: benchmarks/results/LOG.md.
 
-    python benchmarks/bench_h200.py [--set data.source=PATH] [--out benchmarks/results/h200.json]
-    python benchmarks/bench_h200.py --smoke                  # tiny shapes on the CPU: every code path
-    python benchmarks/bench_h200.py --tiny                   # tiny shapes on the GPUs: a quick GPU check
+    python benchmarks/h200/bench.py [--set data.source=PATH] [--out benchmarks/results/h200.json]
+    python benchmarks/h200/bench.py --smoke                  # tiny shapes on the CPU: every code path
+    python benchmarks/h200/bench.py --tiny                   # tiny shapes on the GPUs: a quick GPU check
 
 One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are two, else 1):
 
 * ``matmul``: bf16 ``8192^3`` matmul rate on cuda:0 (the MFU denominator);
 * ``matmul_fp8``: when the target is quantized (``target.quantization = "fp8"``), the float8
-  ``8192^3`` ``torch._scaled_mm`` rate as well (:func:`benchmarks.h200_stages.scaled_mm_tflops`,
-  the peak ``benchmarks/h200_perf.py`` measures): the fp8 target's MFU denominator;
+  ``8192^3`` ``torch._scaled_mm`` rate as well (:func:`benchmarks.h200.stages.scaled_mm_tflops`,
+  the peak ``benchmarks/h200/perf.py`` measures): the fp8 target's MFU denominator;
 * ``target_alone`` (cuda:0), ``drafter_alone`` (cuda:1 on two GPUs, else cuda:0; on features the
   target computed beforehand): each stage by itself, for the bound;
 * ``serial``: target forward then drafter step per batch, one thread, one stream, cuda:0;
@@ -25,15 +25,15 @@ One invocation measures, on the visible GPUs (``--gpus auto``: 2 if there are tw
 * ``target_alone_<impl>``: the target alone with each other ``[target].attn_implementation``
   (``sdpa``, ``flex_attention``, ``eager``), switched in place, to pick the fastest default;
 * ``colocated_1gpu`` / ``colocated_2gpu``: the colocated data-parallel baseline (target then drafter
-  on every GPU, DDP drafters; ``benchmarks/h200_colocated.py``), one rank in this process / two
+  on every GPU, DDP drafters; ``benchmarks/h200/colocated.py``), one rank in this process / two
   spawned ranks.
 
-Every measurement reports tokens/s, TFLOP/s, MFU and HFU (``benchmarks/flops.py``) against the
+Every measurement reports tokens/s, TFLOP/s, MFU and HFU (``benchmarks/h200/flops.py``) against the
 matching measured peak, and peak memory per device: the drafter's FLOPs against ``matmul``
 (bf16), the target's against ``matmul`` or, when it is quantized, ``matmul_fp8``; a measurement of
 both stages (serial, colocated, pipelines) is credited with the time its FLOPs would take at those
 peaks, ``(F_target / P_fp8 + F_drafter / P_bf16) / seconds``
-(:func:`benchmarks.h200_report.matched_mfu`; ``peak`` and ``peak_tflops`` say which rate), so
+(:func:`benchmarks.h200.report.matched_mfu`; ``peak`` and ``peak_tflops`` say which rate), so
 neither stage's precision flatters the other's. ``mfu_vs_bf16`` beside it is the same rate against
 the bf16 peak alone (the figure before quantization; above 1 for a fast fp8 target). At start the plan is printed with each measurement's
 estimated seconds and the whole invocation's estimate.
@@ -59,10 +59,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.h200_report import load_runs, matched_mfu, ok, write_results  # noqa: E402
+from benchmarks.h200.report import load_runs, matched_mfu, ok, write_results  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "h200.json"
 GRAPH_1GPU = ROOT / "examples" / "qwen3-8b-h200.toml"
@@ -84,7 +84,7 @@ CPU_SETTINGS = ["process.target.device=cpu", "process.postprocess.device=cpu", "
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python benchmarks/bench_h200.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/h200/bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="graph-file override for every run, e.g. --set data.source=.devdata/sharegpt-subset.jsonl")
     p.add_argument("--out", type=Path, default=None,
@@ -171,7 +171,7 @@ class Bench:
         self.run: dict[str, Any] = {
             "mode": self.mode,
             "tiny": self.tiny,
-            "command": "python " + shlex.join(["benchmarks/bench_h200.py", *argv]),
+            "command": "python " + shlex.join(["benchmarks/h200/bench.py", *argv]),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "complete": False,
             "env": environment(ngpu),
@@ -211,7 +211,7 @@ class Bench:
                 tb = traceback.format_exc()
                 print(tb, file=sys.stderr, flush=True)
                 ms[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-3000:]}
-            from benchmarks.h200_stages import release
+            from benchmarks.h200.stages import release
 
             release()  # here, not in the except: the measurement's (and a traceback's) frames are gone
             ms[name]["seconds"] = round(time.perf_counter() - t, 1)
@@ -222,8 +222,8 @@ class Bench:
     def execute(self) -> None:
         import torch
 
-        from benchmarks.h200_reuse import ModelReuse
-        from benchmarks.h200_stages import make_batches, matmul_tflops, scratch_app
+        from benchmarks.h200.reuse import ModelReuse
+        from benchmarks.h200.stages import make_batches, matmul_tflops, scratch_app
 
         a = self.args
         n = a.warmup + a.steps
@@ -237,7 +237,7 @@ class Bench:
         if self.mode == "1gpu":
             self.run["measurements"]["pipeline_2gpu"] = {
                 "status": "skipped", "reason": "one CUDA device visible: run this harness on a 2-GPU machine "
-                "and merge the two results files (benchmarks/RESULTS.md)"}
+                "and merge the two results files (benchmarks/results/LOG.md)"}
         # data first: tokenizing spawns workers, better before CUDA is initialised
         self.app = scratch_app(GRAPH_1GPU, self.overrides, a.run_root / "scratch")
         self.run["data"] = data_summary(self.app)
@@ -253,7 +253,7 @@ class Bench:
         self.peak_target: float | None = self.peak
         if self.precision == "fp8":
             if self.dev0.type == "cuda":
-                from benchmarks.h200_stages import scaled_mm_tflops
+                from benchmarks.h200.stages import scaled_mm_tflops
 
                 mm8 = self.measure("matmul_fp8", 5, lambda: scaled_mm_tflops(self.dev0, n=size))
             else:
@@ -335,7 +335,7 @@ class Bench:
         measurement only (None: the graph's ``[target].attn_implementation``)."""
         from contextlib import nullcontext
 
-        from benchmarks.h200_stages import attention_implementation, time_target
+        from benchmarks.h200.stages import attention_implementation, time_target
 
         t = time.perf_counter()
         target = self._target()
@@ -355,20 +355,20 @@ class Bench:
                                      target_computed=target_computed, gpus=gpus)}
 
     def _drafter_alone(self) -> dict[str, Any]:
-        from benchmarks.h200_stages import time_drafter
+        from benchmarks.h200.stages import time_drafter
 
         out = time_drafter(self.app, self._target(), self.batches, self.dev0, self.dev1, self.args.warmup, self.peak)
         self.t_drafter = out["step_s"]
         return self._matched(out, 0.0)
 
     def _serial(self) -> dict[str, Any]:
-        from benchmarks.h200_stages import time_serial
+        from benchmarks.h200.stages import time_serial
 
         out = time_serial(self.app, self._target(), self.batches, self.dev0, self.args.warmup, self.peak)
         return self._matched(out, out["target_flops_model"], out["target_flops_computed"])
 
     def _colocated(self, world: int) -> dict[str, Any]:
-        from benchmarks.h200_colocated import run_colocated, time_colocated_here
+        from benchmarks.h200.colocated import run_colocated, time_colocated_here
 
         a = self.args
         if world == 1:
@@ -383,7 +383,7 @@ class Bench:
         return self._matched(out, out["target_flops_model"], out["target_flops_computed"], gpus=gpus)
 
     def _plain_forward(self) -> dict[str, Any]:
-        from benchmarks.h200_stages import time_plain_forward
+        from benchmarks.h200.stages import time_plain_forward
 
         # the whole model as loaded: decoder layers quantized with the target (its bf16 LM head is
         # counted against the target's peak too)
@@ -393,21 +393,21 @@ class Bench:
     def _pipeline_flops(self, out: dict[str, Any], mode: str) -> dict[str, Any]:
         """TFLOP/s and MFU of a pipeline run: FLOPs per real token of the harness's batches
         (the pipeline draws the same batches in the same order) x the measured tokens/s."""
-        from benchmarks.h200_stages import drafter_flops, target_flops
+        from benchmarks.h200.stages import drafter_flops, target_flops
 
         timed = self.batches[self.args.warmup:]
         tf = target_flops(self.app, self._target(), timed)
         flops = tf + drafter_flops(self.app, timed)
         per_token = 1.0 / sum(b.num_tokens for b in timed)
         secs = 1.0 / (out["tok_s"] * per_token)  # seconds for the FLOPs of these batches at the run's rate
-        from benchmarks.h200_stages import flop_fields
+        from benchmarks.h200.stages import flop_fields
 
         gpus = 2 if mode == "2gpu" else 1
         out = {**out, **flop_fields(flops, secs, self.peak, gpus=gpus), "target_flops_computed": tf.computed}
         return self._matched(out, tf.model, tf.computed, gpus=gpus)
 
     def _run(self, mode: str, name: str, extra: list[str], timed: int, every: int = 0) -> dict[str, Any]:
-        from benchmarks.h200_pipeline import run_pipeline
+        from benchmarks.h200.pipeline import run_pipeline
 
         a = self.args
         graph = GRAPH_2GPU if mode == "2gpu" else GRAPH_1GPU

@@ -1,7 +1,7 @@
 """Per-step timing of the compiled varlen target over the same batches, three passes, to find the
 step that stalls (a recompile, a collection, an allocator retry) and test a fix for it.
 
-    python benchmarks/compile_gap.py --variant plain|bucket|dynamic [--batches 11] [--passes 3]
+    python benchmarks/h200/compile_gap.py --variant plain|bucket|dynamic [--batches 11] [--passes 3]
 
 ``plain``: the target as ``[target] compile = true`` builds it. ``bucket``: the varlen boundaries
 ``cu_seq_lens`` padded to the next power of two with zero-length sequences, so their length takes
@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from benchmarks.bench_h200 import GRAPH_1GPU
+from benchmarks.h200.bench import GRAPH_1GPU
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     a = p.parse_args()
 
     import dflash.model.target as tmod
-    from benchmarks.h200_stages import make_batches, scratch_app, sync, target_forward
+    from benchmarks.h200.stages import make_batches, scratch_app, sync, target_forward
     from dflash.model.target import load_target
     from dflash.model.target_engine import CompiledLayers, register_varlen
     from dflash.train.loss import needs_final_hidden

@@ -1,7 +1,7 @@
 """Cross-rank csp channel over NCCL: tensors from a process on cuda:0 (rank 0) to one on cuda:1
 (rank 1), contents checked, bandwidth measured. Prints one JSON line (rank 1).
 
-    torchrun --nproc-per-node 2 benchmarks/dist_nccl_check.py [--mib 64] [--items 50] [--capacity 4]
+    torchrun --nproc-per-node 2 benchmarks/micro/dist_nccl_check.py [--mib 64] [--items 50] [--capacity 4]
 
 Also runs on CPU with gloo (``--cpu``) as a smoke test. The producer fills each tensor with a
 value derived from its index on its own CUDA stream; the consumer checks every element on the
@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import csp  # noqa: E402
 from csp.dist import launch  # noqa: E402
 
