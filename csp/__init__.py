@@ -2,7 +2,7 @@
 
 The public surface is ``__all__`` (``import csp``); everything else is reached through it or is
 private. The package is in rooms, each of whose ``__init__`` says what it owns; imports run one
-way, from the top of this list to the bottom, never back (``tests/csp/test_layering.py``):
+way, from the top of this list to the bottom, never back (``tests/test_layering.py``):
 
 * entry points: ``python -m csp.run`` (:mod:`csp.run`), ``python -m csp.inspect``
   (:mod:`csp.inspect`), ``python -m csp.graph`` (draws a graph file);

@@ -37,7 +37,7 @@ class                   also a                 raised by
 ``DotNotFound``         ``RuntimeError``       ``csp.observe.draw``: Graphviz's ``dot`` is not on PATH
 ======================  =====================  =============================================================
 
-What stays a builtin, and why (``tests/test_errors.py`` walks every ``raise`` in csp and checks
+What stays a builtin, and why (``tests/csp/test_errors.py`` walks every ``raise`` in csp and checks
 this list):
 
 - ``StopIteration``/``StopAsyncIteration`` (iterating a receiver) and ``AttributeError`` (the

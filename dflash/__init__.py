@@ -6,7 +6,7 @@ checkpoint by real draft-and-verify decoding), ``export`` (the public DFlash lay
 (train a small target).
 
 The rooms, from the bottom floor up; a module imports its own room and lower floors only
-(``tests/test_module_layering.py`` checks it; ``docs/architecture.md`` draws it):
+(``tests/test_layering.py`` checks it; ``docs/architecture.md`` draws it):
 
 0. leaves: :mod:`dflash.errors` (the error family), :mod:`dflash.messages` (the items on the
    graph's channels), :mod:`dflash.records` (the lines of ``metrics.jsonl``), :mod:`dflash.seeding`;

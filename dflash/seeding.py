@@ -10,7 +10,7 @@ with one salt batch ``b``'s noise generator would be seeded exactly like its anc
 the two "independent" draws would come from the same sequence. With the noise salt and key
 ``batch_id + 1`` the two seeds of one batch differ by ``seed * 6_000_000 + 1`` (mod 2**63), an odd
 number, so they never coincide. The salts are fixed: changing one
-changes every run's numbers (``tests/test_seeding.py`` pins the values).
+changes every run's numbers (``tests/dflash/test_seeding.py`` pins the values).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def fixture(out: Path, types: list[str] | None = SLIDING_THEN_FULL) -> None:
     from dflash.export import export_drafter, load_exported
     from dflash.model.attention import decode_layout
     from dflash.model.target import load_target
-    from tests.test_export import TCFG, make
+    from tests.dflash.export.test_export import TCFG, make
 
     export_drafter(make(types), out / "export", torch.float32)
     drafter, cfg = load_exported(out / "export")

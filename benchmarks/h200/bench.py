@@ -284,8 +284,8 @@ class Bench:
         # priority order: the rows the performance goals need first, then the attention variants and
         # baselines, extras last (a budget cut drops the least needed)
         plan = {
-            # CPU smoke: flex runs unfused off CUDA (slow; its equivalence is tests/test_model_target.py's)
-            # and two spawned ranks cost a minute (tests/test_bench_colocated.py runs them)
+            # CPU smoke: flex runs unfused off CUDA (slow; its equivalence is tests/dflash/model/test_target.py's)
+            # and two spawned ranks cost a minute (tests/benchmarks/test_colocated.py runs them)
             "cpu": ["target_alone", "drafter_alone", "serial", "pipeline_1gpu", "plain_forward",
                     *[v for v in variants if v != "target_alone_flex_attention"], "colocated_1gpu",
                     "checkpoint_1gpu", "sweep_1gpu", "pipeline_2gpu"],

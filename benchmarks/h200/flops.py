@@ -27,7 +27,7 @@ Conventions (the usual ones, e.g. PaLM, appendix B; FlashAttention-2, section 3.
 
 Shapes come from the transformers config of the target (:func:`target_linear_params`) and the
 resolved :class:`dflash.model.drafter.DrafterConfig`; per-batch counts from the batch tensors
-(:func:`document_lengths`, :func:`drafter_counts`). Tests: ``tests/test_flops.py`` (hand counts and
+(:func:`document_lengths`, :func:`drafter_counts`). Tests: ``tests/benchmarks/test_flops.py`` (hand counts and
 ``torch.utils.flop_counter.FlopCounterMode`` on CPU).
 """
 

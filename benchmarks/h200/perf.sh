@@ -9,7 +9,7 @@
 #    image) installed with --no-deps into a --target dir put on PYTHONPATH; the ShareGPT subset
 #    .whl/data/sharegpt-subset.jsonl.gz unpacked to .devdata/ when present (DATA= overrides the source).
 # SUITE=engine:
-#   1. the GPU tests of the engine and kernel switches (tests/test_perf_switches.py -m gpu) and the
+#   1. the GPU tests of the engine and kernel switches (tests/dflash/train/test_perf_switches.py -m gpu) and the
 #      sync test of the training step -> OUT/gpu-tests.log;
 #   2. benchmarks/h200/perf.py: bf16 and fp8 matmul peaks, the target alone (flex, varlen, varlen
 #      compiled; then fp8 in place: flex, varlen, varlen compiled) with MFU against the matching peak,
@@ -73,8 +73,8 @@ if [ "${SUITE:-engine}" = fastest ]; then
 fi
 if [ "${SUITE:-engine}" = engine ]; then
   if [ "${TESTS:-1}" = 1 ]; then
-    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/test_perf_switches.py \
-      tests/test_step_sync.py > "$OUT/gpu-tests.log" 2>&1
+    timeout 200 python3 -m pytest -v -m gpu -p no:cacheprovider -rs tests/dflash/train/test_perf_switches.py \
+      tests/dflash/train/test_step_sync.py > "$OUT/gpu-tests.log" 2>&1
     echo "gpu tests rc=$? ($(tail -1 "$OUT/gpu-tests.log"))"
   fi
   b=$(( $(left) - 25 ))
@@ -87,7 +87,7 @@ if [ "${SUITE:-engine}" = engine ]; then
 fi
 
 mkdir -p "$OUT/v"
-timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_step_sync.py > "$OUT/v/gpu-sync.log" 2>&1
+timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/dflash/train/test_step_sync.py > "$OUT/v/gpu-sync.log" 2>&1
 echo "sync test rc=$? ($(tail -1 "$OUT/v/gpu-sync.log"))"
 timeout ${MAIN_S:-360} python3 benchmarks/h200/bench.py --budget-s ${BUDGET_S:-320} --set data.source="$DATA" \
   --skip sweep_1gpu,checkpoint_1gpu,target_alone_eager --out "$OUT/h200-x1.json" --artifacts "$OUT/x1" \

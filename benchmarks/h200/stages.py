@@ -145,7 +145,7 @@ def flop_fields(flops: Any, secs: float, peak_tflops: float, gpus: int = 1) -> d
 @contextmanager
 def attention_implementation(target: Any, impl: str) -> Iterator[Any]:
     """``target`` running attention ``impl`` ("sdpa" | "flex_attention" | "eager", every value
-    ``[target].attn_implementation`` takes; tests/test_model_target.py holds them equivalent),
+    ``[target].attn_implementation`` takes; tests/dflash/model/test_target.py holds them equivalent),
     switched in place (``set_attn_implementation``) and switched back on exit. A compiled target
     (``[target] compile = true``) runs eagerly meanwhile: its layers were compiled for its own
     implementation, and another would recompile each of them."""

@@ -2,7 +2,7 @@
 
 A drafter forward attends ``Q = A * bs`` block queries (``A`` blocks of ``block_size`` tokens per
 row) over ``K = T + Q`` keys: the row's ``T`` context features followed by every block token.
-The rule (DFlash's block attention; tests/test_attention_drafter.py spells it out per element):
+The rule (DFlash's block attention; tests/dflash/model/test_attention_drafter.py spells it out per element):
 
 * a block query sees context key ``t`` iff ``t < block_end`` (strictly before the block's anchor)
   and ``t`` is in the block's document (``ctx_doc[t] == block_doc``; padding is -1 and never

@@ -4,7 +4,7 @@ One module for both sides of ``[train].postprocess_side``: the target stage call
 :meth:`FeaturePostprocess.at_target` on its output, the postprocess stage calls
 :meth:`FeaturePostprocess.at_drafter` after the move to the drafter's device. The config says on
 which side the noise is added, so the message carries no flag: exactly one of the two adds it, and
-both sides give the same :class:`DrafterInput` (tests/test_run_e2e.py checks it).
+both sides give the same :class:`DrafterInput` (tests/dflash/run/test_run_e2e.py checks it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def apply_feature_noise(features: torch.Tensor, *, std: float, seed: int, batch_
 
     Computed in fp32 in place: at most one fp32 ``[B, T, k*H]`` buffer is alive at a time (the
     squares, then the noise, which takes the sum), not four, with the same values operation by
-    operation as the plain formula (tests/test_step_sync.py).
+    operation as the plain formula (tests/dflash/train/test_step_sync.py).
     """
     if std <= 0:
         return features

@@ -15,15 +15,15 @@ The class presents the interface of z-lab's ``dflash_generate`` loop (``model.bl
 ``model.mask_token_id``, ``model.target_layer_ids``, ``model.config``, :meth:`compute_logits`, a
 draft KV cache through ``past_key_values``/``use_cache``, and a forward that returns the hidden
 state tensor), so ``dflash_generate(AutoModel.from_pretrained(DIR, trust_remote_code=True),
-target, ...)`` decodes with it (tested in ``tests/test_export_zlab.py`` where z-lab's package is
+target, ...)`` decodes with it (tested in ``tests/dflash/export/test_zlab.py`` where z-lab's package is
 importable). It also has z-lab's own entry point, with the same signature and return::
 
     out = drafter.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=[eos])  # [1, N+n]
 
 (greedy: the target's own greedy text; ``temperature > 0``: speculative sampling, a DFlash2
 drafter's block drawn by its candidate selector's sampled walk; tested in
-``tests/test_spec_generate.py`` against the target's ``generate`` and z-lab's ``spec_generate``, and
-in ``tests/test_spec_generate_dflash2_sampled.py`` against the target's exact sampling distribution
+``tests/dflash/model/test_spec_generate.py`` against the target's ``generate`` and z-lab's ``spec_generate``, and
+in ``tests/dflash/model/test_spec_generate_dflash2_sampled.py`` against the target's exact sampling distribution
 and z-lab's per-step ``q`` and acceptances).
 
 Weights are initialised (``_init_weights``) only where transformers has not loaded them: the
@@ -32,7 +32,7 @@ every parameter flagged ``_is_hf_initialized``, so loading never re-randomises a
 
 It imports only torch and transformers (never ``dflash``), and computes what
 ``dflash.model.drafter.DFlashDrafter`` computes for one block after a context (tested in
-``tests/test_export.py`` against :func:`dflash.export.load_exported`). Parameter names are the
+``tests/dflash/export/test_export.py`` against :func:`dflash.export.load_exported`). Parameter names are the
 public DFlash ones: ``fc``, ``hidden_norm``, ``layers.N.self_attn.{q,k,v,o}_proj``,
 ``layers.N.self_attn.{q,k}_norm``, ``layers.N.mlp.{gate,up,down}_proj``,
 ``layers.N.{input,post_attention}_layernorm``, ``norm``. The drafter shares the target's token

@@ -139,7 +139,7 @@ def for_generation(cfg: TargetConfig) -> TargetConfig:
     (``dflash.eval``, ``dflash.regenerate``, decode benchmarks). Training's ``flex_attention`` is
     for packed documents, where a ``BlockMask`` skips the other documents' tiles; a KV-cached
     decode has one sequence and no document mask, and flex would compile for every new length.
-    The outputs are the same (``tests/test_model_target.py`` holds the implementations equal).
+    The outputs are the same (``tests/dflash/model/test_target.py`` holds the implementations equal).
     ``compile`` is turned off too (a decode's shape changes every token); ``quantization`` is kept:
     it is the model being served."""
     return msgspec.structs.replace(cfg, attn_implementation="sdpa", compile=False)

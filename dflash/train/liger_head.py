@@ -14,7 +14,7 @@ combination. With ``label = "target_argmax"`` the target's argmax is computed he
 without gradient.
 
 Cost: Liger reads the count of non-ignored rows on the host once per call (a device sync inside the
-loss; ``tests/test_step_sync.py`` covers the default path only).
+loss; ``tests/dflash/train/test_step_sync.py`` covers the default path only).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
 * Precision: every term is computed in fp32 from fp32 casts of the logits (the head's logit
   too). In bf16 the KL and TV gradients are 19-31% off (catastrophic cancellation of nearly equal
   probabilities; found by speculators' trainer), tested against a float64 reference in
-  tests/test_loss_terms.py.
+  tests/dflash/train/test_loss_terms.py.
 * Position weights ``w_{b,j}`` (never differentiated):
 
   - ``"none"``: 1.

@@ -1,0 +1,88 @@
+"""The what-if model (csp.observe.whatif): its arithmetic on a hand-made summary, and its prediction for
+the text pipeline checked against a measured run with one more replica."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import csp
+from csp.observe.backpressure import summarize
+from csp.observe.stats_reader import read_stats
+from csp.observe.whatif import fit, predict, what_if_lines
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[3]
+TOLERANCE = 0.2  # sleep-bound stages: oversleeping on a loaded machine is measured, so it cancels
+
+
+def _run_text_pipeline(run_dir: Path, tokenize_replicas: int):
+    """The shipped text pipeline with sleep-bound stages: tokenize 10 ms per line (so 100 lines/s
+    per replica), count 4 ms per line (about 250 lines/s), read and merge almost free."""
+    import examples.textpipe  # noqa: F401  (registers the textpipe.* kinds)
+
+    spec = csp.load_spec(ROOT / "examples" / "text_pipeline.toml", overrides=[
+        "process.read.options.generate=400", f"process.tokenize.replicas={tokenize_replicas}",
+        "process.tokenize.options.sleep_s=0.01", "process.count.options.sleep_s=0.004",
+        "trace.perfetto=false", "trace.flows=false"])
+    result = csp.Runtime(csp.Graph.from_spec(spec), run_dir=run_dir).run()
+    assert result.status == "completed"
+    return summarize(read_stats(run_dir))
+
+
+def test_one_more_replica_prediction_matches_the_measured_run(tmp_path):
+    """Invariant: from a run with 2 tokenize replicas (the bottleneck) the model predicts the
+    throughput with 3 and that the bottleneck moves to count; a measured run with 3 replicas lands
+    within TOLERANCE of the prediction and its verdict names count."""
+    before = _run_text_pipeline(tmp_path / "r2", 2)
+    model = fit(before)
+    assert model is not None and model.bottleneck == "tokenize"
+    predicted, neck = predict(model, {"tokenize": 3})
+    assert neck == "count"
+    after = _run_text_pipeline(tmp_path / "r3", 3)
+    measured = fit(after).measured
+    assert abs(measured / predicted - 1) <= TOLERANCE, (predicted, measured, model)
+    assert predicted > 1.1 * model.measured  # the prediction is a real gain, not the old figure
+    lines = what_if_lines(model)
+    assert any(line.startswith("  one more replica of tokenize -> predicted") for line in lines)
+    assert any("the bottleneck moves to count at 3 replicas of tokenize" in line for line in lines)
+
+
+def test_model_arithmetic_on_a_summary():
+    """Invariant: capacity = replicas x reference items / busy replica-seconds; the prediction
+    scales the measured throughput by the ratio of min capacities, so a non-bottleneck gets +0%;
+    a link-bound channel caps it."""
+    from csp.observe.backpressure import ChannelSummary, ProcessSummary, ReplicaSummary, Summary, Verdict
+
+    def proc(name, reps, busy, alive, rate_in, rate_out):
+        rs = [ReplicaSummary(qualname=f"{name}[{i}]", name=name, replica=i, state="done", alive_s=alive,
+                             busy_frac=busy, wait_input_frac=1 - busy, blocked_output_frac=0.0,
+                             items_in_per_s=rate_in / reps, items_out_per_s=rate_out / reps) for i in range(reps)]
+        return ProcessSummary(name=name, replicas=rs, busy_frac=busy, wait_input_frac=1 - busy,
+                              blocked_output_frac=0.0, items_in_per_s=rate_in, items_out_per_s=rate_out)
+
+    # 100 s window, 1000 items: src 10 busy s (cap 100/s), work 2 replicas x 90 busy s
+    # (cap 2 x 1000 / 180 = 11.1/s), sink 50 busy s (cap 20/s)
+    procs = [proc("src", 1, 0.1, 100, 0, 10), proc("work", 2, 0.9, 100, 10, 10), proc("sink", 1, 0.5, 100, 10, 0)]
+    chan = ChannelSummary(name="x", capacity=2, writers=["work"], readers=["sink"], fill_now=0, fill_avg=0,
+                          fill_peak=0, send_blocked_frac=0, receive_wait_frac=0, items_per_s=10,
+                          bytes_per_s=1e6)
+    s = Summary(t_start=0, t_end=100, elapsed_s=100, samples=10, status="completed", exit_code=0,
+                channels=[chan], processes=procs, verdict=Verdict(text=""))
+    m = fit(s)
+    caps = {b.name: b.capacity for b in m.bounds}
+    assert m.items == 1000 and m.measured == pytest.approx(10)
+    assert caps == pytest.approx({"src": 100, "work": 2000 / 180, "sink": 20})
+    assert m.bottleneck == "work"
+    assert predict(m, {"sink": 2})[0] == pytest.approx(10)  # not the bottleneck: no gain
+    y, neck = predict(m, {"work": 3})
+    assert neck == "work" and y == pytest.approx(15)  # 3/2 of the capacity, still below sink's 20
+    y, neck = predict(m, {"work": 4})
+    assert neck == "sink" and y == pytest.approx(10 * 20 / (2000 / 180))
+    assert "the bottleneck moves to sink at 4 replicas of work (predicted 18 items/s, +80%)" in what_if_lines(m)[-1]
+    linked = fit(s, link_bytes_per_s={"x": 5e5})  # 1e8 bytes over a 0.5 MB/s link: 200 s for 1000 items
+    assert linked.bottleneck == "x" and linked.bounds[0].capacity == pytest.approx(5)
+    with pytest.raises(KeyError):
+        predict(m, {"nope": 2})

@@ -1,0 +1,117 @@
+"""Relative paths: written in a graph file, relative to the file's directory; given with --set,
+relative to the current directory (the rule in dflash/run/config.py and the README)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import csp
+from dflash.run.cli import main
+from dflash.run.config import load_config
+from tests.dflash.run.test_validate import no_data_work  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE = ROOT / "examples" / "dflash-tiny.toml"
+
+
+@pytest.mark.parametrize("graph", ["examples/dflash-tiny.toml", str(EXAMPLE)])
+def test_the_example_from_the_repository_root_reads_and_writes_where_the_readme_says(monkeypatch, graph):
+    """Invariant: from the repository root, by a relative or an absolute graph path, the example's
+    target is dflash/assets/target-sharegpt-7m and its run directory runs/dflash-tiny, spelled
+    exactly as before the paths became file-relative (so config.toml and the config hash are too)."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(graph)
+    assert cfg.target.path == "dflash/assets/target-sharegpt-7m"
+    assert cfg.run.out_dir == "runs/dflash-tiny"
+    assert cfg.data.source == "sharegpt" and cfg.run.resume == "auto"   # names, not paths
+
+
+def test_the_example_from_its_own_directory(monkeypatch):
+    """Invariant: `cd examples && python -m dflash.run dflash-tiny.toml` finds the shipped target
+    and writes to the same run directory as from the root."""
+    monkeypatch.chdir(ROOT / "examples")
+    cfg = load_config("dflash-tiny.toml")
+    assert cfg.target.path == os.path.join("..", "dflash", "assets", "target-sharegpt-7m")
+    assert (Path(cfg.target.path) / "config.json").is_file()
+    assert Path(cfg.run.out_dir).resolve() == ROOT / "runs" / "dflash-tiny"
+
+
+def test_the_example_passes_its_checks_from_its_own_directory(monkeypatch, tmp_path, capsys,
+                                                               no_data_work):  # noqa: F811
+    """Invariant: run from examples/, the default graph gets through every check (target loaded,
+    tokenizer read) to the data work, where it failed on the target path before."""
+    monkeypatch.chdir(ROOT / "examples")
+    with pytest.raises(AssertionError, match="load_dataset was called"):
+        main(["dflash-tiny.toml", "--set", f"run.out_dir={tmp_path / 'run'}",
+              "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "monitor.wandb=disabled"])
+    assert "error" not in capsys.readouterr().err
+
+
+def _graph(tmp_path: Path, body: str) -> Path:
+    d = tmp_path / "configs" / "deep"
+    d.mkdir(parents=True)
+    g = d / "g.toml"
+    g.write_text('[run]\nname = "x"\nsteps = 1\n' + body)
+    return g
+
+
+def test_file_paths_are_relative_to_the_file_and_set_paths_to_the_current_directory(tmp_path, monkeypatch):
+    """Invariant: each path key written relative in a graph file is joined to the file's directory
+    (absolute here, the file lying outside the current directory); absolute and ~ paths, names that
+    are not paths (builtin:tiny, sharegpt, auto) and every --set value are left as given."""
+    monkeypatch.chdir(ROOT)
+    g = _graph(tmp_path, 'out_dir = "../out"\nresume = "ck/step_1"\n[data]\nsource = "chats.jsonl"\n'
+                         'cache_dir = "~/cache"\n[target]\npath = "/abs/model"\ntokenizer = "tok"\n')
+    cfg = load_config(g)
+    base = str(g.parent.resolve())
+    assert cfg.run.out_dir == os.path.join(str(tmp_path.resolve()), "configs", "out")
+    assert cfg.run.resume == os.path.join(base, "ck", "step_1")
+    assert cfg.data.source == os.path.join(base, "chats.jsonl")
+    assert cfg.target.tokenizer == os.path.join(base, "tok")
+    assert cfg.data.cache_dir == "~/cache" and cfg.target.path == "/abs/model"
+    cfg = load_config(g, ["run.out_dir=runs/here", "data.source=d.jsonl", "target.tokenizer=t",
+                          "run.resume=auto"])
+    assert (cfg.run.out_dir, cfg.data.source, cfg.target.tokenizer, cfg.run.resume) == (
+        "runs/here", "d.jsonl", "t", "auto")
+    g2 = g.with_name("g2.toml")
+    g2.write_text('[run]\nname = "x"\nsteps = 1\nout_dir = "o"\n[data]\nsource = "sharegpt"\n'
+                  '[target]\ntokenizer = "builtin:tiny"\n')
+    cfg = load_config(g2)
+    assert (cfg.data.source, cfg.target.tokenizer) == ("sharegpt", "builtin:tiny")
+
+
+def test_a_file_below_the_current_directory_keeps_relative_spelling(tmp_path, monkeypatch):
+    """Invariant: for a graph file in or below the current directory the re-spelled path stays
+    relative (config.toml records what the user would type), normalised through the file's dir."""
+    g = _graph(tmp_path, 'out_dir = "../../runs/a"\n[target]\npath = "m"\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(g)
+    assert cfg.run.out_dir == os.path.join("runs", "a")
+    assert cfg.target.path == os.path.join("configs", "deep", "m")
+    monkeypatch.chdir(g.parent)
+    cfg = load_config("g.toml")
+    assert (cfg.run.out_dir, cfg.target.path) == (os.path.join("..", "..", "runs", "a"), "m")
+
+
+def test_csp_rebases_only_the_keys_its_caller_names(tmp_path):
+    """Invariant: csp stays generic: without file_paths nothing is touched; with it, keys in arrays
+    of tables are named as --set names them (process.NAME.options.KEY)."""
+    g = tmp_path / "sub" / "g.toml"
+    g.parent.mkdir()
+    g.write_text('[[process]]\nname = "src"\nkind = "k"\n[process.options]\npath = "in.txt"\nlabel = "x"\n')
+    assert csp.load_spec(g).process[0].options == {"path": "in.txt", "label": "x"}
+    seen = []
+
+    def is_path(key, value):
+        seen.append(key)
+        return key == "process.src.options.path"
+
+    spec = csp.load_spec(g, file_paths=is_path)
+    assert spec.process[0].options == {"path": str(g.parent.resolve() / "in.txt"), "label": "x"}
+    assert sorted(seen) == ["process.src.kind", "process.src.name", "process.src.options.label",
+                            "process.src.options.path"]

@@ -1,0 +1,189 @@
+"""dflash.regenerate: target-answered data that resumes without loss and counts every drop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import dflash.regenerate as regen
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPH = str(ROOT / "examples" / "dflash-tiny.toml")
+TARGET = str(ROOT / "dflash" / "assets" / "target-sharegpt-7m")
+
+
+def _source(tmp_path: Path) -> Path:
+    rows = [{"messages": [{"role": "user", "content": f"question {i}?"},
+                          {"role": "assistant", "content": "old answer"},
+                          {"role": "user", "content": "and then?"},
+                          {"role": "assistant", "content": "old again"}]} for i in range(5)]
+    rows.insert(1, {"messages": [{"role": "assistant", "content": "hello"},          # leading answer
+                                 {"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "old"}]})
+    rows.insert(3, {"messages": [{"role": "user", "content": "word " * 400},          # too long
+                                 {"role": "assistant", "content": "old"}]})
+    lines = [json.dumps(r) for r in rows] + ['{"messages": [', json.dumps({"messages": [
+        {"role": "user", "content": "no answer"}]})]                                    # 2 bad rows
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _args(src: Path, out: Path, *extra: str) -> list[str]:
+    return [GRAPH, "-o", str(out), "--set", f'data.source="{src}"', "--set", f'target.path="{TARGET}"',
+            "--max-new-tokens", "3", "--max-prompt-tokens", "200", "--chunk", "2", "--batch-size", "2",
+            "--device", "cpu", *extra]
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
+
+
+def test_regenerated_turns_are_the_targets_and_drops_are_counted(tmp_path, capsys):
+    """Invariant: every assistant turn written is the target's own answer (never the dataset's),
+    the turns before the first user turn are dropped but the rest kept, and each record that is
+    not written is counted under its reason."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    assert regen.main(_args(src, out)) == 0
+    err = capsys.readouterr().err
+    rows = _lines(out)
+    assert sorted(r["source_index"] for r in rows) == [0, 1, 2, 4, 5, 6]      # 3 is too long
+    for r in rows:
+        answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert answers and not {"old answer", "old again", "old"} & set(answers)
+        assert r["messages"][0]["role"] == "user"
+    assert len([m for m in rows[0]["messages"] if m["role"] == "assistant"]) == 2  # both turns
+    for reason in ("prompt_too_long 1", "leading_assistant_turns_dropped 1", "malformed_json 1",
+                   "no_assistant_turn 1"):
+        assert reason in err, err
+
+
+def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch, capsys):
+    """Invariant (resumable): after an interruption, and a torn last line, the same command
+    continues where it stopped: every conversation is written exactly once, and what was written
+    before the interruption is kept unchanged."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    real, calls = regen._answer, []
+
+    def flaky(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:                 # inside the second chunk
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(regen, "_answer", flaky)
+    assert regen.main(_args(src, out)) == 130
+    first = out.read_text()
+    assert len(_lines(out)) == 2            # the first chunk (2 conversations) was kept
+    with open(out, "a") as f:
+        f.write('{"messages": [{"role": "user", "con\n')  # a cut write, then a newline (echo, editor)
+    monkeypatch.setattr(regen, "_answer", real)
+    assert regen.main(_args(src, out)) == 0
+    rows = _lines(out)
+    idx = [r["source_index"] for r in rows]
+    assert sorted(idx) == [0, 1, 2, 4, 5, 6] and len(idx) == len(set(idx))
+    assert out.read_text().startswith(first)
+    assert "2 already in" in capsys.readouterr().err
+
+
+def test_resuming_with_other_generation_settings_is_refused(tmp_path, capsys):
+    """Invariant: one output file holds one generation setting; a resume that changes it is a
+    one-line error (exit 2), and the file is left as it was."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    assert regen.main(_args(src, out, "--num-conversations", "2")) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    assert regen.main(_args(src, out, "--temperature", "0.7")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other settings" in err[0]
+    assert out.read_text() == before
+
+
+def test_a_second_writer_of_the_same_output_is_refused(tmp_path, capsys):
+    """Invariant: two regenerate processes never append to one file (each would write every
+    conversation once more): the second is a one-line error while the first holds the lock."""
+    import fcntl
+
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    with open(tmp_path / "out.jsonl.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        import subprocess
+        import sys
+
+        proc = subprocess.run([sys.executable, "-m", "dflash.regenerate", *_args(src, out)],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "another dflash.regenerate" in proc.stderr
+    assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--top-p", "0"], ["--num-conversations", "0"]])
+def test_bad_arguments_are_usage_errors(tmp_path, bad):
+    with pytest.raises(SystemExit) as e:
+        regen.main(_args(tmp_path / "x.jsonl", tmp_path / "o.jsonl", *bad))
+    assert e.value.code == 2
+
+
+def test_excluded_conversations_are_never_answered_and_are_counted(tmp_path, capsys):
+    """Invariant: a source_index listed in --exclude (e.g. the eval prompts) is not in the output,
+    and the drop is counted; a malformed --exclude file is one line, exit 2, nothing written."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    held = tmp_path / "prompts.jsonl"
+    held.write_text(json.dumps({"prompt": "question 0?", "source_index": 0}) + "\n"
+                    + json.dumps({"prompt": "x", "source_index": 4}) + "\n\n")
+    assert regen.main(_args(src, out, "--exclude", str(held))) == 0
+    assert sorted(r["source_index"] for r in _lines(out)) == [1, 2, 5, 6]
+    assert "excluded 2" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "no index"}\n')
+    out2 = tmp_path / "out2.jsonl"
+    assert regen.main(_args(src, out2, "--exclude", str(bad))) == 2
+    err = capsys.readouterr().err
+    assert "line 1" in err and "source_index" in err and len(err.strip().splitlines()) == 1
+    assert not out2.exists()
+
+
+def test_a_flex_attention_target_regenerates_as_sdpa(tmp_path):
+    """A graph whose target trains with flex_attention regenerates with sdpa (one sequence per row,
+    KV cache, no document mask): the same answers as the sdpa graph, no compile per length."""
+    src = _source(tmp_path)
+    outs = []
+    for impl in ("sdpa", "flex_attention"):
+        out = tmp_path / f"{impl}.jsonl"
+        assert regen.main(_args(src, out, "--set", f'target.attn_implementation="{impl}"')) == 0
+        outs.append(_lines(out))
+    assert outs[0] == outs[1] and outs[0]
+
+
+def test_a_torn_meta_file_is_one_line_naming_it(tmp_path, capsys):
+    """Invariant: an OUT.meta.json cut short (a crash while it was written by older code, a full
+    disk) is refused with exit 2 and one line that names the file and the way out, before the
+    target is loaded; the file is left as it was for the user to judge."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    meta = tmp_path / "out.jsonl.meta.json"
+    torn = '{\n "settings": {\n  "version": 1,\n  "source": "'
+    meta.write_text(torn)
+    assert regen.main(_args(src, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{meta} is damaged" in err and "delete it" in err and "another -o" in err
+    assert meta.read_text() == torn and not out.exists()
+
+
+def test_the_meta_file_is_replaced_atomically(tmp_path, monkeypatch):
+    """Invariant: a failure while OUT.meta.json is rewritten (here: fsync fails, as on a full disk)
+    leaves the previous file whole and no temporary beside it; a plain write_text would have
+    truncated it first."""
+    meta = tmp_path / "out.jsonl.meta.json"
+    regen.write_meta(meta, {"settings": {"version": 1}})
+    before = meta.read_text()
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(regen.os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space"):
+        regen.write_meta(meta, {"settings": {"version": 2}})
+    assert meta.read_text() == before and json.loads(before)["settings"] == {"version": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [meta.name]
