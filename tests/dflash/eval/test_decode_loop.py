@@ -54,7 +54,7 @@ def _reference_decode(target, proposer, prompt, max_new_tokens, block_size):
         m = int((draft == g[: draft.shape[0]]).long().cumprod(0).sum())
         tokens = torch.cat([tokens, draft[:m], g[m:m + 1]])
         feats = torch.cat([feats, f_blk[:, : m + 1]], dim=1)
-        decode._crop(cache, n + m)
+        decode.crop_cache(cache, n + m)
         accepted.append(m)
     return tokens[: prompt.shape[0] + max_new_tokens], accepted
 
