@@ -341,7 +341,13 @@ def time_plain_forward(reuse: Any, app: Any, batches: list[Any], device: torch.d
     measurement; call release() after it."""
     from benchmarks.h200.flops import Flops, target_forward_flops
 
-    full = reuse.original_load_target(app.resolved.cfg.target, device, num_draft_layers=app.resolved.cfg.drafter.num_layers,
+    import msgspec
+
+    # plain means transformers' own SDPA path: the graph's varlen attention needs the packed
+    # boundaries this forward does not pass, and fp8 or compile would not be the plain forward
+    plain = msgspec.structs.replace(app.resolved.cfg.target, attn_implementation="sdpa", compile=False,
+                                    quantization="none")
+    full = reuse.original_load_target(plain, device, num_draft_layers=app.resolved.cfg.drafter.num_layers,
                                       need_final=True)
     model = full.model
 
