@@ -42,6 +42,7 @@ and ``benchmarks/decode/speed.py``.
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 
@@ -93,10 +94,13 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return probs
 
 
-def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if not temperature >= 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
-                         f"temperature={temperature}, top_p={top_p}, top_k={top_k}")
+def _check_inputs(prompt: torch.Tensor, temperature: float, top_p: float, top_k: int) -> None:
+    """One ValueError for a prompt or sampling setting no decode can honour."""
+    if prompt.dim() != 1 or prompt.shape[0] == 0:
+        raise ValueError(f"a prompt is a non-empty [n] tensor of token ids; got shape {list(prompt.shape)}")
+    if not (math.isfinite(temperature) and temperature >= 0) or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"sampling needs a finite temperature >= 0 (0: greedy), 0 < top_p <= 1 and an integer "
+                         f"top_k >= 0 (0: all); got temperature={temperature}, top_p={top_p}, top_k={top_k}")
 
 
 def _accept_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
@@ -176,7 +180,11 @@ def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> 
 
     No host read per token: each argmax is written to a device buffer and the next step reads its
     slice, so on a GPU the host queues steps ahead of the kernels.
+
+    Raises:
+        ValueError: an empty prompt.
     """
+    _check_inputs(prompt, 0.0, 1.0, 0)
     n = prompt.shape[0]
     run = CachedTarget(target, n + max_new_tokens)
     out = torch.empty(n + max_new_tokens, dtype=torch.long, device=prompt.device)
@@ -212,10 +220,11 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
         step drafts only as many tokens as remain; a bonus token past the end is dropped.
 
     Raises:
-        ValueError: bad sampling parameters, or ``temperature > 0`` with a proposer that has
+        ValueError: an empty prompt, bad sampling parameters (a non-finite or negative temperature,
+            ``top_p`` outside (0, 1], ``top_k`` < 0), or ``temperature > 0`` with a proposer that has
             neither ``sample`` nor ``logits``.
     """
-    _check_sampling(temperature, top_p, top_k)
+    _check_inputs(prompt, temperature, top_p, top_k)
     sampled = temperature > 0
     own_q = sampled and hasattr(proposer, "sample")
     if sampled and not own_q and not hasattr(proposer, "logits"):

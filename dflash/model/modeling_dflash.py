@@ -164,8 +164,8 @@ def _init_unless_loaded(param, fill) -> None:
 
 
 def _check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"need temperature >= 0, 0 < top_p <= 1 and top_k >= 0; "
+    if not (math.isfinite(temperature) and temperature >= 0) or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need a finite temperature >= 0 (0: greedy), 0 < top_p <= 1 and top_k >= 0 (0: all); "
                          f"got temperature={temperature}, top_p={top_p}, top_k={top_k}")
 
 
@@ -397,12 +397,13 @@ class DFlashDraftModel(PreTrainedModel):
             ``[1, N + n]`` (long): the prompt then ``n <= max_new_tokens`` new tokens.
 
         Raises:
-            ValueError: ``input_ids`` is not one row, or the sampling settings are out of range.
+            ValueError: ``input_ids`` is not one non-empty row, or the sampling settings are out of
+                range (a non-finite or negative temperature, ``top_p`` outside (0, 1], ``top_k`` < 0).
         """
         _check_sampling(temperature, top_p, top_k)
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"spec_generate decodes one sequence: input_ids must be [1, N], got "
-                             f"{list(input_ids.shape)}")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+            raise ValueError(f"spec_generate decodes one non-empty sequence: input_ids must be [1, N] with "
+                             f"N >= 1, got {list(input_ids.shape)}")
         self.eval()
         sampling = temperature > 0
         dev, N = input_ids.device, input_ids.shape[1]

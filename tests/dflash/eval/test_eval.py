@@ -36,6 +36,28 @@ def test_oracle_proposer_is_fully_accepted_and_lossless(models):
     assert torch.equal(tokens, greedy_decode(target, p, 12))
 
 
+@pytest.mark.parametrize("kwargs, says", [
+    ({"temperature": float("nan")}, "finite temperature"), ({"temperature": float("inf")}, "finite temperature"),
+    ({"temperature": -0.5}, "finite temperature"), ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+    ({"temperature": 1.0, "top_p": 1.5}, "top_p"), ({"temperature": 1.0, "top_k": -1}, "top_k")])
+def test_decode_refuses_sampling_it_cannot_honour(models, kwargs, says):
+    """Regression: temperature=nan decoded greedily without a word (nan > 0 is False), inf and an
+    out-of-range top_p or top_k were not refused either; each is one ValueError naming the setting."""
+    target, head, drafter = models
+    with pytest.raises(ValueError, match=says):
+        speculative_decode(target, DrafterProposer(drafter, head), prompt(0), 4, BS, **kwargs)
+
+
+def test_decode_refuses_an_empty_prompt(models):
+    """Regression: an empty prompt raised an internal RuntimeError deep in the target's forward."""
+    target, head, drafter = models
+    empty = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(ValueError, match="non-empty"):
+        greedy_decode(target, empty, 4)
+    with pytest.raises(ValueError, match="non-empty"):
+        speculative_decode(target, DrafterProposer(drafter, head), empty, 4, BS)
+
+
 def test_last_step_drafts_only_what_remains(models):
     """Invariant (reference-decoder convention): the output is exactly max_new_tokens long and the
     last verify step drafts at most the tokens that remain, so tau is not inflated by drafts past

@@ -98,6 +98,14 @@ def test_spec_generate_greedy_stops_and_lengths(tmp_path):
         d.spec_generate(target, PROMPT.repeat(2, 1), max_new_tokens=4, stop_token_ids=None)
     with pytest.raises(ValueError, match="top_p"):
         d.spec_generate(target, PROMPT, max_new_tokens=4, stop_token_ids=None, temperature=1.0, top_p=0.0)
+    # regressions: an empty prompt raised an internal RuntimeError, temperature=nan decoded greedily
+    with pytest.raises(ValueError, match="non-empty"):
+        d.spec_generate(target, PROMPT[:, :0], max_new_tokens=4, stop_token_ids=None)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="finite temperature"):
+            d.spec_generate(target, PROMPT, max_new_tokens=4, stop_token_ids=None, temperature=bad)
+    with pytest.raises(ValueError, match="top_k"):
+        d.spec_generate(target, PROMPT, max_new_tokens=4, stop_token_ids=None, temperature=1.0, top_k=-2)
 
 
 def test_spec_generate_sampling_with_top_k_1_is_greedy(tmp_path):
