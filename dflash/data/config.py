@@ -34,7 +34,8 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         format: record shape: "auto" (decided per record by its keys), "sharegpt", "openai"
             or "prompt_completion" (see :mod:`dflash.data.sources`).
         max_samples: read at most this many usable conversations (file order), before the
-            loss-token drop rule; None = all.
+            loss-token drop rule; ``"all"`` (or leaving the key out) reads every one. The loaded
+            config holds ``None`` for "all", so both spellings hash and cache alike.
         max_length: tokens per conversation after the chat template; longer ones are truncated
             (kept, counted as ``truncated``), not skipped.
         block_size: the drafter's block size in tokens; a conversation with fewer than
@@ -70,7 +71,7 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     source: str = "sharegpt"
     format: Format = "auto"
-    max_samples: Annotated[int, Meta(ge=1)] | None = None
+    max_samples: Annotated[int, Meta(ge=1)] | Literal["all"] | None = None
     max_length: Annotated[int, Meta(ge=8)] = 2048
     block_size: Annotated[int, Meta(ge=1)] = 16
     last_turn_only: bool = False
@@ -87,6 +88,8 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Annotated[int, Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
+        if self.max_samples == "all":  # TOML has no null: the spelling a file can write for "no limit"
+            self.max_samples = None
         if self.tokens_per_batch < self.packed_rows:
             raise msgspec.ValidationError(
                 f"data.tokens_per_batch ({self.tokens_per_batch}) must be >= data.packed_rows "

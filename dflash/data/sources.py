@@ -43,8 +43,10 @@ counting.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +82,9 @@ class SourceRecords:
         source_index: ``[len(conversations)]`` index of each conversation's record in the file.
         records_read: records looked at (usable + skipped).
         skipped: reason -> count.
+        first_skipped: reason -> the first record (1-based) skipped for it.
+        format: how the file was read: "JSON array" or "JSONL", "gzip-compressed " before it when
+            the file is gzip (by its magic bytes).
     """
 
     def __init__(self, name: str, path: Path) -> None:
@@ -89,6 +94,8 @@ class SourceRecords:
         self.source_index: list[int] = []
         self.records_read = 0
         self.skipped: Counter[str] = Counter()
+        self.first_skipped: dict[str, int] = {}  # reason -> its first row (1-based record number)
+        self.format = "JSONL"  # what read_source read it as, e.g. "gzip-compressed JSON array"
 
 
 def resolve_source(source: str, arg: str | None = None) -> tuple[Path, dict[str, Any]]:
@@ -281,8 +288,44 @@ def split_reasoning(role: str, content: str, reasoning: Any = None) -> Message |
     return {"role": role, "content": content, "reasoning_content": reasoning.strip("\n")}
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+"""The first two bytes of every gzip stream: a compressed file is recognised by them, whatever its name."""
+
+
+def read_text(path: Path) -> tuple[str, str]:
+    """The text of a data file and its container, ``"gzip"`` (by its magic bytes) or ``"plain"``.
+
+    Raises:
+        DataError: a gzip stream that does not decompress, or bytes that are not UTF-8 (the
+            message names the file and the container).
+    """
+    raw = path.read_bytes()
+    container = "gzip" if raw[:2] == GZIP_MAGIC else "plain"
+    if container == "gzip":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut file is EOFError
+            raise DataError(f"{path} (gzip by its first bytes): does not decompress ({e}); give a whole "
+                            ".gz file, or the uncompressed JSON/JSONL") from e
+    try:
+        return raw.decode("utf-8-sig"), container  # -sig: a leading BOM is not data
+    except UnicodeDecodeError as e:
+        where = "its decompressed bytes are" if container == "gzip" else "it is"
+        raise DataError(f"{path} ({container}): {where} not UTF-8 text ({e}); data files must be UTF-8 "
+                        "JSON/JSONL, optionally gzip-compressed") from e
+
+
+def layout_of(text: str) -> str:
+    """``"JSON array"`` or ``"JSONL"``: how :func:`_iter_records` reads ``text``."""
+    first = _NON_SPACE.search(text)
+    return "JSON array" if first is not None and text[first.start()] == "[" and not _is_jsonl(text) else "JSONL"
+
+
 def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) -> SourceRecords:
     """Read and normalise the conversations of ``source`` (see :func:`resolve_source`).
+
+    A file is a JSON array of records or JSONL (one record a line), optionally gzip-compressed
+    (recognised by its first bytes, whatever its name); :attr:`SourceRecords.format` says which.
 
     Args:
         source: "sharegpt" or a file path.
@@ -290,15 +333,14 @@ def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) 
         max_samples: stop after this many *usable* conversations (file order); None = all.
 
     Raises:
-        DataError: missing file, undecodable bytes, or no usable conversation at all (the message
-            names the file and the skip counts).
+        DataError: missing file, a gzip stream that does not decompress, undecodable bytes, or no
+            usable conversation at all (the message names the file, the format it was read as and
+            the skip counts with the first skipped row of each reason).
     """
     path, _ = resolve_source(source)
     out = SourceRecords(source, path)
-    try:
-        text = path.read_bytes().decode("utf-8-sig")  # -sig: a leading BOM is not data
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e}); data files must be UTF-8 JSON/JSONL") from e
+    text, container = read_text(path)
+    out.format = ("gzip-compressed " if container == "gzip" else "") + layout_of(text)
     for i, (record, error) in enumerate(_iter_records(text)):
         if max_samples is not None and len(out.conversations) >= max_samples:
             break
@@ -306,17 +348,25 @@ def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) 
         conv = "malformed_json" if error is not None else normalise_record(record, fmt)
         if isinstance(conv, str):
             out.skipped[conv] += 1
+            out.first_skipped.setdefault(conv, i + 1)
             continue
         out.conversations.append(conv)
         out.source_index.append(i)
     if not out.conversations:
-        raise no_usable_rows(path, out.records_read, out.skipped, fmt=fmt)
+        raise no_usable_rows(path, out.records_read, out.skipped, fmt=fmt, read_as=out.format,
+                             first_rows=out.first_skipped)
     return out
 
 
-def no_usable_rows(path: Path, records_read: int, skipped: Counter[str], **hints: Any) -> DataError:
-    """The error for a source that produced nothing to train on; names the file and the reasons."""
-    reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "file is empty"
+def no_usable_rows(path: Path, records_read: int, skipped: Counter[str], *, read_as: str | None = None,
+                   first_rows: dict[str, int] | None = None, **hints: Any) -> DataError:
+    """The error for a source that produced nothing to train on; names the file, the format it was
+    read as (``read_as``), and the reasons with the first row (1-based) skipped for each."""
+    first_rows = first_rows or {}
+    reasons = ", ".join(f"{k}={v}" + (f" (first: row {first_rows[k]})" if k in first_rows else "")
+                        for k, v in sorted(skipped.items())) or "file is empty"
+    if read_as is not None:
+        path = f"{path} (read as {read_as})"
     hint = ", ".join(f"{k}={v!r}" for k, v in hints.items())
     return DataError(
         f"{path}: no usable conversations (read {records_read} records; skipped: {reasons}; {hint}). "

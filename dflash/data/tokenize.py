@@ -209,7 +209,8 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
     kept = [(e, records.source_index[i]) for i, e in enumerate(encoded) if not isinstance(e, str)]
     skipped.update(e for e in encoded if isinstance(e, str))
     if not kept:
-        raise no_usable_rows(path, records.records_read, skipped, max_length=cfg.max_length,
+        raise no_usable_rows(path, records.records_read, skipped, read_as=records.format,
+                             first_rows=records.first_skipped, max_length=cfg.max_length,
                              min_loss_tokens=2 * cfg.block_size)
     lengths = np.fromiter((len(e.ids) for e, _ in kept), np.int64, len(kept))
     offsets = np.zeros(len(kept) + 1, np.int64)

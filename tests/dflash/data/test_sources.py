@@ -207,3 +207,53 @@ def test_json_array_with_trailing_text_counts_it(tmp_path):
     p.write_text("[\n" + json.dumps(_conv("kept")) + "\n]\n" + json.dumps(_conv("lost")) + "\n")
     src = read_source(str(p))
     assert len(src.conversations) == 1 and dict(src.skipped) == {"malformed_json": 1}
+
+
+@pytest.mark.parametrize("name", ["data.jsonl.gz", "data.jsonl", "data.bin", "data"])
+def test_a_gzip_file_is_read_by_its_magic_bytes_whatever_its_name(tmp_path, name):
+    """Regression: a gzip file was only ever read as UTF-8 text, so a compressed export failed as
+    'not UTF-8' (or, misnamed, looked like something else). Invariant: gzip is recognised by its
+    first two bytes under any name, and what it was read as is recorded."""
+    import gzip
+
+    plain = read_source(str(FIX / "data_sharegpt.jsonl"))
+    path = tmp_path / name
+    path.write_bytes(gzip.compress((FIX / "data_sharegpt.jsonl").read_bytes()))
+    got = read_source(str(path))
+    assert got.conversations == plain.conversations and got.format == "gzip-compressed JSONL"
+    assert plain.format == "JSONL" and read_source(str(FIX / "data_openai.json")).format == "JSON array"
+
+
+def test_data_errors_name_the_file_the_format_and_the_row(tmp_path):
+    """Invariant: a file with nothing to train on says which file, what it was read as (gzip by
+    its bytes, JSON array or JSONL) and the first row skipped for each reason; a gzip stream that
+    does not decompress and non-UTF-8 bytes name the file and the container."""
+    import gzip
+
+    rows = [{"conversations": [{"from": "human", "value": "hi"}]}, "not a record"]
+    path = tmp_path / "rows.txt"
+    path.write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode() + b"\n{broken\n"))
+    with pytest.raises(DataError) as info:
+        read_source(str(path))
+    msg = str(info.value)
+    assert f"{path} (read as gzip-compressed JSONL)" in msg
+    assert "malformed_json=1 (first: row 3)" in msg and "(first: row 1)" in msg and "(first: row 2)" in msg
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"messages": []}\n' * 50)[:30])
+    with pytest.raises(DataError, match=rf"{cut} \(gzip by its first bytes\): does not decompress"):
+        read_source(str(cut))
+    latin = tmp_path / "latin.jsonl.gz"
+    latin.write_bytes(gzip.compress('{"prompt": "caf\u00e9", "completion": "x"}\n'.encode("latin-1")))
+    with pytest.raises(DataError, match=rf"{latin} \(gzip\): its decompressed bytes are not UTF-8"):
+        read_source(str(latin))
+
+
+def test_max_samples_has_a_toml_spelling_for_all():
+    """Regression: data.max_samples was documented as "null = all", which TOML cannot write.
+    Invariant: "all" means every conversation, loads as None (so it hashes and caches as leaving
+    the key out), and 0 or another word is refused with the key's path."""
+    assert msgspec.toml.decode(b'max_samples = "all"', type=DataConfig).max_samples is None
+    assert msgspec.toml.decode(b"max_samples = 3", type=DataConfig).max_samples == 3
+    for bad in (b"max_samples = 0", b'max_samples = "every"'):
+        with pytest.raises(msgspec.ValidationError, match=r"\$.max_samples"):
+            msgspec.toml.decode(bad, type=DataConfig)
