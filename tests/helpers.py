@@ -61,3 +61,20 @@ def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
         out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
     return out
+
+
+def save_checkpoint(directory, drafter, drafter_cfg, target_cfg, *, step: int = 1, healthy: bool = True) -> None:
+    """A minimal complete checkpoint in the existing ``directory``: the drafter's weights and
+    configs (:func:`dflash.checkpoint.model_files.save_drafter`) and the ``meta.json`` every
+    finished save ends with, which the readers (eval, export) require."""
+    from pathlib import Path
+
+    import msgspec
+
+    from dflash.checkpoint import META, Meta
+    from dflash.checkpoint.model_files import save_drafter
+
+    save_drafter(directory, drafter, drafter_cfg, target_cfg)
+    meta = Meta(step=step, batch_id=step - 1, loss=1.0, window_steps=1, healthy=healthy,
+                reason=None if healthy else "planted by a test")
+    (Path(directory) / META).write_bytes(msgspec.json.encode(meta))

@@ -104,9 +104,10 @@ def check_checkpoint(path: str, allow_unhealthy: bool = False) -> Path:
 
     Raises:
         EvalInputError: missing, not a directory, a run directory (naming its newest complete,
-            healthy checkpoint, or saying it has none), lacking checkpoint files, or
+            healthy checkpoint, or saying it has none), lacking checkpoint files or ``meta.json``, or
             unhealthy (naming why and the nearest healthy checkpoint) without ``allow_unhealthy``.
     """
+    from dflash.checkpoint import META
     from dflash.checkpoint.model_files import DRAFTER_CONFIG, TARGET_CONFIG, WEIGHTS
 
     p = Path(path)
@@ -129,6 +130,10 @@ def check_checkpoint(path: str, allow_unhealthy: bool = False) -> Path:
     missing = [n for n in (WEIGHTS, DRAFTER_CONFIG, TARGET_CONFIG) if not (p / n).is_file()]
     if missing:
         raise EvalInputError(f"{path} is not a drafter checkpoint: {', '.join(missing)} missing")
+    if not (p / META).is_file():  # written last, so its absence means the save never finished
+        raise EvalInputError(f"{path} has no {META}: a checkpoint's {META} is written last, after its "
+                             "weights, so without it the save did not finish and its health is unknown; "
+                             "give a complete checkpoint (python -m dflash.logs RUN_DIR lists them)")
     from dflash.checkpoint.health import nearest_healthy, reader_problem
 
     problem = reader_problem(p)

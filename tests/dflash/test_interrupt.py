@@ -19,6 +19,7 @@ import pytest
 from dflash.checkpoint.model_files import save_drafter
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
+from tests.helpers import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 TCFG = TargetConfig(preset="tiny", seed=4, vocab_size=4096, tokenizer="builtin:tiny")
@@ -44,7 +45,7 @@ def checkpoint(tmp_path):
     d = DFlashDrafter(resolve_drafter_config(dc, TCFG), seed=3).eval()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     (tmp_path / "p.jsonl").write_text('{"prompt": "hello there"}\n')
     return ck
 

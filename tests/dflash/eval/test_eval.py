@@ -265,23 +265,28 @@ def test_heldout_prompts_are_the_training_runs_holdout(tmp_path, tok):
     assert len(got) == sum("question number" in tok.decode(p) for p in held_prompts) == 6
 
 
-@pytest.mark.parametrize("case", ["missing", "run_dir", "not_ckpt", "bad_data"])
+@pytest.mark.parametrize("case", ["missing", "run_dir", "not_ckpt", "no_meta", "bad_data"])
 def test_eval_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
+    """Invariant: each bad input is one line, exit 2. ``no_meta`` is a regression: a directory with
+    the weights and configs but no meta.json (a save that never finished) was evaluated."""
     from dflash.eval.cli import main as eval_main
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_00000005").mkdir(parents=True)
     path = {"missing": tmp_path / "nope", "run_dir": run, "not_ckpt": tmp_path,
-            "bad_data": run / "checkpoints" / "step_00000005"}[case]
-    if case == "bad_data":
+            "no_meta": run / "checkpoints" / "step_00000005", "bad_data": run / "checkpoints" / "step_00000005"}[case]
+    if case in ("no_meta", "bad_data"):
         for name in ("model.safetensors", "drafter_config.json", "target_config.json"):
             (path / name).write_text("{}")
+    if case == "bad_data":
+        (path / "meta.json").write_text('{"step": 5, "batch_id": 4, "loss": 1.0, "healthy": true}')
     assert eval_main([str(path), "--data", "no-such-source.jsonl", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     # run_dir: its only step_* directory is empty (an interrupted save), so none is suggested
     want = {"missing": "no such checkpoint", "run_dir": "holds no complete, healthy checkpoint",
-            "not_ckpt": "not a drafter checkpoint", "bad_data": "no-such-source.jsonl"}[case]
+            "not_ckpt": "not a drafter checkpoint", "no_meta": "has no meta.json: a checkpoint's meta.json is "
+            "written last", "bad_data": "no-such-source.jsonl"}[case]
     assert want in err, err
     if case == "run_dir":
         assert "step_00000005" not in err, err

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from dflash.export import MODELING_FILE, export_drafter, load_exported
 from dflash.model.attention import decode_layout
 from tests.dflash.export.test_export import make
+from tests.helpers import save_checkpoint
 
 CHILD = r"""
 import json, sys
@@ -159,7 +160,7 @@ def test_the_export_says_trust_remote_code_is_required(tmp_path, capsys):
     d = make()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     out_dir = tmp_path / "export"
     assert export_main([str(ck), "-o", str(out_dir), "--dtype", "float32"]) == 0
     out = capsys.readouterr().out

@@ -21,6 +21,7 @@ from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
 from tests.zlab import zlab_model
+from tests.helpers import save_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,7 +88,7 @@ def test_export_cli_writes_a_dflash2_checkpoint(tmp_path):
     """python -m dflash.export on a DFlash2 checkpoint writes the DFlash2 layout."""
     d, ck = make(), tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     assert export_main([str(ck), "-o", str(tmp_path / "out"), "--dtype", "float32"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
 

@@ -14,6 +14,7 @@ from dflash.export import main as export_main
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
+from tests.helpers import save_checkpoint
 
 TCFG = TargetConfig(preset="tiny", seed=4, vocab_size=4096, tokenizer="builtin:tiny")
 
@@ -35,7 +36,7 @@ def outputs(d):
 
 def test_checkpoint_round_trip(tmp_path):
     d = make()
-    save_drafter(tmp_path, d, d.cfg, TCFG)
+    save_checkpoint(tmp_path, d, d.cfg, TCFG)
     d2, dc, tc = load_drafter(tmp_path)
     assert dc == d.cfg and tc == TCFG
     torch.testing.assert_close(outputs(d2), outputs(d), rtol=0, atol=0)
@@ -49,7 +50,7 @@ def test_drafter_config_json_has_no_num_anchors_and_an_old_one_still_loads(tmp_p
     drafter_config.json has "num_anchors") still loads, the key dropped, weights unchanged."""
     d, ck = make(), tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     saved = json.loads((ck / "drafter_config.json").read_text())
     assert "num_anchors" not in saved and saved["block_size"] == 4
     (ck / "drafter_config.json").write_text(json.dumps({**saved, "num_anchors": 64}))
@@ -84,7 +85,7 @@ def test_export_cli_writes_bf16(tmp_path, capsys):
     d = make()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     assert export_main([str(ck), "-o", str(tmp_path / "hf")]) == 0
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
@@ -96,7 +97,7 @@ def test_eval_cli_on_a_checkpoint(tmp_path, capsys):
     from dflash.eval.cli import main as eval_main
 
     d = make()
-    save_drafter(tmp_path, d, d.cfg, TCFG)
+    save_checkpoint(tmp_path, d, d.cfg, TCFG)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello there"}\n{"prompt": "what is two plus two?"}\n')
     assert eval_main([str(tmp_path), "--prompts", str(prompts), "--max-new-tokens", "6",
@@ -119,7 +120,7 @@ def test_eval_of_a_flex_trained_checkpoint_decodes_as_sdpa(tmp_path, capsys):
     for impl in ("sdpa", "flex_attention"):
         ck = tmp_path / impl
         ck.mkdir()
-        save_drafter(ck, d, msgspec.structs.replace(d.cfg, attn_implementation=impl),
+        save_checkpoint(ck, d, msgspec.structs.replace(d.cfg, attn_implementation=impl),
                      msgspec.structs.replace(TCFG, attn_implementation=impl))
         assert eval_main([str(ck), "--prompts", str(prompts), "--max-new-tokens", "6",
                           "--device", "cpu", "--json"]) == 0
@@ -138,7 +139,7 @@ def test_export_cli_refuses_to_overwrite(tmp_path, capsys):
     d = make()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     before = (ck / "model.safetensors").read_bytes()
     other = tmp_path / "other_ckpt"
     other.mkdir()
@@ -173,7 +174,7 @@ def test_a_second_export_into_the_same_new_directory_is_refused(tmp_path, capsys
     d = make()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     out = tmp_path / "new"
     card = export.model_card
 
@@ -216,7 +217,7 @@ def test_export_warns_when_the_target_last_layer_is_captured(tmp_path, capsys):
         export_drafter(d, tmp_path / "api", torch.float32)
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, tcfg)
+    save_checkpoint(ck, d, d.cfg, tcfg)
     assert export_main([str(ck), "-o", str(tmp_path / "hf")]) == 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "dflash.export: warning: target_layer_ids [1, 5]" in err
@@ -238,7 +239,7 @@ def test_a_damaged_checkpoint_is_one_line_exit_2_in_eval_and_export(tmp_path, ca
     d = make()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     if damage == "torn_weights":
         (ck / "model.safetensors").write_bytes((ck / "model.safetensors").read_bytes()[:1000])
     elif damage == "wrong_weights":
@@ -272,7 +273,7 @@ def test_export_of_a_run_directory_names_its_checkpoints(tmp_path, capsys):
     shutil.copytree(fixture / "step_00000050", ck)
     d = make()
     (run / "checkpoints" / "step_00000098").mkdir()
-    save_drafter(run / "checkpoints" / "step_00000098", d, d.cfg, TCFG)  # weights, no meta.json
+    save_checkpoint(run / "checkpoints" / "step_00000098", d, d.cfg, TCFG)  # weights, no meta.json
     (run / "checkpoints" / "step_00000099").mkdir()  # empty: an interrupted save
     assert export_main([str(run), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
@@ -294,7 +295,7 @@ def test_eval_of_a_prompts_file_without_prompt_lines_names_the_file(tmp_path, ca
     from dflash.eval.cli import main as eval_main
 
     d = make()
-    save_drafter(tmp_path, d, d.cfg, TCFG)
+    save_checkpoint(tmp_path, d, d.cfg, TCFG)
     prompts = tmp_path / "empty.jsonl"
     prompts.write_text(text)
     assert eval_main([str(tmp_path), "--prompts", str(prompts), "--device", "cpu"]) == 2
@@ -310,7 +311,7 @@ def test_export_to_an_unwritable_or_empty_output_names_it(tmp_path, capsys):
     d = make()
     ck = tmp_path / "ckpt"
     ck.mkdir()
-    save_drafter(ck, d, d.cfg, TCFG)
+    save_checkpoint(ck, d, d.cfg, TCFG)
     assert export_main([str(ck), "-o", "/proc/nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and ".tmp-" not in err, err

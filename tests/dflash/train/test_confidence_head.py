@@ -30,6 +30,7 @@ from tests.dflash.train.test_step_sync import (
     run_loss,
     setup,  # noqa: F401 - the fixture
 )
+from tests.helpers import save_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -184,7 +185,7 @@ def test_checkpoint_and_optimizer_carry_the_head(tmp_path, setup):  # noqa: F811
         d.confidence_head.proj.bias.fill_(0.25)
     o = make_optimizer(d, TrainSection(), 10)
     assert any(p is d.confidence_head.proj.weight for p in o.params)
-    save_drafter(tmp_path, d, d.cfg, TargetConfig(preset="tiny", seed=5, vocab_size=200))
+    save_checkpoint(tmp_path, d, d.cfg, TargetConfig(preset="tiny", seed=5, vocab_size=200))
     back, cfg, _ = load_drafter(tmp_path)
     assert cfg.confidence_head
     for k, v in d.state_dict().items():
@@ -197,7 +198,7 @@ def test_resume_refuses_a_checkpoint_whose_head_differs(tmp_path, setup):  # noq
     from dflash.model.target import TargetConfig
 
     d = DFlashDrafter(setup["dcfg"], seed=1)
-    save_drafter(tmp_path, d, d.cfg, TargetConfig(preset="tiny", seed=5, vocab_size=200))
+    save_checkpoint(tmp_path, d, d.cfg, TargetConfig(preset="tiny", seed=5, vocab_size=200))
     check_architecture(tmp_path, d.cfg)
     with pytest.raises(CheckpointError, match="confidence_head"):
         check_architecture(tmp_path, msgspec.structs.replace(d.cfg, confidence_head=True))
