@@ -30,7 +30,8 @@ def _parser():
         details="The model and its terms: the dflash.plan module docstring (python -c 'import dflash.plan; "
                 "help(dflash.plan)'). Run it from the directory the measured run started in: the written "
                 "graph's relative paths are made absolute against it.",
-        exit_codes={0: "ranked (and written with -o)", 2: "a bad run directory or number"},
+        exit_codes={0: "ranked (and written with -o)",
+                    2: "a bad run directory or number, or an -o file it must not replace"},
         examples=["python -m dflash.plan runs/dflash-tiny --gpus 8",
                   "python -m dflash.plan runs/qwen3-8b-h200x2 --gpus 16 --hosts 2 --net-gbps 400 -o plan16.toml"])
     p.add_argument("run", help="a finished dflash.run directory (config.toml, csp/stats.jsonl, metrics.jsonl)")
@@ -45,8 +46,39 @@ def _parser():
     p.add_argument("--coloc", type=positive_float,
                    help="colocation efficiency in (0, 1] (replaces the measured or default one)")
     p.add_argument("--window", type=positive_float, help="only the last seconds of the stats log")
-    p.add_argument("-o", "--out", help="write the best layout's graph file here")
+    p.add_argument("-o", "--out", help="write the best layout's graph file here (a file there is replaced only "
+                                        "if dflash.plan wrote it, or with --force; never the run's config.toml)")
+    p.add_argument("--force", action="store_true", help="replace an -o file that dflash.plan did not write")
     return p
+
+
+PLAN_MARK = "# dflash.plan "
+"""How a graph file written by ``-o`` begins (its header's first line): the files ``-o`` may replace."""
+
+
+def _out_refusal(out: str | None, run: str, force: bool) -> str | None:
+    """Why ``-o out`` must not be written, in one line, or None: it is the run's own
+    ``config.toml`` (never, whatever ``--force`` says), a directory, or a file that is not a plan
+    this command wrote (unless ``force``)."""
+    if not out:
+        return None
+    path = Path(out)
+    try:
+        own = (Path(run) / "config.toml").resolve()
+        if path.resolve() == own:
+            return (f"-o {out} is the run's own config.toml, the record of what it trained with; write the "
+                    "plan elsewhere, e.g. -o plan.toml")
+        if path.is_dir():
+            return f"-o {out} is a directory; give a file path, e.g. -o {Path(out) / 'plan.toml'}"
+        if path.exists() and not force:
+            with path.open("rb") as f:
+                first = f.readline(4096).decode("utf-8", "replace")
+            if not first.startswith(PLAN_MARK):
+                return (f"-o {out} exists and is not a plan dflash.plan wrote; give a new path, or --force "
+                        "to replace it")
+    except OSError as e:
+        return f"-o {out}: cannot be checked ({e.strerror or e}); give another path"
+    return None
 
 
 def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) -> str:
@@ -91,7 +123,7 @@ def _refusal(args) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    refusal = _refusal(args)
+    refusal = _refusal(args) or _out_refusal(args.out, args.run, args.force)
     if refusal is not None:
         print(f"dflash.plan: error: {refusal}", file=sys.stderr)
         return 2
@@ -114,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     best = ranked[0]
     if args.out:
         slug = best.name.replace(" ", "-").replace(":", "to").replace("+", "")
-        header = (f"dflash.plan {args.run} --gpus {args.gpus} --hosts {args.hosts}: {best.name}, predicted "
+        header = (f"{PLAN_MARK[2:]}{args.run} --gpus {args.gpus} --hosts {args.hosts}: {best.name}, predicted "
                   f"{count(best.tok_s)} tok/s (bound {best.bound}; {best.tok_s / base.tok_s:.2f}x colocated)\n"
                   f"{command(best, args.out)}\ninputs: {msgspec.json.encode(m.inputs).decode()}")
         try:
@@ -129,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["MAX_GPUS", "main", "render"]
+__all__ = ["MAX_GPUS", "PLAN_MARK", "main", "render"]

@@ -161,6 +161,31 @@ def test_cli_writes_a_graph_that_loads_and_places(tiny_run, tmp_path, capsys):
     assert e.value.code == 2
 
 
+def test_o_replaces_only_its_own_plans_and_never_the_runs_config(tiny_run, tmp_path, capsys):
+    """Regression: ``-o FILE`` silently overwrote any file, the run's own config.toml included.
+    Invariant: a plan it wrote is replaced; another file is refused (one line, exit 2, untouched)
+    unless --force; the run's config.toml is refused even with --force."""
+    plan = tmp_path / "plan.toml"
+    assert main([str(tiny_run), "--gpus", "4", "-o", str(plan)]) == 0
+    assert main([str(tiny_run), "--gpus", "8", "-o", str(plan)]) == 0  # its own plan: replaced
+    assert "--gpus 8" in plan.read_text().splitlines()[0]
+    notes = tmp_path / "notes.toml"
+    notes.write_text("[mine]\nkeep = true\n")
+    capsys.readouterr()
+    assert main([str(tiny_run), "--gpus", "8", "-o", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a plan dflash.plan wrote" in err and "--force" in err
+    assert notes.read_text() == "[mine]\nkeep = true\n"
+    assert main([str(tiny_run), "--gpus", "8", "-o", str(notes), "--force"]) == 0
+    assert notes.read_text().startswith("# dflash.plan ")
+    config = tiny_run / "config.toml"
+    before = config.read_bytes()
+    for extra in ([], ["--force"]):
+        assert main([str(tiny_run), "--gpus", "8", "-o", str(config), *extra]) == 2
+        assert "the run's own config.toml" in capsys.readouterr().err
+    assert config.read_bytes() == before
+
+
 def test_graph_dict_keeps_the_run_and_moves_its_out_dir(tiny_run):
     """Invariant: the written graph is the run's config with only placement, channel flags and
     out_dir changed."""
