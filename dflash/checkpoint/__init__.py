@@ -56,6 +56,7 @@ from dflash.checkpoint.resume import (
     config_changes,
     new_lineage,
     resolve_resume,
+    resume_candidate,
     saved_config,
     verify,
 )
@@ -68,7 +69,7 @@ __all__ = [
     "Checkpointer", "Meta", "Resume", "Snapshot", "archive_foreign", "changes_since", "check_architecture",
     "check_files", "check_resume_path", "choose", "config_changes", "health_reason", "is_checkpoint_dir",
     "is_healthy", "list_checkpoints", "load_train_state", "mark_unhealthy", "new_lineage", "nonfinite_tensors",
-    "rank_state_files", "rank_state_path", "read_meta", "read_rank_state", "resolve_resume",
+    "rank_state_files", "rank_state_path", "read_meta", "read_rank_state", "resolve_resume", "resume_candidate",
     "run_dir_checkpoints",
     "saved_config", "step_dir", "verify", "write_rank_state",
 ]

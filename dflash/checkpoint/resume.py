@@ -347,6 +347,20 @@ def changes_since(resumed: Resume, config: dict[str, Any], config_hash: str) -> 
 SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
               "head_dim", "intermediate_size", "vocab_size", "target_layer_ids", "layer_types")
 """The drafter config keys that fix its tensor shapes (a resume cannot change them)."""
+DFLASH2_SHAPE_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+"""DFlash2's extra keys that fix its tensor shapes, compared when both sides are DFlash2."""
+
+
+def resume_candidate(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint ``resume`` would most likely continue from, found without reading any tensor:
+    the given path, the newest complete healthy checkpoint (:func:`is_healthy`) for ``"auto"``, or
+    None. Used to check its architecture before any data work; :func:`choose` then verifies the
+    tensors and may fall back to an older one, which is checked again."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        return Path(resume)
+    return next((p for p in reversed(list_checkpoints(Path(run_dir) / "checkpoints")) if is_healthy(p)), None)
 
 
 def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
@@ -354,7 +368,8 @@ def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
     :class:`dflash.model.drafter.DrafterConfig`); nothing to check when the file is unreadable.
 
     Raises:
-        CheckpointError: names each :data:`SHAPE_KEYS` key that differs, and ``confidence_head``
+        CheckpointError: names the variant (DFlash or DFlash2) and each :data:`SHAPE_KEYS` key
+            (and, between DFlash2 drafters, :data:`DFLASH2_SHAPE_KEYS` key) that differs, and ``confidence_head``
             (whether the weights hold DSpark's confidence head), and what to do.
     """
     import msgspec
@@ -364,8 +379,13 @@ def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
     except (OSError, ValueError):
         return
     now = msgspec.to_builtins(drafter_cfg)
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in SHAPE_KEYS
-            if k in saved and saved.get(k) != now.get(k)]
+    # a checkpoint written before DFlash2 existed has no "variant": it is a DFlash drafter
+    variants = saved.get("variant", "dflash"), now.get("variant", "dflash")
+    diff = [] if variants[0] == variants[1] else [
+        f"variant: checkpoint {variants[0]!r}, config {variants[1]!r} (drafter.variant)"]
+    keys = SHAPE_KEYS + (DFLASH2_SHAPE_KEYS if variants == ("dflash2", "dflash2") else ())
+    diff += [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in keys
+             if k in saved and saved.get(k) != now.get(k)]
     if saved.get("confidence_head", False) != now.get("confidence_head", False):
         # the head's weights are in model.safetensors or not: loss.confidence cannot change on resume
         diff.append(f"confidence_head (loss.confidence = 'head'): checkpoint {saved.get('confidence_head', False)!r}, "

@@ -11,7 +11,8 @@ drafter's and the target's kernels against their devices and the installed packa
 :func:`dflash.model.target_config.check_target_devices`), the fused LM head against the loss
 (:func:`dflash.train.config.check_train`), the wandb backend
 (:func:`dflash.observe.config.check_monitor`), an explicit ``--resume PATH``
-(:func:`dflash.checkpoint.check_resume_path`). The rules about the graph and the run directory
+(:func:`dflash.checkpoint.check_resume_path`) and the drafter the resumed checkpoint holds
+(:func:`dflash.checkpoint.check_architecture`). The rules about the graph and the run directory
 are the run's own and live here. ``python -m dflash.run`` reports the first broken rule as one
 line with exit code 2.
 """
@@ -22,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash.checkpoint import check_resume_path
+from dflash.checkpoint import check_architecture, check_resume_path, resume_candidate
 from dflash.checkpoint.config import checkpoint_bytes
 from dflash.checkpoint.files import device_of
 from dflash.data.config import check_block_fits
@@ -55,7 +56,8 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
 
     Raises:
         ConfigError: the first broken rule, one line naming the key to change.
-        dflash.checkpoint.CheckpointError: ``resume`` names no checkpoint directory.
+        dflash.checkpoint.CheckpointError: ``resume`` names no checkpoint directory, or the
+            checkpoint it would continue from holds a drafter of another variant or shape.
     """
     cfg = resolved.cfg
     check_trains_something(cfg)
@@ -67,6 +69,9 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     check_target_devices(cfg.target, devices_of(cfg, TARGET_KIND))
     check_drafter_replicas(cfg, launched=launched)
     check_resume_path(resume)
+    candidate = resume_candidate(Path(cfg.run.out_dir), resume)
+    if candidate is not None:  # a drafter of another shape or variant: refused before any data work
+        check_architecture(candidate, resolved.drafter)
     check_run_dir(cfg.run.out_dir)
     return lr_warnings(cfg.train) + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last)
 

@@ -292,13 +292,27 @@ def test_two_runs_cannot_share_a_run_directory(tmp_path, cache_dir, capsys):
     assert main(small(run, cache_dir, steps=2)) == 0  # released: usable again
 
 
-def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir, capsys):
+def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir, capsys, monkeypatch):
+    """Invariant: a checkpoint of another drafter shape or variant (DFlash vs DFlash2) is refused
+    before any data work, one line naming both sides, exit 2, for resume = auto and a given path.
+    Regression: a DFlash checkpoint resumed as DFlash2 warned, then failed late in load_state_dict
+    with a traceback."""
+    import dflash.data
+
     run = tmp_path / "run"
     assert main(small(run, cache_dir, steps=4)) == 0
     capsys.readouterr()
+    monkeypatch.setattr(dflash.data, "load_dataset", lambda *a, **k: pytest.fail("data work before the check"))
     assert main(small(run, cache_dir, "drafter.num_layers=3", steps=6)) == 2
     err = capsys.readouterr().err
-    assert "num_layers: checkpoint 1, config 3" in err and "--resume none" in err
+    assert "num_layers: checkpoint 1, config 3" in err and "--resume none" in err and err.count("\n") == 1
+    ckpt = str(list_checkpoints(run / "checkpoints")[-1])
+    for extra in ([], ["--resume", ckpt]):
+        assert main(small(run, cache_dir, 'drafter.variant="dflash2"', "drafter.conv_group_size=8", steps=6)
+                    + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "variant: checkpoint 'dflash', config 'dflash2' (drafter.variant)" in err, err
 
 
 # -- checkpoints that must not lie, resume that must not change the run ---------------------------
