@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from time import perf_counter
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -142,13 +142,14 @@ def _home_device(graph: Graph, placement: Placement, rank: int, local_rank: int)
 
 def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, trace: Any = None,
         join_timeout_s: float = 10.0, timeout_s: float = 1800.0,
-        peer_timeout_s: float = PEER_TIMEOUT_S) -> tuple[DistResult, Runtime]:
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        exit_code_of: Callable[[str, BaseException | None], int | None] | None = None) -> tuple[DistResult, Runtime]:
     """Run this rank's share of ``graph`` (call on every rank). See the module doc.
 
     Args:
         graph: the validated graph (the same on every rank).
         run_dir: the run directory (rank r > 0 writes under ``run_dir/rank<r>``); None writes nothing.
-        app, trace, join_timeout_s: as :class:`csp.Runtime`.
+        app, trace, join_timeout_s, exit_code_of: as :class:`csp.Runtime`.
         timeout_s: torch.distributed timeout of the groups (rendezvous, barrier, a tensor transfer
             that started); waiting for the next item is not bounded by it.
         peer_timeout_s: seconds without another rank's heartbeat before the run fails naming
@@ -214,7 +215,7 @@ def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, tra
               on_failure, on_abort)
     rd = None if run_dir is None else (Path(run_dir) if rank == 0 else Path(run_dir) / f"rank{rank}")
     rt = Runtime(graph, run_dir=rd, app=app, trace=trace, join_timeout_s=join_timeout_s,
-                 instances=placement.instances(rank), channel_factory=hub.factory)
+                 instances=placement.instances(rank), channel_factory=hub.factory, exit_code_of=exit_code_of)
     rt_box.append(rt)
     hub.start_lanes()
     control.watch(on_remote)

@@ -18,6 +18,7 @@ The same tick records the channel fill counters of the trace, when tracing is on
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,17 @@ log = logging.getLogger("csp.observe.statslog")
 
 ChannelsFn = Callable[[], Mapping[str, ChannelStatistics]]
 ProcessesFn = Callable[[], Mapping[str, ProcessStatistics]]
+
+
+def unwritable(path: Path, exc: BaseException | None, what: str) -> str:
+    """The one line for an observability file that cannot be written (a full disk, a quota, a
+    vanished directory): the path, the OS's reason, the free space left there, and what is lost."""
+    try:
+        free = f"{shutil.disk_usage(path.parent).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    cause = getattr(exc, "strerror", None) or (str(exc) if exc is not None else "write failed")
+    return f"cannot write {path} ({cause}; {free}); {what}"
 
 
 def graph_header(graph: Graph) -> dict[str, Any]:
@@ -68,6 +80,7 @@ class StatsWriter:
         self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # serialises lines from the sampler and close()
+        self.failed: OSError | None = None  # the write that failed; later lines are dropped
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("wb")
         self._write({"kind": "header", "t0": time.time(), "graph": graph_header(graph)})
@@ -100,11 +113,18 @@ class StatsWriter:
                 log.exception("stats snapshot failed; sampling continues")
 
     def _write(self, record: dict[str, Any]) -> None:
+        """Append one line. A write the OS refuses (a full disk) is said once, as one line, and
+        every later line is dropped: observability never stops the run it observes."""
         with self._lock:
-            if self._file.closed:
+            if self._file.closed or self.failed is not None:
                 return
-            self._file.write(msgspec.json.encode(record) + b"\n")
-            self._file.flush()
+            try:
+                self._file.write(msgspec.json.encode(record) + b"\n")
+                self._file.flush()
+            except OSError as exc:
+                self.failed = exc
+                log.error("%s", unwritable(self.path, exc, "the stats log stops here (csp.inspect reads "
+                                                          "what it holds); the run goes on"))
 
     def close(self, status: str, exit_code: int, deadlock: str | None = None) -> None:
         """Stop the sampler, write the ``final`` line (with ``deadlock``, the cycle of waits of a
@@ -122,7 +142,10 @@ class StatsWriter:
             record["deadlock"] = deadlock
         self._write(record)
         with self._lock:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the buffered bytes of a write that already failed and was said
+                pass
 
 
-__all__ = ["StatsWriter", "graph_header"]
+__all__ = ["StatsWriter", "graph_header", "unwritable"]

@@ -66,7 +66,7 @@ import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import anyio
 import msgspec
@@ -76,7 +76,7 @@ from csp.core.process import Context, is_async
 from csp.core.stats import ChannelStatistics, ProcessStatistics
 from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck, RuntimeReused
 from csp.graph import Graph, ProcessNode, TraceSpec
-from csp.observe.statslog import StatsWriter
+from csp.observe.statslog import StatsWriter, unwritable
 from csp.observe.trace import FlowTap, Tracer
 from csp.runtime.deadlock import DeadlockWatch
 
@@ -162,12 +162,17 @@ class Runtime:
             ``graph.runtime.deadlock_timeout_s``. Off whenever ``instances`` or
             ``channel_factory`` is given: this runtime then sees only part of the graph, and a
             peer it cannot see may be busy.
+        exit_code_of: the application's exit code for a run that ended with ``status`` and, for
+            a failure, the process's exception (``ProcessFailed.__cause__``), or None to keep
+            csp's (module doc). ``RunResult.exit_code`` and the stats log's final line then carry
+            the code the application exits with (``dflash.run`` gives a full disk 4, a deadlock 5).
     """
 
     def __init__(self, graph: Graph, *, run_dir: Path | str | None = None, app: Any = None,
                  trace: bool | TraceSpec | None = None, join_timeout_s: float | None = None,
                  instances: Any = None, channel_factory: Any = None,
-                 deadlock_timeout_s: float | None = None) -> None:
+                 deadlock_timeout_s: float | None = None,
+                 exit_code_of: Callable[[str, BaseException | None], int | None] | None = None) -> None:
         self.graph = graph
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.app = app
@@ -181,6 +186,7 @@ class Runtime:
         partial = instances is not None or channel_factory is not None
         timeout = graph.runtime.deadlock_timeout_s if deadlock_timeout_s is None else deadlock_timeout_s
         self.deadlock_timeout_s = 0.0 if partial else float(timeout)
+        self.exit_code_of = exit_code_of
         self._deadlock: str | None = None
         self.tracer: Tracer | None = None
         self._stop = threading.Event()
@@ -268,10 +274,17 @@ class Runtime:
                 status, exit_code = "stopped", EXIT_INTERRUPTED
             else:
                 status, exit_code = "completed", EXIT_OK
+            if self.exit_code_of is not None:  # the application's own codes, so its log and its exit agree
+                own = self.exit_code_of(status, self._failure[1] if self._failure is not None else None)
+                exit_code = exit_code if own is None else own
             if statslog is not None:
                 statslog.close(status, exit_code, deadlock=self._deadlock)
             if self.tracer is not None and self.run_dir is not None:
-                self.tracer.write(self.run_dir / "csp" / "trace.json")
+                path = self.run_dir / "csp" / "trace.json"
+                try:
+                    self.tracer.write(path)
+                except OSError as exc:  # a full disk: one line, and the run's outcome stands
+                    log.error("%s", unwritable(path, exc, "the run has no Perfetto trace"))
         stuck_note = f"; threads still running: {', '.join(stuck)}" if stuck else ""
         if self._failure is not None:
             w, exc = self._failure
@@ -466,7 +479,8 @@ class Runtime:
                 return
             self._deadlock = why
             self._stopped_by = "deadlock"
-        log.error("deadlock: %s; stopping the graph (exit %d)", why, EXIT_DEADLOCK)
+        own = self.exit_code_of("deadlocked", None) if self.exit_code_of is not None else None
+        log.error("deadlock: %s; stopping the graph (exit %d)", why, EXIT_DEADLOCK if own is None else own)
         self._shutdown(f"deadlock: {why}")
 
     def _shutdown(self, reason: str) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from csp.observe.statslog import unwritable
 from dflash.messages import StepMetrics
 from dflash.records import RecordBase, TrainRecord, encode
 
@@ -48,12 +49,15 @@ class MetricsLog:
                 self._file.write(line)
             except OSError as exc:  # a full disk: say so once, keep training (the checkpoint says the rest)
                 self.broken = True
-                print(f"warning: cannot write {self.path} ({exc.strerror or exc}); its further records "
-                      "are dropped (said once)", file=sys.stderr, flush=True)
+                print(f"warning: {unwritable(self.path, exc, 'its further records are dropped (said once)')}",
+                      file=sys.stderr, flush=True)
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the buffered bytes of a write that already failed and was said
+                pass
 
 
 def _mean(xs: list[float]) -> float:

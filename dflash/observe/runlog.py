@@ -25,6 +25,8 @@ from typing import Any
 
 from rich.console import Console
 
+from csp.observe.statslog import unwritable
+
 FILE_ONLY = {"file_only": True}  # logging ``extra=``: run.log only, not the terminal
 PIPE_WIDTH = 10_000  # columns of a non-terminal console: rich never wraps or cuts at 80
 _FILE_ONLY_LOGGERS = ("csp.runtime.stack",)
@@ -90,8 +92,7 @@ class _TerminalFilter(logging.Filter):
 
 def _say_once(what: Path, exc: BaseException | None) -> None:
     """The one stderr line for a run file that can no longer be written."""
-    cause = getattr(exc, "strerror", None) or (str(exc) if exc is not None else "write failed")
-    print(f"warning: cannot write {what} ({cause}); its further lines are dropped (said once)",
+    print(f"warning: {unwritable(what, exc, 'its further lines are dropped (said once)')}",
           file=sys.stderr, flush=True)
 
 

@@ -72,6 +72,16 @@ EXIT_DEADLOCK = 5
 itself uses 4 for it, which dflash.run gives to a full disk."""
 
 
+def exit_code_of(status: str, error: BaseException | None) -> int | None:
+    """dflash.run's exit code where it differs from csp's, handed to the runtime so that the stats
+    log's final line (``csp.inspect``) and the process's exit code agree: a full disk 4, a deadlock 5."""
+    if status == "deadlocked":
+        return EXIT_DEADLOCK
+    if status == "failed" and isinstance(error, DiskFullError):
+        return EXIT_DISK_FULL
+    return None
+
+
 def _error(exc: BaseException | str) -> None:
     """One plain, unwrapped line on stderr (greppable in logs and CI), and in run.log."""
     print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -172,7 +182,7 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
     t0 = time.time()
     status, code = "failed", 1
     if csp.dist.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
-        result, runtime = csp.dist.run(graph, run_dir=run_dir, app=app)
+        result, runtime = csp.dist.run(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
         status, code = result.status, result.exit_code
         app.metrics.write(EndRecord(status=status, exit_code=code, rank=result.rank, seconds=time.time() - t0))
         app.metrics.close()
@@ -182,14 +192,13 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
             print(f"rank {result.rank}: error: {result.error}", file=sys.stderr)
             csp.dist.hard_exit(code)
         return code
-    runtime = csp.Runtime(graph, run_dir=run_dir, app=app)
+    runtime = csp.Runtime(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
     stopped_by, error = None, None
     try:
         result = runtime.run()
         status, code, stopped_by = result.status, result.exit_code, result.stopped_by
-        if result.deadlock is not None:  # one line naming the cycle of waits
-            # csp.run's deadlock code is 4; dflash.run's 4 is a full disk, so a deadlock is 5 here
-            error, code = f"deadlock: {result.deadlock}", EXIT_DEADLOCK
+        if result.deadlock is not None:  # one line naming the cycle of waits (exit 5: exit_code_of)
+            error = f"deadlock: {result.deadlock}"
             _error(error)
     except csp.ProcessFailed as exc:
         _error(exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -143,6 +144,9 @@ def test_a_full_disk_during_a_checkpoint_stops_cleanly_with_exit_4(tmp_path, cap
     assert not list(root.glob(".tmp-*"))
     assert [p.name for p in list_checkpoints(root)] == ["step_00000004"]
     assert is_healthy(root / "step_00000004") and read_meta(root / "step_00000004")["step"] == 4
+    # csp's own record of the run says the exit code the process exits with (csp.inspect reads it)
+    final = json.loads((run / "csp" / "stats.jsonl").read_text().splitlines()[-1])
+    assert final["kind"] == "final" and final["exit_code"] == EXIT_DISK_FULL
 
 
 def test_logging_that_cannot_write_says_so_once(tmp_path, capsys):
@@ -172,7 +176,8 @@ def test_logging_that_cannot_write_says_so_once(tmp_path, capsys):
         runlog.close()
     err = capsys.readouterr().err
     assert "Logging error" not in err and "Traceback" not in err
-    assert err.count("warning: cannot write") == 1 and "run.log (No space left on device)" in err
+    assert err.count("warning: cannot write") == 1 and "run.log (No space left on device;" in err
+    assert "bytes free there" in err  # the free space is named
 
 
 def test_metrics_that_cannot_write_say_so_once(tmp_path, capsys):
@@ -198,4 +203,72 @@ def test_metrics_that_cannot_write_say_so_once(tmp_path, capsys):
         m.write(SkipRecord(step=step))
     m.close()
     err = capsys.readouterr().err
-    assert err.count("warning: cannot write") == 1 and "metrics.jsonl (No space left on device)" in err
+    assert err.count("warning: cannot write") == 1 and "metrics.jsonl (No space left on device;" in err
+
+
+class _FullFile:
+    """A file on a full disk: every write and flush raises ENOSPC."""
+
+    closed = False
+
+    def write(self, b):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.closed = True
+
+
+def test_observability_files_on_a_full_disk_cost_one_line_each(tmp_path, capsys, monkeypatch):
+    """Regression: a full disk under csp's stats log logged a traceback every snapshot, then its
+    close() raised: exit 1, a traceback, no summary. Invariant: the stats log and the trace that
+    cannot be written are one line each naming the file and the free space, the run goes on to
+    its end, the closing summary is printed, and the exit code is the run's own."""
+    from csp.observe import statslog, trace
+
+    real_start = statslog.StatsWriter.start
+
+    def start_then_fill(self):  # the header is written; every later line meets a full disk
+        self._file.close()
+        self._file = _FullFile()
+        real_start(self)
+
+    def write_full(self, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(statslog.StatsWriter, "start", start_then_fill)
+    monkeypatch.setattr(trace.Tracer, "write", write_full)
+    run = tmp_path / "run"
+    code = main(small(run, tmp_path / "cache", "trace.perfetto=true", "trace.stats_interval_s=0.05", steps=6))
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err and "run summary: completed" in err
+    stats = [x for x in err.splitlines() if f"cannot write {run / 'csp' / 'stats.jsonl'}" in x]
+    traces = [x for x in err.splitlines() if f"cannot write {run / 'csp' / 'trace.json'}" in x]
+    assert len(stats) == 1 and len(traces) == 1, err[-3000:]
+    assert "bytes free there" in stats[0] and "the run goes on" in stats[0]
+
+
+def test_a_truly_full_disk_stops_with_one_line_a_summary_and_exit_4(tmp_path, capsys):
+    """Invariant, on a real 48 KiB tmpfs as the run directory (root can mount one; elsewhere the
+    injected-ENOSPC tests above stand for it): the run ends with exit 4, no traceback, one line per
+    file that could not be written, and the closing summary on the terminal."""
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN); the injected-ENOSPC tests cover it")
+    try:
+        code = main(small(mnt / "run", tmp_path / "cache", "checkpoint.every=0", "monitor.window=1",
+                          "trace.stats_interval_s=0.05", steps=40))
+        err = capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+    assert code == EXIT_DISK_FULL, err[-3000:]
+    assert "Traceback" not in err and "run summary: stopped: the disk is full" in err
+    for name in ("stats.jsonl", "metrics.jsonl"):
+        assert sum(f"cannot write {mnt / 'run'}" in x and name in x for x in err.splitlines()) <= 1, name
