@@ -35,8 +35,11 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         layer_types: per layer "full_attention" | "sliding_attention" (None = all full).
         sliding_window: window in tokens for sliding layers (required if any layer slides).
         attn_implementation: "sdpa" (bool mask) | "flex_attention" (BlockMask; compiled on CUDA).
-        hidden_size .. vocab_size: copied from the target config by :meth:`resolve` when None
-            (``hidden_size`` must equal the target's: the embedding is shared).
+        hidden_size, num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+            rms_norm_eps, rope_theta, max_position_embeddings, vocab_size: the drafter's
+            dimensions, copied from the target config by :meth:`resolve` when left out
+            (``hidden_size`` and ``vocab_size`` must equal the target's: the embedding and LM
+            head are shared).
         target_layer_ids: captured target layers (set by :meth:`resolve`).
         num_target_layers: depth of the target (recorded for export).
         kernels: "torch" (the ops below) | "liger": Liger-Kernel's fused RMSNorm and SwiGLU

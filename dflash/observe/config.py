@@ -26,7 +26,10 @@ class MonitorSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     window: PositiveInt = 10
     """Steps per logged point; every point records its window size."""
     wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode: "offline" (files under RUN_DIR/wandb, no network; ``wandb sync`` uploads them),
+    "online" (needs ``wandb login``) or "disabled"."""
     wandb_project: str = "dflash"
+    """The wandb project the run is logged to."""
     display: Literal["auto", "live", "plain", "off"] = "auto"
     """"auto": a rich live view on a terminal, plain lines otherwise."""
     spike_k: Annotated[float, Meta(gt=0.0)] = 5.0

@@ -50,6 +50,7 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``[run]``: what this run is called, where it writes, how long it trains."""
 
     name: str
+    """The run's name: shown in the terminal, the summary and as the wandb run's name."""
     out_dir: str
     """Run directory (a relative path is relative to the graph file's directory; given with
     ``--set``, to the current directory)."""

@@ -40,7 +40,9 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
     """Cosine decay floor, as a fraction of lr."""
     weight_decay: NonNegFloat = 0.0
+    """AdamW's decoupled weight decay (per step, scaled by the learning rate)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decays (beta1, beta2), each in [0, 1)."""
     grad_clip: NonNegFloat = 1.0
     """Global L2 gradient-norm clip; 0 disables clipping."""
     feature_noise: NonNegFloat = 0.0

@@ -508,14 +508,19 @@ def test_a_changed_lr_on_resume_takes_effect(tmp_path, cache_dir):
 def test_resume_refused_for_the_data_order_names_the_setting_that_changed(tmp_path, cache_dir, capsys):
     """Found by a new user: resuming with another drafter.block_size said only "cannot resume the
     data order: dataset: saved '7f77..', now '9d5d..'". Invariant: the one error line also names
-    the setting that changed (exit 2, nothing trained)."""
+    the setting that changed the data order (exit 2, nothing trained); a block size, which changes
+    the drafter as well, is refused earlier, naming both sizes."""
     run = tmp_path / "run"
     assert main(small(run, cache_dir, steps=4)) == 0
     capsys.readouterr()
-    assert main(small(run, cache_dir, "drafter.block_size=4", steps=8)) == 2
+    assert main(small(run, cache_dir, "data.max_length=128", steps=8)) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "cannot resume the data order" in err[0], err
-    assert "drafter.block_size 8 -> 4" in err[0], err[0]
+    assert "data.max_length 256 -> 128" in err[0], err[0]
+    # a block size that changes the data order changes the drafter too: refused before the data
+    assert main(small(run, cache_dir, "drafter.block_size=4", steps=8)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "block_size: checkpoint 8, config 4" in err[0], err
 
 
 def test_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
