@@ -5,7 +5,7 @@ package), and both install the top-level names this project uses. With one of th
 environment, Python can load that one's ``__init__`` and this project's submodules (an editable
 install's finder maps ``dflash.run`` to this checkout whatever ``dflash.__path__`` says), which
 fails far from the cause, or worse, runs. :func:`check` stops that at import with one line on
-stderr (exit status 1). The fix is a separate virtual environment for each (README, "Install").
+stderr (exit status 1). The fix is a separate virtual environment for each (docs/csp.md, "Install next to other packages").
 
 Only distributions *named* like the package are inspected (``importlib.metadata.distribution``
 is a cheap lookup; scanning every installed distribution costs ~0.1 s per import).

@@ -21,7 +21,7 @@ held-out loss seen (evaluated every ``--eval-every`` steps), and ``training.json
 command, config, steps done, throughput, and the whole train/held-out curve.
 
 Usage (one H200: about 10 minutes; the shipped run's command and curve are in
-``dflash/assets/target-sharegpt-7m/training.json``, its story in README.md, "The shipped target")::
+``dflash/assets/target-sharegpt-7m/training.json``, its story in benchmarks/results/LOG.md, "The shipped target")::
 
     python -m dflash.pretrain -o dflash/assets/sharegpt-target --hidden 256 --layers 8
 """

@@ -1,6 +1,6 @@
 """Which checkpoint a run continues from, proof that it can be trusted, and one lineage per directory.
 
-The rules (README "Resume"):
+The rules (docs/running.md, "Resume"):
 
 * **Verified before use.** A checkpoint is resumable when ``meta.json`` marks it healthy, every file
   of :data:`dflash.checkpoint.format.REQUIRED_FILES` is present and readable, and every floating-point

@@ -15,8 +15,9 @@ import math
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from csp.observe.statslog import unwritable
 from dflash.messages import StepMetrics
@@ -156,11 +157,17 @@ def _selector_fields(items: list[StepMetrics], ok: list[StepMetrics]) -> dict[st
     }
 
 
+WANDB_ID = Path("wandb") / "run-id"
+"""Where a run directory keeps its wandb run id (relative to the run directory)."""
+
+
 class WandbSink:
     """Logs window records to wandb (offline by default: files under RUN_DIR/wandb, no network).
 
     ``mode="online"`` needs ``wandb login``; ``"disabled"`` turns it off. The wandb step is the
-    drafter step, so curves line up with ``metrics.jsonl``.
+    drafter step, so curves line up with ``metrics.jsonl``. One run directory is one wandb run:
+    its id is kept in ``RUN_DIR/wandb/run-id`` and every resume logs into it (``resume="allow"``),
+    so ``wandb sync`` of all its offline segments, or an online run, shows one continuous curve.
     """
 
     def __init__(self, mode: str, project: str, name: str, run_dir: Path, config: dict[str, Any]) -> None:
@@ -169,9 +176,8 @@ class WandbSink:
             return
         import wandb
 
-        self.run = wandb.init(
-            project=project, name=name, dir=str(run_dir), mode=mode, config=config, reinit="create_new"
-        )
+        self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
+                              id=run_id(run_dir), resume="allow", reinit="create_new")
 
     def log(self, record: TrainRecord) -> None:
         if self.run is None:
@@ -188,3 +194,24 @@ class WandbSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def run_id(run_dir: Path, new: Callable[[], str] = lambda: uuid.uuid4().hex[:8]) -> str:
+    """The wandb run id of ``run_dir``: the one kept in :data:`WANDB_ID`, or a ``new()`` one
+    (8 lowercase hex characters, the shape of wandb's own ids),
+    kept there for the next segment (best effort: a file that cannot be written costs only the
+    continuity of the curve, never the run)."""
+    path = Path(run_dir) / WANDB_ID
+    try:
+        kept = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        kept = ""
+    if kept:
+        return kept
+    fresh = new()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(fresh + "\n", encoding="utf-8")
+    except OSError:
+        pass
+    return fresh

@@ -17,13 +17,14 @@ the target): the rules of the resolved run are :func:`dflash.run.validate.valida
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 import dflash.data
 from dflash.data import TokenizerInfo
+from dflash.data.sources import resolve_source
 from dflash.errors import ConfigError
 from dflash.model.drafter_config import DrafterConfig
 from dflash.model.features import FeaturePostprocess
@@ -112,6 +113,20 @@ def drafter_replicas(cfg: DFlashFile) -> int:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def _wandb_config(cfg: DFlashFile, drafter: DrafterConfig, digest: str) -> dict[str, Any]:
+    """What the wandb run records as its config: the filled graph file, plus what it leaves
+    implicit and a team comparing runs needs to see: the target layers the drafter reads, the
+    drafter variant and block size, the config hash, and the data file's identity (path, size,
+    mtime; none when the source cannot be found yet, which the data step then reports)."""
+    try:
+        _, data = resolve_source(cfg.data.source)
+    except dflash.data.DataError:
+        data = None
+    resolved = {"target_layer_ids": drafter.target_layer_ids, "drafter_variant": drafter.variant,
+                "block_size": drafter.block_size, "config_hash": digest, "data": data}
+    return {**msgspec.to_builtins(cfg), "resolved": resolved}
 
 
 def target_hf_config(target: TargetConfig) -> PretrainedConfig:
@@ -211,5 +226,5 @@ def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo, hf: PretrainedConfig | No
         monitor=MonitorOptions(window=full.monitor.window, wandb=full.monitor.wandb,
                                wandb_project=full.monitor.wandb_project, display=full.monitor.display,
                                spike_k=full.monitor.spike_k, run_name=run.name, total_steps=run.steps,
-                               wandb_config=msgspec.to_builtins(full)),
+                               wandb_config=_wandb_config(full, drafter, digest)),
     )

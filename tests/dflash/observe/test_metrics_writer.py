@@ -78,3 +78,37 @@ def test_skipped_total_counts_on_from_a_resumed_run():
     agg = WindowAggregator(window=2, start_time=0.0, skipped_total=3)
     agg.add(_m(5, skipped=True, t=1.0))
     assert agg.add(_m(6, t=2.0))["skipped_total"] == 4
+
+
+def test_every_segment_of_a_run_directory_logs_into_one_wandb_run(tmp_path):
+    """Regression: every resume started a new wandb run. Invariant: the run directory keeps its
+    wandb id (RUN_DIR/wandb/run-id) and each segment's sink logs into that run; the config it
+    records names the target layers, the drafter variant and the data's identity."""
+    from dflash.observe.metrics_writer import WANDB_ID, WandbSink, run_id
+
+    made = iter(["first", "second"])
+    assert run_id(tmp_path / "a", lambda: next(made)) == "first"
+    assert run_id(tmp_path / "a", lambda: next(made)) == "first"  # kept: no new id for a resume
+    assert (tmp_path / "a" / WANDB_ID).read_text().strip() == "first"
+
+    ids = []
+    for _ in range(2):
+        sink = WandbSink("offline", "p", "n", tmp_path / "run", {"resolved": {"target_layer_ids": [1, 4]}})
+        ids.append(sink.run.id)
+        assert sink.run.config["resolved"]["target_layer_ids"] == [1, 4]
+        sink.close()
+    assert ids[0] == ids[1] == (tmp_path / "run" / WANDB_ID).read_text().strip()
+
+
+def test_the_wandb_config_names_layers_variant_and_data():
+    """Invariant: the resolved run hands wandb the layers the drafter reads, its variant and the
+    data file's identity, which the graph file leaves implicit."""
+    from dflash.data import TokenizerInfo
+    from dflash.run.config import load_config
+    from dflash.run.resolve import resolve
+    from tests.dflash.run.test_run_e2e import GRAPH
+
+    info = TokenizerInfo(vocab_size=4096, mask_token_id=5, pad_token_id=0, eos_token_id=None)
+    got = resolve(load_config(GRAPH), info).monitor.wandb_config["resolved"]
+    assert got["target_layer_ids"] == [4] and got["drafter_variant"] == "dflash" and got["config_hash"]
+    assert got["data"]["path"].endswith(".json") and got["data"]["size"] > 0

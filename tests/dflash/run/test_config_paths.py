@@ -1,5 +1,5 @@
 """Relative paths: written in a graph file, relative to the file's directory; given with --set,
-relative to the current directory (the rule in dflash/run/config.py and the README)."""
+relative to the current directory (the rule in dflash/run/config.py and docs/configuration.md)."""
 
 from __future__ import annotations
 
