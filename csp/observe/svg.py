@@ -7,7 +7,7 @@ are ordered by the mean position of their writers (the barycenter heuristic, two
 keeps fan-out/fan-in edges from crossing in pipelines.
 
 Drawing: a box lists the process name, kind, replicas and devices (the lines of
-:func:`csp.observe.draw.node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
+:func:`csp.observe.draw._node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
 badge, its replicas listed one per row inside it (``target[3]  cuda:3``), so many replicas make
 the box taller, not the picture wider (a 6-replica target once drew one long device line). A
 channel is an arrow labelled with its name, capacity and ``ordered``; a fan-out or fan-in draws

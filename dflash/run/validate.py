@@ -5,7 +5,7 @@ The third step of the one pass from a graph file to a running graph::
     load_config -> load_and_resolve -> validate -> csp.Graph.from_spec -> (lock, data, resume) -> run
 
 Each rule lives with the room that owns the setting it is about, and :func:`validate` calls each
-once, on the resolved config: the data's block fit (:func:`dflash.data.check_block_fits`), the
+once, on the resolved config: the data's block fit (:func:`dflash.data.config.check_block_fits`), the
 drafter's and the target's kernels against their devices and the installed packages
 (:func:`dflash.model.drafter_config.check_drafter_devices`,
 :func:`dflash.model.target_config.check_target_devices`), the fused LM head against the loss
