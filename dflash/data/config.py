@@ -64,7 +64,10 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             tokenizer already runs on every core (``encode_batch``); more processes only help when
             the Python side (template rendering, mask assembly) is the limit, and each costs a
             process start (about 2 s).
-        holdout: conversations held out for evaluation (chosen by ``seed``), in conversations.
+        holdout: conversations held out for evaluation (chosen by ``seed``), never trained on;
+            ``python -m dflash.eval`` decodes them. Left out: 64, but never more than a tenth of
+            the conversations kept (:func:`dflash.data.dataset.holdout_count`), so a small file
+            still trains on most of itself; a number is taken as written.
         seed: seed of the holdout choice and the batch order (the order is a pure function of
             (seed, epoch)).
     """
@@ -84,7 +87,7 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pack_window: Annotated[int, Meta(ge=1)] = 32
     cache_dir: str | None = None
     num_workers: Annotated[int, Meta(ge=1)] | None = None
-    holdout: Annotated[int, Meta(ge=0)] = 64
+    holdout: Annotated[int, Meta(ge=0)] | None = None
     seed: Annotated[int, Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:

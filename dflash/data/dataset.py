@@ -152,12 +152,14 @@ class TokenizedDataset:
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, summary=self.summary,
                                 key=self.key, rows=self.rows[np.asarray(indices, np.int64)])
 
-    def split(self, holdout: int, seed: int) -> tuple["TokenizedDataset", "TokenizedDataset"]:
-        """(train, heldout): ``holdout`` conversations chosen by ``seed``, the rest for training.
+    def split(self, holdout: int | None, seed: int) -> tuple["TokenizedDataset", "TokenizedDataset"]:
+        """(train, heldout): :func:`holdout_count` conversations chosen by ``seed``, the rest for
+        training. Both keep file order.
 
-        Both keep file order. Raises ValueError when ``holdout >= len(self)`` (nothing left to
-        train on): lower data.holdout.
+        Raises:
+            ValueError: ``holdout >= len(self)`` (nothing left to train on): lower data.holdout.
         """
+        holdout = holdout_count(holdout, len(self))
         if holdout >= len(self):
             raise ValueError(f"data.holdout = {holdout} leaves no training data ({len(self)} conversations)")
         perm = np.random.default_rng([seed, 0x401D]).permutation(len(self))
@@ -173,3 +175,16 @@ class TokenizedDataset:
         h.update(np.ascontiguousarray(self.rows).tobytes())
         h.update(np.ascontiguousarray(self.lengths).tobytes())
         return h.hexdigest()[:16]
+
+
+HOLDOUT_DEFAULT = 64
+"""Conversations held out when ``[data].holdout`` is left out, on a dataset large enough for it."""
+HOLDOUT_MAX_SHARE = 10
+"""A left-out ``[data].holdout`` never takes more than 1/10 of the conversations kept."""
+
+
+def holdout_count(holdout: int | None, n: int) -> int:
+    """Conversations held out of ``n``: ``holdout`` as given, or, when it is None (left out),
+    :data:`HOLDOUT_DEFAULT` but at most ``n // HOLDOUT_MAX_SHARE``: 64 of 1,000, 7 of 72. The one
+    rule both ``dflash.run`` and ``dflash.eval`` apply, so eval decodes what the run held out."""
+    return min(HOLDOUT_DEFAULT, n // HOLDOUT_MAX_SHARE) if holdout is None else holdout

@@ -81,7 +81,7 @@ def prompt_ids(args, tok, texts: list[str] | None = None, data_cfg=None) -> list
         out = heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens)
         if len(out) < args.num_prompts:
             print(f"dflash.eval: only {len(out)} usable held-out conversations "
-                  f"(data.holdout = {data_cfg.holdout})", file=sys.stderr)
+                  f"(data.holdout = {'left out' if data_cfg.holdout is None else data_cfg.holdout})", file=sys.stderr)
         return out
     return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
 

@@ -28,7 +28,11 @@ from dflash.run.resolve import Resolved
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["prepare"]
+__all__ = ["MIN_TRAIN", "prepare"]
+
+MIN_TRAIN = 16
+"""The fewest conversations a run trains on: below it a drafter only memorises its data, and the
+held-out figures say nothing; the run stops before training with one line (exit 2)."""
 
 log = logging.getLogger("dflash.run")
 
@@ -60,9 +64,13 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
     if dataset.summary is not None:
         log.info(runlog.data_line(dataset.summary), extra=runlog.FILE_ONLY)  # the terminal got the table
     try:
-        train, _heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
+        train, heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
     except ValueError as exc:
         raise DataError(f"{exc}; lower data.holdout") from exc
+    if len(train) < MIN_TRAIN:
+        raise DataError(f"{cfg.data.source}: {len(dataset)} usable conversations, {len(heldout)} held out "
+                        f"(data.holdout) leaves {len(train)} to train on, fewer than {MIN_TRAIN}: give more "
+                        "conversations, or lower data.holdout")
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
@@ -99,7 +107,7 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations (%d more held out for dflash.eval: data.holdout), %s batching: "
              "padding waste %.1f%%, %d batches/epoch",
-             len(train), cfg.data.holdout, cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
+             len(train), len(heldout), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
     metrics.write(StartRecord(config_hash=resolved.config_hash, step=state.start_step, lineage=state.lineage,
                               data=dataset.summary.to_dict(), batching=msgspec.to_builtins(stats)))
     if got is not None:

@@ -276,3 +276,13 @@ def test_piped_progress_is_plain_lines_as_it_happens(monkeypatch):
     assert lines == ["tokenizing chats.jsonl: 200/300 conversations (67%), 2.6 s",
                      "tokenizing chats.jsonl: 300/300 conversations (100%), 3.0 s"]
     assert "━" not in out.getvalue()
+
+
+def test_a_left_out_holdout_scales_with_the_data():
+    """Regression: data.holdout was 64 whatever the data: a 72-conversation file trained on 8.
+    Invariant: left out, it is 64 but at most a tenth of the conversations; a number is taken as
+    written (eval and the run apply this one rule)."""
+    from dflash.data.dataset import holdout_count
+
+    assert [holdout_count(None, n) for n in (0, 9, 72, 640, 100_000)] == [0, 0, 7, 64, 64]
+    assert holdout_count(40, 72) == 40 and holdout_count(0, 1000) == 0

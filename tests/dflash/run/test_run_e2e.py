@@ -534,3 +534,31 @@ def test_ctrl_c_while_torch_imports_is_one_line_exit_130(tmp_path):
     assert proc.returncode == 130, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("dflash.run: interrupted while starting, before any step ran")
+
+
+def test_a_run_that_would_train_on_too_few_conversations_stops_before_training(tmp_path, capsys):
+    """Invariant: a data file that leaves fewer than MIN_TRAIN conversations to train on after the
+    hold-out is one line naming both counts, exit 2, before any step; left out, the hold-out takes
+    only a tenth of a small file (7 of 72), so that file trains on 65."""
+    import json
+
+    from dflash.run.prepare import MIN_TRAIN
+
+    data = tmp_path / "few.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Question {i}: name a colour and say why you like it."},
+        {"role": "assistant", "content": f"Answer {i}: blue, because it is the colour of the sea and the sky."}]})
+        + "\n" for i in range(24)))
+    run = tmp_path / "run"
+    args = small(run, tmp_path / "cache", f'data.source="{data}"', "data.holdout=12", steps=2)
+    assert main(args) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert f"24 usable conversations, 12 held out (data.holdout) leaves 12 to train on, fewer than {MIN_TRAIN}" in line
+    assert not list_checkpoints(run / "checkpoints")
+    many = tmp_path / "many.jsonl"
+    many.write_text(data.read_text() * 3)  # 72 conversations, the hold-out left out
+    args = small(run, tmp_path / "cache", f'data.source="{many}"', steps=2)
+    i = args.index("data.holdout=4")
+    del args[i - 1:i + 1]  # the "--set data.holdout=4" pair: leave the key out
+    assert main(args) == 0
+    assert "65 training conversations (7 more held out" in (run / "run.log").read_text()
