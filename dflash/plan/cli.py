@@ -31,7 +31,8 @@ def _parser():
                 "help(dflash.plan)'). Run it from the directory the measured run started in: the written "
                 "graph's relative paths are made absolute against it.",
         exit_codes={0: "ranked (and written with -o)",
-                    2: "a bad run directory or number, or an -o file it must not replace"},
+                    2: "a bad run directory or number, an -o file it must not replace, or rates measured "
+                       "on a CPU without --extrapolate"},
         examples=["python -m dflash.plan runs/dflash-tiny --gpus 8",
                   "python -m dflash.plan runs/qwen3-8b-h200x2 --gpus 16 --hosts 2 --net-gbps 400 -o plan16.toml"])
     p.add_argument("run", help="a finished dflash.run directory (config.toml, csp/stats.jsonl, metrics.jsonl)")
@@ -49,6 +50,9 @@ def _parser():
     p.add_argument("-o", "--out", help="write the best layout's graph file here (a file there is replaced only "
                                         "if dflash.plan wrote it, or with --force; never the run's config.toml)")
     p.add_argument("--force", action="store_true", help="replace an -o file that dflash.plan did not write")
+    p.add_argument("--extrapolate", action="store_true",
+                   help="lay out GPUs from stage rates measured on a CPU (refused otherwise); every predicted "
+                        "figure is then marked ~ as extrapolated")
     return p
 
 
@@ -82,8 +86,10 @@ def _out_refusal(out: str | None, run: str, force: bool) -> str | None:
 
 
 def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) -> str:
-    """The plan as plain text: the inputs, the model's check on the run, the ranked layouts."""
+    """The plan as plain text: the inputs, the model's check on the run, the ranked layouts. Rates
+    measured on a CPU and laid out on GPUs (``--extrapolate``) mark every predicted figure ``~``."""
     i = m.inputs
+    guess = "~" if m.measured_on == "cpu" else ""
     lines = [(f"inputs: target {count(i.target_tok_s)} tok/s, drafter {count(i.drafter_tok_s)} tok/s per "
               f"replica; coloc {i.coloc:.2f} ({i.coloc_source})"),
              (f"        hidden {i.bytes_per_token:,.0f} B/token; all-reduce {i.grad_bytes / 1e9:.3g} GB/step; "
@@ -93,7 +99,10 @@ def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) ->
               f"({m.predicted_tok_s / m.measured_tok_s:.2f}x)"),
              *(f"note: {n}" for n in m.notes), ""]
     head = ["layout", "tok/s", "vs colocated", "bound", "GiB/GPU", "cross-host GB/s"]
-    rows = [[lay.name, count(lay.tok_s), f"{lay.tok_s / base.tok_s:.2f}x", lay.bound, f"{lay.mem_gib:.1f}",
+    if guess:
+        lines.insert(0, "EXTRAPOLATED: the stage rates were measured on a CPU; every ~ figure below lays them "
+                        "out on GPUs as if they were GPU rates, which they are not")
+    rows = [[lay.name, guess + count(lay.tok_s), f"{lay.tok_s / base.tok_s:.2f}x", lay.bound, f"{lay.mem_gib:.1f}",
              f"{lay.cross_host_gb_s:.1f}" if lay.hosts > 1 else "-"] for lay in ranked[:show]]
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
     for r in [head, *rows]:
@@ -141,12 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         print(f"dflash.plan: error: {exc}", file=sys.stderr)
         return 2
+    if m.measured_on == "cpu" and not args.extrapolate:
+        print(f"dflash.plan: error: {args.run}'s stage rates were measured on a CPU; a layout of GPUs from them "
+              "would be a guess: give --target-tok-s and --drafter-tok-s measured on your GPUs, or "
+              "--extrapolate to lay it out anyway (every predicted figure then marked ~)", file=sys.stderr)
+        return 2
     base = colocated(m.inputs, args.gpus, args.hosts)
     sys.stdout.write(render(m, ranked, base))
     best = ranked[0]
     if args.out:
         slug = best.name.replace(" ", "-").replace(":", "to").replace("+", "")
-        header = (f"{PLAN_MARK[2:]}{args.run} --gpus {args.gpus} --hosts {args.hosts}: {best.name}, predicted "
+        header = (f"{PLAN_MARK[2:]}{args.run} --gpus {args.gpus} --hosts {args.hosts}: {best.name}, "
+                  f"{'EXTRAPOLATED from CPU rates, ' if m.measured_on == 'cpu' else ''}predicted "
                   f"{count(best.tok_s)} tok/s (bound {best.bound}; {best.tok_s / base.tok_s:.2f}x colocated)\n"
                   f"{command(best, args.out)}\ninputs: {msgspec.json.encode(m.inputs).decode()}")
         try:

@@ -51,6 +51,9 @@ class Measured(msgspec.Struct, kw_only=True):
         measured_over: the span ``measured_tok_s`` covers, in words (the whole stats log, start-up
             included, or its last W s): the run summary's throughput is a mean of its training
             windows instead, so the two differ by the start-up.
+        measured_on: the device kind the stage rates come from: "cuda" when the target and the
+            drafter both ran on CUDA devices, else "cpu"; "given" when both rates were given
+            (``--target-tok-s`` and ``--drafter-tok-s``).
     """
 
     inputs: Inputs
@@ -60,6 +63,7 @@ class Measured(msgspec.Struct, kw_only=True):
     config: dict[str, Any]
     notes: list[str]
     measured_over: str
+    measured_on: str = "cuda"
 
 
 def safetensors_bytes(path: Path) -> int:
@@ -151,6 +155,8 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
     rate = lambda b: b.capacity / b.replicas * per_item  # one replica's tokens/s
     notes: list[str] = []
     t_dev, d_dev = _devices(tgt), _devices(dft)
+    measured_on = ("given" if target_tok_s and drafter_tok_s else
+                   "cuda" if all(d.startswith("cuda") for d in t_dev + d_dev) else "cpu")
     shared = sorted(set(t_dev) & set(d_dev))
     t_rate, d_rate = target_tok_s or rate(caps[tgt["name"]]), drafter_tok_s or rate(caps[dft["name"]])
     coloc_source = "given (--coloc)"
@@ -178,7 +184,7 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
     return Measured(inputs=inputs, measured_tok_s=measured, predicted_tok_s=model.bounds[0].capacity * per_item,
                     bottleneck=model.bounds[0].name, config=cfg, notes=notes,
                     measured_over="the whole stats log, start-up included" if window_s is None
-                    else f"the stats log's last {window_s:g} s")
+                    else f"the stats log's last {window_s:g} s", measured_on=measured_on)
 
 
 def _records(run: Path) -> list[dict]:

@@ -18,10 +18,10 @@ def test_plan_writes_into_a_new_directory_and_refuses_a_path_under_a_file(tiny_r
     from dflash.plan.cli import main
 
     out = tmp_path / "new" / "dir" / "plan.toml"
-    assert main([str(tiny_run), "--gpus", "2", "-o", str(out)]) == 0 and out.is_file()
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "2", "-o", str(out)]) == 0 and out.is_file()
     capsys.readouterr()
     (tmp_path / "afile").write_text("x")
-    assert main([str(tiny_run), "--gpus", "2", "-o", str(tmp_path / "afile" / "x.toml")]) == 2
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "2", "-o", str(tmp_path / "afile" / "x.toml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot write -o" in err and "Traceback" not in err
 

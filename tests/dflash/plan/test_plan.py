@@ -145,7 +145,7 @@ def test_cli_writes_a_graph_that_loads_and_places(tiny_run, tmp_path, capsys):
     from dflash.run.config import load_config
 
     out = tmp_path / "plan.toml"
-    assert main([str(tiny_run), "--gpus", "8", "-o", str(out)]) == 0
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "vs colocated" in text and "check: this run's layout predicted" in text
     assert "over the whole stats log, start-up included" in text  # not the summary's mean of windows
@@ -155,10 +155,31 @@ def test_cli_writes_a_graph_that_loads_and_places(tiny_run, tmp_path, capsys):
     graph = csp.Graph.from_spec(load_config(cpu))
     assert len(place(graph, world).ranks_of("drafter")) == world
     assert main([str(tmp_path / "missing"), "--gpus", "8"]) == 2
-    assert main([str(tiny_run), "--gpus", "9", "--hosts", "2"]) == 2
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "9", "--hosts", "2"]) == 2
     with pytest.raises(SystemExit) as e:
-        main([str(tiny_run), "--gpus", "0"])
+        main([str(tiny_run), "--extrapolate", "--gpus", "0"])
     assert e.value.code == 2
+
+
+def test_rates_measured_on_a_cpu_are_laid_out_on_gpus_only_when_told(tiny_run, tmp_path, capsys):
+    """Regression: dflash.plan laid out GPUs from stage rates measured on a CPU without a word.
+    Invariant: refused (one line, exit 2) unless --extrapolate, which marks every predicted figure
+    ~ and says so above the table and in the written graph's header; rates given for both stages
+    are taken as the GPU rates they claim to be."""
+    assert main([str(tiny_run), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "measured on a CPU" in err and "--extrapolate" in err
+    out = tmp_path / "plan.toml"
+    assert main([str(tiny_run), "--gpus", "8", "--extrapolate", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("EXTRAPOLATED: ")
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+    table = lines[head + 1:lines.index("", head)]
+    assert table and all(" ~" in row for row in table), table
+    assert "EXTRAPOLATED from CPU rates" in out.read_text().splitlines()[0]
+    assert main([str(tiny_run), "--gpus", "8", "--target-tok-s", "30000", "--drafter-tok-s", "40000"]) == 0
+    assert "EXTRAPOLATED" not in capsys.readouterr().out
 
 
 def test_o_replaces_only_its_own_plans_and_never_the_runs_config(tiny_run, tmp_path, capsys):
@@ -166,22 +187,22 @@ def test_o_replaces_only_its_own_plans_and_never_the_runs_config(tiny_run, tmp_p
     Invariant: a plan it wrote is replaced; another file is refused (one line, exit 2, untouched)
     unless --force; the run's config.toml is refused even with --force."""
     plan = tmp_path / "plan.toml"
-    assert main([str(tiny_run), "--gpus", "4", "-o", str(plan)]) == 0
-    assert main([str(tiny_run), "--gpus", "8", "-o", str(plan)]) == 0  # its own plan: replaced
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "4", "-o", str(plan)]) == 0
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(plan)]) == 0  # its own plan: replaced
     assert "--gpus 8" in plan.read_text().splitlines()[0]
     notes = tmp_path / "notes.toml"
     notes.write_text("[mine]\nkeep = true\n")
     capsys.readouterr()
-    assert main([str(tiny_run), "--gpus", "8", "-o", str(notes)]) == 2
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(notes)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a plan dflash.plan wrote" in err and "--force" in err
     assert notes.read_text() == "[mine]\nkeep = true\n"
-    assert main([str(tiny_run), "--gpus", "8", "-o", str(notes), "--force"]) == 0
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(notes), "--force"]) == 0
     assert notes.read_text().startswith("# dflash.plan ")
     config = tiny_run / "config.toml"
     before = config.read_bytes()
     for extra in ([], ["--force"]):
-        assert main([str(tiny_run), "--gpus", "8", "-o", str(config), *extra]) == 2
+        assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(config), *extra]) == 2
         assert "the run's own config.toml" in capsys.readouterr().err
     assert config.read_bytes() == before
 
