@@ -33,7 +33,8 @@ def _parser():
         exit_codes={0: "ranked (and written with -o)",
                     2: "a bad run directory or number, an -o file it must not replace, or rates measured "
                        "on a CPU without --extrapolate"},
-        examples=["python -m dflash.plan runs/dflash-tiny --gpus 8",
+        examples=["python -m dflash.plan runs/qwen3-8b-h200 --gpus 8",
+                  "python -m dflash.plan runs/dflash-tiny --gpus 8 --extrapolate   # CPU rates: a guess, marked ~",
                   "python -m dflash.plan runs/qwen3-8b-h200x2 --gpus 16 --hosts 2 --net-gbps 400 -o plan16.toml"])
     p.add_argument("run", help="a finished dflash.run directory (config.toml, csp/stats.jsonl, metrics.jsonl)")
     p.add_argument("--gpus", type=positive_int, required=True, help="GPUs to plan for, over all hosts")
