@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", metavar="SOURCE", help="a dflash.data source (e.g. sharegpt): the run's "
                      "held-out conversations when the checkpoint is in its run directory, else the last "
                      "N of SOURCE")
-    p.add_argument("--num-prompts", type=int, default=8, metavar="N", help="prompts to decode")
+    p.add_argument("--num-prompts", type=int, default=None, metavar="N",
+                   help="prompts to decode: exactly N (fewer existing is an error naming how many exist); "
+                        "left out, 8 or as many as exist")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
                    help="prompt tokens kept (the last ones)")

@@ -50,7 +50,10 @@ from dflash.eval.report import (
     format_result,
 )
 
-__all__ = ["main", "prompt_ids"]
+__all__ = ["DEFAULT_NUM_PROMPTS", "main", "prompt_ids"]
+
+DEFAULT_NUM_PROMPTS = 8
+"""Prompts decoded when ``--num-prompts`` is left out (or as many as exist, said in one line)."""
 
 
 def prompt_ids(args, tok, texts: list[str] | None = None, data_cfg=None) -> list[list[int]]:
@@ -78,11 +81,7 @@ def prompt_ids(args, tok, texts: list[str] | None = None, data_cfg=None) -> list
         print("dflash.eval: the run held out no conversations (data.holdout = 0): using the last "
               f"{args.num_prompts} conversations of {args.data} (training data)", file=sys.stderr)
     else:
-        out = heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens)
-        if len(out) < args.num_prompts:
-            print(f"dflash.eval: only {len(out)} usable held-out conversations "
-                  f"(data.holdout = {'left out' if data_cfg.holdout is None else data_cfg.holdout})", file=sys.stderr)
-        return out
+        return heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens)
     return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
 
 
@@ -101,6 +100,8 @@ def _main(argv: list[str] | None) -> int:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    asked = args.num_prompts  # None: the default, 8 or as many as exist
+    args.num_prompts = DEFAULT_NUM_PROMPTS if asked is None else asked
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if args.threads < 1:
@@ -177,6 +178,15 @@ def _main(argv: list[str] | None) -> int:
         print(f"dflash.eval: no usable prompt in --data {args.data} (every conversation opens with an "
               "assistant turn)", file=sys.stderr)
         return 2
+    if len(ids) < args.num_prompts:  # decode what was asked, or say how many exist
+        where = (args.prompts if args.prompts else f"the run's held-out conversations of {args.data}"
+                 if data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0 else f"--data {args.data}")
+        if asked is not None:
+            print(f"dflash.eval: --num-prompts {asked} asked, but {where} holds {len(ids)} usable prompts; "
+                  f"give --num-prompts {len(ids)} or fewer", file=sys.stderr)
+            return 2
+        print(f"dflash.eval: decoding the {len(ids)} usable prompts of {where} (fewer than the default "
+              f"{DEFAULT_NUM_PROMPTS})", file=sys.stderr)
     prompts = [torch.tensor(x, device=args.device) for x in ids]
     res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed)
