@@ -179,14 +179,19 @@ def _main(argv: list[str] | None) -> int:
               "assistant turn)", file=sys.stderr)
         return 2
     if len(ids) < args.num_prompts:  # decode what was asked, or say how many exist
-        where = (args.prompts if args.prompts else f"the run's held-out conversations of {args.data}"
-                 if data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0 else f"--data {args.data}")
+        if args.prompts:
+            where = args.prompts
+        elif data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0:
+            where = f"the run's held-out conversations of {args.data}"
+        else:
+            where = f"--data {args.data}"
+        have = f"{len(ids)} usable prompt{'' if len(ids) == 1 else 's'}"
         if asked is not None:
-            print(f"dflash.eval: --num-prompts {asked} asked, but {where} holds {len(ids)} usable prompts; "
-                  f"give --num-prompts {len(ids)} or fewer", file=sys.stderr)
+            print(f"dflash.eval: --num-prompts {asked} asked, but {where} holds {have}; give --num-prompts "
+                  f"{len(ids)} or fewer", file=sys.stderr)
             return 2
-        print(f"dflash.eval: decoding the {len(ids)} usable prompts of {where} (fewer than the default "
-              f"{DEFAULT_NUM_PROMPTS})", file=sys.stderr)
+        print(f"dflash.eval: decoding the {have} of {where} (fewer than the default {DEFAULT_NUM_PROMPTS})",
+              file=sys.stderr)
     prompts = [torch.tensor(x, device=args.device) for x in ids]
     res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
                    top_p=args.top_p, top_k=args.top_k, seed=args.seed)
