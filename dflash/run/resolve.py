@@ -111,7 +111,8 @@ def drafter_replicas(cfg: DFlashFile) -> int:
     return next((p.replicas for p in cfg.process if p.kind == DRAFTER_KIND), 1)
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a ConfigError is printed as one)."""
     return " ".join(str(exc).split())
 
 
@@ -140,7 +141,7 @@ def target_hf_config(target: TargetConfig) -> PretrainedConfig:
     try:
         return build_hf_config(target)
     except (OSError, ValueError) as exc:  # FileNotFoundError, bad overrides, unreadable config.json
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None
 
 
 def resolve_drafter(cfg: DFlashFile, hf: PretrainedConfig) -> DrafterConfig:
@@ -158,7 +159,7 @@ def resolve_drafter(cfg: DFlashFile, hf: PretrainedConfig) -> DrafterConfig:
         drafter = cfg.drafter.resolve(hf, layer_ids)
         drafter.check_resolved()
     except ValueError as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None
     return drafter
 
 

@@ -32,7 +32,7 @@ from dflash.model.drafter_config import DrafterConfig, check_drafter_devices
 from dflash.model.target_config import check_target_devices
 from dflash.observe.config import check_monitor
 from dflash.run.config import DFlashFile
-from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas
+from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas, one_line
 from dflash.train.config import check_train, lr_warnings
 
 __all__ = ["check_drafter_replicas", "check_run_dir", "check_trains_something", "devices_of",
@@ -170,7 +170,7 @@ def check_run_dir(out_dir: str) -> None:
             if not os.access(p, os.W_OK | os.X_OK):
                 raise ConfigError(f"{key}: {p} is not writable by this user; choose another run.out_dir")
     except (OSError, ValueError) as exc:  # a NUL byte, a name the OS refuses: still one line
-        raise ConfigError(f"{key} cannot be used: {_one_line(exc)}") from None
+        raise ConfigError(f"{key} cannot be used: {one_line(exc)}") from None
 
 
 def _size(n: float) -> str:
@@ -197,7 +197,3 @@ def disk_space_warnings(out_dir: str, drafter: DrafterConfig, keep_last: int) ->
     return [(f"run.out_dir = {out_dir!r}: {device_of(existing)} has {_size(free)} free, short of the "
              f"{_size(need)} that {keep_last + 1} checkpoints of about {_size(one)} need (checkpoint.keep_last = "
              f"{keep_last}, plus the one being written); a full disk stops the run (exit 4)")]
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
