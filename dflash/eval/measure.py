@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from dflash.eval.decode import (
     CachedDrafterProposer,
     DrafterProposer,
+    greedy_decode,
     speculative_decode,
 )
-from dflash.eval.report import EvalResult, PromptResult, SelectorFigures
+from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SelectorFigures, SpeedResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
@@ -87,18 +90,56 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+@dataclass
+class _Decoded:
+    """One decode (a prompt's turn) and, once scored, its teacher-forced figures."""
+
+    index: int                         # the prompt (its category is the prompt's)
+    turn: int                          # 0: the first user turn
+    prompt_len: int
+    tokens: torch.Tensor               # [prompt_len + max_new_tokens] the greedy decode's output
+    acc_m: list[int]                   # accepted drafts of each verify step
+    visited: list[int]                 # the anchors the decode verified at
+    greedy_seconds: float              # the draft-and-verify greedy decode, synchronised
+    sampled_m: list[int] = field(default_factory=list)
+    sampled_seconds: float = 0.0
+    target_seconds: float | None = None  # the target alone, greedy (speed=True)
+    result: PromptResult | None = None
+    correct: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    streaks: torch.Tensor | None = None
+    s_vis: torch.Tensor | None = None
+    extra: tuple | None = None
+
+
 def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> EvalResult:
-    """Greedy speculative decode of each prompt ``[n]`` + teacher-forced scoring of the same text;
-    with ``temperature > 0`` also a sampled decode of each prompt (one ``torch.Generator`` seeded
-    with ``seed``), whose measured tau is reported beside greedy
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
+             next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
+             speed: bool = False) -> EvalResult:
+    """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
+    of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
+    ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
     (:func:`~dflash.eval.decode.speculative_decode` has the rule; a DFlash2 drafter samples its
     selector's walk, ``q`` restricted to the K candidates, :mod:`dflash.eval.selector`).
 
+    Args:
+        categories: one per prompt; the result then has a :class:`CategoryResult` per category
+            (in first-seen order) and the mean over categories. None: one category, ``"all"``.
+        next_turn: ``next_turn(i, turn, tokens [n + max_new_tokens]) -> prompt [n'] | None``,
+            called after prompt ``i``'s greedy decode of turn ``turn`` (0 first) with its tokens: the
+            next turn's prompt (e.g. MT-Bench's second question after the target's own answer;
+            the greedy decode's output is the target's own greedy text), or None when the prompt
+            has no further turn. Every turn counts under its prompt's category.
+        speed: also time the target alone (:func:`~dflash.eval.decode.greedy_decode`) on every
+            decoded prompt, after one untimed warm-up decode of each kind, every timed region
+            synchronised: :class:`SpeedResult` (wall-clock tokens/s of both, their ratio).
+
     Raises:
-        ValueError: bad sampling parameters.
+        ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
     """
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     bs = drafter.cfg.block_size
     cached = all(t == "full_attention" for t in drafter.cfg.types)
     dflash2 = is_dflash2(drafter)
@@ -108,58 +149,107 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             return selector_proposer(drafter, head)
         return CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
 
-    per, all_m, all_streak, all_streaks, corrects, valids, extra = [], [], [], [], [], [], []
-    seconds = 0.0
-    for prompt in prompts:
-        t0 = _clock(prompt.device)
-        tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs)
-        seconds += _clock(prompt.device) - t0
-        n = prompt.shape[0]
-        region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
-        if dflash2:  # scored by the walk it drafts with; the backbone's top-1 and the top-K beside it
-            hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
-            correct, top1, in_k = block_figures(drafter, head, hidden, tokens[region], labels)
-            extra.append((top1, in_k, valid))
-        else:
-            correct, valid = teacher_forced(target, drafter, head, tokens, region)
-        streaks = streak_lengths(correct, valid)
-        s_vis = streaks[torch.tensor(visited, device=tokens.device) - n]
-        acc = accuracy_per_position(correct, valid)
-        mean_m, sim = sum(acc_m) / len(acc_m), simulated_accepted_length(acc)
-        per.append(PromptResult(
-            prompt_len=n, new_tokens=tokens.shape[0] - n, steps=len(acc_m),
-            tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
-            tau_sim=tau_from_accepted(sim), accepted_sim=sim,
-            streak_all=float(streaks.float().mean()), streak_visited=float(s_vis.float().mean())))
-        all_m += acc_m
-        all_streaks.append(streaks)
-        all_streak += s_vis.tolist()
-        corrects.append(correct)
-        valids.append(valid)
-    acc = accuracy_per_position(torch.cat(corrects), torch.cat(valids))
+    if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
+        speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs)
+        greedy_decode(target, prompts[0], max_new_tokens)
+    gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
+    decoded: list[_Decoded] = []
+    for i, first in enumerate(prompts):
+        prompt, turn = first, 0
+        while prompt is not None:
+            t0 = _clock(prompt.device)
+            tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs)
+            d = _Decoded(i, turn, prompt.shape[0], tokens, acc_m, visited, _clock(prompt.device) - t0)
+            if speed:
+                t0 = _clock(prompt.device)
+                greedy_decode(target, prompt, max_new_tokens)
+                d.target_seconds = _clock(prompt.device) - t0
+            if gen is not None:  # the generator's stream runs through the prompts in order
+                t0 = _clock(prompt.device)
+                d.sampled_m = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
+                                                 temperature=temperature, top_p=top_p, top_k=top_k,
+                                                 generator=gen)[1]
+                d.sampled_seconds = _clock(prompt.device) - t0
+            decoded.append(d)
+            prompt = next_turn(i, turn, tokens) if next_turn is not None else None
+            turn += 1
+    for d in decoded:  # teacher-forced scoring, after every timed decode
+        _score(d, target, drafter, head, dflash2)
+    cats = categories or ["all"] * len(prompts)
+    res = _summary(decoded, drafter, dflash2)
+    res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
+    res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
+    res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
+                      for name in dict.fromkeys(cats)]
+    res.speed = _speed(decoded) if speed else None
+    return res
+
+
+def _score(d: _Decoded, target, drafter, head, dflash2: bool) -> None:
+    """Teacher-forced figures of one decode's text: a block at every anchor after the prompt."""
+    tokens, n = d.tokens, d.prompt_len
+    region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
+    if dflash2:  # scored by the walk it drafts with; the backbone's top-1 and the top-K beside it
+        hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
+        correct, top1, in_k = block_figures(drafter, head, hidden, tokens[region], labels)
+        d.extra = (top1, in_k, valid)
+    else:
+        correct, valid = teacher_forced(target, drafter, head, tokens, region)
+    d.correct, d.valid = correct, valid
+    d.streaks = streak_lengths(correct, valid)
+    d.s_vis = d.streaks[torch.tensor(d.visited, device=tokens.device) - n]
+    acc = accuracy_per_position(correct, valid)
+    mean_m, sim = sum(d.acc_m) / len(d.acc_m), simulated_accepted_length(acc)
+    d.result = PromptResult(
+        prompt_len=n, new_tokens=tokens.shape[0] - n, steps=len(d.acc_m),
+        tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+        tau_sim=tau_from_accepted(sim), accepted_sim=sim,
+        streak_all=float(d.streaks.float().mean()), streak_visited=float(d.s_vis.float().mean()),
+        prompt=d.index, turn=d.turn)
+
+
+def _summary(decoded: list[_Decoded], drafter, dflash2: bool) -> EvalResult:
+    """The aggregate over every decode: measured figures pooled over all verify steps."""
+    acc = accuracy_per_position(torch.cat([d.correct for d in decoded]), torch.cat([d.valid for d in decoded]))
+    all_m = [m for d in decoded for m in d.acc_m]
+    all_vis = [s for d in decoded for s in d.s_vis.tolist()]
     mean_m = sum(all_m) / max(len(all_m), 1)
     sim = simulated_accepted_length(acc)
-    sampled_m = None
-    if temperature > 0:
-        gen = torch.Generator(device=target.device).manual_seed(seed)
-        ms: list[int] = []
-        for prompt in prompts:
-            t0 = _clock(prompt.device)
-            ms += speculative_decode(target, proposer(), prompt, max_new_tokens, bs, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, generator=gen)[1]
-            seconds += _clock(prompt.device) - t0
-        sampled_m = sum(ms) / max(len(ms), 1)
+    sampled = [m for d in decoded for m in d.sampled_m]
+    sampled_m = sum(sampled) / len(sampled) if sampled else None
     return EvalResult(
-        dtype=str(target.model.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, seconds=seconds,
+        seconds=sum(d.greedy_seconds + d.sampled_seconds for d in decoded),
         sampled_tau=None if sampled_m is None else tau_from_accepted(sampled_m),
         sampled_accepted=sampled_m, tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
-                      tau_sim=tau_from_accepted(sim), accepted_sim=sim,
-                      streak_visited=sum(all_streak) / max(len(all_streak), 1),
-                      streak_all=float(torch.cat(all_streaks).float().mean()),
-                      acc_per_pos=_scored(acc), n_per_pos=torch.cat(valids).sum(0).tolist(),
-                      block_size=bs, per_prompt=per,
-                      selector=_selector_figures(drafter, extra) if dflash2 else None)
+        tau_sim=tau_from_accepted(sim), accepted_sim=sim,
+        streak_visited=sum(all_vis) / max(len(all_vis), 1),
+        streak_all=float(torch.cat([d.streaks for d in decoded]).float().mean()),
+        acc_per_pos=_scored(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
+        block_size=drafter.cfg.block_size, per_prompt=[d.result for d in decoded],
+        selector=_selector_figures(drafter, [d.extra for d in decoded]) if dflash2 else None)
+
+
+def _category(name: str, decoded: list[_Decoded]) -> CategoryResult:
+    """Measured figures of one category's decodes (every turn), pooled over their verify steps."""
+    ms = [m for d in decoded for m in d.acc_m]
+    sampled = [m for d in decoded for m in d.sampled_m]
+    mean_m = sum(ms) / max(len(ms), 1)
+    speed = _speed(decoded) if decoded and decoded[0].target_seconds is not None else None
+    return CategoryResult(
+        category=name, prompts=len({d.index for d in decoded}), decodes=len(decoded),
+        new_tokens=sum(d.result.new_tokens for d in decoded), steps=len(ms),
+        tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+        sampled_tau=tau_from_accepted(sum(sampled) / len(sampled)) if sampled else None,
+        speedup=None if speed is None else speed.speedup)
+
+
+def _speed(decoded: list[_Decoded]) -> SpeedResult:
+    """Wall-clock tokens/s of draft-and-verify and of the target alone over the same decodes."""
+    tokens = sum(d.result.new_tokens for d in decoded)
+    spec = sum(d.greedy_seconds for d in decoded)
+    alone = sum(d.target_seconds for d in decoded)
+    return SpeedResult(new_tokens=tokens, dflash_seconds=spec, target_seconds=alone,
+                       dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)
 
 
 def _selector_figures(drafter: DFlashDrafter, extra) -> SelectorFigures:

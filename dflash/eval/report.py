@@ -11,7 +11,8 @@ import math
 
 import msgspec
 
-__all__ = ["EvalResult", "PromptResult", "SelectorFigures", "explain", "format_prompt", "format_result"]
+__all__ = ["CategoryResult", "EvalResult", "Projection", "PromptResult", "SelectorFigures", "SpeedResult", "explain",
+           "format_categories", "format_prompt", "format_result", "format_speed"]
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -27,6 +28,67 @@ class PromptResult(msgspec.Struct, kw_only=True):
     accepted_sim: float
     streak_all: float
     streak_visited: float
+    prompt: int = 0
+    turn: int = 0
+
+
+class CategoryResult(msgspec.Struct, kw_only=True):
+    """Measured figures of one category's decodes (every turn of its prompts), pooled over their
+    verify steps, as SPEED-Bench and the DFlash paper tabulate them.
+
+    Attributes:
+        category: its name (MT-Bench's 8, a MATH subject, the set's name, or ``"all"``).
+        prompts: prompts of the category; ``decodes``: their decoded turns (MT-Bench: 2 per prompt).
+        new_tokens: tokens generated over those decodes; ``steps``: their verify steps.
+        tau: tokens per verify step (accepted + 1); ``mean_accepted``: ``tau - 1``.
+        sampled_tau: the sampled decode's tau (None when greedy only).
+        speedup: wall-clock target-alone time over draft-and-verify time, greedy, same prompts and
+            device (None when not measured).
+    """
+
+    category: str
+    prompts: int
+    decodes: int
+    new_tokens: int
+    steps: int
+    tau: float
+    mean_accepted: float
+    sampled_tau: float | None = None
+    speedup: float | None = None
+
+
+class SpeedResult(msgspec.Struct, kw_only=True):
+    """Wall-clock decode speed, batch 1, greedy, measured on the same prompts and device after one
+    untimed warm-up decode of each kind, every timed region synchronised (CUDA).
+
+    Attributes:
+        new_tokens: tokens each decoder generated (the same count; greedy draft-and-verify output
+            equals the target's own greedy output).
+        dflash_seconds, target_seconds: wall time of draft-and-verify and of the target alone.
+        dflash_tok_s, target_tok_s: ``new_tokens`` per second of each.
+        speedup: ``target_seconds / dflash_seconds``.
+    """
+
+    new_tokens: int
+    dflash_seconds: float
+    target_seconds: float
+    dflash_tok_s: float
+    target_tok_s: float
+    speedup: float
+
+
+class Projection(msgspec.Struct, kw_only=True):
+    """A projected speedup on a larger target: ``tau / cost_ratio`` (not a measurement).
+
+    Attributes:
+        speedup: the projected decode speedup at the measured tau.
+        cost_ratio: ``(t_verify(bs) + t_draft) / t_greedy`` measured at the projected shape.
+        basis: where ``cost_ratio`` was measured (shape, drafter, device, the benchmark command).
+    """
+
+    speedup: float
+    cost_ratio: float
+    basis: str
 
 
 class SelectorFigures(msgspec.Struct, kw_only=True):
@@ -79,6 +141,12 @@ class EvalResult(msgspec.Struct, kw_only=True):
         seconds: wall time of the greedy decodes (and the sampled ones), in seconds.
         selector: a DFlash2 drafter's :class:`SelectorFigures` (its measured and teacher-forced
             figures above are those of the selector's walk, the tokens it drafts); None for DFlash.
+        prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
+        categories: one :class:`CategoryResult` per category, in first-seen order.
+        macro_tau: the mean of the categories' tau (each category weighs the same, as SPEED-Bench
+            averages); ``tau`` above pools every verify step instead.
+        speed: the measured :class:`SpeedResult` (None when not measured).
+        projection: the projected speedup on an 8B-class target (:mod:`dflash.eval.projection`).
     """
 
     tau: float
@@ -101,6 +169,15 @@ class EvalResult(msgspec.Struct, kw_only=True):
     seconds: float | None = None
     selector: SelectorFigures | None = None
     n_per_pos: list[int] = msgspec.field(default_factory=list)
+    prompt_set: str = ""
+    categories: list[CategoryResult] = msgspec.field(default_factory=list)
+    speed: SpeedResult | None = None
+    projection: Projection | None = None
+
+    @property
+    def macro_tau(self) -> float | None:
+        """Mean of the categories' tau (None without categories)."""
+        return sum(c.tau for c in self.categories) / len(self.categories) if self.categories else None
 
     @property
     def tokens_per_step(self) -> float:
@@ -175,8 +252,57 @@ def _per_position(acc: list[float | None], n: list[int]) -> str:
     return f"{text} ({counts}-: no anchor reached that position)"
 
 
+def format_categories(res: EvalResult) -> str:
+    """The per-category table (SPEED-Bench's layout): prompts, decoded turns, tokens, verify steps,
+    tau, accepted length, the sampled tau and the measured speedup where present, then the pooled
+    row over every category and the mean over categories."""
+    sampled = res.sampled_tau is not None
+    speed = res.speed is not None
+    head = f"{'category':<14s}{'prompts':>8s}{'turns':>7s}{'tokens':>9s}{'steps':>8s}{'tau':>8s}{'accepted':>10s}"
+    head += f"{'sampled tau':>13s}" if sampled else ""
+    head += f"{'speedup':>9s}" if speed else ""
+    lines = [f"{res.prompt_set or 'prompts'}: tau = tokens per verify step (accepted + 1)", head]
+
+    def row(c: CategoryResult) -> str:
+        text = (f"{c.category[:13]:<14s}{c.prompts:>8d}{c.decodes:>7d}{c.new_tokens:>9d}{c.steps:>8d}"
+                f"{c.tau:>8.3f}{c.mean_accepted:>10.3f}")
+        if sampled:
+            text += f"{c.sampled_tau:>13.3f}" if c.sampled_tau is not None else f"{'-':>13s}"
+        if speed:
+            text += f"{c.speedup:>8.2f}x" if c.speedup is not None else f"{'-':>9s}"
+        return text
+
+    lines += [row(c) for c in res.categories]
+    if len(res.categories) > 1:
+        steps = sum(c.steps for c in res.categories)
+        lines.append(row(CategoryResult(
+            category="all (pooled)", prompts=sum(c.prompts for c in res.categories),
+            decodes=sum(c.decodes for c in res.categories), new_tokens=sum(c.new_tokens for c in res.categories),
+            steps=steps, tau=res.tau, mean_accepted=res.mean_accepted, sampled_tau=res.sampled_tau,
+            speedup=None if res.speed is None else res.speed.speedup)))
+        lines.append(f"{'mean of categories':<46s}{res.macro_tau:>8.3f}{res.macro_tau - 1:>10.3f}")
+    return "\n".join(lines)
+
+
+def format_speed(res: EvalResult) -> str:
+    """The measured speedup line and, when present, the projection line (labelled as one)."""
+    lines = []
+    s = res.speed
+    if s is not None:
+        lines.append(f"measured speedup {s.speedup:.2f}x: draft-and-verify {s.dflash_tok_s:.1f} tok/s vs the "
+                     f"target alone {s.target_tok_s:.1f} tok/s (greedy, batch 1, {s.new_tokens} tokens each, "
+                     f"{res.dtype}, warmed up, synchronised)")
+    p = res.projection
+    if p is not None:
+        lines.append(f"projected speedup {p.speedup:.2f}x on an 8B-class target at this tau (a projection, "
+                     f"not a measurement: tau / c, c = {p.cost_ratio:.3f} measured for {p.basis})")
+    return "\n".join(lines)
+
+
 def format_prompt(i: int, r: PromptResult) -> str:
-    """The per-prompt line ``dflash.eval`` prints before the table."""
-    return (f"prompt {i}: len {r.prompt_len} new {r.new_tokens} steps {r.steps} "
+    """The per-prompt line ``dflash.eval`` prints before the table (``i``: the prompt's index; a
+    later turn of the same prompt is labelled ``prompt i turn t``)."""
+    label = f"{i} turn {r.turn + 1}" if r.turn else str(i)
+    return (f"prompt {label}: len {r.prompt_len} new {r.new_tokens} steps {r.steps} "
             f"tau {r.tau:.3f} (accepted {r.mean_accepted:.3f}) streak@visited {r.streak_visited:.3f} "
             f"streak@all {r.streak_all:.3f} tau_sim {r.tau_sim:.3f}")
