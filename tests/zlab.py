@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ENV = "ZLAB_DFLASH_PATH"
-SKIP_REASON = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH)"
+SKIP_REASON = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH; eval \"$(bash tests/interop_setup.sh .stacks)\" sets it)"
 
 
 def zlab_model():

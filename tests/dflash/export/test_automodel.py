@@ -134,7 +134,7 @@ def test_export_loads_its_weights_under_transformers_5_8(tmp_path):
     if not (Path(OLD_TRANSFORMERS) / "transformers" / "__init__.py").is_file():
         pytest.skip(f"transformers 5.8.1 not installed at {OLD_TRANSFORMERS} (set DFLASH_TRANSFORMERS_5_8; "
                     "pip install --no-deps --target DIR transformers==5.8.1 tokenizers==0.22.2 "
-                    "'huggingface-hub>=1.5,<2')")
+                    "'huggingface-hub>=1.5,<2'; or eval \"$(bash tests/interop_setup.sh .stacks)\")")
     out_dir = tmp_path / "export"
     export_drafter(make(["sliding_attention", "full_attention"]), out_dir, torch.float32)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

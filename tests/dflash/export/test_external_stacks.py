@@ -19,6 +19,7 @@ from tests.external_stacks import SLIDING_THEN_FULL, fixture
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "external_stacks.py"
+SETUP = ' (eval "$(bash tests/interop_setup.sh .stacks)" builds both stacks and sets the variables)'
 HOW = {
     "speculators": "DFLASH_SPECULATORS_PYTHON unset: a venv's python with torch, "
                    "`pip install --no-deps speculators==0.9.0` and its imports (transformers==5.19.0, loguru, "
@@ -52,7 +53,7 @@ def test_speculators_loads_the_export_and_gives_our_logits(tmp_path):
     block token (context ``[a - w, a)``), z-lab and this project from each token (``[a + j - w, a)``),
     so a sliding-window drafter's logits differ there (0.26 on this fixture)."""
     if not os.environ.get("DFLASH_SPECULATORS_PYTHON"):
-        pytest.skip(HOW["speculators"])
+        pytest.skip(HOW["speculators"] + SETUP)
     got = _run("speculators", tmp_path, None)
     assert got["missing"] == [] and got["unexpected"] == [] and got["max_abs_logit_diff"] <= 1e-4
 
@@ -64,6 +65,6 @@ def test_specforge_loads_the_export_and_gives_our_logits(tmp_path, types):
     (sliding layers given the DFlash decode mask, which SpecForge's forward takes per layer type)."""
     src = os.environ.get("DFLASH_SPECFORGE_SRC")
     if not (os.environ.get("DFLASH_SPECFORGE_PYTHON") and src):
-        pytest.skip(HOW["specforge"])
+        pytest.skip(HOW["specforge"] + SETUP)
     got = _run("specforge", tmp_path, types, src)
     assert got["missing"] == [] and got["unexpected"] == [] and got["max_abs_logit_diff"] <= 1e-4

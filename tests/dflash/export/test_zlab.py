@@ -19,7 +19,7 @@ from dflash.export import export_drafter
 from dflash.model.target import load_target
 from tests.dflash.export.test_export import TCFG, make
 
-SKIP = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH)"
+SKIP = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH; eval \"$(bash tests/interop_setup.sh .stacks)\" sets it)"
 
 
 @pytest.fixture(scope="module")
