@@ -119,6 +119,10 @@ class Process:
     Class attributes:
         inputs: port name -> item type received on that port (``object``/``Any`` accepts all).
         outputs: port name -> item type sent on that port.
+        optional: names of ports (inputs or outputs) a graph may leave unconnected; ``run`` then
+            finds no entry for them in ``inputs`` / ``outputs``. For a port that adds a feature
+            (a side output of snapshots, a second input of occasional results) without making
+            every graph wire it. Default: none, every declared port must be connected.
         Options: a msgspec Struct decoded from the graph's ``[process.options]`` table (unknown
             keys rejected). The default accepts no keys.
         sends_first: True if ``run`` sends before its first receive, so the process can start a
@@ -140,6 +144,7 @@ class Process:
 
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}
+    optional: ClassVar[frozenset[str]] = frozenset()
     sends_first: ClassVar[bool] = False
     seq_origin: ClassVar[bool] = False
 

@@ -16,7 +16,8 @@ from csp.graph.port_types import compatible, type_name
 def check_wiring(processes: dict[str, ProcessNode], channels: dict[str, ChannelNode]) -> None:
     """Check the wiring and devices of a graph's nodes. Raises GraphError naming the first bad node.
 
-    Checked: every port connected to a declared channel, every channel with a sender and a
+    Checked: every port connected to a declared channel (but those the class lists in
+    ``optional``, which may be left out), every channel with a sender and a
     receiver, port types compatible (:func:`csp.graph.compatible`), devices exist, async
     processes not bound to CUDA, and the topology (:func:`check_topology`).
     """
@@ -29,7 +30,7 @@ def check_wiring(processes: dict[str, ProcessNode], channels: dict[str, ChannelN
             (p.cls.outputs, p.outputs, "output", senders),
         ):
             for port in declared:
-                if port not in wired:
+                if port not in wired and port not in p.cls.optional:
                     raise GraphError(
                         f"{where}: {direction} port {port!r} is not connected; add it to "
                         f"{direction}s = {{ {port} = \"<channel>\" }}"

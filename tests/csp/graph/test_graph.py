@@ -411,6 +411,50 @@ def test_validation_errors(make, message):
         g.validate()
 
 
+class EmitWithTap(csp.Process):
+    """Sends 0..4 on ``out``, and each also on ``tap`` when the graph connects it."""
+
+    outputs = {"out": int, "tap": int}
+    optional = frozenset({"tap"})
+
+    def run(self, inputs, outputs):
+        for i in range(5):
+            outputs["out"].send(i)
+            if "tap" in outputs:
+                outputs["tap"].send(i * 10)
+
+
+class Collect(csp.Process):
+    """Collects ``inp`` (and ``extra`` when connected) into the app's lists."""
+
+    inputs = {"inp": int, "extra": int}
+    optional = frozenset({"extra"})
+
+    def run(self, inputs, outputs):
+        self.ctx.app.setdefault(self.ctx.name, []).extend(inputs.get("extra") or inputs["inp"])
+
+
+def test_an_optional_port_may_be_left_out_and_works_when_connected():
+    """Invariant: a port the class lists in ``optional`` may stay unconnected (the process then
+    finds no entry for it); connected, it carries items like any port; a required port left out
+    is still an error."""
+    got: dict = {}
+    g = csp.Graph().channel("items", capacity=2)
+    g.process("emit", EmitWithTap, outputs={"out": "items"}).process("take", Collect, inputs={"inp": "items"})
+    csp.Runtime(g, app=got).run()
+    assert got == {"take": [0, 1, 2, 3, 4]}
+    got.clear()
+    g = csp.Graph().channel("items", capacity=2).channel("taps", capacity=2)
+    g.process("emit", EmitWithTap, outputs={"out": "items", "tap": "taps"})
+    g.process("take", Collect, inputs={"inp": "items"}).process("tap", Collect, inputs={"inp": "taps"})
+    csp.Runtime(g, app=got).run()
+    assert got == {"take": [0, 1, 2, 3, 4], "tap": [0, 10, 20, 30, 40]}
+    g = csp.Graph().channel("items", capacity=2)
+    g.process("emit", EmitWithTap, outputs={"tap": "items"}).process("take", Collect, inputs={"inp": "items"})
+    with pytest.raises(csp.GraphError, match="process 'emit': output port 'out' is not connected"):
+        g.validate()
+
+
 def test_cuda_means_cuda_0_and_is_ambiguous_for_several_replicas():
     """Regression: ``device = "cuda"`` was rejected, needing "cuda:N". Invariant: "cuda"
     is stored as "cuda:0" (torch's meaning without set_device) for one replica and in a
