@@ -37,7 +37,7 @@ EXIT_CODES = {
 }
 
 
-DFLASH_TABLES = ("run", "data", "target", "drafter", "loss", "train", "checkpoint", "monitor")
+DFLASH_TABLES = ("run", "data", "target", "drafter", "loss", "train", "checkpoint", "monitor", "eval")
 """The top-level tables a DFlash graph file has beyond csp's own (``dflash.run.config.DFlashFile``):
 an unknown-field error on one of them says the file is for ``python -m dflash.run``."""
 

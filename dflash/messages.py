@@ -1,7 +1,7 @@
 """The typed items that travel on the DFlash training graph's channels.
 
 prefetch --Batch--> target[i] --TargetOutput--> postprocess --DrafterInput--> drafter
---StepMetrics--> monitor
+--StepMetrics--> monitor; with ``[eval]``: drafter --DrafterSnapshot--> evaluator --HeldoutTau--> monitor
 
 :class:`LossInput` is the part of a :class:`DrafterInput` the loss reads (``inp.loss_input()``).
 
@@ -205,3 +205,46 @@ class StepMetrics(msgspec.Struct, kw_only=True):
     recall_k: float | None = None
     oracle_accepted: float | None = None
     label_missing: int | None = None
+
+
+class DrafterSnapshot(msgspec.Struct, kw_only=True):
+    """A copy of the drafter's weights after a step, for the in-training evaluator.
+
+    Attributes:
+        step: the drafter step the weights are from (1-based, counted over the whole run).
+        weights: ``state_dict`` copies (the drafter's fp32 master weights, on its device): the
+            trainer goes on updating its own parameters while the evaluator reads these.
+        final: the run's last weights (sent blocking, so the final evaluation always happens).
+        dropped: snapshots not sent since the previous one because the evaluator was still busy.
+    """
+
+    step: int
+    weights: dict[str, torch.Tensor]
+    final: bool = False
+    dropped: int = 0
+
+
+class HeldoutTau(msgspec.Struct, kw_only=True):
+    """What the evaluator measured on held-out prompts with one snapshot (its ``[eval]`` settings).
+
+    Attributes:
+        step: the snapshot's step.
+        tau: measured tokens per verify step (accepted + 1) of greedy draft-and-verify, pooled
+            over every verify step of every prompt; ``accepted`` = ``tau - 1``.
+        sampled_tau: the same for the sampled decode at ``[eval].temperature`` (None when greedy only).
+        prompts: prompts decoded; new_tokens: tokens generated (greedy); steps: verify steps (greedy).
+        seconds: wall time of the evaluation (decodes and the weight load).
+        skipped: snapshots dropped since the previous evaluation because the evaluator was busy.
+        time: unix time when it finished.
+    """
+
+    step: int
+    tau: float
+    accepted: float
+    prompts: int
+    new_tokens: int
+    steps: int
+    seconds: float
+    sampled_tau: float | None = None
+    skipped: int = 0
+    time: float = 0.0

@@ -9,6 +9,7 @@ start       :func:`dflash.run.cli.prepare`, once per process          :class:`St
 resume      :func:`dflash.run.cli.prepare`, after a resume            :class:`ResumeRecord`
 train       the monitor stage, once per fixed window of steps     :class:`TrainRecord`
 skip        the monitor stage, once per non-finite (skipped) step :class:`SkipRecord`
+heldout     the monitor stage, once per in-training evaluation      :class:`HeldoutRecord`
 checkpoint  the checkpoint writer, after each save attempt; the     :class:`CheckpointRecord`
             trainer again (``demoted: true``) when it later marks
             a checkpoint unhealthy
@@ -38,7 +39,7 @@ from typing import Any, Union
 import msgspec
 from msgspec import UNSET, UnsetType
 
-__all__ = ["KINDS", "CheckpointRecord", "EndRecord", "MetricsFormatError", "Record", "RecordBase",
+__all__ = ["KINDS", "CheckpointRecord", "EndRecord", "HeldoutRecord", "MetricsFormatError", "Record", "RecordBase",
            "ResumeRecord", "SkipRecord", "StartRecord", "TrainRecord", "decode_line", "encode",
            "read_records", "to_record"]
 
@@ -168,6 +169,22 @@ class SkipRecord(RecordBase, tag="skip"):
     time: float | UnsetType = UNSET
 
 
+class HeldoutRecord(RecordBase, tag="heldout"):
+    """Measured tau of real draft-and-verify decoding on held-out prompts with the weights of
+    ``step`` (``[eval]``; :class:`dflash.messages.HeldoutTau` has the fields' meaning)."""
+
+    step: int
+    tau: Float = UNSET
+    accepted: Float = UNSET
+    sampled_tau: Float = UNSET
+    prompts: int | UnsetType = UNSET
+    new_tokens: int | UnsetType = UNSET
+    steps: int | UnsetType = UNSET
+    seconds: Float = UNSET
+    skipped: int | UnsetType = UNSET
+    time: float | UnsetType = UNSET
+
+
 class CheckpointRecord(RecordBase, tag="checkpoint"):
     """A save attempt at ``step``: ``path`` None when nothing was written (non-finite state);
     ``reason`` set when not healthy; ``save_s``: seconds from snapshot to rename.
@@ -197,7 +214,7 @@ class EndRecord(RecordBase, tag="end"):
     time: float | UnsetType = UNSET
 
 
-Record = Union[StartRecord, ResumeRecord, TrainRecord, SkipRecord, CheckpointRecord, EndRecord]
+Record = Union[StartRecord, ResumeRecord, TrainRecord, SkipRecord, HeldoutRecord, CheckpointRecord, EndRecord]
 """Any metrics.jsonl record (msgspec picks the type by ``kind``)."""
 
 KINDS: dict[str, type[RecordBase]] = {t.__struct_config__.tag: t for t in Record.__args__}

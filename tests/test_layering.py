@@ -27,8 +27,9 @@ floor  rooms
 1      ``dflash.data``, ``dflash.model``
 2      ``dflash.checkpoint``
 3      ``dflash.train``, ``dflash.observe``
-4      ``dflash.eval``, ``dflash.run``
-5      the tools and thin entry modules: ``dflash.export``, ``dflash.regenerate``,
+4      ``dflash.eval`` (decoding a drafter against its target, the evaluation sets)
+5      ``dflash.run`` (the graph's stages, the in-training evaluator among them)
+6      the tools and thin entry modules: ``dflash.export``, ``dflash.regenerate``,
        ``dflash.pretrain``, ``dflash.logs``, ``dflash.plot``, ``dflash.plan``
 =====  ==========================================================================================
 
@@ -61,9 +62,9 @@ FLOORS = {
     "dflash.data": 1, "dflash.model": 1,
     "dflash.checkpoint": 2,
     "dflash.train": 3, "dflash.observe": 3,
-    "dflash.eval": 4, "dflash.run": 4,
-    "dflash.export": 5, "dflash.regenerate": 5, "dflash.pretrain": 5, "dflash.logs": 5, "dflash.plot": 5,
-    "dflash.plan": 5,
+    "dflash.eval": 4, "dflash.run": 5,
+    "dflash.export": 6, "dflash.regenerate": 6, "dflash.pretrain": 6, "dflash.logs": 6, "dflash.plot": 6,
+    "dflash.plan": 6,
 }
 
 # Modules imported alone in a fresh interpreter (no hidden dependency on import order): every

@@ -53,13 +53,13 @@ from dflash.eval.inputs import (
     run_data_config,
 )
 from dflash.eval.measure import evaluate
+from dflash.eval.projection import project_8b
 from dflash.eval.report import (
     format_categories,
     format_prompt,
     format_result,
     format_speed,
 )
-from dflash.eval.projection import project_8b
 from dflash.eval.sets import EvalPrompt, load_prompt_set
 from dflash.eval.turns import Turns, stratified
 

@@ -40,7 +40,7 @@ from dflash.train.acceptance import (
     tau_from_accepted,
 )
 
-__all__ = ["evaluate", "greedy_labels", "teacher_forced"]
+__all__ = ["DecodedTau", "decode_tau", "evaluate", "greedy_labels", "teacher_forced"]
 
 
 @torch.no_grad()
@@ -88,6 +88,57 @@ def _clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+@dataclass
+class DecodedTau:
+    """Measured tau only (:func:`decode_tau`): tokens per verify step pooled over every step."""
+
+    tau: float
+    accepted: float
+    new_tokens: int
+    steps: int
+    sampled_tau: float | None = None
+
+
+def _proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object]:
+    """A new proposer per decode: the selector walk for DFlash2, the cached drafter when every
+    layer attends fully, else the recomputing one."""
+    if is_dflash2(drafter):
+        return lambda: selector_proposer(drafter, head)
+    if all(t == "full_attention" for t in drafter.cfg.types):
+        return lambda: CachedDrafterProposer(drafter, head)
+    return lambda: DrafterProposer(drafter, head)
+
+
+@torch.no_grad()
+def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts: list[torch.Tensor],
+               max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int = 0) -> DecodedTau:
+    """The measured tau of greedy draft-and-verify over ``prompts`` (each ``[n]`` int64 ids), and
+    with ``temperature > 0`` of the sampled decode too (one generator seeded with ``seed``):
+    :func:`evaluate` without the teacher-forced scoring, for the in-training evaluator, whose cost
+    is the decodes alone.
+
+    Raises:
+        ValueError: an empty prompt or bad sampling parameters.
+    """
+    proposer, bs = _proposer_factory(drafter, head), drafter.cfg.block_size
+    ms, tokens = [], 0
+    for p in prompts:
+        out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs)
+        ms += acc
+        tokens += out.shape[0] - p.shape[0]
+    sampled = None
+    if temperature > 0:
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        sm = [m for p in prompts for m in speculative_decode(
+            target, proposer(), p, max_new_tokens, bs, temperature=temperature, top_p=top_p, top_k=top_k,
+            generator=gen)[1]]
+        sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))
+    mean = sum(ms) / max(len(ms), 1)
+    return DecodedTau(tau=tau_from_accepted(mean), accepted=mean, new_tokens=tokens, steps=len(ms),
+                      sampled_tau=sampled)
 
 
 @dataclass
@@ -141,13 +192,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     bs = drafter.cfg.block_size
-    cached = all(t == "full_attention" for t in drafter.cfg.types)
-    dflash2 = is_dflash2(drafter)
-
-    def proposer():
-        if dflash2:  # drafts with the selector's walk over its top-K (sampled: q over the K)
-            return selector_proposer(drafter, head)
-        return CachedDrafterProposer(drafter, head) if cached else DrafterProposer(drafter, head)
+    dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
+    proposer = _proposer_factory(drafter, head)
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
         speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs)

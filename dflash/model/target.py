@@ -32,7 +32,6 @@ from torch import nn
 from dflash.model.document_mask import document_attention_mask, document_causal_mask
 from dflash.model.layer_ids import default_layer_ids, resolve_layer_ids
 from dflash.model.shared_head import SharedHead, read_safetensors
-from dflash.model.target_engine import VARLEN, CompiledLayers, check_engine, varlen_kwargs
 from dflash.model.target_config import (
     PRESETS,
     TargetConfig,
@@ -41,6 +40,7 @@ from dflash.model.target_config import (
     for_generation,
     resolve_dtype,
 )
+from dflash.model.target_engine import VARLEN, CompiledLayers, check_engine, varlen_kwargs
 from dflash.seeding import PARAMS, derive_seed
 
 __all__ = [

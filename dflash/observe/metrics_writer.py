@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from csp.observe.statslog import unwritable
 from dflash.messages import StepMetrics
-from dflash.records import RecordBase, TrainRecord, encode
+from dflash.records import HeldoutRecord, RecordBase, TrainRecord, encode
 
 
 class MetricsLog:
@@ -178,6 +178,10 @@ class WandbSink:
 
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
                               id=run_id(run_dir), resume="allow", reinit="create_new")
+        # held-out results arrive after later windows were logged: charted against their own step
+        self.run.define_metric("heldout/step")
+        self.run.define_metric("heldout/*", step_metric="heldout/step")
+        self.last_step = 0
 
     def log(self, record: TrainRecord) -> None:
         if self.run is None:
@@ -188,7 +192,18 @@ class WandbSink:
         for j, a in enumerate(record.get("sel_acc") or [], start=1):
             data[f"sel_acc/pos{j}"] = a
         data = {k: v for k, v in data.items() if not (isinstance(v, float) and math.isnan(v))}
+        self.last_step = max(self.last_step, record.step)
         self.run.log(data, step=record.step)
+
+    def log_heldout(self, record: HeldoutRecord) -> None:
+        """An in-training evaluation as ``heldout/tau``, ``heldout/accepted``, ``heldout/sampled_tau``,
+        charted against ``heldout/step`` (the snapshot's step): wandb's own step only moves forward,
+        and an evaluation finishes after later windows were logged."""
+        if self.run is None:
+            return
+        data = {f"heldout/{k}": record.get(k) for k in ("step", "tau", "accepted", "sampled_tau", "seconds")}
+        self.run.log({k: v for k, v in data.items() if isinstance(v, (int, float)) and not math.isnan(v)},
+                     step=self.last_step)
 
     def close(self) -> None:
         if self.run is not None:

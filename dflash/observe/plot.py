@@ -163,7 +163,17 @@ def make_figure(records: list[Mapping[str, Any]], name: str = "run") -> Any:
         got |= lines(ax, "accepted_sim", "accepted (drafts accepted / step)", colors[1], lw=1.4)
     else:  # logs written before tau meant tokens per step: their tau_sim is the accepted length
         got = lines(ax, "tau_sim", "accepted (tau_sim of an older log)", colors[1], lw=1.4)
-    ax.set_title("accepted length (simulated)" if got else "accepted length: not in the log")
+    held = [r for r in records if r.get("kind") == "heldout" and _finite(r.get("tau"))]
+    if held:  # measured by real decoding on held-out prompts ([eval]): the figure dflash.eval gives
+        ax.plot([r["step"] for r in held], [r["tau"] for r in held], "o-", color=colors[2], lw=1.4, ms=4,
+                label="held-out tau, measured (draft-and-verify)")
+        sampled = [r for r in held if _finite(r.get("sampled_tau"))]
+        if sampled:
+            ax.plot([r["step"] for r in sampled], [r["sampled_tau"] for r in sampled], "s--", color=colors[5],
+                    lw=1.0, ms=3, label="held-out tau, sampled")
+        got = True
+    ax.set_title(("tau: simulated on training batches, measured held out" if held else "accepted length (simulated)")
+                 if got else "accepted length: not in the log")
 
     ax = axes[3]
     lines(ax, "lr", "lr", colors[3], lw=1.4)

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
 from dflash.observe import runlog
 from dflash.observe.logs import read_metrics
-from dflash.records import SkipRecord, StartRecord, TrainRecord
+from dflash.records import HeldoutRecord, SkipRecord, StartRecord, TrainRecord
 
 STATUS_TEXT = {
     "completed": "completed",
@@ -169,6 +169,13 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
                                             f"drafter {_si(sum(dft) / len(dft))}" if dft else ""]))
             row("throughput", f"{_si(sum(rates) / len(rates))} tok/s ({parts + '; ' if parts else ''}"
                               f"mean of this run's {len(rates)} windows)")
+    held = [r for r in seg if isinstance(r, HeldoutRecord)]
+    if held:  # real draft-and-verify on held-out prompts ([eval]); the last one is the final weights'
+        h = held[-1]
+        best = max(held, key=lambda r: r.tau if isinstance(r.tau, (int, float)) else -1.0)
+        sampled = f", sampled {_num(h.sampled_tau)}" if isinstance(h.sampled_tau, (int, float)) else ""
+        row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.prompts} prompts"
+                        f"{sampled}); best {_num(best.tau)} at step {best.step}; {len(held)} evaluations")
     total_skipped = last.get("skipped_total")
     skipped = f"{len(skips)} steps in this run"
     if isinstance(total_skipped, int) and total_skipped != len(skips):

@@ -32,6 +32,7 @@ from csp.graph.load import cut
 from dflash.checkpoint.config import CheckpointSection
 from dflash.data import DataConfig
 from dflash.errors import ConfigError
+from dflash.eval.config import EVALUATOR_KIND, EvalSection
 from dflash.model.drafter import DFLASH2_FIELDS, DrafterConfig
 from dflash.model.target import TargetConfig
 from dflash.observe.config import MonitorSection
@@ -87,6 +88,7 @@ class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):
     train: TrainSection = msgspec.field(default_factory=TrainSection)
     checkpoint: CheckpointSection = msgspec.field(default_factory=CheckpointSection)
     monitor: MonitorSection = msgspec.field(default_factory=MonitorSection)
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
 
 
 PATH_KEYS = ("run.out_dir", "run.resume", "target.path", "target.tokenizer", "data.source", "data.cache_dir")
@@ -211,6 +213,15 @@ def config_hash(cfg: DFlashFile) -> str:
     if raw["data"].get("holdout") is None:
         raw["data"]["holdout"] = 64
     raw.pop("monitor", None)
+    # The in-training evaluation observes the drafter, it changes nothing trained: its table, its
+    # process, the channel feeding it and the drafter's port to that channel are left out.
+    raw.pop("eval", None)
+    taps = {c for p in raw.get("process", []) if p.get("kind") == EVALUATOR_KIND for c in (p.get("inputs") or {}).values()}
+    raw["process"] = [p for p in raw.get("process", []) if p.get("kind") != EVALUATOR_KIND]
+    for p in raw["process"]:
+        if p.get("outputs"):
+            p["outputs"] = {k: v for k, v in p["outputs"].items() if v not in taps}
+    raw["channel"] = [c for c in raw.get("channel", []) if c.get("name") not in taps]
     raw.pop("trace", None)
     raw.pop("runtime", None)  # supervision only (the deadlock timeout): not what is trained
     return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+import csp
 from csp.graph.schema import ChannelSpec, ProcessSpec, RuntimeSpec, TraceSpec
 from dflash.run.config import DFlashFile
 
@@ -30,8 +31,8 @@ __all__ = ["TABLES", "main", "render"]
 def _tables() -> list[tuple[str, type, str]]:
     """(TOML header, struct, who owns it) for every table of a DFlash graph file, in file order."""
     hints = {f.name: f.type for f in msgspec.structs.fields(DFlashFile)}
-    own = [(name, hints[name]) for name in ("run", "data", "target", "drafter", "loss", "train", "checkpoint",
-                                            "monitor")]
+    csp_own = set(csp.GraphSpec.__struct_fields__)  # [[channel]], [[process]], [trace], [runtime]: below
+    own = [(name, hints[name]) for name in DFlashFile.__struct_fields__ if name not in csp_own]
     out = [(f"[{name}]", struct, struct.__module__) for name, struct in own]
     out += [("[[channel]]", ChannelSpec, "csp.graph.schema"), ("[[process]]", ProcessSpec, "csp.graph.schema"),
             ("[trace]", TraceSpec, "csp.graph.schema"), ("[runtime]", RuntimeSpec, "csp.graph.schema")]

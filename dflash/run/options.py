@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from dflash.data import DataConfig
+from dflash.eval.config import EvalSection
 from dflash.model.drafter_config import DrafterConfig
 from dflash.model.features import FeaturePostprocess
 from dflash.model.target_config import TargetConfig
@@ -20,7 +22,7 @@ from dflash.run.config import DFlashFile
 from dflash.train.config import TrainSection
 from dflash.train.loss import LossConfig
 
-__all__ = ["DrafterStageOptions", "MonitorOptions", "PostprocessOptions", "PrefetchOptions", "TargetStageOptions"]
+__all__ = ["DrafterStageOptions", "EvaluatorOptions", "MonitorOptions", "PostprocessOptions", "PrefetchOptions", "TargetStageOptions"]
 
 
 class PrefetchOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +90,8 @@ class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
         checkpoint_every, keep_last: ``[checkpoint].every`` (0: only at the end) and ``keep_last``.
         config_hash: :func:`dflash.run.config.config_hash` of the filled file, stored in checkpoints.
         train_config: the filled graph file, written as is into each checkpoint's train_config.json.
+        eval_every: ``[eval].every``: a weight snapshot goes to the ``snapshots`` output (when the
+            graph connects it) every this many steps, and after the last one; 0 = none.
     """
 
     drafter: DrafterConfig
@@ -100,6 +104,23 @@ class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
     keep_last: int
     config_hash: str
     train_config: DFlashFile
+    eval_every: int = 0
+
+
+class EvaluatorOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``dflash.evaluator`` needs (built by :func:`dflash.run.resolve.resolve`).
+
+    Attributes:
+        drafter: the resolved drafter config (the snapshots' shapes).
+        target: the ``[target]`` table: the evaluator loads its own copy for generation.
+        data: the ``[data]`` table: the held-out conversations are ``split(holdout, seed)[1]`` of it.
+        eval: ``[eval]`` (prompts, generation length, temperature).
+    """
+
+    drafter: DrafterConfig
+    target: TargetConfig
+    data: DataConfig
+    eval: EvalSection
 
 
 class MonitorOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from dflash.model.target_config import TargetConfig, build_hf_config
 from dflash.run.config import DFlashFile, config_hash
 from dflash.run.options import (
     DrafterStageOptions,
+    EvaluatorOptions,
     MonitorOptions,
     PostprocessOptions,
     PrefetchOptions,
@@ -56,9 +57,9 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
             ``train_config.json`` and :attr:`config_hash` are made from.
         drafter: the drafter config resolved against the target (every dimension set).
         config_hash: :func:`dflash.run.config.config_hash` of ``cfg``.
-        prefetch, target, postprocess, trainer, monitor: the options of the stage kinds
-            ``dflash.prefetch``, ``dflash.target``, ``dflash.postprocess``, ``dflash.drafter``
-            and ``dflash.monitor``.
+        prefetch, target, postprocess, trainer, monitor, evaluator: the options of the stage kinds
+            ``dflash.prefetch``, ``dflash.target``, ``dflash.postprocess``, ``dflash.drafter``,
+            ``dflash.monitor`` and ``dflash.evaluator``.
     """
 
     cfg: DFlashFile
@@ -69,6 +70,7 @@ class Resolved(msgspec.Struct, frozen=True, kw_only=True):
     postprocess: PostprocessOptions
     trainer: DrafterStageOptions
     monitor: MonitorOptions
+    evaluator: EvaluatorOptions
 
 
 def filled(cfg: DFlashFile, tokenizer: TokenizerInfo) -> DFlashFile:
@@ -223,9 +225,11 @@ def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo, hf: PretrainedConfig | No
                                        check_channels=train.check_channels),
         trainer=DrafterStageOptions(drafter=drafter, target=full.target, seed=run.seed, total_steps=run.steps,
                                     train=train, loss=full.loss, checkpoint_every=full.checkpoint.every,
-                                    keep_last=full.checkpoint.keep_last, config_hash=digest, train_config=full),
+                                    keep_last=full.checkpoint.keep_last, config_hash=digest, train_config=full,
+                                    eval_every=full.eval.every),
         monitor=MonitorOptions(window=full.monitor.window, wandb=full.monitor.wandb,
                                wandb_project=full.monitor.wandb_project, display=full.monitor.display,
                                spike_k=full.monitor.spike_k, run_name=run.name, total_steps=run.steps,
                                wandb_config=_wandb_config(full, drafter, digest)),
+        evaluator=EvaluatorOptions(drafter=drafter, target=full.target, data=full.data, eval=full.eval),
     )

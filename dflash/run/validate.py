@@ -10,7 +10,8 @@ drafter's and the target's kernels against their devices and the installed packa
 (:func:`dflash.model.drafter_config.check_drafter_devices`,
 :func:`dflash.model.target_config.check_target_devices`), the fused LM head against the loss
 (:func:`dflash.train.config.check_train`), the wandb backend
-(:func:`dflash.observe.config.check_monitor`), an explicit ``--resume PATH``
+(:func:`dflash.observe.config.check_monitor`), the in-training evaluation against the graph
+(:func:`dflash.eval.config.check_eval`), an explicit ``--resume PATH``
 (:func:`dflash.checkpoint.check_resume_path`) and the drafter the resumed checkpoint holds
 (:func:`dflash.checkpoint.check_architecture`). The rules about the graph and the run directory
 are the run's own and live here. ``python -m dflash.run`` reports the first broken rule as one
@@ -28,6 +29,7 @@ from dflash.checkpoint.config import checkpoint_bytes
 from dflash.checkpoint.files import device_of
 from dflash.data.config import check_block_fits
 from dflash.errors import ConfigError
+from dflash.eval.config import EVALUATOR_KIND, check_eval
 from dflash.model.drafter_config import DrafterConfig, check_drafter_devices
 from dflash.model.target_config import check_target_devices
 from dflash.observe.config import check_monitor
@@ -64,6 +66,7 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     if any(p.kind == MONITOR_KIND for p in cfg.process):
         check_monitor(cfg.monitor)
     check_block_fits(cfg.data)
+    check_eval(cfg.eval, evaluators=sum(p.kind == EVALUATOR_KIND for p in cfg.process), holdout=cfg.data.holdout)
     check_drafter_devices(resolved.drafter, devices_of(cfg, DRAFTER_KIND))
     check_train(cfg.train, cfg.loss, resolved.drafter, devices_of(cfg, DRAFTER_KIND))
     check_target_devices(cfg.target, devices_of(cfg, TARGET_KIND))

@@ -6,10 +6,10 @@ import logging
 import time
 
 import csp
-from dflash.messages import StepMetrics
+from dflash.messages import HeldoutTau, StepMetrics
 from dflash.observe.metrics_writer import WandbSink, WindowAggregator
 from dflash.observe.spikes import spike_threshold
-from dflash.records import SkipRecord, TrainRecord
+from dflash.records import HeldoutRecord, SkipRecord, TrainRecord
 from dflash.run.app import RunApp
 
 log = logging.getLogger("dflash.monitor")
@@ -17,7 +17,9 @@ log = logging.getLogger("dflash.monitor")
 
 @csp.register("dflash.monitor")
 class MonitorStage(csp.Process):
-    """Sink stage. Input ``metrics``: :class:`StepMetrics`, one per drafter step.
+    """Sink stage. Input ``metrics``: :class:`StepMetrics`, one per drafter step, and, where the
+    graph has an in-training evaluator, its :class:`HeldoutTau` results (a ``heldout`` record each,
+    wandb ``heldout/*`` at the snapshot's step, a line in the log).
 
     Writes a ``train`` record per fixed window of ``[monitor].window`` steps and a ``skip`` record
     per skipped step (step, batch id, the target replica that produced the batch, reason) to
@@ -29,7 +31,7 @@ class MonitorStage(csp.Process):
     writer, run directory and resume state.
     """
 
-    inputs = {"metrics": StepMetrics}
+    inputs = {"metrics": StepMetrics | HeldoutTau}
     outputs: dict = {}
 
     def setup(self) -> None:
@@ -48,6 +50,9 @@ class MonitorStage(csp.Process):
 
     def run(self, inputs, outputs) -> None:
         for m in inputs["metrics"]:
+            if isinstance(m, HeldoutTau):
+                self._heldout(m)
+                continue
             if m.skipped:
                 self.app.metrics.write(SkipRecord(step=m.step, batch_id=m.batch_id, replica=m.replica,
                                                   reason=m.skip_reason, time=m.time))
@@ -72,6 +77,18 @@ class MonitorStage(csp.Process):
         self.app.metrics.write(record)
         self.wandb.log(record)
         self.display.update(record, self.ctx.statistics()["channels"])
+
+    def _heldout(self, m: HeldoutTau) -> None:
+        record = HeldoutRecord(step=m.step, tau=m.tau, accepted=m.accepted, sampled_tau=m.sampled_tau,
+                               prompts=m.prompts, new_tokens=m.new_tokens, steps=m.steps, seconds=m.seconds,
+                               skipped=m.skipped, time=m.time)
+        self.app.metrics.write(record)
+        self.wandb.log_heldout(record)
+        sampled = f", sampled {m.sampled_tau:.3f}" if m.sampled_tau is not None else ""
+        dropped = f"; {m.skipped} snapshot(s) skipped while it was busy" if m.skipped else ""
+        line = (f"held-out tau {m.tau:.3f} tokens/verify step (accepted {m.accepted:.3f}{sampled}) at step {m.step}: "
+                f"{m.prompts} prompts decoded in {m.seconds:.1f} s{dropped}")
+        self.display.note(line)  # the terminal and run.log
 
     def teardown(self) -> None:
         if hasattr(self, "display"):

@@ -7,7 +7,10 @@ consecutive skips stop the run, naming the last healthy checkpoint
 checkpoint (:mod:`dflash.checkpoint`); its ``meta.json`` carries the mean loss of the steps since
 the previous checkpoint, and a checkpoint saved while a non-finite streak runs is marked unhealthy.
 When the input ends (the data is exhausted, or a graceful stop drained the graph) a final
-checkpoint is written and waited for.
+checkpoint is written and waited for. Where the graph connects the ``snapshots`` output (an
+in-training evaluator, ``[eval]``), a copy of the weights goes there every ``[eval].every`` steps
+without waiting (dropped, and counted, while the evaluator is busy) and after the last step
+(waited for, so the final weights are always evaluated).
 
 Built from: :mod:`dflash.train.optim` (AdamW and schedule), :mod:`dflash.train.nonfinite` (the skip policy),
 :mod:`dflash.train.state` (restore, the checkpoint window, ``train_state.pt``).
@@ -15,12 +18,15 @@ Built from: :mod:`dflash.train.optim` (AdamW and schedule), :mod:`dflash.train.n
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import csp
+from csp.errors import WouldBlock
 from dflash.checkpoint import TRAIN_CONFIG, Checkpointer
 from dflash.checkpoint.model_files import config_files
-from dflash.messages import DrafterInput, StepMetrics
+from dflash.messages import DrafterInput, DrafterSnapshot, StepMetrics
 from dflash.run.app import RunApp
 from dflash.run.options import DrafterStageOptions
 from dflash.run.step_gate import StepGate
@@ -37,15 +43,19 @@ from dflash.train.step import train_step
 
 __all__ = ["DrafterStage"]
 
+log = logging.getLogger("dflash.drafter")
+
 
 @csp.register("dflash.drafter")
 class DrafterStage(csp.Process):
     """Trains the DFlash drafter. Input ``features``: :class:`DrafterInput`; output ``metrics``:
-    one :class:`StepMetrics` per step (skipped steps included). Reads :class:`~dflash.run.options.DrafterStageOptions`,
+    one :class:`StepMetrics` per step (skipped steps included); optional output ``snapshots``:
+    :class:`DrafterSnapshot` for the in-training evaluator. Reads :class:`~dflash.run.options.DrafterStageOptions`,
     the app's run directory, metrics writer and resume state."""
 
     inputs = {"features": DrafterInput}
-    outputs = {"metrics": StepMetrics}
+    outputs = {"metrics": StepMetrics, "snapshots": DrafterSnapshot}
+    optional = frozenset({"snapshots"})
 
     def setup(self) -> None:
         from dflash.model.drafter import DFlashDrafter
@@ -86,15 +96,32 @@ class DrafterStage(csp.Process):
     def run(self, inputs, outputs) -> None:
         metrics = outputs["metrics"]
         every, total = self.opts.checkpoint_every, self.opts.total_steps
+        eval_every, dropped, sent = self.opts.eval_every, 0, -1
+        snapshots = outputs.get("snapshots") if parallel.is_writer(self.ctx) and eval_every else None
         for inp in inputs["features"]:
             m = self.train_step(inp)
             if parallel.is_writer(self.ctx):  # one record per step, not one per replica
                 metrics.send(m)
             if every and self.step % every == 0 and self.step < total:
                 self.save()
+            if snapshots is not None and self.step % eval_every == 0 and self.step < total:
+                try:  # never waits: a busy evaluator skips these weights
+                    snapshots.send_nowait(self.snapshot(dropped=dropped))
+                    dropped, sent = 0, self.step
+                except WouldBlock:
+                    dropped += 1
+                    log.info("step %d: the evaluator is still busy; these weights are not evaluated", self.step)
         if self.window.last_batch_id >= 0 and self.saved_step != self.step:  # final checkpoint, once
             self.save()
+        if snapshots is not None and self.window.last_batch_id >= 0 and sent != self.step:
+            snapshots.send(self.snapshot(dropped=dropped, final=True))  # the final weights, always
         self.ckpt.wait()
+
+    def snapshot(self, *, dropped: int, final: bool = False) -> DrafterSnapshot:
+        """A copy of the weights after ``self.step`` (on this device; the trainer keeps updating its own)."""
+        with self.ctx.span("evaluator.snapshot"), torch.no_grad():
+            weights = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+        return DrafterSnapshot(step=self.step, weights=weights, final=final, dropped=dropped)
 
     def teardown(self) -> None:
         ckpt = getattr(self, "ckpt", None)

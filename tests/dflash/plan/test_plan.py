@@ -109,7 +109,7 @@ def tiny_run(tmp_path_factory):
     from dflash.run.cli import main as run_main
 
     out = tmp_path_factory.mktemp("plan") / "run"
-    sets = [f"run.out_dir={out}", "run.steps=24", "checkpoint.every=24", "monitor.wandb=disabled",
+    sets = [f"run.out_dir={out}", "run.steps=24", "checkpoint.every=24", "monitor.wandb=disabled", "eval.every=0",
             "monitor.display=plain", "monitor.plot=false", "data.max_samples=150", "data.max_length=256",
             "data.tokens_per_batch=1024", "data.packed_rows=4", "trace.perfetto=false",
             f"data.cache_dir={out.parent / 'cache'}", "monitor.window=8"]

@@ -48,7 +48,8 @@ def test_the_example_passes_its_checks_from_its_own_directory(monkeypatch, tmp_p
     monkeypatch.chdir(ROOT / "examples")
     with pytest.raises(AssertionError, match="load_dataset was called"):
         main(["dflash-tiny.toml", "--set", f"run.out_dir={tmp_path / 'run'}",
-              "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "monitor.wandb=disabled"])
+              "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "monitor.wandb=disabled",
+              "--set", "eval.every=0"])
     assert "error" not in capsys.readouterr().err
 
 

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def torchrun(run_dir: Path, cache: Path, steps: int, timeout_s: float = 80) -> subprocess.CompletedProcess:
-    sets = [f"run.out_dir={run_dir}", f"run.steps={steps}", "checkpoint.every=3", "monitor.wandb=disabled",
+    sets = [f"run.out_dir={run_dir}", f"run.steps={steps}", "checkpoint.every=3", "monitor.wandb=disabled", "eval.every=0",
             "monitor.display=plain", "data.max_samples=120", "data.max_length=256", "data.tokens_per_batch=512",
             "data.packed_rows=2", "data.num_workers=1", f"data.cache_dir={cache}", "train.num_anchors=8",
             "process.drafter.replicas=2", "process.target.replicas=1", "monitor.window=1", "run.deterministic=true"]

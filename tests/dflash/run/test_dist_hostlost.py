@@ -30,7 +30,7 @@ STOP_BOUND_S = PEER_TIMEOUT_S + 5 + 25
 
 def _cmd(run_dir: Path, cache: Path, port: int, is_host: bool) -> list[str]:
     sets = [f"run.out_dir={run_dir}", f"run.steps={STEPS}", "checkpoint.every=4", "checkpoint.keep_last=3",
-            "monitor.wandb=disabled", "monitor.display=plain", "monitor.plot=false", "data.max_samples=120",
+            "monitor.wandb=disabled", "eval.every=0", "monitor.display=plain", "monitor.plot=false", "data.max_samples=120",
             "data.max_length=256", "data.tokens_per_batch=512", "data.packed_rows=2", "data.num_workers=1",
             f"data.cache_dir={cache}", "train.num_anchors=8", "process.drafter.replicas=2",
             "process.target.replicas=1", "monitor.window=1", "run.deterministic=true"]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _sets(run_dir: Path, cache: Path) -> list[str]:
-    sets = [f"run.out_dir={run_dir}", "run.steps=4", "checkpoint.every=4", "monitor.wandb=disabled",
+    sets = [f"run.out_dir={run_dir}", "run.steps=4", "checkpoint.every=4", "monitor.wandb=disabled", "eval.every=0",
             "monitor.display=plain", "monitor.plot=false", "data.max_samples=120", "data.max_length=256",
             "data.tokens_per_batch=512", "data.packed_rows=2", "data.num_workers=1", f"data.cache_dir={cache}",
             "train.num_anchors=8", "process.drafter.replicas=2", "process.target.replicas=1",

@@ -1,0 +1,73 @@
+"""The graph file's ``[eval]`` table: real draft-and-verify tau on held-out prompts while training.
+
+Every ``every`` steps the drafter stage puts a copy of its weights on its ``snapshots`` output and
+goes on training; the ``dflash.evaluator`` process (:mod:`dflash.run.stages.evaluator`) decodes
+the run's first ``prompts`` held-out conversations with those weights against its own copy of the
+target and sends the measured tau to the monitor (``metrics.jsonl`` kind ``heldout``, wandb
+``heldout/*``, the plot and the run summary). A snapshot that arrives while the evaluator is still
+busy with the previous one is dropped (the step never waits; the log says so); the final weights
+are always evaluated. This is the figure ``python -m dflash.eval --data SOURCE`` measures, on fewer
+prompts and shorter generations, so that it costs little next to training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from dflash.errors import ConfigError
+
+__all__ = ["EVALUATOR_KIND", "EvalSection", "check_eval"]
+
+EVALUATOR_KIND = "dflash.evaluator"
+
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``[eval]``: held-out tau measured by real decoding while the drafter trains."""
+
+    every: NonNegativeInt = 0
+    """Steps between evaluations (and one of the final weights); 0 = off, even in a graph with an
+    evaluator (--set eval.every=0). A positive value needs a process of kind "dflash.evaluator" fed
+    by the drafter's snapshots output (examples/dflash-tiny.toml has one)."""
+    prompts: PositiveInt = 8
+    """Held-out conversations decoded per evaluation (the first ones of the run's hold-out)."""
+    max_new_tokens: PositiveInt = 64
+    """Tokens generated per prompt."""
+    max_prompt_tokens: PositiveInt = 512
+    """Prompt tokens kept (the last ones)."""
+    temperature: float = 0.0
+    """0: greedy only; > 0 also decodes sampled at this temperature and logs its tau."""
+    seed: int = 0
+    """Seed of the sampled decode (each evaluation starts from it)."""
+
+
+def check_eval(section: EvalSection, *, evaluators: int, holdout: int | None) -> None:
+    """The ``[eval]`` table against the graph and the data.
+
+    Args:
+        evaluators: processes of kind :data:`EVALUATOR_KIND` in the graph.
+        holdout: ``[data].holdout`` (None: the automatic hold-out, which is never 0).
+
+    Raises:
+        ConfigError: ``every > 0`` without an evaluator process, more than one evaluator, ``every > 0`` with ``data.holdout = 0``, or a temperature
+            that is negative or not finite.
+    """
+    if section.every > 0 and evaluators == 0:
+        raise ConfigError(
+            f"eval.every = {section.every} but the graph has no process of kind '{EVALUATOR_KIND}': add "
+            "[[channel]] name = \"snapshots\" and [[process]] kind = \"dflash.evaluator\" with inputs = "
+            "{ snapshots = \"snapshots\" } and outputs = { metrics = \"metrics\" }, and outputs.snapshots = "
+            "\"snapshots\" on the drafter (examples/dflash-tiny.toml has them), or set eval.every = 0")
+    if evaluators > 1:
+        raise ConfigError(f"the graph has {evaluators} '{EVALUATOR_KIND}' processes; one evaluates every snapshot")
+    if section.every > 0 and holdout == 0:
+        raise ConfigError(f"eval.every = {section.every} decodes held-out conversations, but data.holdout = 0 "
+                          "holds none out: leave data.holdout out (automatic) or set it > 0, or set eval.every = 0")
+    if not (math.isfinite(section.temperature) and section.temperature >= 0):
+        raise ConfigError(f"eval.temperature = {section.temperature}: give a finite number >= 0 (0: greedy only)")

@@ -1,0 +1,99 @@
+"""Held-out tau while training: the drafter's snapshots feed the ``dflash.evaluator`` process, whose
+measured tau reaches metrics.jsonl and the run summary; a busy evaluator makes snapshots drop,
+never the step wait; the evaluation changes nothing trained (the config hash)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dflash.errors import ConfigError
+from dflash.eval.config import EvalSection, check_eval
+from dflash.run.cli import main
+from tests.dflash.run.test_run_e2e import GRAPH, cache_dir, records, small  # noqa: F401 - fixture
+
+
+def _eval_sets(every: int, *extra: str) -> list[str]:
+    return ["eval.every=" + str(every), "eval.prompts=2", "eval.max_new_tokens=8", *extra]
+
+
+def test_heldout_tau_is_measured_at_every_interval_and_at_the_end(tmp_path, cache_dir, capsys):  # noqa: F811
+    """Invariant: with eval.every = 2 over 6 steps the weights of steps 2, 4 and 6 are each either
+    evaluated (a ``heldout`` record: measured tau in [1, block size], the prompts and tokens it
+    decoded) or counted as skipped in the next record; the final weights always are; the summary
+    names the last figure."""
+    run = tmp_path / "run"
+    args = small(run, cache_dir, steps=6)
+    args += [a for s in _eval_sets(2) for a in ("--set", s)]
+    assert main(args) == 0  # the later --set eval.every wins over small()'s eval.every=0
+    held = records(run, "heldout")
+    assert held and held[-1]["step"] == 6
+    assert len(held) + sum(r["skipped"] for r in held) == 3
+    for r in held:
+        assert r["step"] in (2, 4, 6) and 1.0 <= r["tau"] <= 8 and r["accepted"] == pytest.approx(r["tau"] - 1)
+        assert r["prompts"] == 2 and r["new_tokens"] == 2 * 8 and r["steps"] >= 2
+    assert f"held-out     tau {held[-1]['tau']:.4g} tokens/verify step measured at step 6" in capsys.readouterr().err
+
+
+def test_a_busy_evaluator_drops_snapshots_and_never_holds_the_step(tmp_path, cache_dir, monkeypatch):  # noqa: F811
+    """Invariant: while an evaluation runs the drafter keeps training: the snapshots it could not
+    hand over are counted (``skipped``), every step's weights are either evaluated or counted, the
+    final ones are evaluated, and the steps finish before the slow evaluations do."""
+    from dflash.run.stages.evaluator import EvaluatorStage
+
+    slow = EvaluatorStage.evaluate
+
+    def evaluate(self, snap):
+        time.sleep(1.0)
+        return slow(self, snap)
+
+    monkeypatch.setattr(EvaluatorStage, "evaluate", evaluate)
+    run = tmp_path / "run"
+    args = small(run, cache_dir, steps=6) + [a for s in _eval_sets(1) for a in ("--set", s)]
+    assert main(args) == 0  # the later --set eval.every wins over small()'s eval.every=0
+    held = records(run, "heldout")
+    assert len(held) + sum(r["skipped"] for r in held) == 6
+    assert sum(r["skipped"] for r in held) >= 1 and held[-1]["step"] == 6
+    last_train = max(r["time"] for r in records(run, "train"))
+    assert last_train < held[-1]["time"] - 0.9  # training ended while the last evaluation still ran
+
+
+def test_the_evaluation_changes_nothing_trained():
+    """Invariant: the [eval] table, the evaluator process, its snapshots channel and the drafter's
+    port to it are left out of the config hash: a checkpoint trained with or without them resumes
+    without a "config differs" warning."""
+    import msgspec
+
+    from dflash.eval.config import EvalSection as Section
+    from dflash.run.config import config_hash, load_config
+
+    with_eval = load_config(GRAPH)
+    assert with_eval.eval.every > 0 and any(p.kind == "dflash.evaluator" for p in with_eval.process)
+    replace = msgspec.structs.replace
+    procs = [replace(p, outputs={k: v for k, v in p.outputs.items() if k != "snapshots"}) if p.kind == "dflash.drafter"
+             else p for p in with_eval.process if p.kind != "dflash.evaluator"]
+    plain = replace(with_eval, eval=Section(), process=procs,
+                    channel=[c for c in with_eval.channel if c.name != "snapshots"])
+    assert [c.name for c in plain.channel] == ["batches", "hidden", "features", "metrics"]
+    assert config_hash(plain) == config_hash(with_eval)
+    assert config_hash(replace(plain, train=replace(plain.train, lr=1e-4))) != config_hash(with_eval)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"section": EvalSection(every=5), "evaluators": 0, "holdout": None}, "no process of kind 'dflash.evaluator'"),
+    ({"section": EvalSection(every=5), "evaluators": 2, "holdout": None}, "2 'dflash.evaluator' processes"),
+    ({"section": EvalSection(every=5), "evaluators": 1, "holdout": 0}, "data.holdout = 0"),
+    ({"section": EvalSection(every=5, temperature=float("nan")), "evaluators": 1, "holdout": None}, "finite"),
+])
+def test_eval_rules_name_the_key_to_change(kwargs, says):
+    with pytest.raises(ConfigError, match=says):
+        check_eval(kwargs.pop("section"), **kwargs)
+    check_eval(EvalSection(every=0), evaluators=1, holdout=0)  # off: the evaluator idles
+
+
+def test_an_eval_without_held_out_data_stops_before_any_work(tmp_path, capsys):
+    assert main([GRAPH, "--set", f"run.out_dir={tmp_path / 'run'}", "--set", "data.holdout=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("eval.every = 200 decodes held-out conversations, but data.holdout = 0" in x for x in err), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
