@@ -161,8 +161,9 @@ evalsets)
     mkdir -p "$R/ckpt" && cat "$C"/ckpt.tar.part-* | tar xf - -C "$R/ckpt" && C=$(ls -d "$R"/ckpt/step_* | tail -1)
   fi
   for set in mtbench humaneval; do
-    n=$( [ $set = humaneval ] && echo "--num-prompts ${HE_NUM:-164}" || echo "" )
-    python3 -m dflash.eval "$C" --prompts $set $n --max-new-tokens ${SET_NEW:-128} --json \
+    n=$( [ $set = humaneval ] && echo "--num-prompts ${HE_NUM:-164}" || echo "--num-prompts ${MT_NUM:-80}" )
+    cap=$( [ $set = humaneval ] && echo ${HE_CAP_S:-600} || echo ${MT_CAP_S:-600} )
+    timeout $cap python3 -m dflash.eval "$C" --prompts $set $n --max-new-tokens ${SET_NEW:-128} --json \
       > "$OUT/eval-$set.json" 2> "$R/eval-$set.err" || tail -5 "$R/eval-$set.err"
     python3 -c "import sys, msgspec; from dflash.eval.report import EvalResult, format_categories, format_speed
 r = msgspec.json.decode(open(sys.argv[1], 'rb').read(), type=EvalResult)

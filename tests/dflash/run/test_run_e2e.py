@@ -83,7 +83,7 @@ def test_default_graph_trains_checkpoints_and_writes_observability(tmp_path, cac
     assert read_meta(run / "checkpoints" / "step_00000008")["step"] == 8
     stats = [json.loads(x) for x in (run / "csp" / "stats.jsonl").read_text().splitlines()]
     assert stats[0]["kind"] == "header" and stats[-1]["kind"] == "final"
-    assert set(stats[-1]["channels"]) == {"batches", "hidden", "features", "metrics"}
+    assert set(stats[-1]["channels"]) == {"batches", "hidden", "features", "metrics", "snapshots"}
     assert (run / "csp" / "trace.json").is_file() and (run / "config.toml").is_file()
     # the run log says how many conversations were held out for dflash.eval (data.holdout = 4)
     assert "(4 more held out for dflash.eval: data.holdout)" in (run / "run.log").read_text()
