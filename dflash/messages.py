@@ -234,7 +234,8 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
         sampled_tau: the same for the sampled decode at ``[eval].temperature`` (None when greedy only).
         prompts: prompts decoded; new_tokens: tokens generated (greedy); steps: verify steps (greedy).
         seconds: wall time of the evaluation (decodes and the weight load).
-        skipped: snapshots dropped since the previous evaluation because the evaluator was busy.
+        skipped: snapshots not evaluated since the previous evaluation: the evaluator was busy, or
+            over its share of the run's time (``[eval].max_busy``).
         time: unix time when it finished.
     """
 

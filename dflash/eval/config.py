@@ -7,7 +7,8 @@ target and sends the measured tau to the monitor (``metrics.jsonl`` kind ``heldo
 ``heldout/*``, the plot and the run summary). A snapshot that arrives while the evaluator is still
 busy with the previous one is dropped (the step never waits; the log says so); the final weights
 are always evaluated. This is the figure ``python -m dflash.eval --data SOURCE`` measures, on fewer
-prompts and shorter generations, so that it costs little next to training.
+prompts and shorter generations, so that it costs little next to training; ``max_busy`` caps the
+share of the run the evaluator spends decoding.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """0: greedy only; > 0 also decodes sampled at this temperature and logs its tau."""
     seed: int = 0
     """Seed of the sampled decode (each evaluation starts from it)."""
+    max_busy: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.05
+    """The most of the run's wall time the evaluator may spend decoding (1 = no limit). A snapshot
+    that arrives while the evaluations so far exceed this share is skipped (counted in the next
+    record's ``skipped``); the final weights are evaluated whatever the share. The decode runs in
+    the training process and shares its Python interpreter: on one H200 with the shipped 7M target,
+    training ran 23% slower while an evaluation ran, so this cap bounds the cost near 0.23 x max_busy."""
 
 
 def check_eval(section: EvalSection, *, evaluators: int, holdout: int | None) -> None:

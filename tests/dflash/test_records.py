@@ -83,7 +83,7 @@ def test_writing_an_unknown_kind_field_or_type_is_refused_with_the_reason(tmp_pa
 
 
 @pytest.mark.parametrize("line, why", [
-    ('{"kind":"trian","step":1}', "unknown record kind 'trian' (known: start, resume, train, skip, checkpoint, end)"),
+    ('{"kind":"trian","step":1}', "unknown record kind 'trian' (known: start, resume, train, skip, heldout, checkpoint, end)"),
     ('{"step":1}', "Object missing required field `kind`"),
     ('{"kind":"train","step":1,"lo', "not a JSON record (Input data was truncated)"),
     ('{"kind":"skip","step":"7"}', "Expected `int`, got `str` - at `$.step`"),
@@ -102,7 +102,7 @@ def test_read_records_keeps_the_good_lines_and_names_each_bad_one(tmp_path):
     records, problems = read_records(path)
     assert [type(r) for r in records] == [StartRecord, TrainRecord]
     assert problems == [f"{path} line 2: unknown record kind 'party' (known: start, resume, train, skip, "
-                        "checkpoint, end)",
+                        "heldout, checkpoint, end)",
                         f"{path} line 5: not a JSON record (Input data was truncated)"]
 
 

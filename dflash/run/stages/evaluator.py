@@ -5,8 +5,9 @@ and after the last), it loads each into its own drafter and decodes the run's fi
 ``[eval].prompts`` held-out conversations (the ones ``python -m dflash.eval --data SOURCE`` would
 decode) against its own copy of the target, then sends the measured tau to the monitor. It is off
 the training path: the drafter drops a snapshot rather than wait while an evaluation runs
-(:mod:`dflash.eval.config`), and the evaluation holds the process's step lock shared, so it runs
-beside the other stages (:mod:`dflash.run.step_gate`).
+(:mod:`dflash.eval.config`), it skips snapshots while its evaluations exceed ``[eval].max_busy`` of
+the run's time, and an evaluation holds the process's step lock shared, so it runs beside the
+other stages (:mod:`dflash.run.step_gate`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,15 @@ class EvaluatorStage(csp.Process):
 
     def run(self, inputs, outputs) -> None:
         out = outputs["metrics"]
+        cap = self.opts.eval.max_busy
+        start, busy, skipped = time.perf_counter(), 0.0, 0
         for snap in inputs["snapshots"]:
+            # over its share of the run's time ([eval].max_busy): skip, unless these are the final weights
+            if not snap.final and busy > cap * (time.perf_counter() - start):
+                skipped += 1 + snap.dropped
+                continue
             item = self.evaluate(snap)
+            item.skipped += skipped
+            busy, skipped = busy + item.seconds, 0
             del snap  # the weights' memory goes before the next snapshot arrives
             out.send(item)

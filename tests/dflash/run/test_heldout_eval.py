@@ -25,7 +25,7 @@ def test_heldout_tau_is_measured_at_every_interval_and_at_the_end(tmp_path, cach
     names the last figure."""
     run = tmp_path / "run"
     args = small(run, cache_dir, steps=6)
-    args += [a for s in _eval_sets(2) for a in ("--set", s)]
+    args += [a for s in _eval_sets(2, "eval.max_busy=1") for a in ("--set", s)]
     assert main(args) == 0  # the later --set eval.every wins over small()'s eval.every=0
     held = records(run, "heldout")
     assert held and held[-1]["step"] == 6
@@ -50,13 +50,24 @@ def test_a_busy_evaluator_drops_snapshots_and_never_holds_the_step(tmp_path, cac
 
     monkeypatch.setattr(EvaluatorStage, "evaluate", evaluate)
     run = tmp_path / "run"
-    args = small(run, cache_dir, steps=6) + [a for s in _eval_sets(1) for a in ("--set", s)]
+    args = small(run, cache_dir, steps=6) + [a for s in _eval_sets(1, "eval.max_busy=1") for a in ("--set", s)]
     assert main(args) == 0  # the later --set eval.every wins over small()'s eval.every=0
     held = records(run, "heldout")
     assert len(held) + sum(r["skipped"] for r in held) == 6
     assert sum(r["skipped"] for r in held) >= 1 and held[-1]["step"] == 6
     last_train = max(r["time"] for r in records(run, "train"))
     assert last_train < held[-1]["time"] - 0.9  # training ended while the last evaluation still ran
+
+
+def test_the_evaluator_keeps_to_its_share_of_the_run(tmp_path, cache_dir):  # noqa: F811
+    """Invariant: with eval.max_busy = 0.01 an evaluation of a fraction of a second allows the next
+    one only after many seconds: of 6 steps' snapshots the first and the final ones are evaluated,
+    the 4 between are counted as skipped."""
+    run = tmp_path / "run"
+    args = small(run, cache_dir, steps=6) + [a for s in _eval_sets(1, "eval.max_busy=0.01") for a in ("--set", s)]
+    assert main(args) == 0
+    held = records(run, "heldout")
+    assert [r["step"] for r in held] == [1, 6] and [r["skipped"] for r in held] == [0, 4]
 
 
 def test_the_evaluation_changes_nothing_trained():
