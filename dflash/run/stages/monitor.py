@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 import csp
 from dflash.messages import HeldoutTau, StepMetrics
 from dflash.observe.metrics_writer import WandbSink, WindowAggregator
@@ -79,9 +81,7 @@ class MonitorStage(csp.Process):
         self.display.update(record, self.ctx.statistics()["channels"])
 
     def _heldout(self, m: HeldoutTau) -> None:
-        record = HeldoutRecord(step=m.step, tau=m.tau, accepted=m.accepted, sampled_tau=m.sampled_tau,
-                               prompts=m.prompts, new_tokens=m.new_tokens, steps=m.steps, seconds=m.seconds,
-                               skipped=m.skipped, time=m.time)
+        record = HeldoutRecord(**msgspec.structs.asdict(m))  # the same fields, as the record
         self.app.metrics.write(record)
         self.wandb.log_heldout(record)
         sampled = f", sampled {m.sampled_tau:.3f}" if m.sampled_tau is not None else ""

