@@ -16,8 +16,9 @@ Rows (run in the priority order of :meth:`Perf.plan`; each skipped when it would
   over the real tokens of two batches;
 * ``drafter_<variant>``: the drafter step alone (:func:`benchmarks.h200.stages.time_drafter`) with
   the default settings, ``drafter.kernels = "liger"``, ``train.lm_head = "liger"``,
-  ``drafter.compile = true`` and all three; ``peak_mem_gb`` is the drafter stage's peak at the
-  graph's 151,936-token vocabulary;
+  ``drafter.compile = true`` and all three, then ``drafter.precision = "fp8"`` eager, compiled,
+  and compiled with the rowwise recipe (MFU against the bf16 peak: attention, norms and the LM head
+  stay bf16); ``peak_mem_gb`` is the drafter stage's peak at the graph's 151,936-token vocabulary;
 * ``profile_target_*`` / ``profile_drafter_*``: ``torch.profiler`` over three steps, the top
   kernels by device time (``OUT/profile_*.txt`` and in the JSON); the compiled targets'
   (``profile_target_{bf16,fp8}_varlen_compile``, named in ``--rows`` with their timing row) are
@@ -52,12 +53,18 @@ DRAFTER_ROWS = {  # name -> graph overrides of the drafter stage
     "drafter_liger_head": ['train.lm_head="liger"'],
     "drafter_compile": ["drafter.compile=true"],
     "drafter_all": ['drafter.kernels="liger"', 'train.lm_head="liger"', "drafter.compile=true"],
+    # the backbone Linears in float8 (torchao training recipes); MFU against the bf16 peak, as the
+    # attention, norms and LM head still run in bf16
+    "drafter_fp8": ['drafter.precision="fp8"'],
+    "drafter_fp8_compile": ['drafter.precision="fp8"', "drafter.compile=true"],
+    "drafter_fp8_rowwise_compile": ['drafter.precision="fp8"', 'drafter.fp8_recipe="rowwise"', "drafter.compile=true"],
 }
 PROFILE_ROWS = ["profile_target_bf16", "profile_target_bf16_varlen", "profile_drafter_default",
                 "profile_drafter_all", "profile_target_fp8_varlen"]
 # rough seconds beyond the timed steps (builds, compiles), for the budget
 FIXED_S = {"target_bf16": 70, "target_bf16_varlen_compile": 120, "target_fp8_varlen_compile": 120,
-           "drafter_default": 45, "drafter_compile": 90, "drafter_all": 90, "target_fp8": 30}
+           "drafter_default": 45, "drafter_compile": 90, "drafter_all": 90, "target_fp8": 30,
+           "drafter_fp8": 45, "drafter_fp8_compile": 90, "drafter_fp8_rowwise_compile": 90}
 
 
 def top_kernels(prof: Any, n: int = 25) -> list[dict[str, Any]]:
@@ -277,6 +284,11 @@ class Perf:
                      lambda: self._time_target("varlen", True, self.peak_fp8, "profile_target_fp8_varlen_compile"))
         for name in ("drafter_compile", "drafter_all"):  # on the fp8 target's features: same drafter cost
             self._drafter_row(name)
+        for name in ("drafter_fp8", "drafter_fp8_compile", "drafter_fp8_rowwise_compile"):
+            if fp8:
+                self._drafter_row(name)
+            elif not self.args.rows or name in self.args.rows:
+                self.doc["rows"][name] = {"status": "skipped", "reason": "needs CUDA >= 8.9 and torchao"}
 
     def _profile_target(self, name: str, impl: str | None) -> None:
         from benchmarks.h200.stages import attention_implementation, target_forward
@@ -297,8 +309,8 @@ class Perf:
         step = 0.5 if not self.args.smoke else 0.05
         if self.args.rows and name not in self.args.rows and f"profile_{name}" not in self.args.rows:
             return
-        if self.dev.type != "cuda" and any("liger" in s or "compile" in s for s in sets):
-            self.doc["rows"][name] = {"status": "skipped", "reason": "Liger and inductor rows run on CUDA"}
+        if self.dev.type != "cuda" and any("liger" in s or "compile" in s or "fp8" in s for s in sets):
+            self.doc["rows"][name] = {"status": "skipped", "reason": "Liger, inductor and float8 rows run on CUDA"}
             return
         app = self.app if not sets else scratch_app(GRAPH_1GPU, [*self.overrides, *sets], self.args.run_root / name)
         try:

@@ -17,6 +17,10 @@
 #      head, compiled, all three) with its peak memory at the 151,936 vocabulary, and torch.profiler
 #      top kernels -> OUT/perf.json, OUT/profile_*.txt, OUT/perf.log.
 #   Knobs: ROWS (comma list, default all), PERF_STEPS (8), PERF_WARMUP (3), TOTAL_S (530), TESTS=0 skips 1.
+# SUITE=fp8 (~9 minutes): perf.py's drafter rows in bf16 and float8 (tensorwise, rowwise; compiled,
+#   and eager float8), the fp8 target compiled with its profile; then h200/bench.py's target alone,
+#   drafter alone, serial and pipeline with the fp8 target and the float8 drafter (FP8_RECIPE= picks
+#   the drafter's recipe) -> OUT/perf.json, OUT/h200-fp8-fp8.json. PERF_S (330) bounds the first part.
 # SUITE=stages: the sync test, h200/bench.py on one GPU, and the drafter under each switch in VARIANTS.
 # SUITE=fastest (~7 minutes): the compiled and fp8 target rows with their profiles, then h200/bench.py's
 #   serial, colocated and pipeline with the fastest target (fp8, varlen, compiled) and with the bf16
@@ -69,6 +73,25 @@ if [ "${SUITE:-engine}" = fastest ]; then
   KEEP=${KEEP_2GPU-benchmarks/results/h200.json}
   python3 -m benchmarks.h200.combine "$OUT" ${KEEP:+--keep-2gpu "$KEEP"} > "$OUT/combine.log" 2>&1
   echo "combine rc=$? -> $OUT/h200.json"; head -9 "$OUT/combine.log"
+  exit 0
+fi
+if [ "${SUITE:-engine}" = fp8 ]; then
+  # the drafter's float8 training against its bf16 compiled step, the fp8 target, then the one-GPU
+  # loop with both stages in float8 (serial and pipeline)
+  timeout ${PERF_S:-330} python3 benchmarks/h200/perf.py --out "$OUT" --budget-s $(( ${PERF_S:-330} - 20 )) \
+    --warmup ${PERF_WARMUP:-3} --steps ${PERF_STEPS:-8} --set data.source="$DATA" \
+    --rows ${ROWS:-drafter_compile,drafter_fp8_compile,drafter_fp8_rowwise_compile,target_fp8_varlen_compile,profile_target_fp8_varlen_compile,drafter_fp8} \
+    > "$OUT/perf.log" 2>&1
+  echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -14 "$OUT/perf.log"
+  E=(--set target.attn_implementation=\"varlen\" --set target.compile=true --set target.quantization=\"fp8\"
+     --set drafter.precision=\"fp8\" ${FP8_RECIPE:+--set drafter.fp8_recipe=\"$FP8_RECIPE\"})
+  b=$(( $(left) - 15 ))
+  if [ $b -lt 60 ]; then echo "bench fp8+fp8: skipped, ${b}s left"; else
+    timeout $(( b + 10 )) python3 benchmarks/h200/bench.py --budget-s $b --warmup ${WARMUP:-10} --steps 10 \
+      --set data.source="$DATA" "${E[@]}" --skip sweep_1gpu,checkpoint_1gpu,target_alone_sdpa,target_alone_flex_attention,target_alone_eager,plain_forward,colocated_1gpu \
+      --out "$OUT/h200-fp8-fp8.json" > "$OUT/bench-fp8-fp8.log" 2>&1
+    echo "bench fp8+fp8 rc=$?"; grep -E "^(serial|pipeline_1gpu|target_alone|drafter_alone)_tok_s" "$OUT/bench-fp8-fp8.log"
+  fi
   exit 0
 fi
 if [ "${SUITE:-engine}" = engine ]; then

@@ -117,7 +117,8 @@ def load_drafter(directory: str | Path, device: torch.device | str = "cpu",
             config (one line naming the file: the checkpoint is damaged).
     """
     dc, tc = load_configs(directory)
-    drafter = DFlashDrafter(dc)
+    # float8 is how the weights were trained, not what they are: decoding runs them in bf16/fp32
+    drafter = DFlashDrafter(msgspec.structs.replace(dc, precision="bf16"))
     path = Path(directory) / WEIGHTS
     try:
         weights = load_file(str(path))

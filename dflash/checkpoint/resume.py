@@ -264,6 +264,8 @@ _EFFECTS = (
     ("run.seed", "anchors and feature noise (seeded by run.seed)"),
     ("train.num_anchors", "anchors"),
     ("run.deterministic", "numerics (deterministic kernels)"),
+    ("drafter.precision", "numerics (float8 matmuls)"),
+    ("drafter.fp8_recipe", "numerics (float8 scaling)"),
     ("data.", "data order and batch shapes; the restored sampler position may no longer match"),
     ("drafter.", "drafter shapes or anchors"),
     ("target.", "target features and shapes"),
@@ -275,7 +277,8 @@ _EFFECTS = (
 
 
 _ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
-                ("drafter", "confidence_head"): False}
+                ("drafter", "confidence_head"): False, ("drafter", "precision"): "bf16",
+                ("drafter", "fp8_recipe"): "tensorwise"}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 

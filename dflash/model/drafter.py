@@ -190,10 +190,11 @@ class DFlashDrafter(nn.Module):
                                                   / cfg.head_dim)).float()
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # copies per device, made once
         self.reset_parameters(seed)
-        if cfg.kernels != "torch" or cfg.compile:  # fused kernels / compiled layers, same weights
+        if cfg.kernels != "torch" or cfg.compile or cfg.precision != "bf16":  # same weights, same keys
             from dflash.model.drafter_kernels import apply_kernels
 
-            apply_kernels(self, cfg.kernels, cfg.compile, RMSNorm, MLP)
+            apply_kernels(self, cfg.kernels, cfg.compile, RMSNorm, MLP, precision=cfg.precision,
+                          fp8_recipe=cfg.fp8_recipe)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:

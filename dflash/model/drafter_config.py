@@ -46,6 +46,16 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (Triton, CUDA only; :mod:`dflash.model.drafter_kernels`). Same parameters and
             state-dict keys; equal loss and gradients to bf16 rounding (tested on the GPU).
         compile: ``torch.compile`` each decoder layer in place (same state-dict keys).
+        precision: the training matmuls of the drafter's backbone Linears (``fc`` and every
+            attention and MLP projection): "bf16" (under autocast on CUDA, fp32 on a CPU) |
+            "fp8": torchao's float8 training (``Float8Linear``, dynamic scaling;
+            :mod:`dflash.model.drafter_fp8`). The weights, AdamW's state and the loss stay as with
+            "bf16" (fp32 master weights, same state-dict keys), so a checkpoint trained either way
+            resumes, evaluates and exports either way. Needs CUDA compute capability >= 8.9 and
+            torchao. Decoding (eval, the in-training evaluator) always runs bf16.
+        fp8_recipe: torchao's float8 training recipe when ``precision = "fp8"``: "tensorwise" (one
+            scale per tensor, cuBLAS) | "rowwise" (per-row scales, power-of-two rounded) |
+            "rowwise_with_gw_hp" (rowwise, the weight gradient kept in bf16).
         variant: "dflash" (the DFlash drafter) | "dflash2" (z-lab's DFlash2: adds a grouped
             dynamic causal convolution around every sublayer and a candidate selector,
             :mod:`dflash.model.dflash2`). The four fields below are read by "dflash2" only; their
@@ -78,6 +88,8 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_target_layers: int | None = None
     kernels: Literal["torch", "liger"] = "torch"
     compile: bool = False
+    precision: Literal["bf16", "fp8"] = "bf16"
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     variant: Literal["dflash", "dflash2"] = "dflash"
     conv_kernel_size: Positive = 2
     conv_group_size: Positive = 16
@@ -197,11 +209,19 @@ def check_drafter_devices(cfg: DrafterConfig, devices: list[str]) -> None:
 
     Raises:
         ConfigError: ``drafter.attn_implementation = "flex_attention"`` on a CPU drafter
-            (FlexAttention has no CPU backward), or ``drafter.kernels = "liger"`` without liger-kernel.
+            (FlexAttention has no CPU backward), ``drafter.kernels = "liger"`` without liger-kernel,
+            or ``drafter.precision = "fp8"`` without torchao or off a GPU with float8 tensor cores
+            (:func:`dflash.model.drafter_fp8.check_fp8`).
     """
     import importlib.util
 
     from dflash.errors import ConfigError
+
+    if cfg.precision == "fp8":
+        from dflash.model.drafter_fp8 import check_fp8
+
+        for device in devices:
+            check_fp8(device)
 
     if cfg.kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("drafter.kernels = \"liger\" needs the liger-kernel package (pip install liger-kernel); "

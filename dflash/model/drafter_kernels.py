@@ -58,18 +58,22 @@ def _liger_mlp_forward(mlp: nn.Module):
     return forward
 
 
-def apply_kernels(drafter: nn.Module, kernels: str, compile: bool, norm_type: type, mlp_type: type) -> None:
-    """Put ``drafter`` (a :class:`dflash.model.drafter.DFlashDrafter`) on fused kernels in place.
+def apply_kernels(drafter: nn.Module, kernels: str, compile: bool, norm_type: type, mlp_type: type, *,
+                  precision: str = "bf16", fp8_recipe: str = "tensorwise") -> None:
+    """Put ``drafter`` (a :class:`dflash.model.drafter.DFlashDrafter`) on fused kernels in place:
+    Liger's ops, then float8 Linears, then ``torch.compile`` (which then sees both).
 
     Args:
         norm_type, mlp_type: the drafter's RMSNorm and MLP classes (passed in, so this module does
             not import the drafter's).
         kernels: "torch" (no swap) | "liger" (RMSNorm and SwiGLU, see the module docstring).
         compile: ``torch.compile`` each of ``drafter.layers`` in place.
+        precision, fp8_recipe: ``"fp8"`` swaps the backbone Linears for torchao's float8 training
+            Linears (:func:`dflash.model.drafter_fp8.convert_to_fp8`); "bf16" leaves them.
 
     Raises:
         ConfigError: ``kernels = "liger"`` and the liger_kernel (or triton) package is missing;
-            an unknown ``kernels`` value.
+            ``precision = "fp8"`` without torchao; an unknown ``kernels`` or ``precision`` value.
     """
     if kernels == "liger":
         missing = [p for p in ("liger_kernel", "triton") if importlib.util.find_spec(p) is None]
@@ -83,6 +87,12 @@ def apply_kernels(drafter: nn.Module, kernels: str, compile: bool, norm_type: ty
                 module.forward = _liger_mlp_forward(module)
     elif kernels != "torch":
         raise ConfigError(f"drafter.kernels = {kernels!r}: expected 'torch' or 'liger'")
+    if precision == "fp8":
+        from dflash.model.drafter_fp8 import convert_to_fp8
+
+        convert_to_fp8(drafter, fp8_recipe)
+    elif precision != "bf16":
+        raise ConfigError(f"drafter.precision = {precision!r}: expected 'bf16' or 'fp8'")
     if compile:
         for layer in drafter.layers:
             layer.compile()

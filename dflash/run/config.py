@@ -154,7 +154,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
 
 _SPEED_DEFAULTS = {
     "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
-    "drafter": {"kernels": "torch", "compile": False},
+    "drafter": {"kernels": "torch", "compile": False, "precision": "bf16", "fp8_recipe": "tensorwise"},
     "train": {"lm_head": "chunked"},
 }
 
@@ -182,8 +182,9 @@ def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
-    # Speed-only switches (same loss to rounding, tested) are hashed only when set, so the hash of
-    # a file that leaves them at their defaults is the one it had before they existed.
+    # Speed switches are hashed only when set, so the hash of a file that leaves them at their
+    # defaults is the one it had before they existed. All but float8 give the same loss to rounding
+    # (tested); drafter.precision = "fp8" changes the numerics, and being set, it is hashed.
     for table, defaults in _SPEED_DEFAULTS.items():
         for key, default in defaults.items():
             if raw[table].get(key) == default:

@@ -53,8 +53,9 @@ class EvaluatorStage(csp.Process):
         self.device = self.ctx.device or torch.device("cpu")
         self.target = load_target(for_generation(o.target), self.device, o.drafter.num_layers, need_final=True)
         self.head = self.target.shared_head()
-        # decodes with sdpa whatever training uses: the same outputs, no compile per length
-        cfg = msgspec.structs.replace(o.drafter, attn_implementation="sdpa", compile=False)
+        # decodes with sdpa in the target's dtype whatever training uses (flex, float8): the same
+        # outputs, no compile per length
+        cfg = msgspec.structs.replace(o.drafter, attn_implementation="sdpa", compile=False, precision="bf16")
         self.drafter = DFlashDrafter(cfg, seed=0).to(self.device, self.target.model.dtype).eval()
         tok = load_tokenizer(o.target.tokenizer_source)
         ids = heldout_prompts(o.data, tok, o.eval.prompts, o.eval.max_prompt_tokens)

@@ -334,14 +334,14 @@ def test_gpu_fp8_compiled_varlen_target_equals_eager_fp8():
     assert between < 1.5 * eager_err + 1e-3, (between, eager_err)
 
 
-def _assert_same_training(ref, new, rtol=2e-2, atol=2e-3):
+def _assert_same_training(ref, new, rtol=2e-2, atol=2e-3, grad_rtol=3e-2):
     (_, o0, g0), (_, o1, g1) = ref, new
     torch.testing.assert_close(o1.loss, o0.loss, rtol=rtol, atol=atol)
     torch.testing.assert_close(o1.ce, o0.ce, rtol=rtol, atol=atol)
     for n, g in g0.items():
         assert g.abs().max() > 0, n
         rel = (g1[n] - g).norm() / g.norm()
-        assert rel < 3e-2, (n, rel.item())
+        assert rel < grad_rtol, (n, rel.item())
 
 
 @gpu_test
@@ -390,7 +390,8 @@ def test_perf_harness_smoke_writes_every_row(tmp_path):
     for name in ("matmul_bf16", "target_bf16", "drafter_default", "profile_target_bf16", "profile_drafter_default"):
         assert rows[name]["status"] == "ok", (name, rows[name])
     assert rows["target_bf16"]["tok_s"] > 0 and rows["drafter_default"]["mfu"] > 0
-    for name in ("drafter_liger_kernels", "drafter_liger_head", "drafter_compile", "drafter_all", "fp8"):
+    for name in ("drafter_liger_kernels", "drafter_liger_head", "drafter_compile", "drafter_all", "fp8",
+                 "drafter_fp8", "drafter_fp8_compile", "drafter_fp8_rowwise_compile"):
         assert rows[name]["status"] == "skipped" and rows[name]["reason"], name
     assert (out / "profile_target_bf16.txt").read_text().strip()
     # a profile carries its own window's wall time and rate, to set against the kernels' sum
