@@ -18,15 +18,10 @@ from dflash.errors import ConfigError
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_config import check_drafter_devices
 from dflash.model.drafter_fp8 import FP8_LINEARS, fp8_linear_count
-from tests.dflash.train.test_perf_switches import (  # noqa: F401 - batch is a fixture
-    CUDA,
-    _assert_same_training,
-    _cfg,
-    batch,
-    check_fast_paths,
-    gpu_test,
-    run,
-)
+from tests.dflash.train import test_perf_switches as switches
+from tests.dflash.train.test_perf_switches import CUDA, _assert_same_training, _cfg, check_fast_paths, gpu_test, run
+
+batch = switches.batch  # the fixture: a tiny target's features and one batch of anchors (block size 4)
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="needs torchao (pip install torchao; the test extra has it)")
