@@ -7,6 +7,7 @@
 #   DATA_DIR=D bash benchmarks/quality/headline.sh train OUT   # the run itself, then its eval
 #   DATA_DIR=D bash benchmarks/quality/headline.sh evalcost OUT  # tok/s with and without the in-training eval
 #   CKPT=C bash benchmarks/quality/headline.sh evalsets OUT      # MT-Bench and HumanEval per category, speedup
+#   DATA_DIR=D bash benchmarks/quality/headline.sh variants OUT  # several settings side by side, held-out tau
 #
 # data:  `dflash.regenerate` over the whole package (17,458 conversations), up to MAX_TURNS assistant
 #        turns each, two passes side by side: greedy, and sampled (T = 0.8, top-p 0.95). The sampled
@@ -25,6 +26,9 @@
 # evalcost: the same DFlash2 graph for EVALCOST_S seconds twice, on the regenerated data: without the
 #        evaluator (eval.every = 0), then with it every EVAL_EVERY steps; median tok/s of the windows after
 #        the first two, and each evaluation's seconds -> OUT/evalcost.json.
+# variants: one line of VARIANTS per run ("name --set k=v ..."; default: bf16 at seeds 0 and 1, the
+#        drafter in float8, CE + TV 0.5), all started together on the regenerated data for STEPS steps;
+#        the final weights' held-out tau (EP prompts, EN tokens; greedy and T = 1) -> OUT/variants.json.
 # evalsets: dflash.eval of the checkpoint C (a directory, or the ckpt.tar.part-* the train phase
 #        returned) on MT-Bench (80 questions, both turns) and HumanEval (HE_NUM problems), SET_NEW tokens
 #        each, greedy, with the measured speedup over the target alone -> OUT/eval-{mtbench,humaneval}.{json,txt}.
@@ -153,6 +157,51 @@ res = {"tok_s_without": off, "tok_s_with": on, "cost": 1 - on / off, "eval_every
                        for h in held]}
 json.dump(res, open(f"{out}/evalcost.json", "w"), indent=1)
 print(json.dumps(res))
+EOF
+  ;;
+variants)
+  # the same recipe under several settings side by side, all from one tokenized cache and started
+  # together (the tiny target leaves the H200 room; the tok/s of concurrent runs are not each one's
+  # alone): STEPS steps each, then the held-out tau of the final weights, greedy and at T = 1
+  cat "${DATA_DIR:-.whl/data}"/regen-*.jsonl.gz | gunzip -c > "$R/regen-all.jsonl"
+  python3 -m dflash.run $G "${DF2[@]}" --set data.source=\"$R/regen-all.jsonl\" --set run.steps=1 \
+    --set eval.every=0 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -3 "$R/warm.log"  # tokenize once
+  S=${STEPS:-1800}; names=()
+  while read -r name sets; do
+    [ -z "$name" ] && continue
+    read -r -a a <<< "$sets"; names+=("$name")
+    timeout --foreground -s TERM ${VAR_CAP_S:-480} python3 -m dflash.run $G "${DF2[@]}" \
+      --set data.source=\"$R/regen-all.jsonl\" --set run.steps=$S --set checkpoint.every=0 \
+      --set eval.every=$S --set eval.prompts=${EP:-32} --set eval.max_new_tokens=${EN:-128} \
+      --set eval.temperature=1.0 --set eval.max_busy=1.0 --set run.out_dir=\"$R/var-$name\" "${a[@]}" \
+      > "$R/var-$name.log" 2>&1 < /dev/null &
+  done <<EOF
+${VARIANTS:-bf16_seed0 --set run.seed=0
+bf16_seed1 --set run.seed=1
+fp8_seed0 --set run.seed=0 --set drafter.precision="fp8"
+tv05_seed0 --set run.seed=0 --set loss.kl_weight=0.0 --set loss.tv_weight=0.5}
+EOF
+  wait
+  for n in "${names[@]}"; do
+    cp "$R/var-$n/metrics.jsonl" "$OUT/metrics-var-$n.jsonl" 2>/dev/null; grep -v "^step" "$R/var-$n.log" | tail -3 > "$OUT/var-$n.log"
+  done
+  python3 - "$OUT" "${names[@]}" <<'EOF'
+import json, statistics, sys
+out, rows = sys.argv[1], {}
+for name in sys.argv[2:]:
+    try:
+        recs = [json.loads(l) for l in open(f"{out}/metrics-var-{name}.jsonl")]
+    except OSError:
+        rows[name] = {"status": "no metrics"}; continue
+    train = [r for r in recs if r["kind"] == "train"]
+    held = [r for r in recs if r["kind"] == "heldout"]
+    rows[name] = {"steps": train[-1]["step"] if train else None,
+                  "tok_s_concurrent": statistics.median([r["tok_s"] for r in train[2:] if r.get("tok_s")] or [0]),
+                  "tau": held[-1]["tau"] if held else None, "tau_t1": held[-1].get("sampled_tau") if held else None,
+                  "heldout_prompts": held[-1].get("prompts") if held else None}
+json.dump(rows, open(f"{out}/variants.json", "w"), indent=1)
+for k, v in rows.items():
+    print(k, v)
 EOF
   ;;
 evalsets)
