@@ -57,12 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file or set,\n       a set whose package is not installed, a --prompts file with "
                "no prompt lines,\n       more --num-prompts than exist, unknown --data source, no "
-               "usable prompt,\n       target/drafter layer mismatch, an unhealthy checkpoint without "
+               "usable prompt,\n       a --block-size above the trained one, target/drafter layer mismatch, an unhealthy checkpoint without "
                "--allow-unhealthy\n"
                "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
                "  python -m dflash.eval CKPT --prompts mtbench\n"
                "  python -m dflash.eval CKPT --prompts humaneval --num-prompts 32 --json\n"
+               "  python -m dflash.eval CKPT --prompts mtbench --block-size 8     # trained at 16, served at 8\n"
                "  python -m dflash.eval CKPT --data sharegpt --temperature 1 --top-p 0.95 --seed 1")
     p.add_argument("checkpoint", help="dflash checkpoint directory, e.g. RUN_DIR/checkpoints/step_00000300")
     src = p.add_mutually_exclusive_group(required=True)
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts to decode: exactly N (fewer existing is an error naming how many exist); "
                         "left out, all of a --prompts set, or 8 (or as many as exist) of --data")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="serve at N tokens per block, anchor included (2 .. the trained block size; default "
+                        "the trained size): published drafters are trained at 16 and served at 8")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
                    help="prompt tokens kept (the last ones)")
     p.add_argument("--device", default=None,

@@ -167,6 +167,13 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # a run trained with flex_attention decodes with sdpa: same outputs, no compile per length
     drafter.cfg = dc = msgspec.structs.replace(dc, attn_implementation="sdpa")
+    if args.block_size is not None:
+        try:
+            drafter.serve_at_block_size(args.block_size)
+        except ValueError as exc:
+            print(f"dflash.eval: --block-size {args.block_size}: {exc}", file=sys.stderr)
+            return 2
+        dc = drafter.cfg
     tc = locate_target(tc, args.checkpoint)  # paths recorded relative to where training started
     if args.dtype != "auto":
         tc = msgspec.structs.replace(tc, dtype=args.dtype)

@@ -130,7 +130,9 @@ class EvalResult(msgspec.Struct, kw_only=True):
         acc_per_pos: ``[bs-1]`` teacher-forced accuracies; None (``null`` in ``--json``) where no
             anchor reached the position (the generated text ended before it).
         n_per_pos: ``[bs-1]`` anchors scored at each position (empty in results saved before it).
-        block_size: the drafter's block size (tau is at most ``block_size``).
+        block_size: the block size decoded at (tau is at most ``block_size``).
+        trained_block_size: the block size the drafter was trained at (``--block-size`` serves it
+            at a smaller one); None in results saved before it was recorded.
         per_prompt: one :class:`PromptResult` per prompt.
         dtype: the decode's dtype ("float32" | "bfloat16").
         threads: torch intra-op CPU threads during the decode.
@@ -158,6 +160,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     acc_per_pos: list[float | None]
     block_size: int
     per_prompt: list[PromptResult]
+    trained_block_size: int | None = None
     dtype: str = "float32"
     threads: int = 1
     temperature: float = 0.0
@@ -222,7 +225,9 @@ def format_result(res: EvalResult) -> str:
         rows.insert(1, (f"measured: sampled ({knobs})", res.sampled_tau, res.sampled_accepted))
     lines = [f"{'':44s}{'tau (tokens/step)':>18s}{'accepted/step':>15s}"]
     lines += [f"{name:44s}{t:>18.3f}{a:>15.3f}" for name, t, a in rows]
-    lines.append(f"block size {res.block_size} (tau <= {res.block_size}); plain target decoding "
+    trained = (f", trained at {res.trained_block_size}" if res.trained_block_size not in (None, res.block_size)
+               else "")
+    lines.append(f"block size {res.block_size} (tau <= {res.block_size}{trained}); plain target decoding "
                  "has tau = 1")
     secs = f", decode {res.seconds:.1f} s" if res.seconds is not None else ""
     lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){secs}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -176,6 +177,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         cfg.check_resolved()
         self.cfg = cfg
+        self._trained_block_size = cfg.block_size
         H, k = cfg.hidden_size, len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -195,6 +197,32 @@ class DFlashDrafter(nn.Module):
 
             apply_kernels(self, cfg.kernels, cfg.compile, RMSNorm, MLP, precision=cfg.precision,
                           fp8_recipe=cfg.fp8_recipe)
+
+    def serve_at_block_size(self, block_size: int) -> None:
+        """Draft blocks of ``block_size`` tokens (anchor included) from now on: a drafter trained
+        at one block size, decoded at a smaller one. Published DFlash drafters are trained at 16 and
+        served at 8 (z-lab's ``spec_generate`` and the serving engines take the block size as a
+        setting): a shorter block costs the target a narrower verify forward and the drafter a
+        shorter block, for the positions a long block rarely reaches. No weight depends on the
+        block size (positions are RoPE; a block attends to itself and its context whatever its
+        length); DFlash2's convolution restarts at every block of the new size.
+
+        Raises:
+            ValueError: ``block_size`` below 2 or above the size the drafter was trained at
+                (positions it never trained on).
+        """
+        trained = self.trained_block_size
+        if not 2 <= block_size <= trained:
+            raise ValueError(f"block size {block_size}: serve this drafter at 2 .. {trained} tokens per "
+                             f"block (it was trained at {trained})")
+        self.cfg = msgspec.structs.replace(self.cfg, block_size=block_size)
+        for layer in self.layers:
+            layer.block = block_size
+
+    @property
+    def trained_block_size(self) -> int:
+        """The block size the drafter was built (and trained) at, whatever it is served at."""
+        return self._trained_block_size
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:

@@ -206,3 +206,23 @@ def test_eval_data_default_is_8_and_more_than_exist_is_refused(tiny_run, capsys)
     assert main([*base, "--num-prompts", str(n + 1)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--num-prompts {n + 1} asked, but the run's held-out conversations" in err
+
+
+def test_eval_serves_below_the_trained_block_size_and_refuses_above(tiny_run, capsys):  # noqa: F811
+    """``--block-size N`` decodes the checkpoint at N tokens per block and says both sizes; a size
+    above the trained one is one line, exit 2."""
+    from dflash.eval.cli import main
+
+    ck = max((tiny_run / "checkpoints").glob("step_*"))
+    trained = json.loads((ck / "drafter_config.json").read_text())["block_size"]
+    base = [str(ck), "--prompts", "mtbench", "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+            "--no-speedup"]
+    assert main([*base, "--block-size", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["block_size"] == 2 and res["trained_block_size"] == trained and res["tau"] <= 2
+    assert len(res["acc_per_pos"]) == 1
+    assert main([*base, "--block-size", "2"]) == 0
+    assert f"block size 2 (tau <= 2, trained at {trained})" in capsys.readouterr().out
+    assert main([*base, "--block-size", str(trained + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"serve this drafter at 2 .. {trained} tokens per block" in err
