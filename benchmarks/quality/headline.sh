@@ -28,7 +28,9 @@
 #        the first two, and each evaluation's seconds -> OUT/evalcost.json.
 # variants: one line of VARIANTS per run ("name --set k=v ..."; default: bf16 at seeds 0 and 1, the
 #        drafter in float8, CE + TV 0.5), all started together on the regenerated data for STEPS steps;
-#        the final weights' held-out tau (EP prompts, EN tokens; greedy and T = 1) -> OUT/variants.json.
+#        the final weights' held-out tau (EP prompts, EN tokens; greedy and T = 1) -> OUT/variants.json;
+#        then dflash.eval of the first variant's final weights at each of SERVE_BLOCKS (e.g. "16 8":
+#        trained at 16, served at 8) on the NP prompts -> OUT/eval-NAME-blockB.json.
 # evalsets: dflash.eval of the checkpoint C (a directory, or the ckpt.tar.part-* the train phase
 #        returned) on MT-Bench (80 questions, both turns) and HumanEval (HE_NUM problems), SET_NEW tokens
 #        each, greedy, with the measured speedup over the target alone -> OUT/eval-{mtbench,humaneval}.{json,txt}.
@@ -203,6 +205,16 @@ json.dump(rows, open(f"{out}/variants.json", "w"), indent=1)
 for k, v in rows.items():
     print(k, v)
 EOF
+  # train at 16, serve at SERVE_BLOCKS: the first variant's final weights on the held-out prompts
+  ck=$(ls -d "$R/var-${names[0]}"/checkpoints/step_* 2>/dev/null | sort | tail -1)
+  for b in ${SERVE_BLOCKS:-}; do
+    [ -n "$ck" ] || break
+    python3 -m dflash.eval "$ck" --prompts "$R/prompts.jsonl" --num-prompts $NP --max-new-tokens $NEW \
+      --block-size $b --no-speedup --json > "$OUT/eval-${names[0]}-block$b.json" 2> "$R/eval-block$b.err" \
+      || tail -3 "$R/eval-block$b.err"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('block', d['block_size'], 'trained at',
+      d['trained_block_size'], 'tau', round(d['tau'], 3))" "$OUT/eval-${names[0]}-block$b.json"
+  done
   ;;
 evalsets)
   C=${CKPT:?CKPT=checkpoint directory or a directory holding ckpt.tar.part-*}
