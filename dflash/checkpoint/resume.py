@@ -258,6 +258,7 @@ _EFFECTS = (
     ("train.warmup_steps", "lr schedule"),
     ("train.min_lr_ratio", "lr schedule"),
     ("train.betas", "optimizer"),
+    ("train.muon_momentum", "optimizer"),
     ("train.weight_decay", "optimizer"),
     ("train.grad_clip", "update size"),
     ("train.feature_noise", "features"),
@@ -278,7 +279,8 @@ _EFFECTS = (
 
 _ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
                 ("drafter", "confidence_head"): False, ("drafter", "precision"): "bf16",
-                ("drafter", "fp8_recipe"): "tensorwise"}
+                ("drafter", "fp8_recipe"): "tensorwise", ("train", "optimizer"): "adamw",
+                ("train", "muon_momentum"): 0.95}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 
@@ -398,3 +400,22 @@ def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
             f"checkpoint {ckpt} has another drafter shape ({'; '.join(diff)}); resume it with its own "
             "config, or start fresh with --resume none or another run.out_dir"
         )
+
+
+def check_optimizer(ckpt: Path, optimizer: str) -> None:
+    """Check that the checkpoint was trained with ``[train].optimizer = optimizer``: AdamW's moments
+    and Muon's momentum are different state, and neither continues from the other. Nothing to
+    check when the checkpoint has no readable ``train_config.json`` (older checkpoints: AdamW).
+
+    Raises:
+        CheckpointError: the optimizers differ; names both and what to do.
+    """
+    config = saved_config(ckpt)
+    if config is None:
+        return
+    saved = (config.get("train") or {}).get("optimizer", "adamw")
+    if saved != optimizer:
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained with train.optimizer = {saved!r}, and this run sets {optimizer!r} "
+            f"(their states do not carry over): set train.optimizer = {saved!r} to resume, or start fresh "
+            "with --resume none or another run.out_dir")

@@ -152,10 +152,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
     return cfg
 
 
-_SPEED_DEFAULTS = {
+_HASHED_ONLY_WHEN_SET = {
     "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
     "drafter": {"kernels": "torch", "compile": False, "precision": "bf16", "fp8_recipe": "tensorwise"},
-    "train": {"lm_head": "chunked"},
+    "train": {"lm_head": "chunked", "optimizer": "adamw", "muon_momentum": 0.95},
 }
 
 _OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"
@@ -183,9 +183,10 @@ def config_hash(cfg: DFlashFile) -> str:
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
     # Speed switches are hashed only when set, so the hash of a file that leaves them at their
-    # defaults is the one it had before they existed. All but float8 give the same loss to rounding
-    # (tested); drafter.precision = "fp8" changes the numerics, and being set, it is hashed.
-    for table, defaults in _SPEED_DEFAULTS.items():
+    # defaults is the one it had before they existed. All but float8 and the optimizer give the same
+    # loss to rounding (tested); drafter.precision = "fp8" and train.optimizer = "muon" change what is
+    # trained, and being set, they are hashed.
+    for table, defaults in _HASHED_ONLY_WHEN_SET.items():
         for key, default in defaults.items():
             if raw[table].get(key) == default:
                 raw[table].pop(key, None)

@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash.checkpoint import check_architecture, check_resume_path, resume_candidate
+from dflash.checkpoint import check_architecture, check_optimizer, check_resume_path, resume_candidate
 from dflash.checkpoint.config import checkpoint_bytes
 from dflash.checkpoint.files import device_of
 from dflash.data.config import check_block_fits
@@ -59,7 +59,8 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     Raises:
         ConfigError: the first broken rule, one line naming the key to change.
         dflash.checkpoint.CheckpointError: ``resume`` names no checkpoint directory, or the
-            checkpoint it would continue from holds a drafter of another variant or shape.
+            checkpoint it would continue from holds a drafter of another variant or shape, or was
+            trained with another ``[train].optimizer``.
     """
     cfg = resolved.cfg
     check_trains_something(cfg)
@@ -75,6 +76,7 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     candidate = resume_candidate(Path(cfg.run.out_dir), resume)
     if candidate is not None:  # a drafter of another shape or variant: refused before any data work
         check_architecture(candidate, resolved.drafter)
+        check_optimizer(candidate, cfg.train.optimizer)
     check_run_dir(cfg.run.out_dir)
     return lr_warnings(cfg.train) + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last)
 

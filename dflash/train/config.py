@@ -43,6 +43,16 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """AdamW's decoupled weight decay (per step, scaled by the learning rate)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's moment decays (beta1, beta2), each in [0, 1)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """"adamw": AdamW for every parameter. "muon": ``torch.optim.Muon`` (Jordan et al. 2024, "Muon:
+    An optimizer for hidden layers in neural networks": momentum orthogonalised by Newton-Schulz
+    iterations) for the matrices of the drafter's Linear layers, with the update scaled to AdamW's
+    RMS (``adjust_lr_fn = "match_rms_adamw"``, Liu et al. 2025, "Muon is Scalable for LLM Training"),
+    so ``lr``, ``weight_decay`` and the schedule carry over unchanged; AdamW for the rest (norms,
+    DFlash2's convolution taps and codebooks). The published Qwen3-8B DFlash2 drafter and
+    speculators' trainer use Muon. :mod:`dflash.train.optim`."""
+    muon_momentum: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.95
+    """Muon's momentum (Nesterov), read when ``optimizer = "muon"``."""
     grad_clip: NonNegFloat = 1.0
     """Global L2 gradient-norm clip; 0 disables clipping."""
     feature_noise: NonNegFloat = 0.0

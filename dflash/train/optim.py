@@ -1,7 +1,10 @@
-"""The drafter's optimizer and learning-rate schedule: AdamW, linear warmup then cosine decay.
+"""The drafter's optimizer and learning-rate schedule: AdamW (or Muon for the Linear layers' matrices
+and AdamW for the rest), linear warmup then cosine decay.
 
-:func:`make_optimizer` builds both from ``[train]``; :func:`load_optimizer_state` restores them
-from a checkpoint's ``train_state.pt`` and then applies the run's own ``[train]`` values.
+:func:`make_optimizer` builds them from ``[train]``; :func:`load_optimizer_state` restores them
+from a checkpoint's ``train_state.pt`` and then applies the run's own ``[train]`` values. With
+``[train].optimizer = "muon"`` there are two optimizers and two schedules of the same shape, stepped
+together; ``train_state.pt`` then holds ``"muon"`` and ``"muon_scheduler"`` beside the AdamW ones.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from dflash.train.config import TrainSection
 
-__all__ = ["DrafterOptimizer", "load_optimizer_state", "lr_lambda", "make_optimizer"]
+__all__ = ["DrafterOptimizer", "load_optimizer_state", "lr_lambda", "make_optimizer", "muon_parameters"]
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
@@ -32,29 +35,82 @@ def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], floa
 
 @dataclass
 class DrafterOptimizer:
-    """The trained parameters, their AdamW and its schedule (stepped once per batch)."""
+    """The trained parameters, their optimizers and schedules (stepped once per batch).
+
+    Attributes:
+        params: every trained parameter (the gradient clip's set).
+        opt: AdamW: over every parameter, or with Muon over those Muon does not take.
+        sched: ``opt``'s schedule.
+        muon, muon_sched: ``torch.optim.Muon`` over the Linear layers' matrices and its schedule
+            (the same warmup + cosine); None with ``[train].optimizer = "adamw"``.
+    """
 
     params: list[torch.nn.Parameter]
     opt: torch.optim.AdamW
     sched: torch.optim.lr_scheduler.LambdaLR
+    muon: torch.optim.Optimizer | None = None
+    muon_sched: torch.optim.lr_scheduler.LambdaLR | None = None
 
     @property
     def lr(self) -> float:
-        """The lr the next ``opt.step()`` uses."""
+        """The lr the next :meth:`step` uses."""
         return self.opt.param_groups[0]["lr"]
 
+    def step(self) -> None:
+        """One update of every parameter."""
+        self.opt.step()
+        if self.muon is not None:
+            self.muon.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        if self.muon is not None:
+            self.muon.zero_grad(set_to_none=True)
+
+    def schedule_step(self) -> None:
+        """Advance the schedules by one batch (an update skipped or not)."""
+        self.sched.step()
+        if self.muon_sched is not None:
+            self.muon_sched.step()
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"optimizer": ..., "scheduler": ...}``, the optimizer part of ``train_state.pt``."""
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+        """``{"optimizer": ..., "scheduler": ...}`` (and ``"muon"``, ``"muon_scheduler"``), the
+        optimizer part of ``train_state.pt``."""
+        out = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()}
+        if self.muon is not None:
+            out |= {"muon": self.muon.state_dict(), "muon_scheduler": self.muon_sched.state_dict()}
+        return out
+
+
+def muon_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters Muon trains: the 2-D weights of ``model``'s ``nn.Linear`` layers (attention and
+    MLP projections, ``fc``, DFlash2's tap and selector projections). Muon orthogonalises a matrix's
+    update, which is meaningful for a linear map; vectors (norms), DFlash2's 3-D convolution taps and
+    its codebooks (rows looked up by token id, like an embedding) stay with AdamW, as Muon's
+    authors advise for embeddings, gains and biases."""
+    return [m.weight for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad and m.weight.ndim == 2]
 
 
 def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int) -> DrafterOptimizer:
-    """AdamW over ``model``'s trainable parameters with ``[train]``'s lr, betas and weight decay,
-    and the warmup + cosine schedule over ``total_steps`` (``[run].steps``)."""
+    """The optimizer ``[train].optimizer`` names over ``model``'s trainable parameters, with
+    ``[train]``'s lr, betas and weight decay, and the warmup + cosine schedule over ``total_steps``
+    (``[run].steps``). With "muon", Muon takes :func:`muon_parameters` and AdamW the rest."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(train.warmup_steps, total_steps, train.min_lr_ratio))
-    return DrafterOptimizer(params=params, opt=opt, sched=sched)
+    schedule = lr_lambda(train.warmup_steps, total_steps, train.min_lr_ratio)
+    muon = muon_sched = None
+    rest = params
+    if train.optimizer == "muon":
+        matrices = muon_parameters(model)
+        taken = {id(p) for p in matrices}
+        rest = [p for p in params if id(p) not in taken]
+        muon = torch.optim.Muon(matrices, lr=train.lr, weight_decay=train.weight_decay,
+                                momentum=train.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
+        muon_sched = torch.optim.lr_scheduler.LambdaLR(muon, schedule)
+    # AdamW always exists (a drafter always has norms), so the lr and the checkpoint keep one place
+    opt = torch.optim.AdamW(rest, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    return DrafterOptimizer(params=params, opt=opt, sched=sched, muon=muon, muon_sched=muon_sched)
 
 
 def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: TrainSection) -> None:
@@ -64,10 +120,19 @@ def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: Trai
     own ``[train]`` table (a changed key is named at start-up), so an unchanged config restores the
     same values and a changed one takes effect.
     """
-    o.opt.load_state_dict(state["optimizer"])
-    o.sched.load_state_dict(state["scheduler"])
-    o.sched.base_lrs = [train.lr for _ in o.opt.param_groups]
-    for g, lam in zip(o.opt.param_groups, o.sched.lr_lambdas):
-        g.update(initial_lr=train.lr, lr=train.lr * lam(o.sched.last_epoch), betas=train.betas,
-                 weight_decay=train.weight_decay)
-    o.sched._last_lr = [g["lr"] for g in o.opt.param_groups]  # what get_last_lr() reports
+    saved = "muon" if "muon" in state else "adamw"
+    if saved != train.optimizer:  # the moments of one optimizer mean nothing to the other
+        raise ValueError(f"the checkpoint was trained with train.optimizer = {saved!r} and this run sets "
+                         f"{train.optimizer!r}: resume with {saved!r}, or start fresh (--resume none or "
+                         "another run.out_dir)")
+    pairs = [(o.opt, o.sched, state["optimizer"], state["scheduler"], {"betas": train.betas})]
+    if o.muon is not None:
+        pairs.append((o.muon, o.muon_sched, state["muon"], state["muon_scheduler"],
+                      {"momentum": train.muon_momentum}))
+    for opt, sched, opt_state, sched_state, own in pairs:
+        opt.load_state_dict(opt_state)
+        sched.load_state_dict(sched_state)
+        sched.base_lrs = [train.lr for _ in opt.param_groups]
+        for g, lam in zip(opt.param_groups, sched.lr_lambdas):
+            g.update(initial_lr=train.lr, lr=train.lr * lam(sched.last_epoch), weight_decay=train.weight_decay, **own)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports

@@ -18,7 +18,8 @@ Shapes: B rows, T tokens, k captured target layers of hidden size H, A anchors, 
    streak rule and the per-step metrics still need the values on the host). The read comes after
    backward, so the only device time it costs is the launch gap before the optimizer's kernels,
    and it carries everything the monitor needs;
-5. otherwise AdamW step; the schedule steps either way (it follows batches).
+5. otherwise the optimizer's step (AdamW, or Muon and AdamW: ``[train].optimizer``); the schedule
+   steps either way (it follows batches).
 
 The caller (:class:`dflash.run.stages.trainer.DrafterStage`) owns the step counter, checkpoints and
 the stop when the guard's streak is exhausted.
@@ -60,7 +61,7 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     """One optimizer step (or a counted skip) on one batch; see the module docstring.
 
     Args:
-        model: the drafter (or its DDP wrapper); ``o`` holds its parameters, AdamW and schedule.
+        model: the drafter (or its DDP wrapper); ``o`` holds its parameters, optimizers and schedules.
         head: the target's frozen embedding and LM head (bf16 on CUDA, fp32 on CPU).
         inp: the batch on ``model``'s device (``features [B, T, k*H]``, ``anchors [B, A]``).
         cfg: the run's ``.train`` and ``.loss`` tables (the drafter stage passes its
@@ -96,10 +97,10 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     reason = guard.reason(loss, gnorm)
     if reason is None:
         before_update()
-        o.opt.step()
+        o.step()
     guard.record(reason)
-    o.opt.zero_grad(set_to_none=True)
-    o.sched.step()
+    o.zero_grad()
+    o.schedule_step()
 
     skipped = reason is not None
     return StepMetrics(

@@ -65,6 +65,7 @@ def test_lr_schedule_warms_up_linearly_then_decays_to_the_floor():
 class _Train:
     def __init__(self, lr: float) -> None:
         self.lr, self.betas, self.weight_decay, self.warmup_steps, self.min_lr_ratio = lr, (0.9, 0.95), 0.01, 2, 0.1
+        self.optimizer, self.muon_momentum = "adamw", 0.95
 
 
 def test_restored_optimizer_follows_the_runs_own_lr():
@@ -74,7 +75,7 @@ def test_restored_optimizer_follows_the_runs_own_lr():
     o = make_optimizer(model, _Train(1e-3), total_steps=10)
     for _ in range(3):
         model(torch.ones(1, 3)).sum().backward()
-        o.opt.step(), o.opt.zero_grad(), o.sched.step()
+        o.step(), o.zero_grad(), o.schedule_step()
     state = o.state_dict()
     o2 = make_optimizer(model, _Train(2e-3), total_steps=10)
     load_optimizer_state(o2, state, _Train(2e-3))
