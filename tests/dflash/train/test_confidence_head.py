@@ -23,9 +23,9 @@ from dflash.train.loss import (
     tv_term,
 )
 from dflash.train.objective import compute_loss
+from tests.dflash.eval.test_proven_drafter import trained_target  # noqa: F401 - the fixture
 from tests.dflash.train.test_loss import BS, loss_input
 from tests.dflash.train.test_loss import setup as blockwise_setup  # noqa: F401 - the fixture
-from tests.dflash.eval.test_proven_drafter import trained_target  # noqa: F401 - the fixture
 from tests.dflash.train.test_step_sync import (
     run_loss,
     setup,  # noqa: F401 - the fixture
@@ -175,7 +175,7 @@ def test_a_head_leaves_the_backbone_init_and_hidden_states_unchanged(setup):  # 
 
 
 def test_checkpoint_and_optimizer_carry_the_head(tmp_path, setup):  # noqa: F811
-    from dflash.checkpoint.model_files import load_drafter, save_drafter
+    from dflash.checkpoint.model_files import load_drafter
     from dflash.model.target import TargetConfig
     from dflash.train.config import TrainSection
     from dflash.train.optim import make_optimizer
@@ -193,7 +193,6 @@ def test_checkpoint_and_optimizer_carry_the_head(tmp_path, setup):  # noqa: F811
 
 
 def test_resume_refuses_a_checkpoint_whose_head_differs(tmp_path, setup):  # noqa: F811
-    from dflash.checkpoint.model_files import save_drafter
     from dflash.checkpoint.resume import CheckpointError, check_architecture
     from dflash.model.target import TargetConfig
 
