@@ -27,7 +27,7 @@
 #        evaluator (eval.every = 0), then with it every EVAL_EVERY steps; median tok/s of the windows after
 #        the first two, and each evaluation's seconds -> OUT/evalcost.json.
 # variants: one line of VARIANTS per run ("name --set k=v ..."; default: bf16 at seeds 0 and 1, the
-#        drafter in float8, CE + TV 0.5), all started together on the regenerated data for STEPS steps;
+#        drafter in float8, CE + TV 0.5, Muon), all started together on the regenerated data for STEPS steps;
 #        the final weights' held-out tau (EP prompts, EN tokens; greedy and T = 1) -> OUT/variants.json;
 #        then dflash.eval of the first variant's final weights at each of SERVE_BLOCKS (e.g. "16 8":
 #        trained at 16, served at 8) on the NP prompts -> OUT/eval-NAME-blockB.json.
@@ -181,7 +181,8 @@ variants)
 ${VARIANTS:-bf16_seed0 --set run.seed=0
 bf16_seed1 --set run.seed=1
 fp8_seed0 --set run.seed=0 --set drafter.precision="fp8"
-tv05_seed0 --set run.seed=0 --set loss.kl_weight=0.0 --set loss.tv_weight=0.5}
+tv05_seed0 --set run.seed=0 --set loss.kl_weight=0.0 --set loss.tv_weight=0.5
+muon_seed0 --set run.seed=0 --set train.optimizer="muon"}
 EOF
   wait
   for n in "${names[@]}"; do
