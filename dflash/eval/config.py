@@ -49,9 +49,14 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_busy: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.05
     """The most of the run's wall time the evaluator may spend decoding (1 = no limit). A snapshot
     that arrives while the evaluations so far exceed this share is skipped (counted in the next
-    record's ``skipped``); the final weights are evaluated whatever the share. The decode runs in
-    the training process and shares its Python interpreter: on one H200 with the shipped 7M target,
-    training ran 23% slower while an evaluation ran, so this cap bounds the cost near 0.23 x max_busy."""
+    record's ``skipped``); the final weights are evaluated whatever the share. It cannot bound the
+    first evaluation: on one H200 with the shipped 7M target, every 200 steps, the run still cost
+    7.8% of its tok/s, the first in-process evaluation taking 45 s beside training (3.6 s alone)."""
+    isolate: bool = False
+    """Decode in a child process of its own (``spawn``) instead of a thread of the training
+    process: its own interpreter, so that the decode and the training thread's launches do not
+    wait on each other's interpreter lock, which is what the in-process decode costs on a GPU. It
+    costs a second CUDA context and a start-up of a few seconds (dflash.run.stages.heldout)."""
 
 
 def check_eval(section: EvalSection, *, evaluators: int, holdout: int | None) -> None:

@@ -7,7 +7,9 @@ decode) against its own copy of the target, then sends the measured tau to the m
 the training path: the drafter drops a snapshot rather than wait while an evaluation runs
 (:mod:`dflash.eval.config`), it skips snapshots while its evaluations exceed ``[eval].max_busy`` of
 the run's time, and an evaluation holds the process's step lock shared, so it runs beside the
-other stages (:mod:`dflash.run.step_gate`).
+other stages (:mod:`dflash.run.step_gate`). With ``[eval].isolate = true`` the decode runs in a
+child process of its own (:mod:`dflash.run.stages.heldout`), which shares no interpreter lock with
+training.
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-import msgspec
 import torch
 
 import csp
-from dflash.data.config import DataError
 from dflash.messages import DrafterSnapshot, HeldoutTau
 from dflash.run.app import RunApp
 from dflash.run.options import EvaluatorOptions
@@ -40,45 +40,27 @@ class EvaluatorStage(csp.Process):
     outputs = {"metrics": HeldoutTau}
 
     def setup(self) -> None:
-        from dflash.data.prompts import heldout_prompts
-        from dflash.data.tokenizer import load_tokenizer
-        from dflash.model.drafter import DFlashDrafter
-        from dflash.model.target import for_generation, load_target
+        from dflash.run.stages.heldout import HeldoutDecoder, HeldoutProcess
 
         app: RunApp = self.ctx.app
         o: EvaluatorOptions = app.resolved.evaluator
-        self.opts = o
+        self.opts, self.worker = o, None
         if o.eval.every == 0:  # off: the drafter sends no snapshot, nothing to load
             return
-        self.device = self.ctx.device or torch.device("cpu")
-        self.target = load_target(for_generation(o.target), self.device, o.drafter.num_layers, need_final=True)
-        self.head = self.target.shared_head()
-        # decodes with sdpa in the target's dtype whatever training uses (flex, float8): the same
-        # outputs, no compile per length
-        cfg = msgspec.structs.replace(o.drafter, attn_implementation="sdpa", compile=False, precision="bf16")
-        self.drafter = DFlashDrafter(cfg, seed=0).to(self.device, self.target.model.dtype).eval()
-        tok = load_tokenizer(o.target.tokenizer_source)
-        ids = heldout_prompts(o.data, tok, o.eval.prompts, o.eval.max_prompt_tokens)
-        if not ids:
-            raise DataError("[eval]: the run's held-out conversations hold no usable prompt (each opens with an "
-                            "assistant turn); set eval.every = 0 or hold out more (data.holdout)")
-        if len(ids) < o.eval.prompts:
-            log.warning("[eval] decodes the %d usable held-out prompts (eval.prompts = %d)", len(ids), o.eval.prompts)
-        self.prompts = [torch.tensor(x, device=self.device) for x in ids]
+        device = self.ctx.device or torch.device("cpu")
+        self.worker = HeldoutProcess(o, device) if o.eval.isolate else HeldoutDecoder(o, device)
 
     def evaluate(self, snap: DrafterSnapshot) -> HeldoutTau:
         """Measured tau of ``snap``'s weights on the held-out prompts."""
-        from dflash.eval.measure import decode_tau
+        with self.ctx.span("evaluator.decode"):
+            if self.opts.eval.isolate:
+                return self.worker.evaluate(snap.step, snap.weights, snap.dropped)
+            return self.worker.evaluate(snap.step, snap.weights, snap.dropped, lock=process_lock().shared())
 
-        e = self.opts.eval
-        t0 = time.perf_counter()
-        with self.ctx.span("evaluator.decode"), process_lock().shared(), torch.no_grad():
-            self.drafter.load_state_dict(snap.weights)
-            got = decode_tau(self.target, self.drafter, self.head, self.prompts, e.max_new_tokens,
-                             temperature=e.temperature, seed=e.seed)
-        return HeldoutTau(step=snap.step, tau=got.tau, accepted=got.accepted, sampled_tau=got.sampled_tau,
-                          prompts=len(self.prompts), new_tokens=got.new_tokens, steps=got.steps,
-                          seconds=time.perf_counter() - t0, skipped=snap.dropped, time=time.time())
+    def teardown(self) -> None:
+        close = getattr(getattr(self, "worker", None), "close", None)
+        if close is not None:  # the child process, when eval.isolate
+            close()
 
     def run(self, inputs, outputs) -> None:
         out = outputs["metrics"]

@@ -70,6 +70,42 @@ def test_the_evaluator_keeps_to_its_share_of_the_run(tmp_path, cache_dir):  # no
     assert [r["step"] for r in held] == [1, 6] and [r["skipped"] for r in held] == [0, 4]
 
 
+def test_an_isolated_evaluator_measures_what_the_in_process_one_does(tmp_path, cache_dir, caplog):  # noqa: F811
+    """Invariant: with eval.isolate = true the decode runs in a child process (another pid) and
+    measures, for the same weights, exactly what the in-process evaluator measures (greedy, CPU
+    fp32, deterministic run): the same tau, verify steps and tokens at the same steps."""
+    import logging
+
+    got = {}
+    for isolate in (False, True):
+        run = tmp_path / f"run-{isolate}"
+        sets = _eval_sets(2, "eval.max_busy=1", f"eval.isolate={str(isolate).lower()}")
+        args = small(run, cache_dir, steps=4) + [a for s in sets for a in ("--set", s)]
+        with caplog.at_level(logging.INFO, logger="dflash.evaluator"):
+            assert main(args) == 0
+        got[isolate] = [(r["step"], r["tau"], r["steps"], r["new_tokens"]) for r in records(run, "heldout")]
+    assert got[True] == got[False] and got[True][-1][0] == 4
+    assert any("decoding in its own process (pid" in r.getMessage() for r in caplog.records)
+
+
+def test_an_isolated_evaluator_that_fails_says_why(tmp_path, cache_dir, capsys, monkeypatch):  # noqa: F811
+    """A child that cannot evaluate (here: weights of another shape reach it) stops the run with
+    one line naming the child's error, not a hang and not a traceback from the child's pipe."""
+    from dflash.run.stages import heldout
+
+    real = heldout.HeldoutProcess.evaluate
+
+    def evaluate(self, step, weights, dropped):
+        return real(self, step, {k: v[..., :1] for k, v in weights.items()}, dropped)
+
+    monkeypatch.setattr(heldout.HeldoutProcess, "evaluate", evaluate)
+    run = tmp_path / "run"
+    args = small(run, cache_dir, steps=2) + [a for s in _eval_sets(2, "eval.isolate=true") for a in ("--set", s)]
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "the evaluator's process failed: RuntimeError" in err and "size mismatch" in err
+
+
 def test_the_evaluation_changes_nothing_trained():
     """Invariant: the [eval] table, the evaluator process, its snapshots channel and the drafter's
     port to it are left out of the config hash: a checkpoint trained with or without them resumes
