@@ -67,9 +67,9 @@ from dflash.checkpoint.writer import Checkpointer
 __all__ = [
     "ARCHIVE_PREFIX", "DRAFTER_CONFIG", "META", "PREFIX", "RANK_STATE", "REQUIRED_FILES", "TARGET_CONFIG",
     "TMP_PREFIX", "TRAIN_CONFIG", "TRAIN_STATE", "TRAIN_TENSORS", "WEIGHTS", "CheckpointError",
-    "Checkpointer", "Meta", "Resume", "Snapshot", "archive_foreign", "changes_since", "check_architecture", "check_optimizer",
-    "check_files", "check_resume_path", "choose", "config_changes", "health_reason", "is_checkpoint_dir",
-    "is_healthy", "list_checkpoints", "load_train_state", "mark_unhealthy", "new_lineage", "nonfinite_tensors",
+    "Checkpointer", "Meta", "Resume", "Snapshot", "archive_foreign", "changes_since", "check_architecture",
+    "check_optimizer", "check_files", "check_resume_path", "choose", "config_changes", "health_reason",
+    "is_checkpoint_dir", "is_healthy", "list_checkpoints", "load_train_state", "mark_unhealthy", "new_lineage", "nonfinite_tensors",
     "rank_state_files", "rank_state_path", "read_meta", "read_rank_state", "resolve_resume", "resume_candidate",
     "run_dir_checkpoints",
     "saved_config", "step_dir", "verify", "write_rank_state",

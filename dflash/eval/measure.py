@@ -271,7 +271,8 @@ def _summary(decoded: list[_Decoded], drafter, dflash2: bool) -> EvalResult:
         streak_visited=sum(all_vis) / max(len(all_vis), 1),
         streak_all=float(torch.cat([d.streaks for d in decoded]).float().mean()),
         acc_per_pos=_scored(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
-        block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size, per_prompt=[d.result for d in decoded],
+        block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size,
+        per_prompt=[d.result for d in decoded],
         selector=_selector_figures(drafter, [d.extra for d in decoded]) if dflash2 else None)
 
 
