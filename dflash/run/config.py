@@ -182,10 +182,10 @@ def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
-    # Speed switches are hashed only when set, so the hash of a file that leaves them at their
-    # defaults is the one it had before they existed. All but float8 and the optimizer give the same
-    # loss to rounding (tested); drafter.precision = "fp8" and train.optimizer = "muon" change what is
-    # trained, and being set, they are hashed.
+    # Switches added after checkpoints existed are hashed only when set, so the hash of a file that
+    # leaves them at their defaults is the one it had before they existed. The speed switches give
+    # the same loss to rounding (tested); drafter.precision = "fp8" and train.optimizer = "muon"
+    # change what is trained, and being set, they are hashed.
     for table, defaults in _HASHED_ONLY_WHEN_SET.items():
         for key, default in defaults.items():
             if raw[table].get(key) == default:
