@@ -25,7 +25,8 @@
 #
 # evalcost: the same DFlash2 graph for EVALCOST_S seconds twice, on the regenerated data: without the
 #        evaluator (eval.every = 0), then with it every EVAL_EVERY steps; median tok/s of the windows after
-#        the first two, and each evaluation's seconds -> OUT/evalcost.json.
+#        the first two, and each evaluation's seconds -> OUT/evalcost.json. COST_SETS adds --set
+#        arguments to both runs (COST_SETS="--set eval.isolate=true": the evaluator in its own process).
 # variants: one line of VARIANTS per run ("name --set k=v ..."; default: bf16 at seeds 0 and 1, the
 #        drafter in float8, CE + TV 0.5, Muon), all started together on the regenerated data for STEPS steps;
 #        the final weights' held-out tau (EP prompts, EN tokens; greedy and T = 1) -> OUT/variants.json;
@@ -137,10 +138,11 @@ evalcost)
   cat "${DATA_DIR:-.whl/data}"/regen-*.jsonl.gz | gunzip -c > "$R/regen-all.jsonl"
   python3 -m dflash.run $G "${DF2[@]}" --set data.source=\"$R/regen-all.jsonl\" --set run.steps=1 \
     --set eval.every=0 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -3 "$R/warm.log"  # tokenize once
+  read -r -a CS <<< "${COST_SETS:-}"  # e.g. COST_SETS="--set eval.isolate=true"
   for every in 0 ${EVAL_EVERY:-200}; do
     timeout --foreground -s TERM ${EVALCOST_S:-90} python3 -m dflash.run $G "${DF2[@]}" \
       --set data.source=\"$R/regen-all.jsonl\" --set run.steps=100000 --set checkpoint.every=0 \
-      --set monitor.window=25 --set drafter.compile=true --set eval.every=$every \
+      --set monitor.window=25 --set drafter.compile=true --set eval.every=$every "${CS[@]}" \
       --set run.out_dir=\"$R/cost-$every\" > "$R/cost-$every.log" 2>&1 < /dev/null
     echo "eval.every=$every rc=$? tok/s $(tok_s "$R/cost-$every/metrics.jsonl")"
     cp "$R/cost-$every/metrics.jsonl" "$OUT/metrics-evalcost-$every.jsonl"
