@@ -215,7 +215,7 @@ def test_eval_serves_below_the_trained_block_size_and_refuses_above(tiny_run, ca
 
     ck = max((tiny_run / "checkpoints").glob("step_*"))
     trained = json.loads((ck / "drafter_config.json").read_text())["block_size"]
-    base = [str(ck), "--prompts", "mtbench", "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
+    base = [str(ck), "--data", "sharegpt", "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu",
             "--no-speedup"]
     assert main([*base, "--block-size", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
