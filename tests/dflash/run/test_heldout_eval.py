@@ -106,6 +106,27 @@ def test_an_isolated_evaluator_that_fails_says_why(tmp_path, cache_dir, capsys, 
     assert "the evaluator's process failed: RuntimeError" in err and "size mismatch" in err
 
 
+def test_an_isolated_evaluator_that_dies_is_named_with_its_exit_code(tmp_path, cache_dir,  # noqa: F811
+                                                                      capsys, monkeypatch):
+    """A child killed mid-run (here: SIGKILL before the first snapshot reaches it) stops the run
+    with one line naming its pid and exit code, instead of a hang on its pipe."""
+    from dflash.run.stages import heldout
+
+    real = heldout.HeldoutProcess.evaluate
+
+    def evaluate(self, step, weights, dropped):
+        self.proc.kill()
+        self.proc.join(timeout=10)
+        return real(self, step, weights, dropped)
+
+    monkeypatch.setattr(heldout.HeldoutProcess, "evaluate", evaluate)
+    run = tmp_path / "run"
+    args = small(run, cache_dir, steps=2) + [a for s in _eval_sets(2, "eval.isolate=true") for a in ("--set", s)]
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "exited with code -9 before answering" in err and "set eval.isolate = false" in err
+
+
 def test_the_evaluation_changes_nothing_trained():
     """Invariant: the [eval] table, the evaluator process, its snapshots channel and the drafter's
     port to it are left out of the config hash: a checkpoint trained with or without them resumes
