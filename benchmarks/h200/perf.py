@@ -60,7 +60,8 @@ DRAFTER_ROWS = {  # name -> graph overrides of the drafter stage
     "drafter_fp8_rowwise_compile": ['drafter.precision="fp8"', 'drafter.fp8_recipe="rowwise"', "drafter.compile=true"],
 }
 PROFILE_ROWS = ["profile_target_bf16", "profile_target_bf16_varlen", "profile_drafter_default",
-                "profile_drafter_all", "profile_target_fp8_varlen"]
+                "profile_drafter_all", "profile_target_fp8_varlen", "profile_drafter_compile",
+                "profile_drafter_fp8_compile"]
 # rough seconds beyond the timed steps (builds, compiles), for the budget
 FIXED_S = {"target_bf16": 70, "target_bf16_varlen_compile": 120, "target_fp8_varlen_compile": 120,
            "drafter_default": 45, "drafter_compile": 90, "drafter_all": 90, "target_fp8": 30,

@@ -17,8 +17,8 @@
 #      head, compiled, all three) with its peak memory at the 151,936 vocabulary, and torch.profiler
 #      top kernels -> OUT/perf.json, OUT/profile_*.txt, OUT/perf.log.
 #   Knobs: ROWS (comma list, default all), PERF_STEPS (8), PERF_WARMUP (3), TOTAL_S (530), TESTS=0 skips 1.
-# SUITE=fp8 (~9 minutes): perf.py's drafter rows in bf16 and float8 (tensorwise, rowwise; compiled,
-#   and eager float8), the fp8 target compiled with its profile; then h200/bench.py's target alone,
+# SUITE=fp8 (~9 minutes): perf.py's compiled drafter rows in bf16 and float8 (tensorwise with the
+#   profiles of both, then rowwise), the fp8 target compiled with its profile; then h200/bench.py's target alone,
 #   drafter alone, serial and pipeline with the fp8 target and the float8 drafter (FP8_RECIPE= picks
 #   the drafter's recipe) -> OUT/perf.json, OUT/h200-fp8-fp8.json. PERF_S (330) bounds the first part.
 # SUITE=stages: the sync test, h200/bench.py on one GPU, and the drafter under each switch in VARIANTS.
@@ -80,7 +80,7 @@ if [ "${SUITE:-engine}" = fp8 ]; then
   # loop with both stages in float8 (serial and pipeline)
   timeout ${PERF_S:-330} python3 benchmarks/h200/perf.py --out "$OUT" --budget-s $(( ${PERF_S:-330} - 20 )) \
     --warmup ${PERF_WARMUP:-3} --steps ${PERF_STEPS:-8} --set data.source="$DATA" \
-    --rows ${ROWS:-drafter_compile,drafter_fp8_compile,drafter_fp8_rowwise_compile,target_fp8_varlen_compile,profile_target_fp8_varlen_compile,drafter_fp8} \
+    --rows ${ROWS:-drafter_compile,profile_drafter_compile,drafter_fp8_compile,profile_drafter_fp8_compile,drafter_fp8_rowwise_compile,target_fp8_varlen_compile,profile_target_fp8_varlen_compile} \
     > "$OUT/perf.log" 2>&1
   echo "h200_perf rc=$? in $(( $(date +%s) - T0 )) s"; tail -14 "$OUT/perf.log"
   E=(--set target.attn_implementation=\"varlen\" --set target.compile=true --set target.quantization=\"fp8\"
