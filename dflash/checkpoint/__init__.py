@@ -17,6 +17,7 @@ Imports: :mod:`dflash.model` (model_files only), :mod:`dflash.records`, :mod:`df
 csp; never the trainer or the run, so eval, export and the reports read a checkpoint without them.
 """
 
+from dflash.checkpoint.config_changes import changes_since, config_changes, saved_config
 from dflash.checkpoint.files import mark_unhealthy, write_rank_state
 from dflash.checkpoint.format import (
     ARCHIVE_PREFIX,
@@ -49,16 +50,13 @@ from dflash.checkpoint.format import (
 from dflash.checkpoint.resume import (
     Resume,
     archive_foreign,
-    changes_since,
     check_architecture,
     check_optimizer,
     check_resume_path,
     choose,
-    config_changes,
     new_lineage,
     resolve_resume,
     resume_candidate,
-    saved_config,
     verify,
 )
 from dflash.checkpoint.snapshot import Snapshot, health_reason

@@ -13,7 +13,7 @@ The rules (docs/running.md, "Resume"):
   ones newer than S or of another lineage, to ``checkpoints/archive-<UTC time>/``
   (:func:`archive_foreign`). Nothing is deleted, and retention (which only removes checkpoints of
   its own lineage) cannot mistake an old run's checkpoints for the new run's.
-* **Changed config named.** :func:`config_changes` lists the keys whose value differs from the
+* **Changed config named.** :func:`dflash.checkpoint.config_changes.config_changes` lists the keys whose value differs from the
   checkpoint's ``train_config.json`` and what each one changes (schedule, data order, shapes).
 """
 
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dflash.checkpoint.config_changes import saved_config
 from dflash.checkpoint.format import (
     ARCHIVE_PREFIX,
     DRAFTER_CONFIG,
     PREFIX,
     RANK_STATE,
-    TRAIN_CONFIG,
     WEIGHTS,
     CheckpointError,
     check_files,
@@ -243,110 +243,6 @@ def archive_foreign(root: Path, resumed: Resume | None) -> tuple[Path | None, li
             (dest / RANK_STATE).mkdir(exist_ok=True)
             rank_file.rename(dest / RANK_STATE / rank_file.name)
     return dest, [p.name for p in moving]
-
-
-# -- what a config change does -------------------------------------------------------------------
-
-# Keys that change nothing about what is trained (where it is written, how it is watched).
-_IGNORED = ("run.resume", "run.out_dir", "run.name", "monitor.", "trace.", "checkpoint.", "data.cache_dir",
-            "data.num_workers", "train.max_nonfinite_streak", "train.check_channels", "train.host_staging",
-            "train.postprocess_side")
-# First matching prefix wins.
-_EFFECTS = (
-    ("run.steps", "lr schedule: the cosine decay ends at run.steps"),
-    ("train.lr", "lr schedule"),
-    ("train.warmup_steps", "lr schedule"),
-    ("train.min_lr_ratio", "lr schedule"),
-    ("train.betas", "optimizer"),
-    ("train.muon_momentum", "optimizer"),
-    ("train.weight_decay", "optimizer"),
-    ("train.grad_clip", "update size"),
-    ("train.feature_noise", "features"),
-    ("run.seed", "anchors and feature noise (seeded by run.seed)"),
-    ("train.num_anchors", "anchors"),
-    ("run.deterministic", "numerics (deterministic kernels)"),
-    ("drafter.precision", "numerics (float8 matmuls)"),
-    ("drafter.fp8_recipe", "numerics (float8 scaling)"),
-    ("data.", "data order and batch shapes; the restored sampler position may no longer match"),
-    ("drafter.", "drafter shapes or anchors"),
-    ("target.", "target features and shapes"),
-    ("loss.", "loss"),
-    ("train.", "training step"),
-    ("process.", "graph layout"),
-    ("channel.", "graph layout"),
-)
-
-
-_ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
-                ("drafter", "confidence_head"): False, ("drafter", "precision"): "bf16",
-                ("drafter", "fp8_recipe"): "tensorwise", ("train", "optimizer"): "adamw",
-                ("train", "muon_momentum"): 0.95}
-"""Keys a config saved before they existed lacks, with the value that means what that code did."""
-
-
-def _current_layout(config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config in today's layout: ``drafter.num_anchors`` (the older layout) is
-    ``train.num_anchors``, and keys added later (:data:`_ADDED_LATER`) take the value that
-    reproduces the older code, so an unchanged setting is not reported as a change."""
-    for (table, key), value in _ADDED_LATER.items():
-        section = config.get(table)
-        if isinstance(section, dict) and key not in section:
-            config = {**config, table: {**section, key: value}}
-    drafter = config.get("drafter")
-    if not isinstance(drafter, dict) or "num_anchors" not in drafter:
-        return config
-    drafter = dict(drafter)
-    train = {**config.get("train", {}), "num_anchors": drafter.pop("num_anchors")}
-    return {**config, "drafter": drafter, "train": train}
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of a config dict; arrays of named tables are keyed by name, as ``--set`` is."""
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, list) and obj and all(isinstance(x, dict) and "name" in x for x in obj):
-        out = {}
-        for x in obj:
-            out.update(_flatten({k: v for k, v in x.items() if k != "name"}, f"{prefix}.{x['name']}"))
-        return out
-    return {prefix: obj}
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``"run.steps 8 -> 12 (lr schedule: ...)"`` for every training-relevant key that differs
-    between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.run.config.DFlashFile`)."""
-    a, b = _flatten(_current_layout(old)), _flatten(_current_layout(new))
-    out = []
-    for key in sorted(a.keys() | b.keys()):
-        if key.startswith(_IGNORED) or a.get(key) == b.get(key):
-            continue
-        effect = next((e for p, e in _EFFECTS if key.startswith(p)), "training")
-        out.append(f"{key} {a.get(key, '(unset)')!r} -> {b.get(key, '(unset)')!r} ({effect})")
-    return out
-
-
-def saved_config(path: Path) -> dict[str, Any] | None:
-    """The ``train_config.json`` of a checkpoint, or None (older checkpoints have none)."""
-    try:
-        return json.loads((Path(path) / TRAIN_CONFIG).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def changes_since(resumed: Resume, config: dict[str, Any], config_hash: str) -> list[str]:
-    """What differs between the checkpoint's training config and ``config`` (the resolved graph
-    file as plain data, :func:`config_changes`); only the hashes when the checkpoint predates
-    ``train_config.json`` (``config_hash``: :func:`dflash.run.config.config_hash` of the new one)."""
-    saved = saved_config(resumed.path)
-    if saved is not None:
-        return config_changes(saved, config)
-    old = resumed.meta.get("config_hash")
-    if old not in (None, config_hash):
-        return [f"config hash {old} -> {config_hash} (the checkpoint does not record which keys)"]
-    return []
 
 
 SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from dflash.checkpoint import check_architecture, list_checkpoints
-from dflash.checkpoint.resume import archive_foreign, changes_since, new_lineage
+from dflash.checkpoint.config_changes import changes_since
+from dflash.checkpoint.resume import archive_foreign, new_lineage
 from dflash.checkpoint.resume import choose as choose_resume
 from dflash.observe import runlog
 from dflash.observe.metrics_writer import MetricsLog

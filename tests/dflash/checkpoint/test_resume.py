@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from dflash.checkpoint.resume import archive_foreign, choose, config_changes, verify
 from safetensors.torch import load_file, save_file
 
 from dflash.checkpoint import (
@@ -17,6 +16,8 @@ from dflash.checkpoint import (
     read_meta,
     step_dir,
 )
+from dflash.checkpoint.config_changes import config_changes
+from dflash.checkpoint.resume import archive_foreign, choose, verify
 
 
 def _save(ck: Checkpointer, step: int) -> None:

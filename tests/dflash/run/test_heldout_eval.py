@@ -88,21 +88,25 @@ def test_an_isolated_evaluator_measures_what_the_in_process_one_does(tmp_path, c
     assert any("decoding in its own process (pid" in r.getMessage() for r in caplog.records)
 
 
-def test_an_isolated_evaluator_that_fails_says_why(tmp_path, cache_dir, capsys, monkeypatch):  # noqa: F811
-    """A child that cannot evaluate (here: weights of another shape reach it) stops the run with
-    one line naming the child's error, not a hang and not a traceback from the child's pipe."""
+def _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch, before) -> str:  # noqa: F811
+    """Run two steps with eval.isolate = true, ``before(process, weights)`` giving the weights the
+    child is sent; the run must fail, and its stderr is returned."""
     from dflash.run.stages import heldout
 
     real = heldout.HeldoutProcess.evaluate
-
-    def evaluate(self, step, weights, dropped):
-        return real(self, step, {k: v[..., :1] for k, v in weights.items()}, dropped)
-
-    monkeypatch.setattr(heldout.HeldoutProcess, "evaluate", evaluate)
+    monkeypatch.setattr(heldout.HeldoutProcess, "evaluate",
+                        lambda self, step, weights, dropped: real(self, step, before(self, weights), dropped))
     run = tmp_path / "run"
     args = small(run, cache_dir, steps=2) + [a for s in _eval_sets(2, "eval.isolate=true") for a in ("--set", s)]
     assert main(args) != 0
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_an_isolated_evaluator_that_fails_says_why(tmp_path, cache_dir, capsys, monkeypatch):  # noqa: F811
+    """A child that cannot evaluate (here: weights of another shape reach it) stops the run with
+    one line naming the child's error, not a hang and not a traceback from the child's pipe."""
+    err = _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch,
+                              lambda process, weights: {k: v[..., :1] for k, v in weights.items()})
     assert "the evaluator's process failed: RuntimeError" in err and "size mismatch" in err
 
 
@@ -110,20 +114,12 @@ def test_an_isolated_evaluator_that_dies_is_named_with_its_exit_code(tmp_path, c
                                                                       capsys, monkeypatch):
     """A child killed mid-run (here: SIGKILL before the first snapshot reaches it) stops the run
     with one line naming its pid and exit code, instead of a hang on its pipe."""
-    from dflash.run.stages import heldout
+    def kill(process, weights):
+        process.proc.kill()
+        process.proc.join(timeout=10)
+        return weights
 
-    real = heldout.HeldoutProcess.evaluate
-
-    def evaluate(self, step, weights, dropped):
-        self.proc.kill()
-        self.proc.join(timeout=10)
-        return real(self, step, weights, dropped)
-
-    monkeypatch.setattr(heldout.HeldoutProcess, "evaluate", evaluate)
-    run = tmp_path / "run"
-    args = small(run, cache_dir, steps=2) + [a for s in _eval_sets(2, "eval.isolate=true") for a in ("--set", s)]
-    assert main(args) != 0
-    err = capsys.readouterr().err
+    err = _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch, kill)
     assert "exited with code -9 before answering" in err and "set eval.isolate = false" in err
 
 

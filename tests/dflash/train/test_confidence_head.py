@@ -234,7 +234,7 @@ def test_the_run_adds_the_head_from_the_loss_and_keeps_old_hashes():
     """Invariant: loss.confidence = "head" is the one switch (the resolved drafter gets the head);
     drafter.confidence_head set by hand alone is one config error; files without the head hash as
     before it existed, and a pre-head train_config.json compares equal."""
-    from dflash.checkpoint.resume import config_changes
+    from dflash.checkpoint.config_changes import config_changes
     from dflash.data import TokenizerInfo
     from dflash.run.config import config_hash, load_config
     from dflash.run.resolve import filled

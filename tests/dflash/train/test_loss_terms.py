@@ -226,7 +226,7 @@ def test_weights_are_checked_and_the_default_hash_is_kept():
 def test_a_checkpoint_saved_before_the_new_terms_resumes_without_a_reported_change():
     """Invariant: a train_config.json written before tv_weight/conf_weight existed compares equal to
     today's config with both at 0 (what that code trained), and switching one on is named."""
-    from dflash.checkpoint.resume import config_changes
+    from dflash.checkpoint.config_changes import config_changes
 
     old = {"loss": {"label": "data", "kl_weight": 0.0}, "run": {"steps": 4}}
     same = {"loss": {"label": "data", "kl_weight": 0.0, "tv_weight": 0.0, "conf_weight": 0.0}, "run": {"steps": 4}}
