@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dflash.checkpoint.format import TRAIN_CONFIG
 
-if TYPE_CHECKING:
-    from dflash.checkpoint.resume import Resume
-
 __all__ = ["changes_since", "config_changes", "saved_config"]
+
+
+class Resumed(Protocol):
+    """What :func:`changes_since` reads of a :class:`dflash.checkpoint.resume.Resume`."""
+
+    path: Path
+    meta: dict[str, Any]
 
 
 # Keys that change nothing about what is trained (where it is written, how it is watched).
@@ -110,7 +114,7 @@ def saved_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def changes_since(resumed: Resume, config: dict[str, Any], config_hash: str) -> list[str]:
+def changes_since(resumed: Resumed, config: dict[str, Any], config_hash: str) -> list[str]:
     """What differs between the checkpoint's training config and ``config`` (the resolved graph
     file as plain data, :func:`config_changes`); only the hashes when the checkpoint predates
     ``train_config.json`` (``config_hash``: :func:`dflash.run.config.config_hash` of the new one)."""
