@@ -43,9 +43,7 @@ def check_fp8(device: torch.device | str) -> None:
             Hopper and newer have them).
     """
     device = torch.device(device)
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("drafter.precision = \"fp8\" needs the torchao package (pip install torchao); "
-                          "set drafter.precision = \"bf16\"")
+    _need_torchao()
     if device.type != "cuda":
         raise ConfigError(f"drafter.precision = \"fp8\" needs a CUDA GPU with float8 tensor cores, but process "
                           f"'drafter' runs on {device}: set drafter.precision = \"bf16\"")
@@ -57,6 +55,12 @@ def check_fp8(device: torch.device | str) -> None:
         raise ConfigError(f"drafter.precision = \"fp8\" needs float8 tensor cores (compute capability >= 8.9); "
                           f"{torch.cuda.get_device_name(device)} on {device} is {cap[0]}.{cap[1]}: set "
                           "drafter.precision = \"bf16\"")
+
+
+def _need_torchao() -> None:
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("drafter.precision = \"fp8\" needs the torchao package (pip install torchao); "
+                          "set drafter.precision = \"bf16\"")
 
 
 def _chosen(module: nn.Module, fqn: str) -> bool:
@@ -79,9 +83,7 @@ def convert_to_fp8(drafter: nn.Module, recipe: str = "tensorwise") -> int:
     Raises:
         ConfigError: torchao is not installed.
     """
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("drafter.precision = \"fp8\" needs the torchao package (pip install torchao); "
-                          "set drafter.precision = \"bf16\"")
+    _need_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     convert_to_float8_training(drafter, module_filter_fn=_chosen,

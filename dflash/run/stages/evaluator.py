@@ -14,7 +14,6 @@ training.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -26,8 +25,6 @@ from dflash.run.options import EvaluatorOptions
 from dflash.run.step_gate import process_lock
 
 __all__ = ["EvaluatorStage"]
-
-log = logging.getLogger("dflash.evaluator")
 
 
 @csp.register("dflash.evaluator")
