@@ -58,7 +58,7 @@ _EFFECTS = (
 _ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
                 ("drafter", "confidence_head"): False, ("drafter", "precision"): "bf16",
                 ("drafter", "fp8_recipe"): "tensorwise", ("train", "optimizer"): "adamw",
-                ("train", "muon_momentum"): 0.95}
+                ("train", "muon_momentum"): 0.95, ("loss", "dpace_alpha"): 0.5}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 

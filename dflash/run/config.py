@@ -156,6 +156,7 @@ _HASHED_ONLY_WHEN_SET = {
     "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
     "drafter": {"kernels": "torch", "compile": False, "precision": "bf16", "fp8_recipe": "tensorwise"},
     "train": {"lm_head": "chunked", "optimizer": "adamw", "muon_momentum": 0.95},
+    "loss": {"dpace_alpha": 0.5},
 }
 
 _OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"

@@ -58,6 +58,14 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
     reached at verification, i.e. its share in the expected accepted length
     ``E[tau] = sum_j prod_{i<=j} q_i``. ``alpha`` is a floor keeping later slots trained early on.
     (This project's cumulative-acceptance weighting; no published formula.)
+  - ``"dpace"``: D-PACE, ``sum_{k >= j} prod_{i <= k} s_{b,i}`` with the smoothed confidence
+    ``s = (1 - dpace_alpha) * q + dpace_alpha`` (``s = 1`` on an untrained slot, whose own weight
+    is 0). With ``dpace_alpha = 0`` this is ``d E[tau] / d log q_j``: how much the expected
+    accepted length grows when slot ``j``'s label gets likelier, which counts every later slot that
+    the draft only reaches through ``j``. Source: D-PACE as implemented in vLLM speculators 0.9
+    (``speculators/losses/utils.py``, ``dpace_loss_decay``, its ``per_position_loss_weight =
+    "dpace"``; ``dpace_alpha`` 0.5 there), the default position weighting of NVIDIA ModelOpt's
+    DFlash recipe.
 
 * Total: ``loss = sum w v l / sum w v`` (0 with no trained slot).
 """
@@ -92,9 +100,11 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             trained toward ``1 - TV``; needs ``conf_weight > 0``; the run adds the head to the
             drafter). Formulas in the module docstring.
         temperature: KL and TV temperature (> 0).
-        weighting: "exp_decay" | "streak" | "none".
+        weighting: "exp_decay" | "streak" | "dpace" | "none".
         gamma: exp_decay scale, in block positions.
         alpha: streak floor in [0, 1].
+        dpace_alpha: D-PACE's confidence smoothing in [0, 1] (0: the exact gradient of the
+            expected accepted length; 1: every slot weighs as many slots as follow it).
         selector_weight: weight (>= 0) of DFlash2's selector loss, added to the loss above
             (:mod:`dflash.train.selector_loss`); read only when ``drafter.variant = "dflash2"``.
     """
@@ -105,9 +115,10 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     conf_weight: float = 0.0
     confidence: Literal["top1", "head"] = "top1"
     temperature: float = 1.0
-    weighting: Literal["exp_decay", "streak", "none"] = "exp_decay"
+    weighting: Literal["exp_decay", "streak", "dpace", "none"] = "exp_decay"
     gamma: float = 7.0
     alpha: float = 0.1
+    dpace_alpha: float = 0.5
     selector_weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -127,6 +138,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"loss.gamma must be > 0, got {self.gamma}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"loss.alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"loss.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if not self.selector_weight >= 0.0:
             raise ValueError(f"loss.selector_weight must be >= 0, got {self.selector_weight}")
 
@@ -141,9 +154,13 @@ def uses_head(cfg: LossConfig) -> bool:
     return cfg.confidence == "head" and cfg.conf_weight > 0
 
 
-def position_weights(cfg: LossConfig, label_prob: torch.Tensor) -> torch.Tensor:
+def position_weights(cfg: LossConfig, label_prob: torch.Tensor,
+                     trained: torch.Tensor | None = None) -> torch.Tensor:
     """``w [M, bs-1]`` (fp32, detached) from ``label_prob [M, bs-1]`` (drafter p of the hard label;
-    used by "streak" only, any values elsewhere). Column ``c`` is slot ``j = c + 1``."""
+    used by "streak" and "dpace", any values elsewhere). Column ``c`` is slot ``j = c + 1``.
+
+    ``trained [M, bs-1]`` bool (None: every slot) tells "dpace" which slots to pass through with
+    ``s = 1``; the caller zeroes the weights of untrained slots in every mode."""
     M, S = label_prob.shape
     j = torch.arange(1, S + 1, device=label_prob.device, dtype=torch.float32)
     if cfg.weighting == "none":
@@ -151,6 +168,14 @@ def position_weights(cfg: LossConfig, label_prob: torch.Tensor) -> torch.Tensor:
     if cfg.weighting == "exp_decay":
         return torch.exp(-(j - 1) / cfg.gamma).expand(M, S).clone()
     q = label_prob.detach().float()
+    if cfg.weighting == "dpace":
+        s = (1.0 - cfg.dpace_alpha) * q + cfg.dpace_alpha
+        if trained is not None:
+            s = torch.where(trained, s, torch.ones_like(s))
+        prefix = torch.cumprod(s, dim=1)
+        if trained is not None:
+            prefix = prefix * trained
+        return prefix.flip(1).cumsum(1).flip(1)
     reach = torch.cumprod(torch.cat([torch.ones_like(q[:, :1]), q[:, :-1]], dim=1), dim=1)
     return cfg.alpha + (1.0 - cfg.alpha) * reach
 

@@ -190,7 +190,7 @@ def _loss_masked(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trai
     grid = lambda v, fill=0.0: torch.full(trained.shape, fill, dtype=v.dtype,  # noqa: E731
                                           device=v.device).masked_scatter(trained, v)
     label_prob = grid(torch.exp(-ce.detach()))
-    w = position_weights(cfg, label_prob.view(B * A, bs - 1)).view(B, A, bs - 1)[trained]
+    w = position_weights(cfg, label_prob.view(B * A, bs - 1), trained.view(B * A, bs - 1)).view(B, A, bs - 1)[trained]
     denom = w.sum()
     loss = (w * per_slot).sum() / denom.clamp(min=1e-12)
     with torch.no_grad():
@@ -284,7 +284,7 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         per_slot = per_slot + cfg.conf_weight * conf
     zero = torch.zeros((), dtype=per_slot.dtype, device=per_slot.device)
     label_prob = torch.where(tw, torch.exp(-ce.detach()), zero).view(B * A, S)
-    w = torch.where(tw, position_weights(cfg, label_prob).reshape(M), zero)
+    w = torch.where(tw, position_weights(cfg, label_prob, tw.view(B * A, S)).reshape(M), zero)
     loss = (w * torch.where(tw, per_slot, zero)).sum() / w.sum().clamp(min=1e-12)
     block_ok = (anchors >= 0).view(-1)
 

@@ -64,6 +64,32 @@ def test_position_weights_match_formulas():
     assert needs_final_hidden(LossConfig(label="target_argmax"))
 
 
+def test_dpace_weights_match_formula_and_skip_untrained_slots():
+    q = torch.tensor([[0.5, 0.8, 0.1]])
+    a = 0.25
+    s1, s2, s3 = (0.75 * v + a for v in (0.5, 0.8, 0.1))
+    w = position_weights(LossConfig(weighting="dpace", dpace_alpha=a), q)
+    p1, p2, p3 = s1, s1 * s2, s1 * s2 * s3
+    assert w[0].tolist() == pytest.approx([p1 + p2 + p3, p2 + p3, p3])
+    # an untrained middle slot passes the product through (s = 1) and adds nothing to the sums
+    mask = torch.tensor([[True, False, True]])
+    w = position_weights(LossConfig(weighting="dpace", dpace_alpha=a), q, mask)
+    assert w[0].tolist() == pytest.approx([s1 + s1 * s3, s1 * s3, s1 * s3])
+
+
+def test_dpace_at_alpha_zero_is_the_gradient_of_the_expected_accepted_length():
+    """w_j = d E[tau] / d log q_j with E[tau] = sum_j prod_{i<=j} q_i: the slots that the draft
+    reaches only through slot j count toward slot j's weight."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(4, 7, generator=g) * 0.9 + 0.05
+    logq = q.log().requires_grad_(True)
+    expected = torch.cumprod(logq.exp(), dim=1).sum()
+    (grad,) = torch.autograd.grad(expected, logq)
+    torch.testing.assert_close(position_weights(LossConfig(weighting="dpace", dpace_alpha=0.0), q), grad)
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        LossConfig(weighting="dpace", dpace_alpha=1.5)
+
+
 def test_accepted_length_metrics():
     assert simulated_accepted_length([1.0, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
     c = torch.tensor([[True, True, False], [False, True, True], [True, True, True]])

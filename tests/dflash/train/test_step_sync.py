@@ -23,7 +23,8 @@ from tests.sync_probe import SyncProbe, device_syncs
 
 BS = 4
 CFGS = [LossConfig(), LossConfig(label="target_argmax", weighting="none"),
-        LossConfig(kl_weight=0.5, temperature=1.5, weighting="streak", alpha=0.2)]
+        LossConfig(kl_weight=0.5, temperature=1.5, weighting="streak", alpha=0.2),
+        LossConfig(label="target_argmax", weighting="dpace", dpace_alpha=0.3)]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,8 @@ def test_sync_free_loss_equals_masked_loss(setup, cfg):
     assert g_fixed.keys() == g_masked.keys()
     for name, g in g_masked.items():
         assert g.abs().max() > 0, name
-        torch.testing.assert_close(g_fixed[name], g, rtol=1e-5, atol=1e-8, msg=name)
+        # atol relative to the tensor's scale: the weights' sums run in a different order
+        torch.testing.assert_close(g_fixed[name], g, rtol=1e-5, atol=1e-6 * float(g.abs().max()), msg=name)
 
 
 @pytest.mark.parametrize("cfg", CFGS)
