@@ -11,6 +11,8 @@ A DFlash2 drafter decodes with its selector's walk (:func:`dflash.eval.selector.
 and is scored by the walk; beside it the same text gives recall@K, the oracle top-K tau and the
 backbone top-1's teacher-forced tau (:func:`dflash.eval.selector.block_figures`). Its sampled
 decode (``temperature > 0``) samples the walk, ``q`` restricted to the selector's K candidates.
+An XPress drafter decodes with its refiner's Jacobi passes (:func:`dflash.eval.xpress.xpress_proposer`)
+and is scored by the same passes over the teacher-forced blocks.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dflash.eval.decode import (
 )
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SelectorFigures, SpeedResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
+from dflash.eval.xpress import is_xpress, xpress_block_hits, xpress_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead, Target
@@ -102,10 +105,12 @@ class DecodedTau:
 
 
 def _proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object]:
-    """A new proposer per decode: the selector walk for DFlash2, the cached drafter when every
-    layer attends fully, else the recomputing one."""
+    """A new proposer per decode: the selector walk for DFlash2, the Jacobi passes for XPress, the
+    cached drafter when every layer attends fully, else the recomputing one."""
     if is_dflash2(drafter):
         return lambda: selector_proposer(drafter, head)
+    if is_xpress(drafter):
+        return lambda: xpress_proposer(drafter, head)
     if all(t == "full_attention" for t in drafter.cfg.types):
         return lambda: CachedDrafterProposer(drafter, head)
     return lambda: DrafterProposer(drafter, head)
@@ -239,6 +244,10 @@ def _score(d: _Decoded, target, drafter, head, dflash2: bool) -> None:
         hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
         correct, top1, in_k = block_figures(drafter, head, hidden, tokens[region], labels)
         d.extra = (top1, in_k, valid)
+    elif is_xpress(drafter):  # scored by its Jacobi drafts, the drafts it decodes with
+        hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
+        before = tokens[(region - 1).clamp(min=0)]
+        correct = xpress_block_hits(drafter, head, hidden, before, tokens[region], labels)
     else:
         correct, valid = teacher_forced(target, drafter, head, tokens, region)
     d.correct, d.valid = correct, valid

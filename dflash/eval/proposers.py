@@ -39,10 +39,14 @@ class SamplingProposer(Protocol):
 
 
 def _refuse_selector(drafter: DFlashDrafter, name: str) -> None:
-    """A DFlash2 drafter drafts with its selector's walk; these proposers would draft the backbone's top-1."""
+    """A DFlash2 drafter drafts with its selector's walk and an XPress drafter with its refiner's
+    passes; these proposers would draft the backbone's top-1."""
     if getattr(drafter, "candidate_selector", None) is not None:
         raise ValueError(f"{name} drafts with the backbone's top-1 and would ignore this DFlash2 drafter's "
                          "candidate selector: use dflash.eval.selector.selector_proposer")
+    if getattr(drafter, "refiner_head", None) is not None:
+        raise ValueError(f"{name} drafts with the backbone's top-1 and would ignore this XPress drafter's "
+                         "refiner: use dflash.eval.xpress.xpress_proposer")
 
 
 class DrafterProposer:
@@ -58,14 +62,18 @@ class DrafterProposer:
         self.bs = drafter.cfg.block_size
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """The drafter's logits ``[bs-1, V]`` (head dtype) for the block after ``tokens[-1]``."""
+    def hidden(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's post-norm hidden states ``[1, bs, H]`` of the block after ``tokens[-1]``."""
         n = tokens.shape[0]
         block = torch.full((1, 1, self.bs), self.drafter.cfg.mask_token_id, device=tokens.device)
         block[0, 0, 0] = tokens[-1]
         layout = decode_layout(n - 1, n - 1, self.bs, tokens.device)
-        hidden = self.drafter(features, self.head.embed(block), layout)      # [1, 1, bs, H]
-        return self.head.logits(hidden[0, 0, 1:])
+        return self.drafter(features, self.head.embed(block), layout)[:, 0]
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits ``[bs-1, V]`` (head dtype) for the block after ``tokens[-1]``."""
+        return self.head.logits(self.hidden(tokens, features)[0, 1:])
 
     def propose(self, tokens, features):
         return self.logits(tokens, features).argmax(-1)
@@ -148,8 +156,8 @@ class CachedDrafterProposer(DrafterContextCache):
         super().__init__(drafter, head, capacity)
 
     @torch.no_grad()
-    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """The drafter's logits ``[bs-1, V]`` (head dtype) for the block after ``tokens[-1]``."""
+    def hidden(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's post-norm hidden states ``[1, bs, H]`` of the block after ``tokens[-1]``."""
         d, bs = self.drafter, self.bs
         self._reserve(features.shape[1] + bs, tokens.device)
         self._extend(features)
@@ -171,7 +179,12 @@ class CachedDrafterProposer(DrafterContextCache):
                                                  scale=1.0 / math.sqrt(a.d), enable_gqa=a.nh != a.nkv)
             x = x + a.o_proj(out.transpose(1, 2).reshape(1, bs, a.nh * a.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.head.logits(d.norm(x)[0, 1:])
+        return d.norm(x)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits ``[bs-1, V]`` (head dtype) for the block after ``tokens[-1]``."""
+        return self.head.logits(self.hidden(tokens, features)[0, 1:])
 
     def propose(self, tokens, features):
         return self.logits(tokens, features).argmax(-1)

@@ -38,14 +38,16 @@ from dflash.model.confidence_head import ConfidenceHead
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash.model.drafter_config import (
     DFLASH2_FIELDS,
+    XPRESS_FIELDS,
     DrafterConfig,
     resolve_drafter_config,
     rope_theta_of,
 )
+from dflash.model.xpress import XPressRefiner
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
 
-__all__ = ["DFLASH2_FIELDS", "DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config",
+__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config",
            "rope_theta_of"]  # the config's names are re-exported: the model and its config go together
 
 
@@ -185,6 +187,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         if cfg.variant == "dflash2":
             self.candidate_selector = CandidateSelector(cfg.vocab_size, H, cfg.selector_rank, cfg.selector_top_k)
+        if cfg.variant == "xpress":
+            self.refiner_head = XPressRefiner(cfg.vocab_size, H, cfg.block_size, cfg.xpress_rank, cfg.xpress_mlp_ratio)
         if cfg.confidence_head:
             self.confidence_head = ConfidenceHead(H)
         # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
@@ -226,13 +230,13 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Backbone: ``N(0, 0.02)`` matrices, unit norms. DFlash2's modules and the confidence head
-        are skipped in that loop and initialised after it (:mod:`dflash.model.dflash2`,
-        :mod:`dflash.model.confidence_head`), so the backbone's draws, and with them a fresh
+        """Backbone: ``N(0, 0.02)`` matrices, unit norms. DFlash2's modules, XPress's refiner and the
+        confidence head are skipped in that loop and initialised after it (:mod:`dflash.model.dflash2`,
+        :mod:`dflash.model.xpress`, :mod:`dflash.model.confidence_head`), so the backbone's draws, and with them a fresh
         drafter's hidden states, equal the plain DFlash drafter's of the same seed."""
         gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed) if seed is not None else None
         added = {id(p) for m in self.modules()
-                 if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector, ConfidenceHead))
+                 if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector, ConfidenceHead, XPressRefiner))
                  for p in m.parameters()}
         for name, p in self.named_parameters():
             if id(p) in added:
@@ -244,7 +248,7 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, GroupedDynamicCausalConv):
                 m.reset_parameters()
-            elif isinstance(m, CandidateSelector):
+            elif isinstance(m, (CandidateSelector, XPressRefiner)):
                 m.reset_parameters(gen)
         if isinstance(getattr(self, "confidence_head", None), ConfidenceHead):
             self.confidence_head.reset_parameters(gen)

@@ -16,13 +16,15 @@ import msgspec
 
 from dflash.model.target_config import TargetConfig
 
-__all__ = ["DFLASH2_FIELDS", "DrafterConfig", "LayerType", "check_drafter_devices", "resolve_drafter_config",
+__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DrafterConfig", "LayerType", "check_drafter_devices", "resolve_drafter_config",
            "rope_theta_of"]
 
 LayerType = Literal["full_attention", "sliding_attention"]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 DFLASH2_FIELDS = ("variant", "conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
 """The ``[drafter]`` fields DFlash2 added; a DFlash drafter's model does not depend on them."""
+XPRESS_FIELDS = ("xpress_rank", "xpress_mlp_ratio", "jacobi_passes")
+"""The ``[drafter]`` fields XPress added; only an XPress drafter depends on them."""
 
 
 class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -58,12 +60,18 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "rowwise_with_gw_hp" (rowwise, the weight gradient kept in bf16).
         variant: "dflash" (the DFlash drafter) | "dflash2" (z-lab's DFlash2: adds a grouped
             dynamic causal convolution around every sublayer and a candidate selector,
-            :mod:`dflash.model.dflash2`). The four fields below are read by "dflash2" only; their
-            defaults are the published checkpoints' values.
+            :mod:`dflash.model.dflash2`) | "xpress" (XPress: the DFlash backbone and a causal
+            low-rank refiner head resolved by parallel Jacobi passes, :mod:`dflash.model.xpress`).
+            The next four fields are read by "dflash2" only, the three after them by "xpress" only;
+            their defaults are the published checkpoints' values.
         conv_kernel_size: convolution taps (in block tokens, the current one included).
         conv_group_size: channels sharing one dynamic tap (``hidden_size`` must be a multiple).
         selector_top_k: candidates per block position the selector re-ranks.
         selector_rank: rank of the selector's predecessor/successor codebooks.
+        xpress_rank: the XPress refiner's rank ``r``.
+        xpress_mlp_ratio: the refiner MLP's width over ``r``.
+        jacobi_passes: Jacobi passes an XPress drafter decodes with (0: the backbone's argmax;
+            ``>= block_size - 1``: exactly the serial left-to-right walk).
         confidence_head: add DSpark's confidence head (:mod:`dflash.model.confidence_head`),
             trained by ``[loss].confidence = "head"``. The run sets it from that key; setting it
             here by hand without it is a config error. Checkpointed, not exported.
@@ -90,11 +98,14 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     compile: bool = False
     precision: Literal["bf16", "fp8"] = "bf16"
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    variant: Literal["dflash", "dflash2"] = "dflash"
+    variant: Literal["dflash", "dflash2", "xpress"] = "dflash"
     conv_kernel_size: Positive = 2
     conv_group_size: Positive = 16
     selector_top_k: Positive = 16
     selector_rank: Positive = 256
+    xpress_rank: Positive = 256
+    xpress_mlp_ratio: Positive = 2
+    jacobi_passes: Annotated[int, msgspec.Meta(ge=0)] = 6
     confidence_head: bool = False
 
     def __post_init__(self) -> None:

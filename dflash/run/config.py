@@ -33,11 +33,11 @@ from dflash.checkpoint.config import CheckpointSection
 from dflash.data import DataConfig
 from dflash.errors import ConfigError
 from dflash.eval.config import EVALUATOR_KIND, EvalSection
-from dflash.model.drafter import DFLASH2_FIELDS, DrafterConfig
+from dflash.model.drafter import DFLASH2_FIELDS, XPRESS_FIELDS, DrafterConfig
 from dflash.model.target import TargetConfig
 from dflash.observe.config import MonitorSection
 from dflash.train.config import TrainSection
-from dflash.train.loss import LossConfig
+from dflash.train.loss import XPRESS_LOSS_FIELDS, LossConfig
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 MAX_STEPS = 10 ** 8 - 1
@@ -196,10 +196,16 @@ def config_hash(cfg: DFlashFile) -> str:
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
     # DFlash2's settings change nothing a DFlash drafter trains: left out, a DFlash run hashes as
     # before they existed (its checkpoints resume without a "config differs" warning).
-    if raw["drafter"]["variant"] == "dflash":
+    variant = raw["drafter"]["variant"]
+    if variant == "dflash":
         for key in DFLASH2_FIELDS:
             raw["drafter"].pop(key)
         raw["loss"].pop("selector_weight")
+    if variant != "xpress":  # likewise XPress's, for every other variant
+        for key in XPRESS_FIELDS:
+            raw["drafter"].pop(key)
+        for key in XPRESS_LOSS_FIELDS:
+            raw["loss"].pop(key)
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
     # Loss terms added later are hashed only when switched on, so a file that leaves them at 0 keeps
     # the hash it had before they existed (its checkpoints resume without a config-differs warning).

@@ -101,7 +101,8 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, drafter_devices: list[str]) -> None:
-    """The fused LM head (``train.lm_head = "liger"``) against the loss, the drafter and its devices.
+    """The fused LM head (``train.lm_head = "liger"``) and the masked loss against the loss, the
+    drafter and its devices.
 
     Args:
         drafter_devices: the device of every drafter replica ("cpu" where the graph gives none).
@@ -110,8 +111,13 @@ def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, d
         ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight``, ``tv_weight`` or
             ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with DFlash2 (no top-K
             candidates for its selector), with ``train.sync_free_loss = false`` (it replaces the
-            fixed-shape head), on a CPU drafter, or without liger_kernel installed.
+            fixed-shape head), on a CPU drafter, or without liger_kernel installed; an XPress drafter
+            with ``train.sync_free_loss = false`` or ``train.lm_head = "liger"`` (its refined
+            logits are computed in fixed-shape chunks).
     """
+    if drafter.variant == "xpress" and not train.sync_free_loss:
+        raise ConfigError("drafter.variant = \"xpress\" trains its refiner with the fixed-shape loss: "
+                          "set train.sync_free_loss = true")
     if train.lm_head != "liger":
         return
     soft = [k for k in ("kl_weight", "tv_weight", "conf_weight") if getattr(loss, k) > 0]
@@ -119,9 +125,10 @@ def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, d
         raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
                           f"loss.{soft[0]} = {getattr(loss, soft[0]):g}: set it to 0 or "
                           "train.lm_head = \"chunked\"")
-    if drafter.variant == "dflash2":
-        raise ConfigError("train.lm_head = \"liger\" gives no top-K candidates for DFlash2's selector: "
-                          "set train.lm_head = \"chunked\" with drafter.variant = \"dflash2\"")
+    if drafter.variant != "dflash":
+        raise ConfigError(f"train.lm_head = \"liger\" gives neither DFlash2's top-K candidates nor XPress's "
+                          f"refined logits: set train.lm_head = \"chunked\" with drafter.variant = "
+                          f"\"{drafter.variant}\"")
     if not train.sync_free_loss:
         raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "
                           "train.sync_free_loss = true or train.lm_head = \"chunked\"")

@@ -79,7 +79,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "loss_terms",
+__all__ = ["XPRESS_LOSS_FIELDS", "LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "loss_terms",
            "mixed_loss", "needs_final_hidden", "position_weights", "tv_term", "uses_head"]
 
 
@@ -107,6 +107,11 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             expected accepted length; 1: every slot weighs as many slots as follow it).
         selector_weight: weight (>= 0) of DFlash2's selector loss, added to the loss above
             (:mod:`dflash.train.selector_loss`); read only when ``drafter.variant = "dflash2"``.
+        xpress_base_weight, xpress_consistency_weight, xpress_consistency_passes: XPress's loss
+            (:mod:`dflash.train.xpress_loss`; read only when ``drafter.variant = "xpress"``):
+            ``base * L(backbone) + L(refined, true predecessors) + consistency * mean over the
+            passes of L(refined, the previous pass's drafts)``, each ``L`` the loss above.
+            speculators' recipe: 0.6, 0.3, 3.
     """
 
     label: Literal["data", "target_argmax"] = "data"
@@ -120,6 +125,9 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     alpha: float = 0.1
     dpace_alpha: float = 0.5
     selector_weight: float = 1.0
+    xpress_base_weight: float = 0.6
+    xpress_consistency_weight: float = 0.3
+    xpress_consistency_passes: int = 3
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kl_weight <= 1.0:
@@ -142,6 +150,15 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError(f"loss.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if not self.selector_weight >= 0.0:
             raise ValueError(f"loss.selector_weight must be >= 0, got {self.selector_weight}")
+        for key in ("xpress_base_weight", "xpress_consistency_weight"):
+            if not (getattr(self, key) >= 0.0 and math.isfinite(getattr(self, key))):
+                raise ValueError(f"loss.{key} must be a finite number >= 0, got {getattr(self, key)}")
+        if self.xpress_consistency_passes < 0:
+            raise ValueError(f"loss.xpress_consistency_passes must be >= 0, got {self.xpress_consistency_passes}")
+
+
+XPRESS_LOSS_FIELDS = ("xpress_base_weight", "xpress_consistency_weight", "xpress_consistency_passes")
+"""The ``[loss]`` fields XPress added; only an XPress drafter's training reads them."""
 
 
 def needs_final_hidden(cfg: LossConfig) -> bool:

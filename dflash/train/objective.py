@@ -19,6 +19,8 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
    position weight.
 6. DFlash2 (``drafter.variant = "dflash2"``): the selector's loss over each slot's top-K
    candidates, ``loss += selector_weight * L_sel``, and its metrics (:mod:`dflash.train.selector_loss`).
+   XPress (``"xpress"``): the refiner's passes, ``loss = xpress_base_weight * loss + L_refiner``,
+   and the metrics of its Jacobi drafts (:mod:`dflash.train.xpress_loss`; fixed shapes only).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dflash.train.loss import (
     uses_head,
 )
 from dflash.train.selector_loss import SelectorOutput, selector_terms
+from dflash.train.xpress_loss import before_anchors, xpress_terms
 
 __all__ = ["LossOutput", "block_targets", "compute_loss"]
 
@@ -61,8 +64,8 @@ class LossOutput:
         num_blocks: valid anchors (an int, or a 0-dim int64 tensor on the sync-free path, read
             with the step's one host read).
         num_predictions: trained slots ``N`` (int or 0-dim int64 tensor, as ``num_blocks``).
-        selector: DFlash2's selector loss and metrics (already weighted into ``loss``), None for
-            a DFlash drafter.
+        selector: DFlash2's selector loss and metrics, or XPress's refiner loss and the metrics of
+            its Jacobi drafts (already in ``loss``); None for a DFlash drafter.
     """
 
     loss: torch.Tensor
@@ -117,8 +120,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
 
     Raises:
         ValueError: the config needs target logits and ``x.final_hidden`` is None, the drafter
-            has no ``mask_token_id``, or ``[loss].confidence = "head"`` and the drafter has no
-            confidence head.
+            has no ``mask_token_id``, ``[loss].confidence = "head"`` and the drafter has no
+            confidence head, or an XPress drafter without ``sync_free``.
     """
     core = getattr(drafter, "module", drafter)  # a DDP wrapper keeps the drafter (config, heads) inside
     conf_head = getattr(core, "confidence_head", None) if uses_head(cfg) else None
@@ -134,9 +137,13 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     hidden = drafter(features, head.embed(block_ids), layout)
     pos, trained = block_targets(x.input_ids, x.loss_mask, x.doc_ids, x.anchors, bs)  # [B, A, bs-1]
     selector = getattr(core, "candidate_selector", None)  # DFlash2 only
+    refiner = getattr(core, "refiner_head", None)  # XPress only
     if sync_free:
+        before = before_anchors(x.input_ids, x.doc_ids, x.anchors) if refiner is not None else None
         return _loss_fixed_shape(head, hidden, pos, trained, x.input_ids, x.anchors, x.final_hidden, cfg,
-                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head)
+                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head, refiner, before)
+    if refiner is not None:
+        raise ValueError("an XPress drafter trains with the fixed-shape loss: set train.sync_free_loss = true")
     return _loss_masked(head, hidden, pos, trained, x, cfg, selector, block_ids, conf_head)
 
 
@@ -233,12 +240,14 @@ def _loss_masked(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trai
 def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trained: torch.Tensor,
                       input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
                       cfg: LossConfig, lm_head_chunk: int = 0, lm_head: str = "chunked", selector=None,
-                      anchor_ids: torch.Tensor | None = None, conf_head=None) -> LossOutput:
+                      anchor_ids: torch.Tensor | None = None, conf_head=None, refiner=None,
+                      before_anchor: torch.Tensor | None = None) -> LossOutput:
     """Steps 3-6 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
     the data, so nothing waits for the device. Same loss as the masked path up to summation order
     (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors. ``selector``
     (DFlash2's, with ``anchor_ids [B, A]`` the blocks' token 0) adds step 6; ``conf_head`` (the
-    drafter's confidence head, with ``[loss].confidence = "head"``) adds its term to step 5."""
+    drafter's confidence head, with ``[loss].confidence = "head"``) adds its term to step 5;
+    ``refiner`` (XPress's, with ``before_anchor [B, A]``) its passes."""
     B, A, S = pos.shape
     M, H = B * A * S, hidden.shape[-1]
     tw = trained.reshape(M)
@@ -252,9 +261,9 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
     data_labels = input_ids.gather(1, flat_pos).reshape(M)
     unary = cand = accept = None
     if lm_head == "liger":
-        if selector is not None:
-            raise ValueError("train.lm_head = 'liger' gives no top-K candidates for DFlash2's selector: "
-                             "use train.lm_head = 'chunked' with drafter.variant = 'dflash2'")
+        if selector is not None or refiner is not None:
+            raise ValueError("train.lm_head = 'liger' gives neither DFlash2's top-K candidates nor XPress's "
+                             "refined logits: use train.lm_head = 'chunked' with drafter.variant = 'dflash2' or 'xpress'")
         from dflash.train.liger_head import liger_head_loss
 
         per_slot, ce, kl, tv, conf, draft_arg, accept_label = liger_head_loss(
@@ -295,6 +304,12 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
         sel = selector_terms(selector, hidden[:, :, 1:], anchor_ids, grid(unary), grid(cand), grid(train_label),
                              grid(data_labels), grid(accept_label), trained, grid(w), block_ok)
         loss = loss + cfg.selector_weight * sel.loss
+    if refiner is not None:  # 6'. XPress: the backbone's loss above is its base term
+        grid = lambda t: t.view(B, A, S)  # noqa: E731
+        train_label = data_labels if cfg.label == "data" else accept_label
+        sel = xpress_terms(refiner, head, hidden, before_anchor, anchor_ids, grid(train_label), grid(data_labels),
+                           grid(accept_label), trained, target_hidden, cfg, lm_head_chunk, block_ok)
+        loss = cfg.xpress_base_weight * loss + sel.loss
 
     with torch.no_grad():
         correct = ((draft_arg == accept_label) & tw).view(B * A, S)
