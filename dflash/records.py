@@ -127,6 +127,9 @@ class TrainRecord(RecordBase, tag="train"):
     ``base_tau``, the tokens per verify step (teacher-forced streak + 1) of the walk and of the
     backbone's top-1; ``recall_k`` (label in the top-K); ``oracle_tau``, oracle top-K tokens per
     verify step; ``label_missing``, the window's total of slots whose label missed the top-K.
+    XPress runs (:mod:`dflash.train.xpress_loss`) use the same fields for the refiner: ``sel_loss``
+    its loss, ``sel_acc`` and ``sel_tau`` those of its drafts after the training's free-running
+    passes; ``recall_k`` and ``oracle_tau`` are null (no top-K) and ``label_missing`` is 0.
     """
 
     step: int

@@ -66,7 +66,11 @@ def _eta(seconds: float | None) -> str:
 
 def _selector_line(record: Mapping[str, Any]) -> str:
     """DFlash2's window figures: teacher-forced tau of the walk and of the backbone's top-1, the
-    oracle top-K tau and recall@K (dflash.train.selector_loss)."""
+    oracle top-K tau and recall@K (dflash.train.selector_loss); XPress's: the tau of its Jacobi
+    drafts and of the backbone's top-1 (dflash.train.xpress_loss; it has no top-K)."""
+    recall = record.get("recall_k")
+    if not (isinstance(recall, (int, float)) and math.isfinite(recall)):
+        return f"jacobi tau {_num(record.get('sel_tau'), '.3g')} (top-1 {_num(record.get('base_tau'), '.3g')})"
     return (f"walk tau {_num(record.get('sel_tau'), '.3g')} (top-1 {_num(record.get('base_tau'), '.3g')}, "
             f"oracle {_num(record.get('oracle_tau'), '.3g')}, recall@K {_num(record.get('recall_k'), '.3g')})")
 
