@@ -64,6 +64,38 @@ def fixture(out: Path, types: list[str] | None = SLIDING_THEN_FULL) -> None:
                "logits": logits.contiguous()}, str(out / "ref.safetensors"))
 
 
+def fixture_xpress(out: Path) -> None:
+    """``fixture`` for an XPress drafter: ``DIR/export`` (full-attention layers), ``DIR/target``, and
+    ``DIR/ref.safetensors`` with, besides ``feats``/``ids``/``hidden``/``logits``, the block slots'
+    predecessors ``prev [1, bs]`` and this project's refiner bias ``bias [1, bs, V]`` for them."""
+    from dflash.export import export_drafter, load_exported
+    from dflash.model.attention import decode_layout
+    from dflash.model.target import load_target
+    from tests.dflash.export.test_export import TCFG
+    from tests.dflash.export.test_xpress_export import make
+
+    export_drafter(make(), out / "export", torch.float32)
+    drafter, cfg = load_exported(out / "export")
+    target = load_target(TCFG, "cpu", 2).model.float().eval()
+    target.save_pretrained(out / "target")
+    bs, H = cfg.block_size, target.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 4000, (1, T + bs), generator=g)
+    prev = torch.randint(5, 4000, (1, bs), generator=g)
+    with torch.no_grad():
+        hs = target(ids[:, :T], output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in cfg.target_layer_ids], dim=-1)
+        block = torch.full((1, bs), cfg.mask_token_id)
+        block[0, 0] = ids[0, T]
+        emb = target.get_input_embeddings()(block)
+        hidden = drafter(feats, emb[:, None], decode_layout(T, T, bs, "cpu")).reshape(1, bs, H)
+        r = drafter.refiner_head
+        bias = r.bias(r.features(prev, r.context(hidden)))
+        logits = target.lm_head(hidden)
+    save_file({"feats": feats.contiguous(), "ids": ids, "hidden": hidden.contiguous(), "prev": prev,
+               "bias": bias.contiguous(), "logits": logits.contiguous()}, str(out / "ref.safetensors"))
+
+
 def _import_specforge_model(src: Path):
     """SpecForge's ``specforge/modeling/draft/dflash.py`` as a module, without importing the rest
     of SpecForge (whose package ``__init__`` needs sglang)."""
@@ -141,12 +173,62 @@ def check_speculators(fx: Path) -> dict:
                          "torch": torch.__version__}}
 
 
+def check_speculators_xpress(fx: Path) -> dict:
+    """speculators' ``XPressDraftModel`` built from the export as its ``DFlashConverter`` builds a
+    DFlash one (the converter's config, plus the ``dflash_config`` XPress fields), loading the
+    export's tensors as they are: the missing keys must be only those filled from the verifier,
+    the backbone's logits and the refiner's bias must be ours."""
+    from importlib.metadata import version
+
+    import transformers
+    from speculators.convert.dflash import DFlashConverter
+    from speculators.convert.dflash.converter import _VERIFIER_FILLED_KEYS
+    from speculators.models.xpress import XPressDraftModel, XPressSpeculatorConfig
+
+    ref = load_file(str(fx / "ref.safetensors"))
+    source = json.loads((fx / "export" / "config.json").read_text())
+    base = DFlashConverter()._build_config(source, str(fx / "target"), None)
+    dfc = source["dflash_config"]
+    cfg = XPressSpeculatorConfig(transformer_layer_config=base.transformer_layer_config,
+                                 draft_vocab_size=base.draft_vocab_size, block_size=base.block_size,
+                                 aux_hidden_state_layer_ids=base.aux_hidden_state_layer_ids,
+                                 mask_token_id=base.mask_token_id, speculators_config=base.speculators_config,
+                                 xpress_rank=dfc["xpress_rank"], xpress_mlp_ratio=dfc["xpress_mlp_ratio"],
+                                 num_jacobi_passes=dfc["num_jacobi_passes"])
+    model = XPressDraftModel(cfg)
+    missing, unexpected = model.load_state_dict(load_file(str(fx / "export" / "model.safetensors")), strict=False)
+    model.load_verifier_weights()
+    model.float().eval()
+    bs = model.block_size
+    ids = torch.cat([ref["ids"], torch.full((1, bs), 5)], dim=1)
+    S = ids.shape[1]
+    loss_mask = torch.zeros(1, S, dtype=torch.long)
+    loss_mask[0, T] = 1
+    with torch.no_grad():
+        last = torch.zeros(1, S, model.config.transformer_layer_config.hidden_size)
+        feats = torch.cat([ref["feats"], torch.zeros(1, S - T, ref["feats"].shape[-1])], dim=1)
+        _, logits, _, _, idx = model._backbone_forward(feats, ids, loss_mask, last,
+                                                       torch.zeros(1, S, dtype=torch.long), max_anchors=1)
+        bias = model.refiner_head.block_bias(ref["prev"], hidden_states=ref["hidden"])
+    assert idx.tolist() == list(range(T, T + bs)), idx
+    return {"missing": sorted(k for k in missing if k not in _VERIFIER_FILLED_KEYS), "unexpected": sorted(unexpected),
+            "max_abs_logit_diff": max((logits - ref["logits"]).abs().max().item(),
+                                      (bias - ref["bias"]).abs().max().item()),
+            "versions": {"speculators": version("speculators"), "transformers": transformers.__version__,
+                         "torch": torch.__version__}}
+
+
 def main(argv: list[str]) -> int:
     what, fx = argv[0], Path(argv[1])
     if what == "fixture":
         fixture(fx, None if argv[2:] == ["full"] else SLIDING_THEN_FULL)
         return 0
-    got = check_specforge(fx, Path(argv[2])) if what == "specforge" else check_speculators(fx)
+    if what == "fixture_xpress":
+        fixture_xpress(fx)
+        return 0
+    checks = {"specforge": lambda: check_specforge(fx, Path(argv[2])), "speculators": lambda: check_speculators(fx),
+              "speculators_xpress": lambda: check_speculators_xpress(fx)}
+    got = checks[what]()
     print(json.dumps(got))
     ok = not got["missing"] and not got["unexpected"] and got["max_abs_logit_diff"] <= 1e-4
     return 0 if ok else 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash.export.layout import ARCHITECTURES, DFLASH2_CONFIG_KEYS
+from dflash.export.layout import ARCHITECTURES, DFLASH2_CONFIG_KEYS, XPRESS_CONFIG_KEYS
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 __all__ = ["load_exported"]
@@ -17,11 +17,12 @@ __all__ = ["load_exported"]
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
                   dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
-    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one; DFlash or
-    DFlash2, whose codebooks may be stored bare or as ``.weight``).
+    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one; DFlash,
+    DFlash2, whose codebooks may be stored bare or as ``.weight``, or XPress).
 
     Raises:
-        ValueError: ``architectures`` is neither ``["DFlashDraftModel"]`` nor ``["DFlash2DraftModel"]``.
+        ValueError: ``architectures`` is not one of ``["DFlashDraftModel"]``, ``["DFlash2DraftModel"]``,
+            ``["XPressDraftModel"]``.
         RuntimeError: the weights do not match the config.
     """
     d = Path(directory)
@@ -38,6 +39,9 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
         if dfc.get(k, raw.get(k)) is None:
             raise ValueError(f"{d}/config.json: a DFlash2DraftModel config needs dflash_config.{k}")
         extra[k] = int(dfc.get(k, raw.get(k)))
+    for k, ours in XPRESS_CONFIG_KEYS.items() if variant == "xpress" else ():
+        if dfc.get(k) is not None:  # left out: speculators' defaults, which are ours
+            extra[ours] = int(dfc[k])
     rope = raw.get("rope_parameters") or {}
     n = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["full_attention"] * n

@@ -27,6 +27,7 @@ from dflash.export.layout import (
     MODELING_FILE,
     NO_REMOTE_CODE,
     NOT_EXPORTED,
+    XPRESS_CONFIG_KEYS,
     ExportedThenInterrupted,
     LastLayerWarning,
     OutputTaken,
@@ -36,13 +37,16 @@ from dflash.model.drafter import DFlashDrafter, DrafterConfig
 __all__ = ["export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem", "model_card"]
 
 
+_TITLE = {"dflash": "DFlash", "dflash2": "DFlash2", "xpress": "XPress"}
+
+
 def model_card(cfg: DrafterConfig, dtype: torch.dtype) -> str:
     """The export's ``README.md``: what it is and the load-and-decode calls that work."""
     return f"""---
 library_name: transformers
 tags: [dflash, speculative-decoding, drafter]
 ---
-# {"DFlash2" if cfg.variant == "dflash2" else "DFlash"} drafter
+# {_TITLE[cfg.variant]} drafter
 
 A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
 mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of a
@@ -68,6 +72,17 @@ out = dflash_generate(drafter, target, input_ids, max_new_tokens=256, stop_token
 
 Serving engines pick the drafter by `architectures = ["{ARCHITECTURES[cfg.variant]}"]` and read
 `dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`).
+{_XPRESS_NOTE if cfg.variant == "xpress" else ""}"""
+
+
+_XPRESS_NOTE = """
+## XPress
+
+`refiner_head.*` is XPress's causal refiner (rank `dflash_config.xpress_rank`); its drafts are the
+last of up to `num_jacobi_passes` parallel Jacobi passes. z-lab's `dflash_generate` knows no refiner
+and drafts with the backbone alone; `drafter.spec_generate(target, input_ids, max_new_tokens=256,
+stop_token_ids=None)` decodes with the passes. vLLM speculators 0.9 loads these tensors as they are
+into its `XPressDraftModel` (the project's `docs/interop.md` gives the lines).
 """
 
 
@@ -103,6 +118,8 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
     }
     if cfg.variant == "dflash2":
         dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_CONFIG_KEYS})
+    if cfg.variant == "xpress":
+        dflash_config.update({k: getattr(cfg, ours) for k, ours in XPRESS_CONFIG_KEYS.items()})
     return {
         "architectures": [arch],
         "model_type": "qwen3",

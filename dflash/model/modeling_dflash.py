@@ -21,7 +21,8 @@ importable). It also has z-lab's own entry point, with the same signature and re
     out = drafter.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=[eos])  # [1, N+n]
 
 (greedy: the target's own greedy text; ``temperature > 0``: speculative sampling, a DFlash2
-drafter's block drawn by its candidate selector's sampled walk; tested in
+drafter's block drawn by its candidate selector's sampled walk, an XPress drafter's from its
+refined logits; tested in
 ``tests/dflash/model/test_spec_generate.py`` against the target's ``generate`` and z-lab's ``spec_generate``, and
 in ``tests/dflash/model/test_spec_generate_dflash2_sampled.py`` against the target's exact sampling distribution
 and z-lab's per-step ``q`` and acceptances).
@@ -388,8 +389,10 @@ class DFlashDraftModel(PreTrainedModel):
                 DFlash drafter draws its block from its own processed softmax; a DFlash2 drafter
                 from its selector walk (:meth:`DFlash2DraftModel.select_sampled`: each slot one of
                 its K candidates, ``q = softmax(score / temperature)`` given the slot before, no
-                top-k/top-p), z-lab's DFlash2 sampled rule; either way ``q`` is what the block was
-                drawn from, which is all the rejection rule needs to be lossless.
+                top-k/top-p), z-lab's DFlash2 sampled rule; an XPress drafter from the processed
+                softmax of its last Jacobi pass's logits (:meth:`XPressDraftModel.refine`); either
+                way ``q`` is what the block was drawn from, which is all the rejection rule needs
+                to be lossless.
             top_p: nucleus mass in ``(0, 1]`` (sampling only).
             top_k: keep the ``top_k`` most likely tokens, 0 for all (sampling only).
 
@@ -427,12 +430,21 @@ class DFlashDraftModel(PreTrainedModel):
             block[0, 0] = new[-1]
             q = None
             if Q > 1:
-                h = self(target_hidden=ctx, noise_embedding=F.embedding(block, emb_w) * emb_scale,
-                         position_ids=torch.arange(pos - ctx.shape[1], pos + Q, device=dev)[None],
-                         past_key_values=d_cache, use_cache=True)[:, 1:]
+                full = self(target_hidden=ctx, noise_embedding=F.embedding(block, emb_w) * emb_scale,
+                            position_ids=torch.arange(pos - ctx.shape[1], pos + Q, device=dev)[None],
+                            past_key_values=d_cache, use_cache=True)
+                h = full[:, 1:]
                 _crop(d_cache, pos)  # keep the context's keys/values, drop the block's
                 logits = self.compute_logits(h, head)
-                if hasattr(self, "select") and sampling:  # DFlash2: q is the walk's, over K candidates
+                if hasattr(self, "refine"):  # XPress: Jacobi passes; sampled from the last pass's logits
+                    before = torch.tensor([new[-2] if len(new) > 1 else int(input_ids[0, -1])], device=dev)
+                    drafted, logits = self.refine(full, logits, before, block[:, 0])
+                    if sampling:
+                        q = _probs(logits[0], temperature, top_p, top_k)
+                        block[0, 1:] = _draw(q)
+                    else:
+                        block[:, 1:] = drafted
+                elif hasattr(self, "select") and sampling:  # DFlash2: q is the walk's, over K candidates
                     drafted, q = self.select_sampled(h, logits, block[:, 0], temperature)
                     block[:, 1:], q = drafted, q[0]
                 elif hasattr(self, "select"):
@@ -611,3 +623,92 @@ class DFlash2DraftModel(DFlashDraftModel):
 
 
 __all__.append("DFlash2DraftModel")
+
+
+# -- XPress (the layout vLLM speculators 0.9 loads as ``refiner_head``): a causal low-rank refiner
+# resolved by parallel Jacobi passes; the same math as dflash.model.xpress (tested against it).
+
+
+class XPressRefinerHead(nn.Module):
+    """Per-slot logit correction from the token before each slot (XPress, arXiv 2608.02438):
+    ``a = in_proj([down_h(h) ; down_g(mean h) ; token_embed(prev)])``, a causal per-channel mix
+    over the block (``mix_l``, lower-triangular), a SwiGLU residual, then ``readout``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, block_size: int, rank: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.token_embed = nn.Embedding(vocab_size, rank)
+        self.down_h = nn.Linear(hidden_size, rank, bias=False)
+        self.down_g = nn.Linear(hidden_size, rank, bias=False)
+        self.in_proj = nn.Linear(3 * rank, rank, bias=False)
+        self.mix_l = nn.Parameter(torch.zeros(rank, block_size, block_size))
+        self.mlp_gate = nn.Linear(rank, rank * mlp_ratio, bias=False)
+        self.mlp_up = nn.Linear(rank, rank * mlp_ratio, bias=False)
+        self.mlp_down = nn.Linear(rank * mlp_ratio, rank, bias=False)
+        self.readout = nn.Linear(rank, vocab_size, bias=False)
+
+    def bias(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """``[B, b, V]`` for ``hidden [B, b, H]`` (every block slot, the anchor's first) and the
+        slots' predecessors ``prev [B, b]`` (long)."""
+        b = prev.shape[1]
+        h = hidden.to(self.down_h.weight.dtype)
+        ctx = torch.cat([self.down_h(h), self.down_g(h.mean(1, keepdim=True).expand_as(h))], dim=-1)
+        a = self.in_proj(torch.cat([ctx, self.token_embed(prev).to(ctx.dtype)], dim=-1))
+        mix = self.mix_l[:, :b, :b] * torch.ones(b, b, dtype=torch.bool, device=a.device).tril()
+        a = a + torch.einsum("cji,nic->njc", mix.to(a.dtype), a)
+        a = a + self.mlp_down(F.silu(self.mlp_gate(a)) * self.mlp_up(a))
+        return self.readout(a)
+
+
+class XPressDraftModel(DFlashDraftModel):
+    """The XPress drafter: :class:`DFlashDraftModel` with ``refiner_head``.
+
+    ``config.dflash_config`` also holds ``xpress_rank``, ``xpress_mlp_ratio`` and
+    ``num_jacobi_passes``. :meth:`refine` drafts the block from the full forward output::
+
+        h = drafter(target_hidden=feats, noise_embedding=block_emb)          # [B, b, H], slot 0 the anchor
+        logits = drafter.compute_logits(h[:, 1:], target.lm_head)
+        draft, refined = drafter.refine(h, logits, before_anchor, anchor_ids)
+    """
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        self.num_jacobi_passes = int(_dflash_value(config, "num_jacobi_passes", 6))
+        self.refiner_head = XPressRefinerHead(config.vocab_size, config.hidden_size, self.block_size,
+                                              int(_dflash_value(config, "xpress_rank", 256)),
+                                              int(_dflash_value(config, "xpress_mlp_ratio", 2)))
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, nn.Embedding):
+            std = self.config.initializer_range
+            _init_unless_loaded(module.weight, lambda w: w.normal_(0.0, std))
+        elif isinstance(module, XPressRefinerHead):
+            _init_unless_loaded(module.mix_l, lambda w: w.zero_())
+
+    @torch.no_grad()
+    def refine(self, hidden: torch.Tensor, logits: torch.Tensor, before_anchor: torch.Tensor,
+               anchor_ids: torch.Tensor, passes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy Jacobi passes over the block: each pass re-reads every slot's predecessor from the
+        previous pass's argmax (the first from ``logits``'), stopping at a fixed point.
+
+        Args:
+            hidden: ``[B, b, H]`` every slot's post-norm state. logits: ``[B, b-1, V]`` slots 1..b-1.
+            before_anchor, anchor_ids: ``[B]`` (long) the token before the anchor, and the anchor.
+            passes: at most this many (default ``num_jacobi_passes``).
+
+        Returns:
+            ``(ids [B, b-1] long, refined logits [B, b-1, V])``.
+        """
+        refined, draft = logits, logits.argmax(-1)
+        for _ in range(self.num_jacobi_passes if passes is None else passes):
+            prev = torch.cat([before_anchor[:, None], anchor_ids[:, None], draft[:, :-1]], dim=1)
+            refined = logits + self.refiner_head.bias(hidden, prev)[:, 1:].to(logits.dtype)
+            new = refined.argmax(-1)
+            if torch.equal(new, draft):
+                break
+            draft = new
+        return draft, refined
+
+
+__all__.append("XPressDraftModel")

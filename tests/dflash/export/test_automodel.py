@@ -152,7 +152,6 @@ def test_the_export_says_trust_remote_code_is_required(tmp_path, capsys):
     the warning stays true), and the export's card and the CLI's closing lines say so."""
     from transformers import AutoModel
 
-    from dflash.checkpoint.model_files import save_drafter
     from dflash.export import CARD_FILE
     from dflash.export import main as export_main
     from tests.dflash.export.test_export import TCFG

@@ -14,14 +14,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint.model_files import save_drafter
 from dflash.export import export_drafter, load_exported
 from dflash.export import main as export_main
 from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
-from tests.zlab import zlab_model
 from tests.helpers import save_checkpoint
+from tests.zlab import zlab_model
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash.checkpoint.model_files import load_drafter, save_drafter
+from dflash.checkpoint.model_files import load_drafter
 from dflash.export import export_drafter, load_exported
 from dflash.export import main as export_main
 from dflash.model.attention import training_layout

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.external_stacks import SLIDING_THEN_FULL, fixture
+from tests.external_stacks import SLIDING_THEN_FULL, fixture, fixture_xpress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,13 +30,16 @@ HOW = {
 }
 
 
-def _run(stack: str, tmp_path, types, *extra: str) -> dict:
-    fixture(tmp_path, types)
+def _run(stack: str, tmp_path, types, *extra: str, check: str | None = None) -> dict:
+    if check == "speculators_xpress":
+        fixture_xpress(tmp_path)
+    else:
+        fixture(tmp_path, types)
     py = os.environ[f"DFLASH_{stack.upper()}_PYTHON"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     # cwd outside the repository: the child must not import this project's dflash package
-    proc = subprocess.run([py, str(SCRIPT), stack, str(tmp_path), *extra], cwd=tmp_path, env=env,
+    proc = subprocess.run([py, str(SCRIPT), check or stack, str(tmp_path), *extra], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=540, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stderr[-3000:]
@@ -55,6 +58,17 @@ def test_speculators_loads_the_export_and_gives_our_logits(tmp_path):
     if not os.environ.get("DFLASH_SPECULATORS_PYTHON"):
         pytest.skip(HOW["speculators"] + SETUP)
     got = _run("speculators", tmp_path, None)
+    assert got["missing"] == [] and got["unexpected"] == [] and got["max_abs_logit_diff"] <= 1e-4
+
+
+def test_speculators_xpress_loads_the_export_and_gives_our_logits_and_refiner_bias(tmp_path):
+    """Invariant: an XPress export loads in speculators' ``XPressDraftModel`` (the converter's config
+    plus the ``dflash_config`` XPress fields) with no unexpected key and none missing but those
+    filled from the verifier; one block gets our backbone's logits and, for the same predecessors,
+    our refiner's logit bias (within 1e-4)."""
+    if not os.environ.get("DFLASH_SPECULATORS_PYTHON"):
+        pytest.skip(HOW["speculators"] + SETUP)
+    got = _run("speculators", tmp_path, None, check="speculators_xpress")
     assert got["missing"] == [] and got["unexpected"] == [] and got["max_abs_logit_diff"] <= 1e-4
 
 
