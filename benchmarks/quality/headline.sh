@@ -139,7 +139,7 @@ evalcost)
   python3 -m dflash.run $G "${DF2[@]}" --set data.source=\"$R/regen-all.jsonl\" --set run.steps=1 \
     --set eval.every=0 --set run.out_dir=\"$R/warm\" > "$R/warm.log" 2>&1 || tail -3 "$R/warm.log"  # tokenize once
   read -r -a CS <<< "${COST_SETS:-}"  # e.g. COST_SETS="--set eval.isolate=true"
-  for every in 0 ${EVAL_EVERY:-200}; do
+  for every in ${COST_ORDER:-0 ${EVAL_EVERY:-200}}; do  # COST_ORDER="200 0": the evaluator run first
     timeout --foreground -s TERM ${EVALCOST_S:-90} python3 -m dflash.run $G "${DF2[@]}" \
       --set data.source=\"$R/regen-all.jsonl\" --set run.steps=100000 --set checkpoint.every=0 \
       --set monitor.window=25 --set drafter.compile=true --set eval.every=$every "${CS[@]}" \
