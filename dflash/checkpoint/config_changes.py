@@ -45,6 +45,7 @@ _EFFECTS = (
     ("run.deterministic", "numerics (deterministic kernels)"),
     ("drafter.precision", "numerics (float8 matmuls)"),
     ("drafter.fp8_recipe", "numerics (float8 scaling)"),
+    ("drafter.jacobi_passes", "decoding only: the Jacobi passes an XPress drafter drafts with"),
     ("data.", "data order and batch shapes; the restored sampler position may no longer match"),
     ("drafter.", "drafter shapes or anchors"),
     ("target.", "target features and shapes"),
@@ -58,7 +59,10 @@ _EFFECTS = (
 _ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
                 ("drafter", "confidence_head"): False, ("drafter", "precision"): "bf16",
                 ("drafter", "fp8_recipe"): "tensorwise", ("train", "optimizer"): "adamw",
-                ("train", "muon_momentum"): 0.95, ("loss", "dpace_alpha"): 0.5}
+                ("train", "muon_momentum"): 0.95, ("loss", "dpace_alpha"): 0.5,
+                ("drafter", "xpress_rank"): 256, ("drafter", "xpress_mlp_ratio"): 2, ("drafter", "jacobi_passes"): 6,
+                ("loss", "xpress_base_weight"): 0.6, ("loss", "xpress_consistency_weight"): 0.3,
+                ("loss", "xpress_consistency_passes"): 3}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 

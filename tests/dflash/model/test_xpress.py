@@ -274,3 +274,21 @@ def test_xpress_settings_leave_other_variants_hashes_alone():
     assert xp != base
     assert config_hash(load_config(GRAPH, ['drafter.variant="xpress"', "drafter.xpress_rank=8"])) != xp
     assert msgspec.json.encode(load_config(GRAPH, ['drafter.variant="xpress"']).drafter)  # round-trips
+
+
+def test_a_config_saved_before_xpress_and_dpace_existed_resumes_without_a_change_reported():
+    """Resume compares the checkpoint's saved config with today's: the keys added with XPress and
+    D-PACE, at their defaults, are no change; set otherwise, they are named."""
+    from dflash.checkpoint.config_changes import config_changes
+    from dflash.model.drafter_config import XPRESS_FIELDS
+    from dflash.run.config import load_config
+    from dflash.train.loss import XPRESS_LOSS_FIELDS
+    from tests.dflash.run.test_run_e2e import GRAPH
+
+    now = msgspec.to_builtins(load_config(GRAPH))
+    old = {**now, "drafter": {k: v for k, v in now["drafter"].items() if k not in XPRESS_FIELDS},
+           "loss": {k: v for k, v in now["loss"].items() if k not in (*XPRESS_LOSS_FIELDS, "dpace_alpha")}}
+    assert config_changes(old, now) == []
+    passes = {**now, "drafter": {**now["drafter"], "jacobi_passes": 2}}
+    assert config_changes(old, passes) == ["drafter.jacobi_passes 6 -> 2 (decoding only: the Jacobi passes an "
+                                           "XPress drafter drafts with)"]
