@@ -26,7 +26,8 @@
 # evalcost: the same DFlash2 graph for EVALCOST_S seconds twice, on the regenerated data: without the
 #        evaluator (eval.every = 0), then with it every EVAL_EVERY steps; median tok/s of the windows after
 #        the first two, and each evaluation's seconds -> OUT/evalcost.json. COST_SETS adds --set
-#        arguments to both runs (COST_SETS="--set eval.isolate=true": the evaluator in its own process).
+#        arguments to both runs (COST_SETS="--set eval.isolate=true": the evaluator in its own process);
+#        COST_ORDER="200 0" runs the evaluator's run first (identical runs differ by up to 15%: run both orders).
 # variants: one line of VARIANTS per run ("name --set k=v ..."; default: bf16 at seeds 0 and 1, the
 #        drafter in float8, CE + TV 0.5, Muon), all started together on the regenerated data for STEPS steps;
 #        the final weights' held-out tau (EP prompts, EN tokens; greedy and T = 1) -> OUT/variants.json;

@@ -197,7 +197,8 @@ def _loss_masked(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor, trai
     grid = lambda v, fill=0.0: torch.full(trained.shape, fill, dtype=v.dtype,  # noqa: E731
                                           device=v.device).masked_scatter(trained, v)
     label_prob = grid(torch.exp(-ce.detach()))
-    w = position_weights(cfg, label_prob.view(B * A, bs - 1), trained.view(B * A, bs - 1)).view(B, A, bs - 1)[trained]
+    w = position_weights(cfg, label_prob.view(B * A, bs - 1), trained.view(B * A, bs - 1))
+    w = w.view(B, A, bs - 1)[trained]
     denom = w.sum()
     loss = (w * per_slot).sum() / denom.clamp(min=1e-12)
     with torch.no_grad():
@@ -263,7 +264,7 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
     if lm_head == "liger":
         if selector is not None or refiner is not None:
             raise ValueError("train.lm_head = 'liger' gives neither DFlash2's top-K candidates nor XPress's "
-                             "refined logits: use train.lm_head = 'chunked' with drafter.variant = 'dflash2' or 'xpress'")
+                             "refined logits: use train.lm_head = 'chunked' with these variants")
         from dflash.train.liger_head import liger_head_loss
 
         per_slot, ce, kl, tv, conf, draft_arg, accept_label = liger_head_loss(
