@@ -104,7 +104,7 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         gamma: exp_decay scale, in block positions.
         alpha: streak floor in [0, 1].
         dpace_alpha: D-PACE's confidence smoothing in [0, 1] (0: the exact gradient of the
-            expected accepted length; 1: every slot weighs as many slots as follow it).
+            expected accepted length; 1: each slot weighs the count of trained slots from it to the block's end).
         selector_weight: weight (>= 0) of DFlash2's selector loss, added to the loss above
             (:mod:`dflash.train.selector_loss`); read only when ``drafter.variant = "dflash2"``.
         xpress_base_weight, xpress_consistency_weight, xpress_consistency_passes: XPress's loss
