@@ -47,3 +47,20 @@ def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path):
         assert row["outputs_equal"] == 1, name
         assert row["tok_s"] > 0 and 1 <= row["tau"] <= res["block_size"]
     assert res["command"].startswith("python -m benchmarks.decode.speed")
+
+
+def test_second_stage_timing_reports_each_variant_and_its_share(tmp_path):
+    """Invariant: every variant gets the backbone's time; DFlash2's walk and XPress's passes get
+    theirs and their share of a verify step, second / (verify + backbone + second)."""
+    from benchmarks.decode.second_stage import main
+
+    out = tmp_path / "second.json"
+    assert main(["--tiny", "--reps", "2", "--context", "24", "--block-size", "4", "--passes", "3",
+                 "--dtype", "float32", "--out", str(out)]) == 0
+    t = json.loads(out.read_text())["targets"]["tiny"]
+    assert set(t["variants"]) == {"dflash", "dflash2", "xpress"} and t["verify_ms"] > 0
+    assert "second_ms" not in t["variants"]["dflash"]
+    for v in ("dflash2", "xpress"):
+        row = t["variants"][v]
+        assert row["backbone_ms"] > 0 and row["second_ms"] > 0
+        assert row["share"] == pytest.approx(row["second_ms"] / (t["verify_ms"] + row["backbone_ms"] + row["second_ms"]))
