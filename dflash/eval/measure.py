@@ -282,7 +282,8 @@ def _summary(decoded: list[_Decoded], drafter, dflash2: bool) -> EvalResult:
         acc_per_pos=_scored(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
         block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size,
         per_prompt=[d.result for d in decoded],
-        selector=_selector_figures(drafter, [d.extra for d in decoded]) if dflash2 else None)
+        selector=_selector_figures(drafter, [d.extra for d in decoded]) if dflash2 else None,
+        jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None)
 
 
 def _category(name: str, decoded: list[_Decoded]) -> CategoryResult:

@@ -143,6 +143,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
         seconds: wall time of the greedy decodes (and the sampled ones), in seconds.
         selector: a DFlash2 drafter's :class:`SelectorFigures` (its measured and teacher-forced
             figures above are those of the selector's walk, the tokens it drafts); None for DFlash.
+        jacobi_passes: an XPress drafter's Jacobi passes at most (its figures above are those of
+            the passes' drafts); None for the other variants.
         prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
         categories: one :class:`CategoryResult` per category, in first-seen order.
         macro_tau: the mean of the categories' tau (each category weighs the same, as SPEED-Bench
@@ -171,6 +173,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     sampled_accepted: float | None = None
     seconds: float | None = None
     selector: SelectorFigures | None = None
+    jacobi_passes: int | None = None
     n_per_pos: list[int] = msgspec.field(default_factory=list)
     prompt_set: str = ""
     categories: list[CategoryResult] = msgspec.field(default_factory=list)
@@ -231,6 +234,9 @@ def format_result(res: EvalResult) -> str:
                  "has tau = 1")
     secs = f", decode {res.seconds:.1f} s" if res.seconds is not None else ""
     lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){secs}")
+    if res.jacobi_passes is not None:
+        lines.append(f"XPress: drafts are the last of up to {res.jacobi_passes} Jacobi passes of its refiner "
+                     "(stopping at a fixed point)")
     sel = res.selector
     if sel is not None:  # DFlash2: the rows above are the selector walk's
         lines[5:5] = [f"{name:44s}{t:>18.3f}{t - 1:>15.3f}" for name, t in (

@@ -225,6 +225,10 @@ def test_xpress_decode_is_the_target_greedy_output_with_either_proposer(target, 
     # the teacher-forced Jacobi drafts reproduce each measured step (the drafts the decode made)
     assert res.tau >= 1.0 and res.sampled_tau >= 1.0
     assert res.streak_visited == pytest.approx(res.mean_accepted, abs=1e-6)
+    from dflash.eval.report import format_result
+
+    assert res.jacobi_passes == trained.cfg.jacobi_passes
+    assert f"up to {trained.cfg.jacobi_passes} Jacobi passes" in format_result(res)
 
 
 def test_sampled_xpress_drafts_come_from_their_q(target, trained):
