@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file or set,\n       a set whose package is not installed, a --prompts file with "
                "no prompt lines,\n       more --num-prompts than exist, unknown --data source, no "
-               "usable prompt,\n       a --block-size above the trained one, target/drafter layer mismatch,\n"
+               "usable prompt,\n       a --block-size above the trained one, --jacobi-passes for a drafter that is not XPress,\n"
+               "       target/drafter layer mismatch,\n"
                "       an unhealthy checkpoint without --allow-unhealthy\n"
                "  130  interrupted (Ctrl-C): nothing was written (eval writes no files)\n\nexamples:\n"
                "  python -m dflash.eval runs/dflash-tiny/checkpoints/step_00000300 --data sharegpt\n"
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="serve at N tokens per block, anchor included (2 .. the trained block size; default "
                         "the trained size): published drafters are trained at 16 and served at 8")
+    p.add_argument("--jacobi-passes", type=int, default=None, metavar="K",
+                   help="an XPress drafter's Jacobi passes at most (0: the backbone's argmax; default the "
+                        "checkpoint's [drafter].jacobi_passes)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
                    help="prompt tokens kept (the last ones)")
     p.add_argument("--device", default=None,

@@ -174,6 +174,13 @@ def _main(argv: list[str] | None) -> int:
             print(f"dflash.eval: --block-size {args.block_size}: {exc}", file=sys.stderr)
             return 2
         dc = drafter.cfg
+    if args.jacobi_passes is not None:
+        if dc.variant != "xpress" or args.jacobi_passes < 0:
+            why = (f"this drafter is a {dc.variant} drafter; only XPress decodes with Jacobi passes"
+                   if dc.variant != "xpress" else "give 0 or more passes")
+            print(f"dflash.eval: --jacobi-passes {args.jacobi_passes}: {why}", file=sys.stderr)
+            return 2
+        drafter.cfg = dc = msgspec.structs.replace(dc, jacobi_passes=args.jacobi_passes)
     tc = locate_target(tc, args.checkpoint)  # paths recorded relative to where training started
     if args.dtype != "auto":
         tc = msgspec.structs.replace(tc, dtype=args.dtype)

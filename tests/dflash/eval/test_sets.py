@@ -226,3 +226,16 @@ def test_eval_serves_below_the_trained_block_size_and_refuses_above(tiny_run, ca
     assert main([*base, "--block-size", str(trained + 1)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"serve this drafter at 2 .. {trained} tokens per block" in err
+
+
+def test_jacobi_passes_is_refused_for_a_drafter_that_is_not_xpress(tiny_run, capsys):  # noqa: F811
+    """``--jacobi-passes`` sets an XPress drafter's passes (tests/dflash/model/test_xpress.py decodes
+    with them); on any other drafter it is one line, exit 2."""
+    from dflash.eval.cli import main
+
+    ck = max((tiny_run / "checkpoints").glob("step_*"))
+    base = [str(ck), "--data", "sharegpt", "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu",
+            "--no-speedup"]
+    assert main([*base, "--jacobi-passes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "only XPress decodes with Jacobi passes" in err

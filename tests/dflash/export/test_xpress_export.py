@@ -86,3 +86,34 @@ def test_automodel_refines_as_we_do_and_spec_generate_is_the_target_greedy_text(
                        _greedy(target, PROMPT, 30))
     sampled = model.spec_generate(target, PROMPT, max_new_tokens=12, stop_token_ids=None, temperature=0.8)
     assert sampled.shape == (1, PROMPT.shape[1] + 12)
+
+
+def test_eval_cli_decodes_an_xpress_checkpoint_with_the_passes_asked(tmp_path, capsys):
+    """``dflash.eval --jacobi-passes K`` decodes an XPress checkpoint with K passes and records K;
+    0 drafts the backbone's argmax, so its tau is the DFlash drafter's of the same backbone."""
+    from dflash.eval.cli import main
+    from tests.helpers import save_checkpoint
+
+    d, ck = make(), tmp_path / "ckpt"
+    ck.mkdir()
+    save_checkpoint(ck, d, d.cfg, TCFG)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "How do I sort a list?"}\n{"prompt": "Name three rivers."}\n')
+    base = [str(ck), "--prompts", str(prompts), "--max-new-tokens", "8", "--device", "cpu", "--no-speedup", "--json"]
+    got = {}
+    for k in ("0", "3"):
+        assert main([*base, "--jacobi-passes", k]) == 0
+        got[k] = json.loads(capsys.readouterr().out)
+        assert got[k]["jacobi_passes"] == int(k)
+    assert main([*base, "--jacobi-passes", "-1"]) == 2
+    assert "give 0 or more passes" in capsys.readouterr().err
+    import msgspec
+
+    plain = DFlashDrafter(msgspec.structs.replace(d.cfg, variant="dflash")).eval()
+    plain.load_state_dict({k: v for k, v in d.state_dict().items() if not k.startswith("refiner_head.")})
+    ck2 = tmp_path / "plain"
+    ck2.mkdir()
+    save_checkpoint(ck2, plain, plain.cfg, TCFG)
+    assert main([str(ck2), *base[1:]]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert [p["tau"] for p in ref["per_prompt"]] == [p["tau"] for p in got["0"]["per_prompt"]]
