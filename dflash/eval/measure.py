@@ -282,7 +282,8 @@ def _summary(decoded: list[_Decoded], drafter, dflash2: bool) -> EvalResult:
         acc_per_pos=_scored(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
         block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size,
         per_prompt=[d.result for d in decoded],
-        selector=_selector_figures(drafter, [d.extra for d in decoded]) if dflash2 else None,
+        selector=_selector_figures(drafter, [d.extra for d in decoded],
+                                   torch.cat([d.correct for d in decoded])) if dflash2 else None,
         jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None)
 
 
@@ -309,10 +310,22 @@ def _speed(decoded: list[_Decoded]) -> SpeedResult:
                        dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)
 
 
-def _selector_figures(drafter: DFlashDrafter, extra) -> SelectorFigures:
-    """recall@K, oracle top-K tau and the backbone top-1's tau over every teacher-forced block."""
+def _selector_figures(drafter: DFlashDrafter, extra, correct: torch.Tensor) -> SelectorFigures:
+    """recall@K, oracle top-K tau and the backbone top-1's tau over every teacher-forced block, and
+    where the walk loses its tokens per position (``correct [A, bs-1]``: the walk's hits)."""
     top1, in_k, valid = (torch.cat(x) for x in zip(*extra))
+    hit = correct & valid
+    before = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(1).bool()  # right up to j-1
+    reached = before & valid
+    reached_k = reached & in_k
+
+    def rate(num: torch.Tensor, den: torch.Tensor) -> list[float | None]:
+        n, d = num.sum(0).float(), den.sum(0).float()
+        return [None if int(b) == 0 else float(a / b) for a, b in zip(n, d)]
+
     return SelectorFigures(
+        reached_in_k_per_pos=rate(reached_k, reached),
+        reached_pick_per_pos=rate(reached_k & hit, reached_k),
         top_k=drafter.cfg.selector_top_k,
         recall=float((in_k & valid).sum() / valid.sum().clamp(min=1)),
         oracle_tau=tau_from_accepted(float(streak_lengths(in_k, valid).float().mean())),

@@ -104,6 +104,14 @@ class SelectorFigures(msgspec.Struct, kw_only=True):
             DFlash drafter of these weights would draft), to set beside ``streak_all + 1`` of the walk.
         backbone_acc_per_pos: ``[bs-1]`` the backbone top-1's accuracy per position (None where
             no anchor reached the position).
+        reached_in_k_per_pos: ``[bs-1]`` where the walk lost its tokens, part 1: among blocks whose
+            walk was right up to position ``j - 1`` (so verification reaches ``j`` and the walk's
+            predecessor there is the true token), the fraction whose label at ``j`` is in the
+            top-K. 1 minus it is what no selector can recover.
+        reached_pick_per_pos: ``[bs-1]`` part 2: among those blocks with the label in the top-K,
+            the fraction where the walk picks it (the pair scores' share of the loss). The walk's
+            acceptance at ``j`` given it reached ``j`` is the product of the two. Empty in results
+            saved before they were recorded.
     """
 
     top_k: int
@@ -111,6 +119,8 @@ class SelectorFigures(msgspec.Struct, kw_only=True):
     oracle_tau: float
     backbone_tau: float
     backbone_acc_per_pos: list[float | None]
+    reached_in_k_per_pos: list[float | None] = msgspec.field(default_factory=list)
+    reached_pick_per_pos: list[float | None] = msgspec.field(default_factory=list)
 
 
 class EvalResult(msgspec.Struct, kw_only=True):
@@ -248,6 +258,10 @@ def format_result(res: EvalResult) -> str:
     lines.append("acc per position: " + _per_position(res.acc_per_pos, res.n_per_pos))
     if sel is not None:
         lines.append("backbone top-1 acc per position: " + _per_position(sel.backbone_acc_per_pos, res.n_per_pos))
+        if sel.reached_in_k_per_pos:
+            lines.append(f"walk reached j, label in top-{sel.top_k}: " + _per_position(sel.reached_in_k_per_pos, []))
+            lines.append(f"walk reached j, label in top-{sel.top_k}, picked: "
+                         + _per_position(sel.reached_pick_per_pos, []))
     lines += [f"why they differ: {why}" for why in explain(res)]
     return "\n".join(lines)
 

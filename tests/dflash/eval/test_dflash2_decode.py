@@ -133,6 +133,7 @@ def test_evaluate_reports_the_walk_with_recall_and_oracle(models):
     assert sel.oracle_tau >= res.streak_all + 1 and sel.oracle_tau >= sel.backbone_tau
     text = format_result(res)
     assert "oracle top-6" in text and "recall@6" in text and "backbone top-1 streak" in text
+    assert "walk reached j, label in top-6, picked" in text and len(sel.reached_pick_per_pos) == BS - 1
 
 
 # z-lab's decoder passes past_key_values, which transformers 5.24 renames (removal in 5.40)
@@ -200,3 +201,23 @@ def test_a_dflash2_run_trains_evaluates_and_exports(tmp_path, capsys):
     assert export_main([str(ckpt), "-o", str(tmp_path / "export")]) == 0
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["selector_rank"] == 16
+
+
+def test_where_the_walk_loses_its_tokens_per_position():
+    """Among blocks whose walk was right up to j - 1: the share with the label in the top-K, and
+    among those the share the walk picks; counted by hand on three blocks."""
+    from types import SimpleNamespace
+
+    from dflash.eval.measure import _selector_figures
+
+    T, F = True, False
+    hit = torch.tensor([[T, T, F], [T, F, F], [F, F, F]])
+    in_k = torch.tensor([[T, T, T], [T, T, F], [F, T, T]])
+    valid = torch.tensor([[T, T, T], [T, T, T], [T, T, F]])
+    top1 = torch.zeros_like(hit)
+    fig = _selector_figures(SimpleNamespace(cfg=SimpleNamespace(selector_top_k=4)), [(top1, in_k, valid)], hit)
+    # position 1: all 3 reached, 2 with the label in the top-K, both picked
+    # position 2: blocks 0 and 1 reached, both in the top-K, block 0 picked
+    # position 3: block 0 reached, in the top-K, not picked
+    assert fig.reached_in_k_per_pos == pytest.approx([2 / 3, 1.0, 1.0])
+    assert fig.reached_pick_per_pos == pytest.approx([1.0, 0.5, 0.0])
