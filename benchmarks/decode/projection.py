@@ -52,7 +52,7 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, reps: int, device) -> float:
+def median_seconds(fn, reps: int, device) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs after 2 warm-ups."""
     for _ in range(2):
         fn()
@@ -94,8 +94,8 @@ def time_shape(preset: str, overrides: dict, layers: list[int], bs: int, context
         run(block, context)
         crop_cache(run.cache, context)
 
-    res["t_greedy_ms"] = 1e3 * _timed(greedy, reps, device)
-    res["t_verify_ms"] = 1e3 * _timed(verify, reps, device)
+    res["t_greedy_ms"] = 1e3 * median_seconds(greedy, reps, device)
+    res["t_verify_ms"] = 1e3 * median_seconds(verify, reps, device)
     head = target.shared_head()
     feats = torch.randn(1, context, len(target.layer_ids) * target.hf_config.hidden_size,
                         device=device, dtype=target.model.dtype)
@@ -111,7 +111,7 @@ def time_shape(preset: str, overrides: dict, layers: list[int], bs: int, context
             prop.cached = context - 1 - bs                        # bs new context rows per step
             prop.propose(ctx, f[:, : context - 1])
 
-        res["t_draft_ms"][str(L)] = 1e3 * _timed(draft, reps, device)
+        res["t_draft_ms"][str(L)] = 1e3 * median_seconds(draft, reps, device)
         del drafter, prop
     del target, run
     if device.type == "cuda":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode.projection import _timed
+from benchmarks.decode.projection import median_seconds
 
 ASSET = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target-sharegpt-7m"
 TARGETS = {"shipped": ({"path": str(ASSET)}, 3), "qwen3-8b": ({"preset": "qwen3-8b"}, 5)}
@@ -62,7 +62,7 @@ def time_target(spec: dict, layers: int, bs: int, context: int, reps: int, passe
         run(block, context)
         crop_cache(run.cache, context)
 
-    res = {"verify_ms": 1e3 * _timed(verify, reps, device), "variants": {}}
+    res = {"verify_ms": 1e3 * median_seconds(verify, reps, device), "variants": {}}
     head = target.shared_head()
     feats = torch.randn(1, context - 1, len(target.layer_ids) * H, device=device, dtype=target.model.dtype)
     g = torch.Generator().manual_seed(0)
@@ -76,17 +76,17 @@ def time_target(spec: dict, layers: int, bs: int, context: int, reps: int, passe
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         d = d.to(device=device, dtype=target.model.dtype).eval()
         prop = proposer(d, head)
-        prop.hidden(ctx, feats) if variant != "dflash2" else prop._slots(ctx, feats)
+        prop.hidden(ctx, feats) if variant != "dflash2" else prop.slots(ctx, feats)
 
         def backbone():
             prop.cached = context - 1 - bs                        # bs new context rows per step
             if variant == "dflash2":
-                return head.logits(prop._slots(ctx, feats))
+                return head.logits(prop.slots(ctx, feats))
             return head.logits(prop.hidden(ctx, feats)[:, 1:])
 
-        row = {"backbone_ms": 1e3 * _timed(backbone, reps, device)}
+        row = {"backbone_ms": 1e3 * median_seconds(backbone, reps, device)}
         if variant == "dflash2":
-            slots = prop._slots(ctx, feats)
+            slots = prop.slots(ctx, feats)
             logits = head.logits(slots)
 
             def second():
@@ -108,7 +108,7 @@ def time_target(spec: dict, layers: int, bs: int, context: int, reps: int, passe
         else:
             second = None
         if second is not None:
-            row["second_ms"] = 1e3 * _timed(second, reps, device)
+            row["second_ms"] = 1e3 * median_seconds(second, reps, device)
             row["share"] = row["second_ms"] / (res["verify_ms"] + row["backbone_ms"] + row["second_ms"])
         res["variants"][variant] = row
     return res

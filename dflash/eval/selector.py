@@ -49,19 +49,21 @@ def is_dflash2(drafter: DFlashDrafter) -> bool:
 
 
 class _Walk:
-    """``propose`` and ``sample`` from a subclass's ``_slots(tokens, features) -> [1, bs-1, H]``
+    """``propose`` and ``sample`` from a subclass's ``slots(tokens, features) -> [1, bs-1, H]``
     (the drafter's post-norm hidden states of the block's slots 1..bs-1)."""
 
     drafter: DFlashDrafter
     head: SharedHead
 
-    def _slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The drafter's post-norm hidden states ``[1, bs-1, H]`` of the block's slots 1..bs-1 after
+        ``tokens[-1]`` (``features [1, n-1, k*H]``); each proposer computes them its own way."""
         raise NotImplementedError
 
     @torch.no_grad()
     def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """``tokens [n]`` (last = anchor), ``features [1, n-1, k*H]`` -> ``[bs-1]`` drafted ids."""
-        slots = self._slots(tokens, features)
+        slots = self.slots(tokens, features)
         unary, cand = self.drafter.candidate_selector.candidates(self.head.logits(slots))
         return self.drafter.candidate_selector.walk(slots, unary, cand, tokens[-1:])[0][0]
 
@@ -76,7 +78,7 @@ class _Walk:
         """
         if not temperature > 0:
             raise ValueError(f"sample() needs temperature > 0, got {temperature}: use propose() for greedy")
-        slots = self._slots(tokens, features)
+        slots = self.slots(tokens, features)
         logits = self.head.logits(slots)                                     # [1, bs-1, V]
         unary, cand = self.drafter.candidate_selector.candidates(logits)
         path, q = self.drafter.candidate_selector.walk(slots, unary, cand, tokens[-1:], temperature, generator)
@@ -97,7 +99,7 @@ class SelectorProposer(_Walk):
         self.drafter, self.head = drafter, head
         self.bs = drafter.cfg.block_size
 
-    def _slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         n, d = tokens.shape[0], self.drafter
         block = torch.full((1, 1, self.bs), d.cfg.mask_token_id, device=tokens.device)
         block[0, 0, 0] = tokens[-1]
@@ -118,7 +120,7 @@ class CachedSelectorProposer(_Walk, DrafterContextCache):
             raise ValueError("CachedSelectorProposer needs a DFlash2 drafter (drafter.variant = \"dflash2\")")
         super().__init__(drafter, head)
 
-    def _slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def slots(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         d, bs = self.drafter, self.bs
         self._reserve(features.shape[1] + bs, tokens.device)
         self._extend(features)

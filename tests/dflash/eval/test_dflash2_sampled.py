@@ -57,10 +57,10 @@ class _FixedBlock(_Walk):
     def __init__(self, selector: CandidateSelector, slots: torch.Tensor, logits: torch.Tensor) -> None:
         self.drafter = SimpleNamespace(candidate_selector=selector)
         self.head = SimpleNamespace(logits=lambda h: logits)
-        self.slots = slots
+        self.fixed = slots
 
-    def _slots(self, tokens, features):
-        return self.slots
+    def slots(self, tokens, features):
+        return self.fixed
 
 
 def _unary_only(prop: _FixedBlock, temperature: float) -> torch.Tensor:
@@ -130,7 +130,7 @@ class _BackboneQ(CachedSelectorProposer):
 
     def sample(self, tokens, features, temperature, generator):
         draft, _ = super().sample(tokens, features, temperature, generator)
-        return draft, sampling_probs(self.head.logits(self._slots(tokens, features))[0], temperature)
+        return draft, sampling_probs(self.head.logits(self.slots(tokens, features))[0], temperature)
 
 
 def test_sampled_dflash2_decode_is_distributed_as_the_target_samples():
@@ -227,7 +227,7 @@ def test_each_sampled_step_is_zlab_dflash2_rule(tmp_path, monkeypatch):
     class Recording(SelectorProposer):
         def sample(self, tokens, features, temperature, generator):
             draft, q = super().sample(tokens, features, temperature, generator)
-            steps.append((tokens[-1:].clone(), self._slots(tokens, features), draft, q))
+            steps.append((tokens[-1:].clone(), self.slots(tokens, features), draft, q))
             return draft, q
 
     for seed in range(3):
