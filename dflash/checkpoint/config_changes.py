@@ -38,6 +38,7 @@ _EFFECTS = (
     ("train.betas", "optimizer"),
     ("train.muon_momentum", "optimizer"),
     ("train.weight_decay", "optimizer"),
+    ("train.adamw_fused", "numerics (AdamW's fused kernel, the same update to rounding)"),
     ("train.grad_clip", "update size"),
     ("train.feature_noise", "features"),
     ("run.seed", "anchors and feature noise (seeded by run.seed)"),
@@ -62,7 +63,7 @@ _ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss
                 ("train", "muon_momentum"): 0.95, ("loss", "dpace_alpha"): 0.5,
                 ("drafter", "xpress_rank"): 256, ("drafter", "xpress_mlp_ratio"): 2, ("drafter", "jacobi_passes"): 6,
                 ("loss", "xpress_base_weight"): 0.6, ("loss", "xpress_consistency_weight"): 0.3,
-                ("loss", "xpress_consistency_passes"): 3}
+                ("loss", "xpress_consistency_passes"): 3, ("train", "adamw_fused"): False}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 

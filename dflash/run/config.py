@@ -155,7 +155,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
 _HASHED_ONLY_WHEN_SET = {
     "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
     "drafter": {"kernels": "torch", "compile": False, "precision": "bf16", "fp8_recipe": "tensorwise"},
-    "train": {"lm_head": "chunked", "optimizer": "adamw", "muon_momentum": 0.95},
+    "train": {"lm_head": "chunked", "optimizer": "adamw", "muon_momentum": 0.95, "adamw_fused": False},
     "loss": {"dpace_alpha": 0.5},
 }
 

@@ -53,6 +53,11 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     speculators' trainer use Muon. :mod:`dflash.train.optim`."""
     muon_momentum: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.95
     """Muon's momentum (Nesterov), read when ``optimizer = "muon"``."""
+    adamw_fused: bool = False
+    """AdamW's update as torch's fused kernel (``torch.optim.AdamW(fused=True)``, CUDA or CPU) instead
+    of its ``foreach`` kernels: the same update to float rounding (tested), fewer kernels. In the
+    compiled float8 drafter's profile the ``foreach`` update took 63 ms of 801 per three steps
+    (benchmarks/results/LOG.md); the fused one is not measured yet."""
     grad_clip: NonNegFloat = 1.0
     """Global L2 gradient-norm clip; 0 disables clipping."""
     feature_noise: NonNegFloat = 0.0

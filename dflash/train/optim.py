@@ -108,7 +108,8 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int
                                 momentum=train.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
         muon_sched = torch.optim.lr_scheduler.LambdaLR(muon, schedule)
     # AdamW always exists (a drafter always has norms), so the lr and the checkpoint keep one place
-    opt = torch.optim.AdamW(rest, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    opt = torch.optim.AdamW(rest, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+                            fused=train.adamw_fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     return DrafterOptimizer(params=params, opt=opt, sched=sched, muon=muon, muon_sched=muon_sched)
 
@@ -125,7 +126,9 @@ def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: Trai
         raise ValueError(f"the checkpoint was trained with train.optimizer = {saved!r} and this run sets "
                          f"{train.optimizer!r}: resume with {saved!r}, or start fresh (--resume none or "
                          "another run.out_dir)")
-    pairs = [(o.opt, o.sched, state["optimizer"], state["scheduler"], {"betas": train.betas})]
+    # the kernel choice is this run's, not the saved one's (a resume may switch it either way)
+    pairs = [(o.opt, o.sched, state["optimizer"], state["scheduler"],
+              {"betas": train.betas, "fused": train.adamw_fused or None})]
     if o.muon is not None:
         pairs.append((o.muon, o.muon_sched, state["muon"], state["muon_scheduler"],
                       {"momentum": train.muon_momentum}))
@@ -136,3 +139,9 @@ def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: Trai
         for g, lam in zip(opt.param_groups, sched.lr_lambdas):
             g.update(initial_lr=train.lr, lr=train.lr * lam(sched.last_epoch), weight_decay=train.weight_decay, **own)
         sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports
+    # where each kernel keeps its step counts (float32): the fused one beside the parameter, the
+    # foreach one on the host; a resume that switches kernels moves them
+    for p, st in o.opt.state.items():
+        if "step" in st:
+            st["step"] = torch.as_tensor(st["step"], dtype=torch.float32,
+                                         device=p.device if train.adamw_fused else "cpu")
