@@ -8,8 +8,8 @@ runs after two warm-ups (every timed region synchronised on a GPU):
 * ``backbone``: the drafter's block forward over its cached context and the LM head on slots
   1 .. bs-1 (the cached proposers' path, ``bs`` new context rows projected first, as a step does);
 * ``second``: the second stage alone on that output: DFlash2's top-K and left-to-right walk, or
-  XPress's refiner context and ``--passes`` Jacobi passes with no early stop (the worst case: a
-  trained refiner usually reaches its fixed point sooner).
+  XPress's :meth:`~dflash.model.xpress.XPressRefiner.jacobi` with all ``--passes`` passes (what it
+  runs on a GPU; on a CPU it stops at a fixed point, which a trained refiner reaches sooner).
 
 ``share = second / (verify + backbone + second)`` is the second stage's part of a verify step; the
 goal is at most 5%. The weights are random (speed needs no trained ones); the selector and the
@@ -49,7 +49,6 @@ def time_target(spec: dict, layers: int, bs: int, context: int, reps: int, passe
     from dflash.eval.xpress import CachedXPressProposer
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.model.target import TargetConfig, load_target
-    from dflash.model.xpress import predecessors
 
     target = load_target(TargetConfig(**spec, dtype=dtype), device, layers)
     V, H = target.hf_config.vocab_size, target.hf_config.hidden_size
@@ -98,12 +97,8 @@ def time_target(spec: dict, layers: int, bs: int, context: int, reps: int, passe
             logits = head.logits(h[:, 1:])
             r = d.refiner_head
 
-            def second():
-                c, draft = r.context(h), logits.argmax(-1)
-                for _ in range(passes):  # no early stop: every pass runs
-                    x = r.features(predecessors(ctx[-2:-1], ctx[-1:], draft), c)
-                    draft = (logits + r.bias(x[:, 1:])).argmax(-1)
-                return draft
+            def second():  # the decoder's own passes, every one run (a GPU's default; the worst case)
+                return r.jacobi(logits, h, ctx[-2:-1], ctx[-1:], passes, stop_early=False)
 
         else:
             second = None

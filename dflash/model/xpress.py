@@ -95,13 +95,18 @@ class XPressRefiner(nn.Module):
         g = h.mean(dim=1, keepdim=True).expand_as(h)
         return torch.cat([self.down_h(h), self.down_g(g)], dim=-1)
 
-    def features(self, prev: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def mix(self, b: int) -> torch.Tensor:
+        """``L = mix_l * tril`` ``[r, b, b]`` for a block of ``b`` slots (the leading ``b x b``)."""
+        return self.mix_l[:, :b, :b] * torch.ones(b, b, device=self.mix_l.device, dtype=torch.bool).tril()
+
+    def features(self, prev: torch.Tensor, ctx: torch.Tensor, mix: torch.Tensor | None = None) -> torch.Tensor:
         """``x [N, b, r]`` from the slots' predecessors ``prev [N, b]`` (:func:`predecessors`) and
-        :meth:`context` ``ctx [N, b, 2r]``; ``b`` at most the trained block size."""
+        :meth:`context` ``ctx [N, b, 2r]``; ``b`` at most the trained block size. ``mix``: :meth:`mix`
+        of ``b``, when the caller reuses it across passes."""
         b = prev.shape[1]
         emb = self.token_embed(prev)
         a = self.in_proj(torch.cat([ctx, emb.to(ctx.dtype)], dim=-1))
-        mix = self.mix_l[:, :b, :b] * torch.ones(b, b, device=a.device, dtype=torch.bool).tril()
+        mix = self.mix(b) if mix is None else mix
         a = a + torch.einsum("cji,nic->njc", mix.to(a.dtype), a)
         return a + self.mlp_down(F.silu(self.mlp_gate(a)) * self.mlp_up(a))
 
@@ -111,15 +116,18 @@ class XPressRefiner(nn.Module):
 
     @torch.no_grad()
     def jacobi(self, base_logits: torch.Tensor, hidden: torch.Tensor, before_anchor: torch.Tensor,
-               anchor: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+               anchor: torch.Tensor, passes: int, stop_early: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy decoding of ``N`` blocks by ``passes`` parallel Jacobi passes (module docstring).
 
         Args:
             base_logits: ``[N, b-1, V]`` the backbone's logits of slots ``1 .. b-1``.
             hidden: ``[N, b, H]`` the backbone's hidden states of every slot.
             before_anchor, anchor: ``[N]`` int64 (:func:`predecessors`).
-            passes: ``K >= 0``; 0 drafts the backbone's argmax. Stops early at a fixed point (a
-                further pass would change nothing).
+            passes: ``K >= 0``; 0 drafts the backbone's argmax.
+            stop_early: stop at a fixed point (a further pass would change nothing, so the result
+                is the same either way). Default: on a CPU, where the check is free and a pass is
+                not; on a GPU every pass runs, since the check would make the host wait for the
+                device at every pass.
 
         Returns:
             ``(draft [N, b-1] int64, logits [N, b-1, V])``: the last pass's argmax and the refined
@@ -130,12 +138,13 @@ class XPressRefiner(nn.Module):
         draft = logits.argmax(-1)
         if passes <= 0:
             return draft, logits
-        ctx = self.context(hidden)
+        ctx, mix = self.context(hidden), self.mix(hidden.shape[1])
+        stop_early = base_logits.device.type == "cpu" if stop_early is None else stop_early
         for _ in range(passes):
-            x = self.features(predecessors(before_anchor, anchor, draft), ctx)
+            x = self.features(predecessors(before_anchor, anchor, draft), ctx, mix)
             logits = base_logits + self.bias(x[:, 1:]).to(base_logits.dtype)
             new = logits.argmax(-1)
-            if torch.equal(new, draft):
+            if stop_early and torch.equal(new, draft):
                 break
             draft = new
         return draft, logits

@@ -96,6 +96,9 @@ def test_jacobi_with_block_size_minus_one_passes_is_the_serial_walk():
     assert not torch.equal(walk, base.argmax(-1))                        # the refiner moved the drafts
     assert torch.equal(r.jacobi(base, hidden, before, anchor, passes=1)[0][:, 0], walk[:, 0])
     assert torch.equal(r.jacobi(base, hidden, before, anchor, passes=50)[0], walk)  # a fixed point stays
+    for k in range(b + 2):  # stopping at a fixed point changes nothing, drafts nor logits
+        early, late = (r.jacobi(base, hidden, before, anchor, passes=k, stop_early=s) for s in (True, False))
+        assert torch.equal(early[0], late[0]) and torch.equal(early[1], late[1]), k
     r.reset_parameters()
     assert torch.equal(r.jacobi(base, hidden, before, anchor, passes=3)[0], base.argmax(-1))
 
