@@ -245,8 +245,7 @@ def format_result(res: EvalResult) -> str:
     secs = f", decode {res.seconds:.1f} s" if res.seconds is not None else ""
     lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){secs}")
     if res.jacobi_passes is not None:
-        lines.append(f"XPress: drafts are the last of up to {res.jacobi_passes} Jacobi passes of its refiner "
-                     "(stopping at a fixed point)")
+        lines.append(f"XPress: drafts are the last of up to {res.jacobi_passes} Jacobi passes of its refiner")
     sel = res.selector
     if sel is not None:  # DFlash2: the rows above are the selector walk's
         lines[5:5] = [f"{name:44s}{t:>18.3f}{t - 1:>15.3f}" for name, t in (

@@ -2,7 +2,7 @@
 parallel Jacobi passes (:meth:`dflash.model.xpress.XPressRefiner.jacobi`).
 
 Greedy (:meth:`propose`): the last pass's argmax, ``[drafter].jacobi_passes`` passes at most
-(fewer at a fixed point), each slot's predecessor read from the previous pass. The decode stays
+(fewer on a CPU, which stops at a fixed point), each slot's predecessor read from the previous pass. The decode stays
 lossless whatever the drafts are: verification keeps only the target's own tokens.
 
 Sampled (``temperature = T > 0``, :meth:`sample`): the same passes, then each slot's token drawn
