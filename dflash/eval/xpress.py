@@ -38,7 +38,8 @@ def _check(drafter: DFlashDrafter, name: str) -> None:
 
 class _Jacobi:
     """``propose`` and ``sample`` from the ``hidden(tokens, features) -> [1, bs, H]`` of the drafter
-    proposer it is mixed into (listed after it, so that proposer's ``hidden`` is the one found)."""
+    proposer it is mixed into. Listed first among the bases: its ``propose`` replaces the backbone
+    proposer's, and, defining no ``hidden``, it leaves that proposer's to be found."""
 
     drafter: DFlashDrafter
     head: SharedHead
