@@ -1,0 +1,155 @@
+"""The peers benchmark's plumbing (benchmarks/peers): speculators' own data loader reads the cache this
+project writes and yields the target's hidden states; a checkpoint speculators' trainer writes (its
+``--dry-run``, the same ``save_pretrained``) becomes a drafter directory with the same tensors, which
+``dflash.eval`` decodes. speculators' trainer itself needs CUDA; it runs in ``benchmarks/peers/run.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.peers.from_speculators import NotRepresentable, convert, drafter_config, layer_types
+from benchmarks.peers.speculators_cache import cache_layer_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = ROOT / "dflash" / "assets" / "target-sharegpt-7m"
+GRAPH = ROOT / "examples" / "sharegpt-target-h200.toml"
+NO_STACK = ("DFLASH_SPECULATORS_PYTHON unset: speculators 0.9.0's venv "
+            '(eval "$(bash tests/interop_setup.sh .stacks)" builds it; CI does)')
+
+
+def _spec(kind="dflash", types=None, window=None, non_causal=False, vocab=4096, **extra) -> dict:
+    tl = {"num_hidden_layers": 2, "layer_types": types or ["full_attention"] * 2, "sliding_window": window,
+          "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "intermediate_size": 768, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 1e4},
+          "max_position_embeddings": 4096, "vocab_size": 4096}
+    return {"speculators_model_type": kind, "transformer_layer_config": tl, "draft_vocab_size": vocab,
+            "block_size": 16, "mask_token_id": 3, "aux_hidden_state_layer_ids": [1, 3],
+            "sliding_window_non_causal": non_causal, **extra}
+
+
+def test_the_cache_captures_the_drafters_layers_then_the_last_and_refuses_a_drafter_reading_the_last():
+    assert cache_layer_ids([1, 3, 5], 8) == [1, 3, 5, 7]
+    with pytest.raises(ValueError, match="last layer"):
+        cache_layer_ids([1, 7], 8)
+
+
+def test_layer_types_keep_causal_sliding_layers_and_map_a_window_that_never_binds_to_full_attention():
+    sliding = ["sliding_attention", "full_attention"]
+    assert layer_types(_spec(types=sliding, window=2048)) == (sliding, 2048)
+    assert layer_types(_spec(types=sliding, window=4096, non_causal=True)) == (["full_attention"] * 2, None)
+    with pytest.raises(NotRepresentable, match="--full-attention-indices"):
+        layer_types(_spec(types=sliding, window=2048, non_causal=True))
+
+
+def test_drafter_config_maps_each_type_and_refuses_what_the_public_layout_lacks():
+    cfg = drafter_config(_spec("dflash2", conv_kernel_size=2, conv_group_size=16, selector_top_k=8,
+                               selector_rank=64))
+    assert (cfg.variant, cfg.selector_top_k, cfg.selector_rank, cfg.target_layer_ids) == ("dflash2", 8, 64, [1, 3])
+    cfg = drafter_config(_spec("xpress", xpress_rank=32, xpress_mlp_ratio=3, num_jacobi_passes=4))
+    assert (cfg.variant, cfg.xpress_rank, cfg.xpress_mlp_ratio, cfg.jacobi_passes) == ("xpress", 32, 3, 4)
+    with pytest.raises(NotRepresentable, match="t2d/d2t"):
+        drafter_config(_spec(vocab=1024))
+    with pytest.raises(NotRepresentable, match="eagle3"):
+        drafter_config(_spec("eagle3"))
+
+
+def _stack() -> str:
+    py = os.environ.get("DFLASH_SPECULATORS_PYTHON")
+    if not py:
+        pytest.skip(NO_STACK)
+    return py
+
+
+def _run_spec(py: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([py, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+READ_BACK = """
+import sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from hs_connectors import FileTransfer
+from speculators.train.data import ArrowDataset
+d = Path(sys.argv[1])
+ds = ArrowDataset(max_len=4096, datapath=str(d), transfer=FileTransfer(d / "hidden_states"), on_missing="raise",
+                  train_ratio=1.0)
+s = ds[0]
+save_file({k: v.contiguous() for k, v in s.items()}, sys.argv[2])
+print(len(ds))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkpoints_convert(tmp_path):
+    py = _stack()
+    from dflash.checkpoint.model_files import load_drafter
+    from dflash.model.target import TargetConfig, load_target
+
+    data = tmp_path / "own.jsonl"
+    with open(data, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Question {i}: how do trains run on time?"},
+                {"role": "assistant", "content": f"Answer {i}: " + "by keeping every timetable honest and short. " * 8}]})
+                    + "\n")
+    out = tmp_path / "spec-data"
+    sets = ["--set", f'data.source="{data}"', "--set", "data.holdout=2", "--set", "data.max_samples=12"]
+    subprocess.run([sys.executable, "-m", "benchmarks.peers.speculators_cache", str(GRAPH), "-o", str(out),
+                    "--device", "cpu", *sets], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    info = json.loads((out / "cache.json").read_text())
+    assert (info["conversations"], info["heldout_left_out"]) == (10, 2)
+    assert info["captured_layer_ids"] == [1, 3, 5, 7]
+    _run_spec(py, [str(ROOT / "benchmarks" / "peers" / "speculators_rows.py"), str(out)], tmp_path)
+    n = _run_spec(py, ["-c", READ_BACK, str(out), str(tmp_path / "sample.safetensors")], tmp_path).stdout.split()[-1]
+    assert int(n) == 10
+    got = load_file(str(tmp_path / "sample.safetensors"))
+
+    # the same conversation through this project's target: layers 1, 3, 5 and the last, before its norm
+    row = json.loads((out / "rows.jsonl").read_text().splitlines()[0])
+    ids = torch.tensor(row["input_ids"])[None]
+    target = load_target(TargetConfig(path=str(TARGET), dtype="float32", layer_ids=[1, 3, 5, 7]), "cpu", 3,
+                         need_final=False)
+    feats, _ = target(ids, torch.arange(ids.shape[1])[None], torch.zeros_like(ids), need_final=False)
+    feats = feats[0].view(ids.shape[1], 4, 256).to(torch.bfloat16)
+    assert torch.equal(got["input_ids"], ids[0])
+    assert torch.equal(got["loss_mask"], torch.tensor(row["loss_mask"]))
+    assert 0 < int(got["loss_mask"].sum()) < ids.shape[1]  # the assistant's tokens only
+    assert torch.equal(got["hidden_states"], feats[:, :3].flatten(1))
+    assert torch.equal(got["verifier_last_hidden_states"], feats[:, 3])
+
+    for kind in ("dflash", "dflash2", "xpress"):
+        ckpt = tmp_path / f"spec-{kind}"
+        _run_spec(py, ["-m", "speculators.train", "--speculator-type", kind, "--verifier-name-or-path", str(TARGET),
+                       "--data-path", str(out), "--num-layers", "3", "--target-layer-ids", "1", "3", "5",
+                       "--block-size", "16", "--full-attention-indices", "0", "1", "2", "--save-path", str(ckpt),
+                       "--dry-run", "--logger", ""], tmp_path)
+        conv = tmp_path / f"conv-{kind}"
+        cfg = convert(ckpt, conv, TargetConfig(path=str(TARGET)))
+        assert (cfg.variant, cfg.num_layers, cfg.block_size, cfg.target_layer_ids) == (kind, 3, 16, [1, 3, 5])
+        drafter, _, tc = load_drafter(conv)
+        theirs = load_file(str(ckpt / "model.safetensors"))
+        ours = drafter.state_dict()
+        assert set(ours) == set(theirs)  # their file holds no verifier tensor: the same keys, none left over
+        assert all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+        assert Path(tc.path).is_absolute()
+
+    eval_out = subprocess.run([sys.executable, "-m", "dflash.eval", str(tmp_path / "conv-dflash2"), "--data",
+                               str(data), "--num-prompts", "1", "--max-new-tokens", "8", "--no-speedup", "--json"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert eval_out.returncode == 0, eval_out.stderr[-2000:]
+    res = json.loads(eval_out.stdout)
+    assert len(res["per_prompt"]) == 1 and res["tau"] >= 1.0 and res["block_size"] == 16
