@@ -7,7 +7,9 @@ or as a module (``python -m benchmarks.ROOM.NAME``) from the repository root.
   hand-off races, the non-finite sentinel, one DFlash2 step, NCCL across ranks;
 * ``decode/``: batch-1 decode speed and its projection to real target sizes;
 * ``quality/``: acceptance of trained drafters against the shipped target (shell recipes);
-* ``plan/``: ``dflash.plan``'s layouts on paper.
+* ``plan/``: ``dflash.plan``'s layouts on paper;
+* ``peers/``: the public trainers (vLLM speculators) trained beside this project on the same data,
+  target, drafter shape and budget, and decoded by the same decoders (``run.sh``).
 
 Measured data lives under ``results/``; ``RESULTS.md`` is the index of today's figures and
 ``results/LOG.md`` the dated log behind it. A benchmark uses only public names of ``csp`` and

@@ -42,9 +42,16 @@ if [ -z "${SPEC_PY:-}" ]; then
   export SPEC_PYTHONPATH=/tmp/peers-pylib
 fi
 spec() { PYTHONPATH=${SPEC_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH} "$SPEC_PY" "$@"; }
+ready() {  # speculators' trainer and datasets importable, or one line saying what to carry
+  spec -c "import datasets, speculators.train.cli" 2> "$R/spec-import.err" && return 0
+  echo "peers: $SPEC_PY cannot import speculators' trainer ($(tail -1 "$R/spec-import.err")): carry" \
+       "benchmarks/peers/wheels.sh's wheels in .whl/peers (pyarrow and pandas apart, ARROW=1)" >&2
+  return 1
+}
 field() { python3 -c "import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$R/spec-data/cache.json" "$1"; }
 
 cache() {
+  ready || return 1
   rm -rf "$R/spec-data"
   python3 -m benchmarks.peers.speculators_cache "$G" -o "$R/spec-data" "${S[@]}" || return 1
   spec benchmarks/peers/speculators_rows.py "$R/spec-data" || return 1
@@ -53,6 +60,7 @@ cache() {
 
 train() {
   local nl ids full t0 rc ck
+  ready || return 1
   nl=$(field drafter_layers); ids=$(field target_layer_ids | tr -d '[],')
   full=$(seq -s ' ' 0 $(( nl - 1 )))
   for t in ${TYPES:-dflash dflash2 xpress}; do
