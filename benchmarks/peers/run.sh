@@ -16,9 +16,10 @@
 #        (`python -m speculators.train`, its default recipe: loss, optimizer, schedule) with the graph's
 #        drafter shape (layers, block size, target layer ids, every layer full attention as ours),
 #        TOTAL_SEQ_LEN tokens per step (default: the graph's [data].tokens_per_batch), SPEC_STEPS steps
-#        for its schedule (default 6000), stopped by SIGINT at BUDGET_S seconds of wall clock
-#        (default 300; speculators saves a checkpoint on SIGINT). The process is timed from its
-#        start, as ours is. The newest checkpoint -> R/conv-TYPE, a drafter directory of this project
+#        for its schedule (default 6000; with PILOT_S > 0, a pilot run of PILOT_S seconds measures its
+#        rate and the schedule is set to the steps it makes in BUDGET_S), stopped by SIGINT at BUDGET_S
+#        seconds of wall clock (default 300; speculators saves a checkpoint on SIGINT). The process is
+#        timed from its start, as ours is; steps done are read from its training_state.json. The newest checkpoint -> R/conv-TYPE, a drafter directory of this project
 #        (from_speculators.py). -> OUT/train-TYPE.log, OUT/train-TYPE.json.
 # eval:  each R/conv-TYPE (and CKPT, ours, when given): dflash.eval on NP held-out prompts (NEW
 #        tokens, greedy and T = 1) -> OUT/eval-TYPE-tT.json; for DFlash and DFlash2 also z-lab's
@@ -58,29 +59,51 @@ cache() {
   cp "$R/spec-data/cache.json" "$OUT/cache.json"
 }
 
-train() {
-  local nl ids full t0 rc ck
-  ready || return 1
+global_step() {  # the newest training_state.json under a speculators save path (its global_step)
+  python3 - "$1" <<'EOF'
+import json, sys
+from pathlib import Path
+found = sorted(Path(sys.argv[1]).glob("*/training_state.json"), key=lambda p: p.stat().st_mtime)
+print(json.loads(found[-1].read_text())["global_step"] if found else "")
+EOF
+}
+
+run_spec() {  # TYPE SECONDS MAX_STEPS [SUFFIX]: speculators' trainer, SIGINT (it saves) at SECONDS
+  local t=$1 secs=$2 steps=$3 sfx=${4:+-$4} nl ids full
   nl=$(field drafter_layers); ids=$(field target_layer_ids | tr -d '[],')
   full=$(seq -s ' ' 0 $(( nl - 1 )))
+  rm -rf "$R/spec-$t$sfx"
+  # shellcheck disable=SC2086  # ids, full and SPEC_ARGS are space-separated lists
+  timeout --foreground -s INT -k 180 "$secs" env PYTHONPATH="${SPEC_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" \
+    "$SPEC_PY" -m speculators.train --speculator-type "$t" --verifier-name-or-path "$(field target)" \
+    --data-path "$R/spec-data" --num-layers "$nl" --target-layer-ids $ids --block-size "$(field block_size)" \
+    --full-attention-indices $full --total-seq-len "${TOTAL_SEQ_LEN:-$(field tokens_per_batch)}" \
+    --max-steps "$steps" --epochs 1000 --train-data-ratio 0.99 --seed 0 \
+    --save-path "$R/spec-$t$sfx" --log-dir "$R/spec-$t$sfx-logs" --logger "" ${SPEC_ARGS:-} \
+    > "$R/train-$t$sfx.log" 2>&1 < /dev/null
+}
+
+train() {
+  local t0 rc ck
+  ready || return 1
   for t in ${TYPES:-dflash dflash2 xpress}; do
-    rm -rf "$R/spec-$t" "$R/conv-$t"
+    local steps=${SPEC_STEPS:-6000}
+    rm -rf "$R/conv-$t"
+    if [ "${PILOT_S:-0}" -gt 0 ]; then  # its schedule should end at the budget: steps from a pilot's rate
+      run_spec "$t" "$PILOT_S" 1000000 pilot
+      local done_steps; done_steps=$(global_step "$R/spec-$t-pilot")
+      [ "${done_steps:-0}" -gt 0 ] && steps=$(( done_steps * ${BUDGET_S:-300} / PILOT_S ))
+      echo "speculators $t pilot: ${done_steps:-no} steps in $PILOT_S s -> $steps steps for ${BUDGET_S:-300} s"
+    fi
     t0=$(date +%s.%N)
-    # shellcheck disable=SC2086  # ids and full are space-separated lists
-    timeout --foreground -s INT -k 180 "${BUDGET_S:-300}" env PYTHONPATH="${SPEC_PYTHONPATH:-}${PYTHONPATH:+:$PYTHONPATH}" \
-      "$SPEC_PY" -m speculators.train --speculator-type "$t" --verifier-name-or-path "$(field target)" \
-      --data-path "$R/spec-data" --num-layers "$nl" --target-layer-ids $ids --block-size "$(field block_size)" \
-      --full-attention-indices $full --total-seq-len "${TOTAL_SEQ_LEN:-$(field tokens_per_batch)}" \
-      --max-steps "${SPEC_STEPS:-6000}" --epochs 1000 --train-data-ratio 0.99 --seed 0 \
-      --save-path "$R/spec-$t" --log-dir "$R/spec-$t-logs" --logger "" ${SPEC_ARGS:-} \
-      > "$R/train-$t.log" 2>&1 < /dev/null
+    run_spec "$t" "${BUDGET_S:-300}" "$steps"
     rc=$?
     ck=$(ls -td "$R/spec-$t"/*/ 2>/dev/null | while read -r d; do [ -f "$d/config.json" ] && echo "$d" && break; done)
-    python3 - "$OUT/train-$t.json" "$t" "$rc" "$t0" "$(date +%s.%N)" "${ck:-}" <<'EOF'
+    python3 - "$OUT/train-$t.json" "$t" "$rc" "$t0" "$(date +%s.%N)" "${ck:-}" "$steps" "$(global_step "$R/spec-$t")" <<'EOF'
 import json, sys
-out, kind, rc, t0, t1, ck = sys.argv[1:7]
-json.dump({"type": kind, "rc": int(rc), "seconds": float(t1) - float(t0), "checkpoint": ck or None},
-          open(out, "w"), indent=1)
+out, kind, rc, t0, t1, ck, sched, done = sys.argv[1:9]
+json.dump({"type": kind, "rc": int(rc), "seconds": float(t1) - float(t0), "checkpoint": ck or None,
+           "schedule_steps": int(sched), "steps_done": int(done) if done else None}, open(out, "w"), indent=1)
 EOF
     grep -v "it/s\]" "$R/train-$t.log" | tail -40 > "$OUT/train-$t.log"
     echo "speculators $t rc=$rc checkpoint=${ck:-none}"
