@@ -1,5 +1,6 @@
 """The peers benchmark's plumbing (benchmarks/peers): speculators' own data loader reads the cache this
-project writes and yields the target's hidden states; a checkpoint speculators' trainer writes (its
+project writes and yields the target's hidden states, on which its DFlash model takes a finite
+training step; a checkpoint speculators' trainer writes (its
 ``--dry-run``, the same ``save_pretrained``) becomes a drafter directory with the same tensors, which
 ``dflash.eval`` decodes. speculators' trainer itself needs CUDA; it runs in ``benchmarks/peers/run.sh``.
 """
@@ -78,17 +79,41 @@ def _run_spec(py: str, args: list[str], cwd: Path) -> subprocess.CompletedProces
 
 
 READ_BACK = """
-import sys, torch
+import argparse, json, sys, torch
 from pathlib import Path
 from safetensors.torch import save_file
 from hs_connectors import FileTransfer
+from speculators.model import SpeculatorModel
+from speculators.train.cli import build_draft_model, parse_vocab_mappings
+from speculators.train.config import TrainConfig
 from speculators.train.data import ArrowDataset
-d = Path(sys.argv[1])
+from speculators.train.dataloader import create_train_val_loaders
+d, target = Path(sys.argv[1]), sys.argv[3]
 ds = ArrowDataset(max_len=4096, datapath=str(d), transfer=FileTransfer(d / "hidden_states"), on_missing="raise",
                   train_ratio=1.0)
-s = ds[0]
-save_file({k: v.contiguous() for k, v in s.items()}, sys.argv[2])
-print(len(ds))
+save_file({k: v.contiguous() for k, v in ds[0].items()}, sys.argv[2])
+# one step of speculators' own DFlash model on a packed batch of its own loader (eager attention: its
+# flex attention has no backward on a CPU)
+args = TrainConfig.resolve(["--speculator-type", "dflash", "--verifier-name-or-path", target, "--data-path", str(d),
+                            "--num-layers", "3", "--target-layer-ids", "1", "3", "5", "--block-size", "16",
+                            "--full-attention-indices", "0", "1", "2", "--draft-attn-impl", "eager",
+                            "--loss-implementation", "eager", "--max-anchors", "8"]).flatten()
+ns = argparse.Namespace(**args)
+cls = SpeculatorModel.registry["dflash"]
+d2t, t2d, vocab = parse_vocab_mappings(ns)
+model = build_draft_model(ns, cls, t2d, d2t, vocab).float()
+train, _ = create_train_val_loaders(
+    data_path=str(d), total_seq_len=256, hidden_states_dtype=torch.float32, transfer=FileTransfer(d / "hidden_states"),
+    vllm_endpoint="", on_missing="raise", verifier_name_or_path=target, request_timeout=1, max_retries=0,
+    generation_validation_retries=0, max_consecutive_generation_failures=1, hidden_size=256, num_target_layers=3,
+    num_workers=0, prefetch_factor=None, preprocess=None, train_data_ratio=0.9)
+batch = next(iter(train))
+batch.pop("error_records")
+loss = model(**batch, **cls.get_trainer_kwargs(**args)[0])[1]
+loss.backward()
+grads = [p.grad for p in model.parameters() if p.grad is not None]
+print(json.dumps({"rows": len(ds), "loss": loss.item(), "grads": len(grads),
+                  "grads_finite": all(bool(torch.isfinite(g).all()) for g in grads)}))
 """
 
 
@@ -114,8 +139,10 @@ def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkp
     assert (info["conversations"], info["heldout_left_out"]) == (10, 2)
     assert info["captured_layer_ids"] == [1, 3, 5, 7]
     _run_spec(py, [str(ROOT / "benchmarks" / "peers" / "speculators_rows.py"), str(out)], tmp_path)
-    n = _run_spec(py, ["-c", READ_BACK, str(out), str(tmp_path / "sample.safetensors")], tmp_path).stdout.split()[-1]
-    assert int(n) == 10
+    back = _run_spec(py, ["-c", READ_BACK, str(out), str(tmp_path / "sample.safetensors"), str(TARGET)], tmp_path)
+    step = json.loads(back.stdout.splitlines()[-1])
+    assert step["rows"] == 10
+    assert step["grads"] > 0 and step["grads_finite"] and 0 < step["loss"] < 20, step  # speculators trains on it
     got = load_file(str(tmp_path / "sample.safetensors"))
 
     # the same conversation through this project's target: layers 1, 3, 5 and the last, before its norm
