@@ -20,7 +20,8 @@
 #        rate and the schedule is set to the steps it makes in BUDGET_S), stopped by SIGINT at BUDGET_S
 #        seconds of wall clock (default 300; speculators saves a checkpoint on SIGINT). The process is
 #        timed from its start, as ours is; steps done are read from its training_state.json. The newest checkpoint -> R/conv-TYPE, a drafter directory of this project
-#        (from_speculators.py). -> OUT/train-TYPE.log, OUT/train-TYPE.json.
+#        (from_speculators.py). -> OUT/train-TYPE.log, OUT/train-TYPE.json (seconds, steps done, and
+#        tok/s: steps x tokens per step over the whole process's seconds, startup included).
 # eval:  each R/conv-TYPE (and CKPT, ours, when given): dflash.eval on NP held-out prompts (NEW
 #        tokens, greedy and T = 1) -> OUT/eval-TYPE-tT.json; for DFlash and DFlash2 also z-lab's
 #        dflash_generate through benchmarks.decode.speed (ZLAB_DFLASH_PATH) -> OUT/speed-TYPE.json.
@@ -99,11 +100,14 @@ train() {
     run_spec "$t" "${BUDGET_S:-300}" "$steps"
     rc=$?
     ck=$(ls -td "$R/spec-$t"/*/ 2>/dev/null | while read -r d; do [ -f "$d/config.json" ] && echo "$d" && break; done)
-    python3 - "$OUT/train-$t.json" "$t" "$rc" "$t0" "$(date +%s.%N)" "${ck:-}" "$steps" "$(global_step "$R/spec-$t")" <<'EOF'
+    python3 - "$OUT/train-$t.json" "$t" "$rc" "$t0" "$(date +%s.%N)" "${ck:-}" "$steps" "$(global_step "$R/spec-$t")" \
+      "${TOTAL_SEQ_LEN:-$(field tokens_per_batch)}" <<'EOF'
 import json, sys
-out, kind, rc, t0, t1, ck, sched, done = sys.argv[1:9]
-json.dump({"type": kind, "rc": int(rc), "seconds": float(t1) - float(t0), "checkpoint": ck or None,
-           "schedule_steps": int(sched), "steps_done": int(done) if done else None}, open(out, "w"), indent=1)
+out, kind, rc, t0, t1, ck, sched, done, seq = sys.argv[1:10]
+secs, done = float(t1) - float(t0), int(done) if done else None
+json.dump({"type": kind, "rc": int(rc), "seconds": secs, "checkpoint": ck or None, "schedule_steps": int(sched),
+           "steps_done": done, "tokens_per_step": int(seq),  # packed, padding included, as our tokens_per_batch
+           "tok_s": done * int(seq) / secs if done else None}, open(out, "w"), indent=1)
 EOF
     grep -v "it/s\]" "$R/train-$t.log" | tail -40 > "$OUT/train-$t.log"
     echo "speculators $t rc=$rc checkpoint=${ck:-none}"
