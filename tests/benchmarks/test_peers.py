@@ -125,12 +125,11 @@ def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkp
     from dflash.model.target import TargetConfig, load_target
 
     data = tmp_path / "own.jsonl"
+    answer = "by keeping every timetable honest and short. " * 8  # enough trained tokens for two blocks
     with open(data, "w") as f:
         for i in range(12):
-            f.write(json.dumps({"messages": [
-                {"role": "user", "content": f"Question {i}: how do trains run on time?"},
-                {"role": "assistant", "content": f"Answer {i}: " + "by keeping every timetable honest and short. " * 8}]})
-                    + "\n")
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: how do trains run on time?"},
+                                             {"role": "assistant", "content": f"Answer {i}: {answer}"}]}) + "\n")
     out = tmp_path / "spec-data"
     sets = ["--set", f'data.source="{data}"', "--set", "data.holdout=2", "--set", "data.max_samples=12"]
     subprocess.run([sys.executable, "-m", "benchmarks.peers.speculators_cache", str(GRAPH), "-o", str(out),
