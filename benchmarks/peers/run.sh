@@ -28,11 +28,12 @@
 #
 # speculators runs in SPEC_PY (default: python3 with /tmp/peers-pylib first on PYTHONPATH, filled from
 # .whl/peers/*.whl: speculators 0.9.0, hs-connectors 0.9.0, datasets and what the device image lacks;
-# benchmarks/peers/wheels.sh downloads them). Its trainer needs CUDA: on a CPU only `cache`, the
-# converter and `speculators train --dry-run` run (tests/benchmarks/test_peers.py).
+# benchmarks/peers/wheels.sh downloads them). Its trainer needs CUDA: on a CPU only `cache`, one step
+# of its DFlash model, `speculators train --dry-run` and the converter run (tests/benchmarks/test_peers.py).
 set -uo pipefail
-PHASE=$1; OUT=$2; R=${R:-/tmp/peers}; NP=${NP:-32}; NEW=${NEW:-256}
+PHASE=${1:-}; OUT=${2:-}; R=${R:-/tmp/peers}; NP=${NP:-32}; NEW=${NEW:-256}
 G=${G:-examples/sharegpt-target-h200.toml}
+if [ -z "$OUT" ]; then echo "usage: bash benchmarks/peers/run.sh cache|train|eval|all OUT" >&2; exit 2; fi
 read -r -a S <<< "${SETS:-}"
 mkdir -p "$R" "$OUT"
 export PYTHONUNBUFFERED=1
