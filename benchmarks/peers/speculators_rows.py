@@ -1,4 +1,4 @@
-"""Turn ``DIR/rows.jsonl`` (written by :mod:`benchmarks.peers.speculators_cache`) into the Arrow
+"""Turn ``DIR/rows.jsonl`` (written by :mod:`benchmarks.peers.cache`, ``--peer speculators``) into the Arrow
 dataset ``speculators train --data-path DIR`` reads: columns ``input_ids`` and ``loss_mask``
 (int64) and ``seq_len``, in torch format, as speculators' own ``prepare_data`` saves it.
 

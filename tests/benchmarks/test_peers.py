@@ -1,8 +1,14 @@
-"""The peers benchmark's plumbing (benchmarks/peers): speculators' own data loader reads the cache this
-project writes and yields the target's hidden states, on which its DFlash model takes a finite
-training step; a checkpoint speculators' trainer writes (its
-``--dry-run``, the same ``save_pretrained``) becomes a drafter directory with the same tensors, which
-``dflash.eval`` decodes. speculators' trainer itself needs CUDA; it runs in ``benchmarks/peers/run.sh``.
+"""The peers benchmark's plumbing (benchmarks/peers), each peer in its own environment:
+
+* speculators' own data loader reads the cache this project writes and yields the target's hidden
+  states, on which its DFlash model takes a finite training step; a checkpoint its trainer writes
+  (``--dry-run``, the same ``save_pretrained``) becomes a drafter directory with the same tensors,
+  which ``dflash.eval`` decodes;
+* SpecForge's own reader and normaliser read its cache as the target's hidden states, and its
+  config resolution accepts the run ``benchmarks/peers/run.sh`` starts;
+* a public-layout directory (what SpecForge's ``to_hf`` export writes) converts with the same tensors.
+
+Both trainers need CUDA; they run in ``benchmarks/peers/run.sh``.
 """
 
 from __future__ import annotations
@@ -17,14 +23,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.peers.from_speculators import NotRepresentable, convert, drafter_config, layer_types
-from benchmarks.peers.speculators_cache import cache_layer_ids
+from benchmarks.peers.cache import cache_layer_ids
+from benchmarks.peers.convert import NotRepresentable, convert, drafter_config, layer_types
+from benchmarks.peers.specforge_config import specforge_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ROOT / "dflash" / "assets" / "target-sharegpt-7m"
 GRAPH = ROOT / "examples" / "sharegpt-target-h200.toml"
 NO_STACK = ("DFLASH_SPECULATORS_PYTHON unset: speculators 0.9.0's venv "
             '(eval "$(bash tests/interop_setup.sh .stacks)" builds it; CI does)')
+NO_FORGE = ("DFLASH_SPECFORGE_PYTHON or DFLASH_SPECFORGE_SRC unset: SpecForge 0.2.0's venv and unpacked wheel "
+            '(eval "$(bash tests/interop_setup.sh .stacks)" builds them; CI does)')
 
 
 def _spec(kind="dflash", types=None, window=None, non_causal=False, vocab=4096, **extra) -> dict:
@@ -78,6 +87,38 @@ def _run_spec(py: str, args: list[str], cwd: Path) -> subprocess.CompletedProces
     return proc
 
 
+def _own_data(tmp_path: Path) -> Path:
+    """Twelve conversations of a user's own JSONL."""
+    data = tmp_path / "own.jsonl"
+    answer = "by keeping every timetable honest and short. " * 8  # enough trained tokens for two blocks
+    with open(data, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: how do trains run on time?"},
+                                             {"role": "assistant", "content": f"Answer {i}: {answer}"}]}) + "\n")
+    return data
+
+
+def _cache(tmp_path: Path, data: Path, *peers: str) -> dict:
+    """benchmarks/peers/cache.py for ``peers`` over ``data`` (2 held out) -> tmp_path/cache; its cache.json."""
+    sets = ["--set", f'data.source="{data}"', "--set", "data.holdout=2", "--set", "data.max_samples=12"]
+    peer_args = [a for p in peers for a in ("--peer", p)]
+    subprocess.run([sys.executable, "-m", "benchmarks.peers.cache", str(GRAPH), "-o", str(tmp_path / "cache"),
+                    "--device", "cpu", *peer_args, *sets], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    return json.loads((tmp_path / "cache" / "cache.json").read_text())
+
+
+def _features(row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [1, n], [n, 4, H] bf16)``: a conversation through this project's target, layers 1, 3, 5
+    and the last, before its norm."""
+    from dflash.model.target import TargetConfig, load_target
+
+    ids = torch.tensor(row["input_ids"])[None]
+    target = load_target(TargetConfig(path=str(TARGET), dtype="float32", layer_ids=[1, 3, 5, 7]), "cpu", 3,
+                         need_final=False)
+    feats, _ = target(ids, torch.arange(ids.shape[1])[None], torch.zeros_like(ids), need_final=False)
+    return ids, feats[0].view(ids.shape[1], 4, 256).to(torch.bfloat16)
+
+
 READ_BACK = """
 import argparse, json, sys, torch
 from pathlib import Path
@@ -122,21 +163,13 @@ print(json.dumps({"rows": len(ds), "loss": loss.item(), "grads": len(grads),
 def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkpoints_convert(tmp_path):
     py = _stack()
     from dflash.checkpoint.model_files import load_drafter
-    from dflash.model.target import TargetConfig, load_target
+    from dflash.model.target import TargetConfig
 
-    data = tmp_path / "own.jsonl"
-    answer = "by keeping every timetable honest and short. " * 8  # enough trained tokens for two blocks
-    with open(data, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: how do trains run on time?"},
-                                             {"role": "assistant", "content": f"Answer {i}: {answer}"}]}) + "\n")
-    out = tmp_path / "spec-data"
-    sets = ["--set", f'data.source="{data}"', "--set", "data.holdout=2", "--set", "data.max_samples=12"]
-    subprocess.run([sys.executable, "-m", "benchmarks.peers.speculators_cache", str(GRAPH), "-o", str(out),
-                    "--device", "cpu", *sets], cwd=ROOT, check=True, capture_output=True, timeout=300)
-    info = json.loads((out / "cache.json").read_text())
+    data = _own_data(tmp_path)
+    info = _cache(tmp_path, data, "speculators")
     assert (info["conversations"], info["heldout_left_out"]) == (10, 2)
     assert info["captured_layer_ids"] == [1, 3, 5, 7]
+    out = tmp_path / "cache" / "speculators"
     _run_spec(py, [str(ROOT / "benchmarks" / "peers" / "speculators_rows.py"), str(out)], tmp_path)
     back = _run_spec(py, ["-c", READ_BACK, str(out), str(tmp_path / "sample.safetensors"), str(TARGET)], tmp_path)
     step = json.loads(back.stdout.splitlines()[-1])
@@ -144,13 +177,8 @@ def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkp
     assert step["grads"] > 0 and step["grads_finite"] and 0 < step["loss"] < 20, step  # speculators trains on it
     got = load_file(str(tmp_path / "sample.safetensors"))
 
-    # the same conversation through this project's target: layers 1, 3, 5 and the last, before its norm
     row = json.loads((out / "rows.jsonl").read_text().splitlines()[0])
-    ids = torch.tensor(row["input_ids"])[None]
-    target = load_target(TargetConfig(path=str(TARGET), dtype="float32", layer_ids=[1, 3, 5, 7]), "cpu", 3,
-                         need_final=False)
-    feats, _ = target(ids, torch.arange(ids.shape[1])[None], torch.zeros_like(ids), need_final=False)
-    feats = feats[0].view(ids.shape[1], 4, 256).to(torch.bfloat16)
+    ids, feats = _features(row)
     assert torch.equal(got["input_ids"], ids[0])
     assert torch.equal(got["loss_mask"], torch.tensor(row["loss_mask"]))
     assert 0 < int(got["loss_mask"].sum()) < ids.shape[1]  # the assistant's tokens only
@@ -179,3 +207,71 @@ def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkp
     assert eval_out.returncode == 0, eval_out.stderr[-2000:]
     res = json.loads(eval_out.stdout)
     assert len(res["per_prompt"]) == 1 and res["tau"] >= 1.0 and res["block_size"] == 16
+
+
+FORGE_READ_BACK = """
+import json, sys
+from safetensors.torch import save_file
+from specforge.algorithms.common.dflash_family_data import normalize_offline_sample
+from specforge.application.composition import resolve_run
+from specforge.config import load_config
+from specforge.runtime.data_plane.feature_store import load_feature_file
+from specforge.runtime.data_plane.offline_reader import list_feature_files
+files = list_feature_files(sys.argv[1])
+first = [f for f in files if f.endswith("data_0.ckpt")][0]
+sample = normalize_offline_sample(load_feature_file(first), max_len=1024)
+save_file({k: v.contiguous() for k, v in sample.items()}, sys.argv[2])
+resolve_run(load_config(sys.argv[3], []))  # the run's config: schema, algorithm, offline mode, draft config
+print(json.dumps({"files": len(files)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_specforge_reads_its_cache_as_the_targets_hidden_states_and_accepts_the_runs_config(tmp_path):
+    py, src = os.environ.get("DFLASH_SPECFORGE_PYTHON"), os.environ.get("DFLASH_SPECFORGE_SRC")
+    if not (py and src):
+        pytest.skip(NO_FORGE)
+    info = _cache(tmp_path, _own_data(tmp_path), "specforge")
+    cache = tmp_path / "cache"
+    assert info["peers"] == ["specforge"] and not (cache / "speculators").exists()
+    draft = json.loads((cache / "draft_config.json").read_text())
+    assert (draft["architectures"], draft["num_hidden_layers"], draft["dflash_config"]["target_layer_ids"]) == \
+        (["DFlashDraftModel"], 3, [1, 3, 5])
+    run = tmp_path / "sf-run"
+    cfg = specforge_config(cache, run, max_steps=10)
+    assert cfg["training"]["batch_size"] == 16  # 16 rows of 1024 tokens: the graph's 16,384 tokens per step
+    Path(f"{run}.yaml").write_text(json.dumps(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=src, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([py, "-c", FORGE_READ_BACK, str(cache / "specforge"), str(tmp_path / "sample.safetensors"),
+                           f"{run}.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["files"] == 10
+    got = load_file(str(tmp_path / "sample.safetensors"))
+    ids = got["input_ids"][0]
+    _, feats = _features({"input_ids": ids.tolist()})
+    assert torch.equal(got["hidden_states"][0], feats[:, :3].flatten(1))  # the drafter's layers, no last one
+    assert 0 < int(got["loss_mask"].sum()) < ids.shape[0]
+
+
+def test_a_public_layout_directory_converts_with_the_same_tensors(tmp_path):
+    """What SpecForge's ``to_hf`` writes (z-lab's layout, which SpecForge's class loads: the interop
+    tests) becomes a drafter directory holding the same weights."""
+    from dflash.checkpoint.model_files import load_drafter
+    from dflash.export import export_drafter
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.target import TargetConfig, build_hf_config
+
+    tc = TargetConfig(path=str(TARGET))
+    hf = build_hf_config(tc)
+    cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=3).resolve(hf, [1, 4])
+    drafter = DFlashDrafter(cfg, seed=0)
+    export_drafter(drafter, tmp_path / "hf", dtype=torch.float32)
+    got = convert(tmp_path / "hf", tmp_path / "conv", tc)
+    assert (got.num_layers, got.block_size, got.target_layer_ids, got.num_target_layers) == (2, 8, [1, 4], 8)
+    back, _, _ = load_drafter(tmp_path / "conv")
+    want = drafter.state_dict()
+    assert set(back.state_dict()) == set(want)
+    assert all(torch.equal(back.state_dict()[k], want[k]) for k in want)

@@ -1,19 +1,22 @@
-"""Turn a checkpoint that ``speculators train`` (vLLM speculators 0.9) wrote into a drafter
-directory of this project, so that ``python -m dflash.eval`` and ``python -m benchmarks.decode.speed``
-(z-lab's ``dflash_generate`` row included) decode it exactly as they decode ours.
+"""Turn a peer's trained drafter into a drafter directory of this project, so that
+``python -m dflash.eval`` and ``python -m benchmarks.decode.speed`` (z-lab's ``dflash_generate`` row
+included) decode it exactly as they decode ours.
 
-speculators' DFlash-family checkpoints keep the public DFlash names for the drafter's body
-(``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; DFlash2's ``attention_conv`` / ``mlp_conv`` and
-``candidate_selector.*`` with bare codebooks; XPress's ``refiner_head.*``), which are this project's
-names too; what they add is the verifier's embedding, LM head and norm (``embed_tokens``, ``lm_head``,
-``verifier_*``: dropped, the target supplies them) and, with a reduced draft vocabulary, ``t2d`` /
-``d2t`` (refused: the public layout has none). The config maps as
-:func:`drafter_config` says.
+* a checkpoint ``speculators train`` wrote (vLLM speculators 0.9; its ``config.json`` has
+  ``speculators_model_type``): speculators' DFlash-family checkpoints keep the public DFlash names
+  for the drafter's body (``fc``, ``hidden_norm``, ``norm``, ``layers.N.*``; DFlash2's
+  ``attention_conv`` / ``mlp_conv`` and ``candidate_selector.*`` with bare codebooks; XPress's
+  ``refiner_head.*``), which are this project's names too; what they add is the verifier's
+  embedding, LM head and norm (``embed_tokens``, ``lm_head``, ``verifier_*``: dropped, the target
+  supplies them) and, with a reduced draft vocabulary, ``t2d`` / ``d2t`` (refused: the public layout
+  has none). The config maps as :func:`drafter_config` says;
+* a public-layout directory (``architectures = ["DFlashDraftModel"]`` or DFlash2's: what SpecForge's
+  ``specforge.export.to_hf`` and z-lab write), read by :func:`dflash.export.load_exported`.
 
-    python -m benchmarks.peers.from_speculators GRAPH.toml SPEC_CKPT -o DIR [--set k=v ...]
+    python -m benchmarks.peers.convert GRAPH.toml SRC_DIR -o DIR [--set k=v ...]
 
 ``GRAPH.toml`` names the target (``[target]``) the drafter was trained against; it is recorded in
-``DIR/target_config.json`` for the decoders. Exit 2 with one line when the checkpoint cannot be
+``DIR/target_config.json`` for the decoders. Exit 2 with one line when the drafter cannot be
 represented (a reduced vocabulary, a bidirectional sliding window that binds, an unknown type).
 """
 
@@ -119,33 +122,40 @@ def drafter_weights(path: Path) -> dict:
     return {k: t.to(torch.float32) for k, t in weights.items() if not k.startswith(VERIFIER_KEYS)}
 
 
-def convert(spec_dir: Path, out: Path, target_cfg) -> Any:
-    """Write ``out`` (a drafter directory: :func:`dflash.checkpoint.model_files.save_drafter`) and
-    return its ``DrafterConfig``.
+def convert(src: Path, out: Path, target_cfg) -> Any:
+    """Write ``out`` (a drafter directory: :func:`dflash.checkpoint.model_files.save_drafter`) from a
+    speculators checkpoint or a public-layout directory ``src``, and return its ``DrafterConfig``.
 
     Raises:
         NotRepresentable: see :func:`drafter_config`, :func:`drafter_weights`.
+        ValueError: ``src`` is neither (``dflash.export.load_exported``'s message).
         RuntimeError: the tensors do not match the config (a missing or unexpected key).
     """
     import msgspec
 
     from dflash.checkpoint.format import META, Meta
     from dflash.checkpoint.model_files import save_drafter
+    from dflash.export import load_exported
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import build_hf_config
 
-    spec = json.loads((spec_dir / "config.json").read_text())
-    cfg = msgspec.structs.replace(drafter_config(spec),
-                                  num_target_layers=build_hf_config(target_cfg).num_hidden_layers)
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(drafter_weights(spec_dir), strict=True)
+    raw = json.loads((src / "config.json").read_text())
+    depth = build_hf_config(target_cfg).num_hidden_layers
+    if "speculators_model_type" in raw:
+        cfg = msgspec.structs.replace(drafter_config(raw), num_target_layers=depth)
+        drafter = DFlashDrafter(cfg)
+        drafter.load_state_dict(drafter_weights(src), strict=True)
+        origin = {"speculators_model_type": raw["speculators_model_type"],
+                  "speculators_version": raw.get("speculators_version")}
+    else:
+        drafter, cfg = load_exported(src)
+        cfg = msgspec.structs.replace(cfg, num_target_layers=depth)
+        origin = {"architectures": raw.get("architectures")}
     if target_cfg.path is not None and Path(target_cfg.path).exists():  # decodable from any directory
         target_cfg = msgspec.structs.replace(target_cfg, path=str(Path(target_cfg.path).resolve()))
     out.mkdir(parents=True, exist_ok=True)
     save_drafter(out, drafter, cfg, target_cfg)
-    (out / "converted_from.json").write_text(json.dumps(
-        {"speculators_checkpoint": str(spec_dir), "speculators_model_type": spec["speculators_model_type"],
-         "speculators_version": spec.get("speculators_version")}, indent=1) + "\n")
+    (out / "converted_from.json").write_text(json.dumps({"source": str(src), **origin}, indent=1) + "\n")
     # last, as a checkpoint's: the decoders read a directory only once its meta.json says it is whole
     meta = Meta(step=0, batch_id=0, loss=None, healthy=True, time=time.time())
     (out / META).write_bytes(msgspec.json.encode(meta))
@@ -153,10 +163,11 @@ def convert(spec_dir: Path, out: Path, target_cfg) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peers.from_speculators",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers.convert",
                                 description=__doc__.split("\n")[0])
     p.add_argument("graph", help="the graph file (TOML) whose [target] the drafter was trained against")
-    p.add_argument("checkpoint", help="a directory speculators saved (config.json, model.safetensors)")
+    p.add_argument("checkpoint", help="a speculators checkpoint or a public-layout directory (config.json, "
+                   "model.safetensors)")
     p.add_argument("-o", "--out", required=True, help="the drafter directory to write")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
@@ -169,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.graph, args.overrides)
         dc = convert(Path(args.checkpoint), Path(args.out), cfg.target)
     except (OSError, ValueError, RuntimeError, KeyError, DFlashError, msgspec.ValidationError) as e:
-        print(f"from_speculators: {args.checkpoint}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"peers.convert: {args.checkpoint}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    print(f"from_speculators: {dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, target layers "
+    print(f"peers.convert: {dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, target layers "
           f"{dc.target_layer_ids} -> {args.out}", file=sys.stderr)
     return 0
 
