@@ -4,8 +4,9 @@
   states, on which its DFlash model takes a finite training step; a checkpoint its trainer writes
   (``--dry-run``, the same ``save_pretrained``) becomes a drafter directory with the same tensors,
   which ``dflash.eval`` decodes;
-* SpecForge's own reader and normaliser read its cache as the target's hidden states, and its
-  config resolution accepts the run ``benchmarks/peers/run.sh`` starts;
+* SpecForge's own reader and normaliser read its cache as the target's hidden states, its config
+  resolution accepts the run ``benchmarks/peers/run.sh`` starts, and a checkpoint of its drafter,
+  exported by its own ``to_hf``, becomes a drafter directory with the same tensors;
 * a public-layout directory (what SpecForge's ``to_hf`` export writes) converts with the same tensors.
 
 Both trainers need CUDA; they run in ``benchmarks/peers/run.sh``.
@@ -225,13 +226,30 @@ resolve_run(load_config(sys.argv[3], []))  # the run's config: schema, algorithm
 print(json.dumps({"files": len(files)}))
 """
 
+FORGE_CHECKPOINT = """
+import os, sys, torch
+from safetensors.torch import save_file
+from specforge.export.checkpoint_io import STATE_FILE
+from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+# a checkpoint as SpecForge's trainer saves one ({run_id}-step{N}/training_state.pt), of its own
+# DFlash drafter built from the run's draft config, randomly initialised
+model = AutoDraftModel.from_config(AutoDraftModelConfig.from_file(sys.argv[1]), torch_dtype=torch.bfloat16)
+step = os.path.join(sys.argv[2], "specforge-run-step7")
+os.makedirs(step)
+torch.save({"draft_state_dict": model.state_dict()}, os.path.join(step, STATE_FILE))
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, sys.argv[3])
+"""
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_specforge_reads_its_cache_as_the_targets_hidden_states_and_accepts_the_runs_config(tmp_path):
+def test_specforge_reads_its_cache_accepts_the_runs_config_and_its_export_converts(tmp_path):
     py, src = os.environ.get("DFLASH_SPECFORGE_PYTHON"), os.environ.get("DFLASH_SPECFORGE_SRC")
     if not (py and src):
         pytest.skip(NO_FORGE)
+    from dflash.checkpoint.model_files import load_drafter
+    from dflash.model.target import TargetConfig
+
     info = _cache(tmp_path, _own_data(tmp_path), "specforge")
     cache = tmp_path / "cache"
     assert info["peers"] == ["specforge"] and not (cache / "speculators").exists()
@@ -254,6 +272,21 @@ def test_specforge_reads_its_cache_as_the_targets_hidden_states_and_accepts_the_
     _, feats = _features({"input_ids": ids.tolist()})
     assert torch.equal(got["hidden_states"][0], feats[:, :3].flatten(1))  # the drafter's layers, no last one
     assert 0 < int(got["loss_mask"].sum()) < ids.shape[0]
+
+    # its checkpoint -> its own HF export (specforge.export.to_hf, as run.sh calls it) -> a drafter directory
+    def forge(*args: str) -> None:
+        done = subprocess.run([py, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    forge("-c", FORGE_CHECKPOINT, str(cache / "draft_config.json"), str(run), str(tmp_path / "theirs.safetensors"))
+    forge("-m", "specforge.export.to_hf", "--checkpoint", str(run), "--draft-config", str(cache / "draft_config.json"),
+          "--output-dir", str(tmp_path / "hf"), "--embedding-source", str(TARGET))
+    cfg = convert(tmp_path / "hf", tmp_path / "conv", TargetConfig(path=str(TARGET)))
+    assert (cfg.variant, cfg.num_layers, cfg.block_size, cfg.target_layer_ids) == ("dflash", 3, 16, [1, 3, 5])
+    ours, theirs = load_drafter(tmp_path / "conv")[0].state_dict(), load_file(str(tmp_path / "theirs.safetensors"))
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k].float()) for k in ours)
 
 
 def test_a_public_layout_directory_converts_with_the_same_tensors(tmp_path):
