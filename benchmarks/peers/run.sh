@@ -8,15 +8,18 @@
 #   bash benchmarks/peers/run.sh eval OUT    # dflash.eval and z-lab's decoder on each drafter
 #   bash benchmarks/peers/run.sh all OUT
 #
-# PEERS (default "speculators specforge") chooses the peers; TYPES (default "dflash dflash2 xpress")
-# speculators' drafter types.
+# PEERS (default "ours speculators specforge") chooses who trains; TYPES (default "dflash dflash2
+# xpress") speculators' drafter types.
 #
 # cache: benchmarks/peers/cache.py over the graph G (its [data] with SETS, the held-out conversations
 #        left out as dflash.run leaves them out) -> R/peer-data/{speculators,specforge}, and the
 #        drafter shape as a public-layout config, R/peer-data/draft_config.json; then
 #        speculators_rows.py (speculators' interpreter) writes its Arrow dataset.
 #        -> OUT/cache.json (conversations, tokens, seconds).
-# train: each peer's own recipe (loss, optimizer, schedule) with the graph's drafter shape (layers,
+# train: ours: `python -m dflash.run G` with SETS and OURS_SETS (default: the headline's DFlash2 recipe,
+#          compiled), a schedule of OURS_STEPS (default 6000), stopped gracefully by SIGTERM at BUDGET_S
+#          (a final checkpoint); tok/s the median of its windows after the first two.
+#        each peer's own recipe (loss, optimizer, schedule) with the graph's drafter shape (layers,
 #        block size, target layer ids, every layer full attention as ours) and batch
 #        ([data].tokens_per_batch tokens per step), for BUDGET_S seconds of wall clock (default 300),
 #        the process timed from its start, as ours is. Its schedule runs SPEC_STEPS / SF_STEPS steps
@@ -28,9 +31,10 @@
 #          strategy dflash, the drafter built from draft_config.json): stopped by SIGTERM at BUDGET_S, which saves nothing, so it also saves
 #          every SF_SAVE_EVERY steps (default 250); exported by its own `specforge.export.to_hf`.
 #        The newest checkpoint -> R/conv-NAME (NAME: speculators-TYPE, specforge-dflash), a drafter
-#        directory of this project (convert.py). -> OUT/train-NAME.{log,json} (seconds, steps done,
-#        tok/s: steps x tokens per step over the whole process's seconds, startup included).
-# eval:  each R/conv-NAME (and CKPT, ours, when given): dflash.eval on NP held-out prompts (NEW
+#        directory of this project (convert.py). -> OUT/train-NAME.{log,json} (rc: 124 when stopped at
+#        the budget; seconds, the stop's drain and last save included; steps done; tok/s: steps x
+#        tokens per step over the whole process's seconds, startup included).
+# eval:  each R/conv-NAME (ours: its last checkpoint; CKPT, another of ours, when given): dflash.eval on NP held-out prompts (NEW
 #        tokens, greedy and T = 1) -> OUT/eval-NAME-tT.json; for DFlash and DFlash2 also z-lab's
 #        dflash_generate through benchmarks.decode.speed (ZLAB_DFLASH_PATH) -> OUT/speed-NAME.json.
 #
@@ -46,7 +50,7 @@ PHASE=${1:-}; OUT=${2:-}; R=${R:-/tmp/peers}; NP=${NP:-32}; NEW=${NEW:-256}
 G=${G:-examples/sharegpt-target-h200.toml}
 if [ -z "$OUT" ]; then echo "usage: bash benchmarks/peers/run.sh cache|train|eval|all OUT" >&2; exit 2; fi
 read -r -a S <<< "${SETS:-}"
-PEERS=${PEERS:-speculators specforge}
+PEERS=${PEERS:-ours speculators specforge}
 D=$R/peer-data
 mkdir -p "$R" "$OUT"
 export PYTHONUNBUFFERED=1
@@ -79,17 +83,18 @@ seconds_since() { python3 -c "import sys, time; print(time.time() - float(sys.ar
 
 cache() {
   ready || return 1
-  rm -rf "$D"
   local p peer_args=()
-  for p in $PEERS; do peer_args+=(--peer "$p"); done
+  for p in $PEERS; do [ "$p" != ours ] && peer_args+=(--peer "$p"); done
+  [ ${#peer_args[@]} -gt 0 ] || return 0  # ours reads the graph's data itself
+  rm -rf "$D"
   python3 -m benchmarks.peers.cache "$G" -o "$D" "${peer_args[@]}" "${S[@]}" || return 1
   if wants speculators; then spec benchmarks/peers/speculators_rows.py "$D/speculators" || return 1; fi
   cp "$D/cache.json" "$OUT/cache.json"
 }
 
-record() {  # NAME RC T0 CHECKPOINT SCHEDULE_STEPS STEPS_DONE LOG: OUT/train-NAME.{json,log}
+record() {  # NAME RC T0 CHECKPOINT SCHEDULE_STEPS STEPS_DONE LOG [TOKENS_PER_STEP]: OUT/train-NAME.{json,log}
   python3 - "$OUT/train-$1.json" "$1" "$2" "$(seconds_since "$3")" "$4" "$5" "$6" \
-    "${TOTAL_SEQ_LEN:-$(field tokens_per_batch)}" <<'EOF'
+    "${8:-${TOTAL_SEQ_LEN:-$(field tokens_per_batch)}}" <<'EOF'
 import json, sys
 out, name, rc, secs, ck, sched, done, seq = sys.argv[1:9]
 secs, done = float(secs), int(done) if done else None
@@ -106,6 +111,36 @@ pilot_steps() {  # NAME DONE: the schedule's steps for BUDGET_S from a pilot's D
   [ "${2:-0}" -gt 0 ] && steps=$(( $2 * ${BUDGET_S:-300} / PILOT_S ))
   echo "$1 pilot: ${2:-no} steps in $PILOT_S s -> $steps steps for ${BUDGET_S:-300} s" >&2
   echo "$steps"
+}
+
+# --- ours ------------------------------------------------------------------------------------------
+ours_train() {  # dflash.run of the graph for BUDGET_S: the whole process timed, as the peers'
+  local name=ours t0 rc ck steps
+  rm -rf "$R/$name" "$R/conv-$name"
+  read -r -a O <<< "${OURS_SETS:---set drafter.variant=\"dflash2\" --set drafter.compile=true}"
+  t0=$(date +%s.%N)
+  timeout --foreground -s TERM -k 180 "${BUDGET_S:-300}" python3 -m dflash.run "$G" "${S[@]}" "${O[@]}" \
+    --set run.steps="${OURS_STEPS:-6000}" --set checkpoint.every=0 --set monitor.wandb=\"disabled\" \
+    --set run.out_dir=\"$R/$name\" --resume none > "$R/$name.log" 2>&1 < /dev/null
+  rc=$?
+  ck=$(ls -d "$R/$name"/checkpoints/step_* 2>/dev/null | sort | tail -1)
+  steps=${ck##*step_}
+  record "$name" "$rc" "$t0" "${ck:-}" "${OURS_STEPS:-6000}" "${steps:+$((10#$steps))}" "$R/$name.log" \
+    "$(python3 -c "import sys; from dflash.run.config import load_config
+print(load_config(sys.argv[1], [a for a in sys.argv[2:] if a]).data.tokens_per_batch)" "$G" "${S[@]/#--set/}" \
+      2>/dev/null)"
+  python3 - "$OUT/train-$name.json" "$R/$name/metrics.jsonl" <<'EOF'
+import json, statistics, sys
+rec = json.load(open(sys.argv[1]))
+try:
+    w = [json.loads(line) for line in open(sys.argv[2]) if '"train"' in line]
+    t = [x["tok_s"] for x in w[2:] if x.get("tok_s")]
+    rec["tok_s_windows_median"] = statistics.median(t) if t else None
+except OSError:
+    rec["tok_s_windows_median"] = None
+json.dump(rec, open(sys.argv[1], "w"), indent=1)
+EOF
+  [ -n "${ck:-}" ] && ln -sfn "$ck" "$R/conv-$name"
 }
 
 # --- speculators -----------------------------------------------------------------------------------
@@ -190,6 +225,7 @@ sf_train() {
 
 train() {
   ready || return 1
+  if wants ours; then ours_train; fi
   if wants speculators; then spec_train; fi
   if wants specforge; then sf_train; fi
 }
@@ -199,7 +235,7 @@ evaluate() {
     || python3 -m benchmarks.quality.prompts -o "$R/prompts.jsonl" --first-unused 8000 --num "$NP"
   local names=() d name nd temp
   for d in "$R"/conv-*; do [ -d "$d" ] && names+=("${d##*/conv-}=$d"); done
-  [ -n "${CKPT:-}" ] && names+=("ours=$CKPT")
+  [ -n "${CKPT:-}" ] && names+=("ckpt=$CKPT")
   for nd in "${names[@]}"; do
     name=${nd%%=*}; d=${nd#*=}
     for temp in ${EVAL_TEMPS:-0 1}; do
