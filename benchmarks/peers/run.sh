@@ -106,7 +106,7 @@ EOF
   echo "$1 rc=$2 checkpoint=${4:-none} steps=${6:-?}"
 }
 
-pilot_steps() {  # NAME DONE: the schedule's steps for BUDGET_S from a pilot's DONE steps in PILOT_S
+pilot_steps() {  # NAME DONE DEFAULT: the schedule's steps for BUDGET_S from a pilot's DONE steps in PILOT_S (DEFAULT without any)
   local steps=$3
   [ "${2:-0}" -gt 0 ] && steps=$(( $2 * ${BUDGET_S:-300} / PILOT_S ))
   echo "$1 pilot: ${2:-no} steps in $PILOT_S s -> $steps steps for ${BUDGET_S:-300} s" >&2
