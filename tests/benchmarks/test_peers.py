@@ -262,11 +262,16 @@ def test_specforge_reads_its_cache_accepts_the_runs_config_and_its_export_conver
     Path(f"{run}.yaml").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PYTHONPATH=src, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([py, "-c", FORGE_READ_BACK, str(cache / "specforge"), str(tmp_path / "sample.safetensors"),
-                           f"{run}.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1])["files"] == 10
+
+    def forge(*args: str) -> str:
+        """Run SpecForge's interpreter on ``args``; its stdout."""
+        done = subprocess.run([py, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    out = forge("-c", FORGE_READ_BACK, str(cache / "specforge"), str(tmp_path / "sample.safetensors"), f"{run}.yaml")
+    assert json.loads(out.splitlines()[-1])["files"] == 10
     got = load_file(str(tmp_path / "sample.safetensors"))
     ids = got["input_ids"][0]
     _, feats = _features({"input_ids": ids.tolist()})
@@ -274,11 +279,6 @@ def test_specforge_reads_its_cache_accepts_the_runs_config_and_its_export_conver
     assert 0 < int(got["loss_mask"].sum()) < ids.shape[0]
 
     # its checkpoint -> its own HF export (specforge.export.to_hf, as run.sh calls it) -> a drafter directory
-    def forge(*args: str) -> None:
-        done = subprocess.run([py, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                              check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-
     forge("-c", FORGE_CHECKPOINT, str(cache / "draft_config.json"), str(run), str(tmp_path / "theirs.safetensors"))
     forge("-m", "specforge.export.to_hf", "--checkpoint", str(run), "--draft-config", str(cache / "draft_config.json"),
           "--output-dir", str(tmp_path / "hf"), "--embedding-source", str(TARGET))
