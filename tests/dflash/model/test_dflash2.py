@@ -316,6 +316,23 @@ def _language_batch(target, g, rows=8, units=16, anchors=16):
     return LossInput(features=feats, input_ids=ids, loss_mask=lm, doc_ids=doc, position_ids=pos,
                      anchors=sample_anchors(lm, doc, anchors, BS, g))
 
+def _train_on_language(d, head, target, steps=200):
+    """The loss outputs on 32 held-out rows of the language before and after ``steps`` AdamW steps
+    (lr 3e-3) on fresh batches of it; seeded, so a run is repeatable."""
+    held_out = _language_batch(target, torch.Generator().manual_seed(99), rows=32)
+    lc = LossConfig(weighting="none")
+    with torch.no_grad():
+        before = compute_loss(d, head, held_out, lc)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        compute_loss(d, head, _language_batch(target, g), lc).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        return before, compute_loss(d, head, held_out, lc)
+
+
 
 def test_trained_selector_walk_is_accepted_longer_than_the_backbone_top1():
     """A short DFlash2 training run (one core, seconds) on the language above: on held-out text the
@@ -328,21 +345,8 @@ def test_trained_selector_walk_is_accepted_longer_than_the_backbone_top1():
     head = tgt.shared_head()
     cfg = DrafterConfig(num_layers=1, block_size=BS, mask_token_id=V - 1, variant="dflash2",
                         selector_rank=16, selector_top_k=8).resolve(tgt.hf_config, tgt.layer_ids)
-    d = DFlashDrafter(cfg, seed=0)
-    held_out = _language_batch(tgt, torch.Generator().manual_seed(99), rows=32)
-    lc = LossConfig(weighting="none")
-    with torch.no_grad():
-        before = compute_loss(d, head, held_out, lc)
+    before, after = _train_on_language(DFlashDrafter(cfg, seed=0), head, tgt)
     assert float(before.selector.streak) == float(before.streak_mean)
-    opt = torch.optim.AdamW(d.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        out = compute_loss(d, head, _language_batch(tgt, g), lc)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        after = compute_loss(d, head, held_out, lc)
     sel, base = float(after.selector.streak), float(after.streak_mean)
     assert sel > base + 0.15, (sel, base)
     assert float(after.selector.recall) == 1.0 and int(after.selector.missing) == 0

@@ -308,7 +308,7 @@ def test_trained_xpress_drafts_are_accepted_longer_than_the_backbone_top1():
     coherent, so on held-out text they are accepted longer than the backbone's top-1. At step 0 the
     two are the same."""
     from tests.dflash.model.test_dflash2 import BS as LBS
-    from tests.dflash.model.test_dflash2 import _language_batch
+    from tests.dflash.model.test_dflash2 import _train_on_language
 
     V = 64
     tgt = load_target(TargetConfig(preset="tiny", seed=1, vocab_size=V, layer_ids=[0],
@@ -316,20 +316,7 @@ def test_trained_xpress_drafts_are_accepted_longer_than_the_backbone_top1():
     head = tgt.shared_head()
     cfg = DrafterConfig(num_layers=1, block_size=LBS, mask_token_id=V - 1, variant="xpress",
                         xpress_rank=16).resolve(tgt.hf_config, tgt.layer_ids)
-    d = DFlashDrafter(cfg, seed=0)
-    held_out = _language_batch(tgt, torch.Generator().manual_seed(99), rows=32)
-    lc = LossConfig(weighting="none")
-    with torch.no_grad():
-        before = compute_loss(d, head, held_out, lc)
+    before, after = _train_on_language(DFlashDrafter(cfg, seed=0), head, tgt)
     assert float(before.selector.streak) == float(before.streak_mean)
-    opt = torch.optim.AdamW(d.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        out = compute_loss(d, head, _language_batch(tgt, g), lc)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-    with torch.no_grad():
-        after = compute_loss(d, head, held_out, lc)
     jacobi, base = float(after.selector.streak), float(after.streak_mean)
     assert jacobi > base + 0.15, (jacobi, base)
