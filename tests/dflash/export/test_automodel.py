@@ -112,8 +112,14 @@ def test_post_load_init_never_overwrites_loaded_weights(tmp_path):
 
 
 OLD_TRANSFORMERS = os.environ.get("DFLASH_TRANSFORMERS_5_8", "/tmp/tf581")
+# The child sees the project's site-packages (for torch) behind transformers 5.8.1. A newer
+# transformers there pulls in the hub's `kernels` 0.19, which 5.8.1 (whose extra pins kernels<0.13)
+# cannot import: its kernel table raises ValueError at import time. SpecForge's own environment has
+# no `kernels`, so the child hides it (a None entry in sys.modules reads as not installed).
 LOAD_CHILD = r"""
-import sys, torch, transformers
+import sys
+sys.modules["kernels"] = None
+import torch, transformers
 from safetensors.torch import load_file
 from transformers import AutoModel
 d = sys.argv[1]
