@@ -34,6 +34,7 @@ from torch import nn
 
 from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
+from dflash.model.build_lock import BUILD_LOCK
 from dflash.model.confidence_head import ConfidenceHead
 from dflash.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash.model.drafter_config import (
@@ -177,6 +178,10 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, cfg: DrafterConfig, seed: int | None = None) -> None:
         super().__init__()
+        with BUILD_LOCK:  # never beside a target's build in another thread (dflash.model.build_lock)
+            self._build(cfg, seed)
+
+    def _build(self, cfg: DrafterConfig, seed: int | None) -> None:
         cfg.check_resolved()
         self.cfg = cfg
         self._trained_block_size = cfg.block_size

@@ -16,8 +16,8 @@ import msgspec
 
 from dflash.model.target_config import TargetConfig
 
-__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DrafterConfig", "LayerType", "check_drafter_devices", "resolve_drafter_config",
-           "rope_theta_of"]
+__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DrafterConfig", "LayerType", "check_drafter_devices",
+           "resolve_drafter_config", "rope_theta_of"]
 
 LayerType = Literal["full_attention", "sliding_attention"]
 Positive = Annotated[int, msgspec.Meta(ge=1)]

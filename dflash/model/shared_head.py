@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash.model.build_lock import BUILD_LOCK
+
 __all__ = ["SharedHead", "read_safetensors"]
 
 
@@ -25,10 +27,11 @@ class SharedHead(nn.Module):
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
-        tied = lm_head_weight is embed_weight
-        self.lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
-        self.lm_head.weight = self.embed_tokens.weight if tied else nn.Parameter(lm_head_weight)
+        with BUILD_LOCK:  # never beside a target's build in another thread (dflash.model.build_lock)
+            self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+            tied = lm_head_weight is embed_weight
+            self.lm_head = nn.Linear(embed_weight.shape[1], embed_weight.shape[0], bias=False)
+            self.lm_head.weight = self.embed_tokens.weight if tied else nn.Parameter(lm_head_weight)
         self.requires_grad_(False)
 
     @property

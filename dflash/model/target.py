@@ -23,12 +23,12 @@ Layer ids are 0-based decoder layer indices; the captured tensor is that layer's
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dflash.model.build_lock import BUILD_LOCK
 from dflash.model.document_mask import document_attention_mask, document_causal_mask
 from dflash.model.layer_ids import default_layer_ids, resolve_layer_ids
 from dflash.model.shared_head import SharedHead, read_safetensors
@@ -59,8 +59,6 @@ __all__ = [
     "resolve_dtype",
     "resolve_layer_ids",
 ]
-
-_BUILD_LOCK = threading.Lock()
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -229,7 +227,7 @@ class Target(nn.Module):
 
 
 def _build(cfg: TargetConfig, device, num_draft_layers: int, need_final: bool):
-    """The transformers model of :func:`load_target` (called under ``_BUILD_LOCK``)."""
+    """The transformers model of :func:`load_target` (called under :data:`dflash.model.build_lock.BUILD_LOCK`)."""
     from transformers import AutoModelForCausalLM
 
     hf = build_hf_config(cfg)
@@ -278,10 +276,10 @@ def load_target(cfg: TargetConfig, device: torch.device | str, num_draft_layers:
         ConfigError: an engine setting (``quantization``, ``attn_implementation = "varlen"``)
             this device or install cannot run (:func:`dflash.model.target_engine.check_engine`).
     """
-    # One build at a time per process: transformers imports lazily and builds on the meta device
-    # through process-global patches; two replicas' threads loading at once failed the import or
-    # left one model with meta tensors ("Cannot copy out of meta tensor" in target[0]).
-    with _BUILD_LOCK:
+    # One build at a time per process (dflash.model.build_lock): two replicas' threads loading at
+    # once failed transformers' lazy import or left one model with meta tensors ("Cannot copy out of
+    # meta tensor" in target[0]).
+    with BUILD_LOCK:
         model, hf, layer_ids = _build(cfg, device, num_draft_layers, need_final)
     if not need_final:
         model.lm_head = None  # the features never need the LM head; free its [V, H] weight
