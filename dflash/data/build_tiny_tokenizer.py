@@ -98,11 +98,17 @@ def build(out_dir: Path = OUT_DIR, num_conversations: int = 3000) -> Path:
     wrapped.chat_template = CHAT_TEMPLATE
     out_dir.mkdir(parents=True, exist_ok=True)
     wrapped.save_pretrained(out_dir)
-    # Pin the class so every transformers 5.x release resolves the same backend class, and keep
-    # the template inside tokenizer_config.json (one file to read; all 5.x releases accept it).
+    # Pin the class so every transformers release in the project's range (>= 4.56) resolves the
+    # same backend class, and keep the template inside tokenizer_config.json (one file to read;
+    # all those releases accept it). 5.x saves the extra special tokens as a list under
+    # "extra_special_tokens", which 4.x reads as a dict and fails on; "additional_special_tokens"
+    # (a list) reads the same in both.
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    extra = cfg.pop("extra_special_tokens", None)
+    if extra is not None:
+        cfg["additional_special_tokens"] = list(extra)
     cfg["chat_template"] = CHAT_TEMPLATE
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
