@@ -53,6 +53,10 @@ def _sync(device: torch.device) -> None:
 
 def _zlab():
     """``(zlab_dflash.model, None)`` or ``(None, why it is not importable)``."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # its decoder records the cache through 5.x's API
+        return None, f"z-lab's dflash 0.1.0 needs transformers 5 (it pins 5.15.0), not {transformers.__version__}"
     where = os.environ.get("ZLAB_DFLASH_PATH", "/tmp/zl/pkg")
     if where not in sys.path:
         sys.path.insert(0, where)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from dflash.export import MODELING_FILE, export_drafter, load_exported
@@ -92,6 +93,9 @@ def test_post_load_init_never_overwrites_loaded_weights(tmp_path):
     (ignoring the module-level done flags); simulated here by calling it on each module, with the
     per-parameter ``_is_hf_initialized`` flags the loader sets. A negative control without those
     flags shows the call does re-initialise (so the check can fail)."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {transformers.__version__}: 4.x neither re-runs the init after loading "
+                    "nor sets the per-parameter flags this simulates (the load tests check its weights)")
     out_dir = tmp_path / "export"
     export_drafter(make(), out_dir, torch.float32)
     want = load_file(str(out_dir / "model.safetensors"))

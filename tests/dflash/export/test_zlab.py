@@ -2,14 +2,12 @@
 
 z-lab's package is not a dependency: the test imports it from ``ZLAB_DFLASH_PATH`` (a directory
 holding the ``zlab_dflash`` package, i.e. z-lab's ``dflash`` package renamed so it does not shadow
-ours) and is skipped, with that reason, when the variable is unset.
+ours) through :func:`tests.zlab.zlab_model`, and is skipped, with that reason, when the variable is
+unset.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import time
 
 import pytest
@@ -18,20 +16,12 @@ import torch
 from dflash.export import export_drafter
 from dflash.model.target import load_target
 from tests.dflash.export.test_export import TCFG, make
-
-SKIP = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH; eval \"$(bash tests/interop_setup.sh .stacks)\" sets it)"
+from tests.zlab import zlab_model
 
 
 @pytest.fixture(scope="module")
 def zl():
-    path = os.environ.get("ZLAB_DFLASH_PATH")
-    if not path:
-        pytest.skip(SKIP)
-    sys.path.insert(0, path)
-    try:
-        return importlib.import_module("zlab_dflash.model")
-    finally:
-        sys.path.remove(path)
+    return zlab_model()
 
 
 def _recorded(model, calls: list):
