@@ -1,0 +1,13 @@
+# Sourced by every step of this recipe on the device machine: the packages the image lacks (the
+# wheels carried in .whl, installed once per warm machine) and the scratch directory R that the
+# steps share across device calls (/tmp stays while the machine is warm).
+R=${R:-/tmp/rt}
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 DFLASH_CACHE=$R/cache
+if [ ! -d "$R/site" ] && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$R/site" .whl/*.whl
+fi
+if [ -f .whl/sharegpt-16k.jsonl.gz ] && [ ! -f "$R/sharegpt-16k.jsonl" ]; then
+  gunzip -c .whl/sharegpt-16k.jsonl.gz > "$R/sharegpt-16k.jsonl"
+fi
+export PYTHONPATH=$R/site:$PWD

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Step 4: the last checkpoint of R/run measured. Each line is capped (CAP_S) so the call ends in time.
+#   1. this project's decoder beside z-lab's dflash_generate on the same export, prompts and dtype
+#      (benchmarks/decode/speed.py: ms per verify step, tau, outputs equal to transformers' generate);
+#   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy, with the measured
+#      speedup over the target alone; the held-out conversations greedy and at T = 1;
+#   3. the export (python -m dflash.export).
+#   ZLAB_DFLASH_PATH=... bash benchmarks/real_target/eval.sh OUT
+set -uo pipefail
+OUT=$1; mkdir -p "$OUT"
+. benchmarks/real_target/env.sh
+CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
+T0=$(date +%s)
+python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
+cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null
+timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts .dev/prompts.jsonl --num-prompts 8 \
+  --max-new-tokens 128 --dtypes bfloat16 --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
+echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
+for set in ${SETS_TO_RUN:-mtbench humaneval}; do
+  timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
+    --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
+  echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
+done
+timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "$R/regen-all.jsonl" --num-prompts 32 --max-new-tokens 128 \
+  --temperature 1.0 --device cuda --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
+echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"
+timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
+  --dtype bfloat16 --out "$OUT/profile" > "$OUT/profile.log" 2>&1
+echo "profile rc=$? ($(( $(date +%s) - T0 )) s)"; head -c 800 "$OUT/profile/profile.json"
