@@ -117,8 +117,9 @@ def load_drafter(directory: str | Path, device: torch.device | str = "cpu",
             config (one line naming the file: the checkpoint is damaged).
     """
     dc, tc = load_configs(directory)
-    # float8 is how the weights were trained, not what they are: decoding runs them in bf16/fp32
-    drafter = DFlashDrafter(msgspec.structs.replace(dc, precision="bf16"))
+    # float8 is how the weights were trained, not what they are: decoding runs them in bf16/fp32;
+    # and eager, since a compiled drafter recompiles at every new context length of a decode
+    drafter = DFlashDrafter(msgspec.structs.replace(dc, precision="bf16", compile=False))
     path = Path(directory) / WEIGHTS
     try:
         weights = load_file(str(path))
