@@ -17,4 +17,4 @@ timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-samp
 wait
 cat "$R"/regen-greedy.jsonl "$R"/regen-sampled.jsonl > "$R/regen-all.jsonl"
 echo "data: $(wc -l < "$R/regen-greedy.jsonl") greedy + $(wc -l < "$R/regen-sampled.jsonl") sampled conversations in $(( $(date +%s) - T0 )) s"
-tail -2 "$OUT"/regen-*.log
+for f in "$OUT"/regen-*.log; do tail -n 2 "$f"; done
