@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "PRESETS",
+    "TARGET_MODEL_TYPES",
     "TargetConfig",
     "build_hf_config",
     "check_overrides",
@@ -53,6 +54,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": {**_QWEN3_COMMON, "hidden_size": 4096, "num_hidden_layers": 36,
                  "num_attention_heads": 32, "intermediate_size": 12288, "tie_word_embeddings": False},
 }
+
+
+TARGET_MODEL_TYPES = ("llama", "qwen3")
+"""The ``model_type`` of a ``target.path`` directory that dflash trains drafters for: decoder layers at
+``model.model.layers`` whose output is the hidden state, the token embedding at
+``model.model.embed_tokens``, the default RoPE. Each is tested end to end: qwen3 on the shipped target,
+llama on SmolLM2-135M-Instruct (``python -m dflash.import_gguf``; tests/dflash/test_smollm2_target.py)
+and on a small random Llama (tests/dflash/model/test_llama_target.py)."""
 
 
 class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -200,8 +209,8 @@ def build_hf_config(cfg: TargetConfig):
 
     Raises:
         FileNotFoundError: ``cfg.path`` is not a directory, or has no ``config.json``.
-        ValueError: a ``target.overrides`` key the config class does not know
-            (:func:`check_overrides`).
+        ValueError: the directory's ``model_type`` is not one of :data:`TARGET_MODEL_TYPES`; a
+            ``target.overrides`` key the config class does not know (:func:`check_overrides`).
     """
     from transformers import AutoConfig, Qwen3Config
 
@@ -213,6 +222,9 @@ def build_hf_config(cfg: TargetConfig):
             raise FileNotFoundError(f"target.path = {cfg.path!r} has no config.json; "
                                     "point it at a local Hugging Face model directory")
         hf = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        if hf.model_type not in TARGET_MODEL_TYPES:
+            raise ValueError(f"target.path = {cfg.path!r} holds a {hf.model_type!r} model; dflash trains drafters "
+                             f"for {' and '.join(TARGET_MODEL_TYPES)} targets: point target.path at one of those")
         check_overrides(cfg.overrides, type(hf), hf)
         for key, value in cfg.overrides.items():
             setattr(hf, key, value)
