@@ -203,6 +203,20 @@ def _write_tokenizer(tok, out: Path, max_length: int) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
+def _rope_keys_for_4x(path: Path) -> None:
+    """Add ``rope_theta`` (and ``rope_scaling``) beside transformers 5's ``rope_parameters`` in
+    ``config.json``: transformers 4.x reads only those and would otherwise build the model with its
+    default RoPE base (10,000 instead of SmolLM2's 100,000; measured: greedy output then differs
+    from token 13). 5.x reads them as the same values."""
+    cfg = json.loads(path.read_text())
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in cfg:
+        cfg["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        cfg.setdefault("rope_scaling", None if scaling.get("rope_type", "default") == "default" else scaling)
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def _greedy(model, ids, n: int) -> list[int]:
     """``n`` greedy tokens after ``ids [1, P]`` (eos suppressed, so every one is compared)."""
     import torch
@@ -265,6 +279,7 @@ def _import(args, src: Path, meta: dict) -> int:
         plain = type(gguf_model)(cfg)  # a model of the same class that save_pretrained accepts
         plain.load_state_dict(gguf_model.state_dict())
         plain.to(dtype).save_pretrained(str(tmp), safe_serialization=True)
+        _rope_keys_for_4x(tmp / "config.json")
         gguf_model.generation_config.save_pretrained(str(tmp))
         _write_tokenizer(tok, tmp, int(cfg.max_position_embeddings))
         del plain, gguf_model

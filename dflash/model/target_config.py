@@ -225,6 +225,7 @@ def build_hf_config(cfg: TargetConfig):
         if hf.model_type not in TARGET_MODEL_TYPES:
             raise ValueError(f"target.path = {cfg.path!r} holds a {hf.model_type!r} model; dflash trains drafters "
                              f"for {' and '.join(TARGET_MODEL_TYPES)} targets: point target.path at one of those")
+        _rope_base_for_4x(hf)
         check_overrides(cfg.overrides, type(hf), hf)
         for key, value in cfg.overrides.items():
             setattr(hf, key, value)
@@ -236,3 +237,14 @@ def build_hf_config(cfg: TargetConfig):
         hf.vocab_size = cfg.vocab_size
     hf._attn_implementation = cfg.attn_implementation
     return hf
+
+
+def _rope_base_for_4x(hf) -> None:
+    """A ``config.json`` written by transformers 5 names the RoPE base only in ``rope_parameters``;
+    transformers 4.x does not read that key and builds the model with its default base (10,000),
+    while the drafter reads ``rope_parameters`` (:func:`dflash.model.drafter_config.rope_theta_of`).
+    Under 4.x, set ``rope_theta`` from it, so the target runs the base its file names (SmolLM2:
+    100,000). Under 5.x (no ``rope_theta`` attribute) nothing changes."""
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params and hasattr(hf, "rope_theta"):
+        hf.rope_theta = float(params["rope_theta"])

@@ -38,8 +38,8 @@ def tokenizer(smollm2_dir):
 
 def test_import_writes_a_plain_checked_llama_directory(smollm2_dir):
     """Invariant: the import writes an ordinary Hugging Face directory (no GGUF quantization note, the
-    tied head left to the embedding, bf16 weights, a tokenizer config both transformers lines load)
-    and passes its own greedy check, saying so."""
+    tied head left to the embedding, bf16 weights, a config and a tokenizer config both transformers
+    lines read alike) and passes its own greedy check, saying so."""
     out, stdout = smollm2_dir
     assert "check passed" in stdout and "greedy-decodes the same 32 tokens" in stdout, stdout
     cfg = json.loads((out / "config.json").read_text())
@@ -47,6 +47,7 @@ def test_import_writes_a_plain_checked_llama_directory(smollm2_dir):
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
             cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)
     assert cfg["tie_word_embeddings"] is True and "quantization_config" not in cfg
+    assert cfg["rope_theta"] == 100_000.0  # beside 5.x's rope_parameters: what transformers 4.x reads
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert "lm_head.weight" not in keys and str(f.get_tensor("model.norm.weight").dtype) == "torch.bfloat16"

@@ -124,3 +124,28 @@ def test_import_gguf_accepts_exactly_the_target_families():
     from dflash.import_gguf import SUPPORTED_ARCHITECTURES
 
     assert SUPPORTED_ARCHITECTURES == TARGET_MODEL_TYPES
+
+
+def test_the_target_runs_the_rope_base_a_transformers_5_config_names(llama_dir, tmp_path):
+    """Regression: a config.json written by transformers 5 names the RoPE base only in
+    ``rope_parameters``; transformers 4.56 ignored it and built SmolLM2 with base 10,000 instead of
+    100,000 while the drafter took 100,000 (greedy output changed from token 13). Invariant: under
+    either transformers the target's rotary embedding uses the file's base, as the drafter does."""
+    import json
+    import shutil
+
+    from dflash.model.drafter_config import rope_theta_of
+
+    shutil.copytree(llama_dir, tmp_path / "t5")
+    path = tmp_path / "t5" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.pop("rope_theta", None)
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_theta": 100_000.0, "rope_type": "default"}
+    path.write_text(json.dumps(cfg))
+    tcfg = TargetConfig(path=str(tmp_path / "t5"))
+    inv_freq = load_target(tcfg, "cpu", num_draft_layers=2).model.model.rotary_emb.inv_freq
+    head_dim = 64 // 4
+    expected = 1.0 / 100_000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    torch.testing.assert_close(inv_freq, expected)
+    assert rope_theta_of(build_hf_config(tcfg)) == 100_000.0
