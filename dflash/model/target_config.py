@@ -208,13 +208,18 @@ def build_hf_config(cfg: TargetConfig):
     """The transformers config for ``cfg`` (local ``config.json`` or preset), overrides applied.
 
     Raises:
-        FileNotFoundError: ``cfg.path`` is not a directory, or has no ``config.json``.
+        FileNotFoundError: ``cfg.path`` is a ``.gguf`` file (the message gives the import command),
+            is not a directory, or has no ``config.json``.
         ValueError: the directory's ``model_type`` is not one of :data:`TARGET_MODEL_TYPES`; a
             ``target.overrides`` key the config class does not know (:func:`check_overrides`).
     """
     from transformers import AutoConfig, Qwen3Config
 
     if cfg.path is not None:
+        if Path(cfg.path).is_file() and cfg.path.endswith(".gguf"):
+            raise FileNotFoundError(f"target.path = {cfg.path!r} is a GGUF file; import it into a Hugging Face "
+                                    f"directory first (python -m dflash.import_gguf {cfg.path} -o DIR) and point "
+                                    "target.path at DIR")
         if not Path(cfg.path).is_dir():
             raise FileNotFoundError(f"target.path = {cfg.path!r} does not exist (or is not a directory); "
                                     "point it at a local Hugging Face model directory")
