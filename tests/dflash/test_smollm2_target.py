@@ -135,3 +135,26 @@ def test_smollm2_graph_trains_regenerates_evaluates_and_exports(smollm2_dir, tmp
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
     assert cfg["dflash_config"] == {"block_size": 8, "mask_token_id": 16, "target_layer_ids": [15]}
     assert (cfg["num_target_layers"], cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]) == (30, 576, 64, 49152)
+
+
+def test_the_h200_recipe_trains_on_smollm2_on_a_cpu_and_exports_dflash2(smollm2_dir, tmp_path):
+    """Invariant: examples/smollm2-h200.toml, moved to the CPU and shrunk (no compile, 256-token rows,
+    2 steps), trains its DFlash2 drafter with Muon against the imported target and exports z-lab's
+    DFlash2 layout with the 30-layer target's public layers for 3 drafter layers."""
+    graph = str(ROOT / "examples" / "smollm2-h200.toml")
+    sets = [f"target.path={smollm2_dir[0]}", "run.out_dir=run", "run.steps=2", "checkpoint.every=2",
+            "eval.every=0", "monitor.wandb=disabled", "monitor.plot=false", "monitor.display=plain",
+            "monitor.window=1", "drafter.compile=false", "data.max_samples=200", "data.holdout=8",
+            "data.max_length=256", "data.tokens_per_batch=256", "data.packed_rows=1", "train.num_anchors=8",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    sets += [f"process.{p}.device=cpu" for p in ("target", "postprocess", "drafter", "evaluator")]
+    run = _cmd(tmp_path, "dflash.run", graph, *[a for s in sets for a in ("--set", s)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [math.isfinite(r["loss"]) for r in records if r["kind"] == "train"] == [True, True]
+    ex = _cmd(tmp_path, "dflash.export", str(tmp_path / "run" / "checkpoints" / "step_00000002"), "-o", "drafter")
+    assert ex.returncode == 0, ex.stderr[-3000:]
+    cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["num_hidden_layers"] == 3
+    assert {k: cfg["dflash_config"][k] for k in ("block_size", "mask_token_id", "target_layer_ids")} == {
+        "block_size": 16, "mask_token_id": 16, "target_layer_ids": [1, 14, 27]}
