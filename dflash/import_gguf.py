@@ -99,7 +99,7 @@ def build_parser():
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype of the written weights; float32 keeps the dequantized values exactly")
-    p.add_argument("--check-tokens", type=positive_int, default=32,
+    p.add_argument("--check-tokens", type=positive_int, default=32, metavar="N",
                    help="greedy tokens the saved directory must reproduce")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
     return p
@@ -221,10 +221,10 @@ def _greedy(model, ids, n: int) -> list[int]:
     """``n`` greedy tokens after ``ids [1, P]`` (eos suppressed, so every one is compared)."""
     import torch
 
+    pad = model.generation_config.pad_token_id
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=model.generation_config.pad_token_id
-                             if model.generation_config.pad_token_id is not None else 0)
+                             min_new_tokens=n, pad_token_id=0 if pad is None else pad)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -239,10 +239,43 @@ def _agreement(a: list[int], b: list[int]) -> int:
 
 
 def _prompt_ids(tok):
+    """``[1, P]`` ids of :data:`CHECK_PROMPT` rendered by ``tok``'s chat template."""
     import torch
 
     text = tok.apply_chat_template(CHECK_PROMPT, tokenize=False, add_generation_prompt=True)
     return torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+
+
+def _write(out: Path, gguf_model, tok, dtype) -> None:
+    """The directory's files, from the GGUF-loaded model (weights already rounded to ``dtype``)."""
+    cfg = gguf_model.config
+    if hasattr(cfg, "quantization_config"):  # the GGUF loader's note; the written weights are plain
+        delattr(cfg, "quantization_config")
+    plain = type(gguf_model)(cfg)  # a model of the same class, which save_pretrained accepts
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    _rope_keys_for_4x(out / "config.json")
+    gguf_model.generation_config.save_pretrained(str(out))
+    _write_tokenizer(tok, out, int(cfg.max_position_embeddings))
+
+
+def _check(out: Path, tok, prompt, reference: list[int]) -> tuple[str | None, list[int]]:
+    """Load ``out`` as an ordinary directory (float32) and compare it with the GGUF model: the
+    tokenizer's special ids and prompt ids, then greedy tokens. Returns (why it differs, or None;
+    the greedy tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    saved_tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    if (saved_tok.bos_token_id, saved_tok.eos_token_id) != (tok.bos_token_id, tok.eos_token_id) \
+            or _prompt_ids(saved_tok).tolist() != prompt.tolist():
+        return "the written tokenizer reads the check prompt or its bos/eos differently from the GGUF's", []
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True).eval()
+    got = _greedy(loaded, prompt, len(reference))
+    if got != reference:
+        return (f"the written directory greedy-decodes differently from the GGUF model from token "
+                f"{_agreement(got, reference)} of {len(reference)}"), got
+    return None, got
 
 
 def _import(args, src: Path, meta: dict) -> int:
@@ -252,49 +285,32 @@ def _import(args, src: Path, meta: dict) -> int:
     quiet_progress_bars_when_piped()  # no "Loading weights" bar in a log file
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     dtype = getattr(torch, args.dtype)
     out = Path(args.out)
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     check_tokenizer(tok, meta)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
-                                                      dtype=torch.float32).eval()
-    cfg = gguf_model.config
-    n_params = sum(p.numel() for p in gguf_model.parameters())
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
+    cfg = model.config
     print(f"dflash.import_gguf: {src.name}: {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden "
-          f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}, {n_params / 1e6:.1f}M parameters (dequantized to "
-          f"float32 in {time.perf_counter() - t0:.0f} s)", flush=True)
+          f"{cfg.hidden_size}, vocabulary {cfg.vocab_size}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+          f"parameters (dequantized to float32 in {time.perf_counter() - t0:.0f} s)", flush=True)
     prompt = _prompt_ids(tok)
-    unrounded = _greedy(gguf_model, prompt, args.check_tokens)
-    with torch.no_grad():  # the reference: the same weights the directory will hold
-        for p in gguf_model.parameters():
+    unrounded = _greedy(model, prompt, args.check_tokens)
+    with torch.no_grad():  # the reference: the weights the directory will hold
+        for p in model.parameters():
             p.copy_(p.to(dtype))
-    reference = unrounded if dtype == torch.float32 else _greedy(gguf_model, prompt, args.check_tokens)
+    reference = unrounded if dtype == torch.float32 else _greedy(model, prompt, args.check_tokens)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        if hasattr(cfg, "quantization_config"):  # the GGUF loader's note; the written weights are plain
-            delattr(cfg, "quantization_config")
-        plain = type(gguf_model)(cfg)  # a model of the same class that save_pretrained accepts
-        plain.load_state_dict(gguf_model.state_dict())
-        plain.to(dtype).save_pretrained(str(tmp), safe_serialization=True)
-        _rope_keys_for_4x(tmp / "config.json")
-        gguf_model.generation_config.save_pretrained(str(tmp))
-        _write_tokenizer(tok, tmp, int(cfg.max_position_embeddings))
-        del plain, gguf_model
-
-        loaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32, local_files_only=True).eval()
-        saved_tok = AutoTokenizer.from_pretrained(str(tmp), local_files_only=True)
-        if _prompt_ids(saved_tok).tolist() != prompt.tolist():
-            print(f"dflash.import_gguf: check failed: the written tokenizer gives the check prompt other ids "
-                  f"than the GGUF's; nothing was written to {out}", file=sys.stderr)
-            return 1
-        got = _greedy(loaded, prompt, args.check_tokens)
-        if got != reference:
-            print(f"dflash.import_gguf: check failed: the written directory greedy-decodes differently from the "
-                  f"GGUF model from token {_agreement(got, reference)} of {args.check_tokens}; nothing was "
-                  f"written to {out}", file=sys.stderr)
+        _write(tmp, model, tok, dtype)
+        del model
+        problem, got = _check(tmp, tok, prompt, reference)
+        if problem is not None:
+            print(f"dflash.import_gguf: check failed: {problem}; nothing was written to {out}", file=sys.stderr)
             return 1
         umask = os.umask(0)
         os.umask(umask)
