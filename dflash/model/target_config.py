@@ -68,9 +68,11 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The graph file's ``[target]`` table.
 
     Attributes:
-        path: local Hugging Face model directory (never a hub id: nothing is downloaded), or None
-            for a ``preset``-shaped model with seeded random weights. Relative: to the graph
-            file's directory; given with ``--set``, to the current one (:mod:`dflash.run.config`).
+        path: local Hugging Face model directory (never a hub id: nothing is downloaded) of a llama
+            or qwen3 model (:data:`TARGET_MODEL_TYPES`; a GGUF file is imported into one first:
+            ``python -m dflash.import_gguf``), or None for a ``preset``-shaped model with seeded
+            random weights. Relative: to the graph file's directory; given with ``--set``, to the
+            current one (:mod:`dflash.run.config`).
         preset: shape used when ``path`` is None: "tiny" | "qwen3-0.6b" | "qwen3-1.7b" | "qwen3-8b".
         overrides: transformers config fields applied on top of the preset or the local config;
             a key the config class does not know is an error (:func:`check_overrides`).
