@@ -11,7 +11,8 @@ the same class and writes ``config.json``, ``model.safetensors`` (``--dtype``),
 ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json`` (with the GGUF's chat
 template). The tokenizer config is written by hand, in the form both transformers 4.x and 5.x load
 (``tokenizer_class = "PreTrainedTokenizerFast"``; 5.x's own ``save_pretrained`` names a class 4.x
-does not have).
+does not have), and ``config.json`` gets ``rope_theta`` beside 5.x's ``rope_parameters`` (4.x reads
+only the former, and without it ran SmolLM2 at RoPE base 10,000 instead of 100,000).
 
 Then it checks itself: the written directory, loaded as an ordinary Hugging Face model in float32,
 must greedy-decode the same ``--check-tokens`` tokens (eos suppressed, so all of them count) on a
@@ -25,7 +26,8 @@ so bfloat16 (half the disk, what a GPU target runs) is the default and ``--dtype
 the dequantized values exactly.
 
 Files are written into a temporary sibling directory and renamed into place after the check, so a
-failed check or a Ctrl-C leaves ``-o`` as it was.
+failed check or a Ctrl-C leaves ``-o`` as it was (with ``--force`` into a non-empty ``-o`` the
+checked files are moved in one by one).
 
 Supported: GGUFs of the ``llama`` and ``qwen3`` architectures (what dflash trains drafters for,
 :data:`dflash.model.target_config.TARGET_MODEL_TYPES`), with the tokenizer transformers builds from
