@@ -9,7 +9,7 @@ import importlib
 import pytest
 
 CLIS = ["dflash.run", "dflash.eval", "dflash.export", "dflash.logs", "dflash.plot", "dflash.regenerate",
-        "dflash.pretrain", "dflash.plan", "csp.run", "csp.inspect", "csp.graph"]
+        "dflash.pretrain", "dflash.import_gguf", "dflash.plan", "csp.run", "csp.inspect", "csp.graph"]
 # the module whose main() builds each command's parser (a command that is a package or a thin
 # entry module runs the code of another)
 MAIN_OF = {"dflash.run": "dflash.run.cli", "dflash.eval": "dflash.eval.cli", "dflash.logs": "dflash.observe.logs",

@@ -30,7 +30,7 @@ floor  rooms
 4      ``dflash.eval`` (decoding a drafter against its target, the evaluation sets)
 5      ``dflash.run`` (the graph's stages, the in-training evaluator among them)
 6      the tools and thin entry modules: ``dflash.export``, ``dflash.regenerate``,
-       ``dflash.pretrain``, ``dflash.logs``, ``dflash.plot``, ``dflash.plan``
+       ``dflash.pretrain``, ``dflash.import_gguf``, ``dflash.logs``, ``dflash.plot``, ``dflash.plan``
 =====  ==========================================================================================
 
 Below all of dflash is ``csp``, which never imports ``dflash``; above them, ``benchmarks`` (nothing in
@@ -63,7 +63,7 @@ FLOORS = {
     "dflash.checkpoint": 2,
     "dflash.train": 3, "dflash.observe": 3,
     "dflash.eval": 4, "dflash.run": 5,
-    "dflash.export": 6, "dflash.regenerate": 6, "dflash.pretrain": 6, "dflash.logs": 6, "dflash.plot": 6,
+    "dflash.export": 6, "dflash.regenerate": 6, "dflash.pretrain": 6, "dflash.import_gguf": 6, "dflash.logs": 6, "dflash.plot": 6,
     "dflash.plan": 6,
 }
 

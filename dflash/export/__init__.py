@@ -5,7 +5,12 @@
 * ``config.json``: a Qwen3-style config as the public DFlash drafters ship it:
   ``architectures = ["DFlashDraftModel"]``, ``model_type = "qwen3"``, the drafter's dims
   (``num_hidden_layers`` = drafter layers), ``block_size``, ``num_target_layers``, and
-  ``dflash_config = {"block_size", "mask_token_id", "target_layer_ids"}``;
+  ``dflash_config = {"block_size", "mask_token_id", "target_layer_ids"}``. ``model_type`` names the
+  drafter's own (Qwen3-style) layers whatever the target's family: a drafter for a Llama target is
+  written the same way (z-lab's drafter for Llama-3.1-8B-Instruct loads into the same
+  ``DFlashDraftModel`` class). The public layout has no field for the target's family; the target
+  shows only through ``target_layer_ids``, ``num_target_layers``, ``mask_token_id`` and the shared
+  ``hidden_size`` and ``vocab_size`` (tests/dflash/test_smollm2_target.py exports one for SmolLM2);
 * ``model.safetensors``: the drafter weights under the public names (``fc.weight``,
   ``hidden_norm.weight``, ``layers.N.self_attn.q_proj.weight``, ...; no embedding / LM head).
 

@@ -122,7 +122,7 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
         dflash_config.update({k: getattr(cfg, ours) for k, ours in XPRESS_CONFIG_KEYS.items()})
     return {
         "architectures": [arch],
-        "model_type": "qwen3",
+        "model_type": "qwen3",  # the drafter's layers, for a Llama target too (dflash.export's docstring)
         "block_size": cfg.block_size,
         "dflash_config": dflash_config,
         "num_target_layers": cfg.num_target_layers,

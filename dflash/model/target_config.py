@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "PRESETS",
+    "TARGET_MODEL_TYPES",
     "TargetConfig",
     "build_hf_config",
     "check_overrides",
@@ -55,13 +56,23 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+TARGET_MODEL_TYPES = ("llama", "qwen3")
+"""The ``model_type`` of a ``target.path`` directory that dflash trains drafters for: decoder layers at
+``model.model.layers`` whose output is the hidden state, the token embedding at
+``model.model.embed_tokens``, the default RoPE. Each is tested end to end: qwen3 on the shipped target,
+llama on SmolLM2-135M-Instruct (``python -m dflash.import_gguf``; tests/dflash/test_smollm2_target.py)
+and on a small random Llama (tests/dflash/model/test_llama_target.py)."""
+
+
 class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The graph file's ``[target]`` table.
 
     Attributes:
-        path: local Hugging Face model directory (never a hub id: nothing is downloaded), or None
-            for a ``preset``-shaped model with seeded random weights. Relative: to the graph
-            file's directory; given with ``--set``, to the current one (:mod:`dflash.run.config`).
+        path: local Hugging Face model directory (never a hub id: nothing is downloaded) of a llama
+            or qwen3 model (:data:`TARGET_MODEL_TYPES`; a GGUF file is imported into one first:
+            ``python -m dflash.import_gguf``), or None for a ``preset``-shaped model with seeded
+            random weights. Relative: to the graph file's directory; given with ``--set``, to the
+            current one (:mod:`dflash.run.config`).
         preset: shape used when ``path`` is None: "tiny" | "qwen3-0.6b" | "qwen3-1.7b" | "qwen3-8b".
         overrides: transformers config fields applied on top of the preset or the local config;
             a key the config class does not know is an error (:func:`check_overrides`).
@@ -199,13 +210,18 @@ def build_hf_config(cfg: TargetConfig):
     """The transformers config for ``cfg`` (local ``config.json`` or preset), overrides applied.
 
     Raises:
-        FileNotFoundError: ``cfg.path`` is not a directory, or has no ``config.json``.
-        ValueError: a ``target.overrides`` key the config class does not know
-            (:func:`check_overrides`).
+        FileNotFoundError: ``cfg.path`` is a ``.gguf`` file (the message gives the import command),
+            is not a directory, or has no ``config.json``.
+        ValueError: the directory's ``model_type`` is not one of :data:`TARGET_MODEL_TYPES`; a
+            ``target.overrides`` key the config class does not know (:func:`check_overrides`).
     """
     from transformers import AutoConfig, Qwen3Config
 
     if cfg.path is not None:
+        if Path(cfg.path).is_file() and cfg.path.endswith(".gguf"):
+            raise FileNotFoundError(f"target.path = {cfg.path!r} is a GGUF file; import it into a Hugging Face "
+                                    f"directory first (python -m dflash.import_gguf {cfg.path} -o DIR) and point "
+                                    "target.path at DIR")
         if not Path(cfg.path).is_dir():
             raise FileNotFoundError(f"target.path = {cfg.path!r} does not exist (or is not a directory); "
                                     "point it at a local Hugging Face model directory")
@@ -213,6 +229,10 @@ def build_hf_config(cfg: TargetConfig):
             raise FileNotFoundError(f"target.path = {cfg.path!r} has no config.json; "
                                     "point it at a local Hugging Face model directory")
         hf = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        if hf.model_type not in TARGET_MODEL_TYPES:
+            raise ValueError(f"target.path = {cfg.path!r} holds a {hf.model_type!r} model; dflash trains drafters "
+                             f"for {' and '.join(TARGET_MODEL_TYPES)} targets: point target.path at one of those")
+        _rope_base_for_4x(hf)
         check_overrides(cfg.overrides, type(hf), hf)
         for key, value in cfg.overrides.items():
             setattr(hf, key, value)
@@ -224,3 +244,14 @@ def build_hf_config(cfg: TargetConfig):
         hf.vocab_size = cfg.vocab_size
     hf._attn_implementation = cfg.attn_implementation
     return hf
+
+
+def _rope_base_for_4x(hf) -> None:
+    """A ``config.json`` written by transformers 5 names the RoPE base only in ``rope_parameters``;
+    transformers 4.x does not read that key and builds the model with its default base (10,000),
+    while the drafter reads ``rope_parameters`` (:func:`dflash.model.drafter_config.rope_theta_of`).
+    Under 4.x, set ``rope_theta`` from it, so the target runs the base its file names (SmolLM2:
+    100,000). Under 5.x (no ``rope_theta`` attribute) nothing changes."""
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params and hasattr(hf, "rope_theta"):
+        hf.rope_theta = float(params["rope_theta"])

