@@ -7,8 +7,7 @@
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
-G=benchmarks/real_target/smollm2-h200.toml
-RG=(--set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
+RG=("${ON_R[@]}" --set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
     --batch-size ${BATCH:-512} --chunk ${BATCH:-512})
 T0=$(date +%s)
 timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-greedy.jsonl" "${RG[@]}" > "$OUT/regen-greedy.log" 2>&1 &

@@ -11,3 +11,7 @@ if [ -f .whl/sharegpt-16k.jsonl.gz ] && [ ! -f "$R/sharegpt-16k.jsonl" ]; then
   gunzip -c .whl/sharegpt-16k.jsonl.gz > "$R/sharegpt-16k.jsonl"
 fi
 export PYTHONPATH=$R/site:$PWD
+# The graph every step runs: the shipped one, pointed at this recipe's files.
+G=examples/smollm2-h200.toml
+ON_R=(--set target.path=\"$R/smollm2\" --set run.out_dir=\"$R/run\" --set run.resume=\"none\"
+      --set monitor.wandb=\"disabled\")

@@ -13,7 +13,7 @@ CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
 T0=$(date +%s)
 python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
 cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null
-timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts .dev/prompts.jsonl --num-prompts 8 \
+timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
   --max-new-tokens 128 --dtypes bfloat16 --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
 echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
 for set in ${SETS_TO_RUN:-mtbench humaneval}; do

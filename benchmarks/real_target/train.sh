@@ -6,8 +6,8 @@ set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
 T0=$(date +%s)
-timeout --foreground -s INT ${TRAIN_S:-420} python3 -m dflash.run benchmarks/real_target/smollm2-h200.toml \
-  --set run.steps=${STEPS:-1500} ${SETS:-} > "$OUT/train.log" 2>&1
+timeout --foreground -s INT ${TRAIN_S:-420} python3 -m dflash.run $G "${ON_R[@]}" \
+  --set data.source=\"$R/regen-all.jsonl\" --set run.steps=${STEPS:-1500} ${SETS:-} > "$OUT/train.log" 2>&1
 echo "train: rc=$? in $(( $(date +%s) - T0 )) s"
 tail -14 "$OUT/train.log"
 cp "$R/run/metrics.jsonl" "$OUT/metrics-train.jsonl" 2>/dev/null
