@@ -17,18 +17,47 @@ import torch
 
 from dflash.train.config import TrainSection
 
-__all__ = ["DrafterOptimizer", "load_optimizer_state", "lr_lambda", "make_optimizer", "muon_parameters"]
+__all__ = ["DrafterOptimizer", "Schedule", "load_optimizer_state", "lr_lambda", "make_optimizer",
+           "muon_parameters"]
+
+
+@dataclass
+class Schedule:
+    """Linear warmup then cosine decay, whose end (``total``) may move while it runs.
+
+    ``[run].time_budget_s`` sets ``total`` from the measured step rate
+    (:class:`dflash.train.budget.TimeBudget`); without it ``total`` stays ``[run].steps``.
+
+    Attributes:
+        warmup: warmup length, in steps.
+        total: the step (in steps counted over the whole run) where the cosine reaches ``min_ratio``.
+        min_ratio: the multiplier of the peak lr at and after ``total``.
+    """
+
+    warmup: int
+    total: int
+    min_ratio: float
+
+    def __call__(self, s: int) -> float:
+        """Multiplier of the peak lr at step s (0-based)."""
+        warmup, total, min_ratio = self.warmup, self.total, self.min_ratio
+        if warmup > 0 and s < warmup:
+            return (s + 1) / warmup
+        progress = min(max(s - warmup, 0) / max(total - warmup, 1), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the peak lr at step s (0-based): linear warmup over ``warmup`` steps, then
     cosine decay to ``min_ratio`` at ``total`` (the usual warmup + cosine schedule)."""
+    return _as_function(Schedule(warmup, total, min_ratio))
 
+
+def _as_function(schedule: Schedule) -> Callable[[int], float]:
+    # A plain function, not the object: LambdaLR saves a callable object's __dict__ in its state and
+    # a resume would restore the old total over this run's [run].steps. Checkpoints stay as they were.
     def f(s: int) -> float:
-        if warmup > 0 and s < warmup:
-            return (s + 1) / warmup
-        progress = min(max(s - warmup, 0) / max(total - warmup, 1), 1.0)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return schedule(s)
 
     return f
 
@@ -43,6 +72,8 @@ class DrafterOptimizer:
         sched: ``opt``'s schedule.
         muon, muon_sched: ``torch.optim.Muon`` over the Linear layers' matrices and its schedule
             (the same warmup + cosine); None with ``[train].optimizer = "adamw"``.
+        schedule: the lr multiplier both schedules read; setting ``schedule.total`` moves the
+            cosine's end from the next :meth:`schedule_step` on.
     """
 
     params: list[torch.nn.Parameter]
@@ -50,6 +81,7 @@ class DrafterOptimizer:
     sched: torch.optim.lr_scheduler.LambdaLR
     muon: torch.optim.Optimizer | None = None
     muon_sched: torch.optim.lr_scheduler.LambdaLR | None = None
+    schedule: Schedule | None = None
 
     @property
     def lr(self) -> float:
@@ -97,7 +129,8 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int
     ``[train]``'s lr, betas and weight decay, and the warmup + cosine schedule over ``total_steps``
     (``[run].steps``). With "muon", Muon takes :func:`muon_parameters` and AdamW the rest."""
     params = [p for p in model.parameters() if p.requires_grad]
-    schedule = lr_lambda(train.warmup_steps, total_steps, train.min_lr_ratio)
+    shape = Schedule(train.warmup_steps, total_steps, train.min_lr_ratio)
+    schedule = _as_function(shape)
     muon = muon_sched = None
     rest = params
     if train.optimizer == "muon":
@@ -111,7 +144,7 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int
     opt = torch.optim.AdamW(rest, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
                             fused=train.adamw_fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    return DrafterOptimizer(params=params, opt=opt, sched=sched, muon=muon, muon_sched=muon_sched)
+    return DrafterOptimizer(params=params, opt=opt, sched=sched, muon=muon, muon_sched=muon_sched, schedule=shape)
 
 
 def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: TrainSection) -> None:
