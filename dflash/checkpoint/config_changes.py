@@ -32,6 +32,7 @@ _IGNORED = ("run.resume", "run.out_dir", "run.name", "monitor.", "trace.", "chec
 # First matching prefix wins.
 _EFFECTS = (
     ("run.steps", "lr schedule: the cosine decay ends at run.steps"),
+    ("run.time_budget_s", "lr schedule: the cosine decay ends at the time budget"),
     ("train.lr", "lr schedule"),
     ("train.warmup_steps", "lr schedule"),
     ("train.min_lr_ratio", "lr schedule"),
@@ -63,7 +64,8 @@ _ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss
                 ("train", "muon_momentum"): 0.95, ("loss", "dpace_alpha"): 0.5,
                 ("drafter", "xpress_rank"): 256, ("drafter", "xpress_mlp_ratio"): 2, ("drafter", "jacobi_passes"): 6,
                 ("loss", "xpress_base_weight"): 0.6, ("loss", "xpress_consistency_weight"): 0.3,
-                ("loss", "xpress_consistency_passes"): 3, ("train", "adamw_fused"): False}
+                ("loss", "xpress_consistency_passes"): 3, ("train", "adamw_fused"): False,
+                ("run", "time_budget_s"): None}
 """Keys a config saved before they existed lacks, with the value that means what that code did."""
 
 

@@ -104,7 +104,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
                     argv: Sequence[str] = (), seconds: float | None = None,
                     stopped_by: str | None = None, error: str | None = None,
                     data_source: str | None = None, plot: str | None = None,
-                    wandb_ran: bool = True) -> str:
+                    wandb_ran: bool = True, budget: str | None = None) -> str:
     """The summary block (plain text, lines indented under a title line; no markup).
 
     Args:
@@ -121,6 +121,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         plot: the plot file written at the end, or a line saying why none was.
         wandb_ran: wandb logged this segment (``[monitor].wandb`` other than "disabled", and steps
             ran); only then are the wandb viewer and sync commands suggested.
+        budget: how ``[run].time_budget_s`` ended the run (steps reached, seconds after it), if it did.
     """
     run_dir = Path(run_dir)
     try:
@@ -158,6 +159,8 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         row("error", error)
     this = f"this run: {start_step + 1}..{done}" if train else "no step finished in this run"
     row("steps", f"{done}/{total_steps} ({this})")
+    if budget:
+        row("time budget", budget)
     if train:
         row("last window", f"step {last.get('step')} ({last.get('window', '?')} steps): loss "
                            f"{_num(last.get('loss'))}" + (f", {_tau_text(last)}" if _tau_text(last) else ""))
@@ -226,7 +229,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
 def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps: int,
                argv: Sequence[str] = (), seconds: float | None = None, stopped_by: str | None = None,
                error: str | None = None, data_source: str | None = None, plot: bool = True,
-               wandb_ran: bool = True, logger: logging.Logger | None = None) -> str:
+               wandb_ran: bool = True, logger: logging.Logger | None = None, budget: str | None = None) -> str:
     """Plot the curves (when ``plot`` and matplotlib is importable), print the closing summary on
     the run's console and log it to run.log (INFO for a finished run, WARNING otherwise). Never
     raises: a summary must not change how a run exits. Returns the summary text."""
@@ -245,7 +248,7 @@ def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps:
     try:
         text = closing_summary(run_dir, status=status, exit_code=exit_code, total_steps=total_steps,
                                argv=argv, seconds=seconds, stopped_by=stopped_by, error=error,
-                               data_source=data_source, plot=note, wandb_ran=wandb_ran)
+                               data_source=data_source, plot=note, wandb_ran=wandb_ran, budget=budget)
     except Exception as exc:  # noqa: BLE001
         text = f"run summary: {status} (exit {exit_code}); the summary failed: {exc!r}"
     logger.log(logging.INFO if status in FINISHED else logging.WARNING, text, extra=runlog.FILE_ONLY)

@@ -3,9 +3,11 @@ resolved options and the run's resources, nothing read from the graph file by a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dflash.observe.metrics_writer import MetricsLog
 from dflash.run.resolve import Resolved
@@ -48,6 +50,12 @@ class RunApp:
         sampler: the data sampler, already positioned at the first batch to train (after resume).
         metrics: the run's ``metrics.jsonl`` writer (shared by monitor, drafter, checkpointer).
         resume: where the run starts (:class:`ResumeState`).
+        clock: monotonic seconds for ``[run].time_budget_s`` (a test injects a fake one).
+        budget_reached: set by the drafter stage when ``[run].time_budget_s`` ends training; the
+            prefetch stage then sends no more batches and the graph drains as for a finished run
+            (thread-safe; one process only, which is why torchrun refuses the budget).
+        budget_end: the closing summary's line about the budget, set by the drafter stage, or None.
+        budget_end_at: ``time.perf_counter()`` when the budget ended training, or None.
     """
 
     resolved: Resolved
@@ -55,6 +63,10 @@ class RunApp:
     sampler: Any
     metrics: MetricsLog
     resume: ResumeState
+    clock: Callable[[], float] = time.monotonic
+    budget_reached: threading.Event = field(default_factory=threading.Event)
+    budget_end: str | None = None
+    budget_end_at: float | None = None
 
     def step_of(self, seq: int) -> int:
         """The drafter step (1-based, counted over the whole run) that trains the batch with

@@ -211,20 +211,25 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
     finally:
         app.metrics.write(EndRecord(status=status, exit_code=code, seconds=time.time() - t0))
         app.metrics.close()
-    _summary(cfg, args, run_dir, status, code, stopped_by, error, time.time() - t0)
+    budget = app.budget_end
+    if budget is not None and app.budget_end_at is not None:  # what the budget does not cover
+        budget += f"; {time.perf_counter() - app.budget_end_at:.1f} s from the budget's end to the run's end"
+    _summary(cfg, args, run_dir, status, code, stopped_by, error, time.time() - t0, budget=budget)
     return code
 
 
 def _summary(cfg: DFlashFile, args: argparse.Namespace, run_dir: Path, status: str, code: int,
              stopped_by: str | None, error: str | None, seconds: float | None, *, plot: bool | None = None,
-             wandb_ran: bool | None = None) -> None:
+             wandb_ran: bool | None = None, budget: str | None = None) -> None:
     """The closing summary and the plot (dflash.observe.summary); never raises. The wandb commands are
-    suggested only when this segment ran wandb (``[monitor].wandb`` not "disabled")."""
+    suggested only when this segment ran wandb (``[monitor].wandb`` not "disabled"); ``budget`` is
+    how ``[run].time_budget_s`` ended the run, if it did."""
     from dflash.observe.summary import report_end
 
     report_end(run_dir, status=status, exit_code=code, total_steps=cfg.run.steps,
                argv=getattr(args, "argv", ()), seconds=seconds, stopped_by=stopped_by, error=error,
                data_source=cfg.data.source if isinstance(cfg.data.source, str) else None,
                plot=cfg.monitor.plot if plot is None else plot,
-               wandb_ran=cfg.monitor.wandb != "disabled" if wandb_ran is None else wandb_ran, logger=log)
+               wandb_ran=cfg.monitor.wandb != "disabled" if wandb_ran is None else wandb_ran, logger=log,
+               budget=budget)
 

@@ -66,6 +66,12 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resume: str = "auto"
     """"auto" (newest healthy checkpoint of out_dir, if any), "none", or a checkpoint path
     (relative to the graph file, like out_dir)."""
+    time_budget_s: Annotated[float, Meta(gt=0.0)] | None = None
+    """Seconds of training (wall clock from this process's first step; a resume gets a budget of its
+    own): the lr schedule's end follows the measured step rate so the cosine ends at the deadline,
+    and the run then ends as completed (final checkpoint and evaluation come after it).
+    ``run.steps`` stays the most steps trained. Unset: the schedule ends at ``run.steps``. Not under
+    torchrun."""
 
     def __post_init__(self) -> None:
         if self.steps > MAX_STEPS:
@@ -206,7 +212,7 @@ def config_hash(cfg: DFlashFile) -> str:
             raw["drafter"].pop(key)
         for key in XPRESS_LOSS_FIELDS:
             raw["loss"].pop(key)
-    raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps")}
+    raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps", "time_budget_s")}
     # Loss terms added later are hashed only when switched on, so a file that leaves them at 0 keeps
     # the hash it had before they existed (its checkpoints resume without a config-differs warning).
     for key in _LOSS_KEYS_HASHED_WHEN_SET:

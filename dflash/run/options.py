@@ -92,6 +92,8 @@ class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
         train_config: the filled graph file, written as is into each checkpoint's train_config.json.
         eval_every: ``[eval].every``: a weight snapshot goes to the ``snapshots`` output (when the
             graph connects it) every this many steps, and after the last one; 0 = none.
+        time_budget_s: ``[run].time_budget_s`` (seconds of training; the schedule's end follows
+            the measured step rate), or None.
     """
 
     drafter: DrafterConfig
@@ -105,6 +107,7 @@ class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
     config_hash: str
     train_config: DFlashFile
     eval_every: int = 0
+    time_budget_s: float | None = None
 
 
 class EvaluatorOptions(msgspec.Struct, frozen=True, kw_only=True):

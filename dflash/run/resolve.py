@@ -226,7 +226,7 @@ def resolve(cfg: DFlashFile, tokenizer: TokenizerInfo, hf: PretrainedConfig | No
         trainer=DrafterStageOptions(drafter=drafter, target=full.target, seed=run.seed, total_steps=run.steps,
                                     train=train, loss=full.loss, checkpoint_every=full.checkpoint.every,
                                     keep_last=full.checkpoint.keep_last, config_hash=digest, train_config=full,
-                                    eval_every=full.eval.every),
+                                    eval_every=full.eval.every, time_budget_s=run.time_budget_s),
         monitor=MonitorOptions(window=full.monitor.window, wandb=full.monitor.wandb,
                                wandb_project=full.monitor.wandb_project, display=full.monitor.display,
                                spike_k=full.monitor.spike_k, run_name=run.name, total_steps=run.steps,

@@ -37,7 +37,7 @@ from dflash.run.config import DFlashFile
 from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas, one_line
 from dflash.train.config import check_train, lr_warnings
 
-__all__ = ["check_drafter_replicas", "check_run_dir", "check_trains_something", "devices_of",
+__all__ = ["check_drafter_replicas", "check_run_dir", "check_time_budget", "check_trains_something", "devices_of",
            "disk_space_warnings", "validate"]
 
 TARGET_KIND = "dflash.target"
@@ -72,6 +72,7 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     check_train(cfg.train, cfg.loss, resolved.drafter, devices_of(cfg, DRAFTER_KIND))
     check_target_devices(cfg.target, devices_of(cfg, TARGET_KIND))
     check_drafter_replicas(cfg, launched=launched)
+    check_time_budget(cfg, launched=launched)
     check_resume_path(resume)
     candidate = resume_candidate(Path(cfg.run.out_dir), resume)
     if candidate is not None:  # a drafter of another shape or variant: refused before any data work
@@ -102,6 +103,18 @@ def check_drafter_replicas(cfg: DFlashFile, *, launched: bool) -> None:
         raise ConfigError(
             f"process 'drafter' has replicas = {drafters}: data-parallel drafters need one rank each; "
             f"launch with torchrun --nproc-per-node {drafters} -m dflash.run ... (docs/distributed.md)")
+
+
+def check_time_budget(cfg: DFlashFile, *, launched: bool) -> None:
+    """``[run].time_budget_s`` ends training by telling the prefetch stage, an object shared by the
+    stages of one process: under torchrun the stages run in several processes.
+
+    Raises:
+        ConfigError: ``run.time_budget_s`` is set and ``launched`` is True.
+    """
+    if cfg.run.time_budget_s is not None and launched:
+        raise ConfigError(f"run.time_budget_s = {cfg.run.time_budget_s:g} works in one process only, not under "
+                          "torchrun: leave it out and set run.steps (or stop the run with one SIGTERM)")
 
 
 def check_trains_something(cfg: DFlashFile) -> None:

@@ -27,7 +27,8 @@ class PrefetchStage(csp.Process):
     Anchors (``Batch.anchors``, ``[B, A]`` int64, -1 = empty slot) are drawn here on the CPU, off the
     GPU's critical path. With ``pin`` (when any process runs on CUDA) every batch is copied to
     page-locked memory so the target's host-to-device copy is asynchronous.
-    Stops early, after the current batch, when a graceful stop is requested.
+    Stops early, after the current batch, when a graceful stop is requested or the drafter stage
+    says ``[run].time_budget_s`` is reached (``RunApp.budget_reached``).
     Reads :class:`~dflash.run.options.PrefetchOptions` and the app's sampler.
     """
 
@@ -42,7 +43,8 @@ class PrefetchStage(csp.Process):
     def run(self, inputs, outputs) -> None:
         o, out, sampler = self.opts, outputs["batches"], self.app.sampler
         for seq in range(self.app.steps_to_run * o.drafters):
-            if self.ctx.stopping() and seq % o.drafters == 0:  # whole steps only: DDP replicas stay even
+            ended = self.ctx.stopping() or self.app.budget_reached.is_set()
+            if ended and seq % o.drafters == 0:  # whole steps only: DDP replicas stay even
                 break
             with self.ctx.span("batch"):
                 batch: Batch = next(sampler)

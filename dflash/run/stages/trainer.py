@@ -12,6 +12,11 @@ in-training evaluator, ``[eval]``), a copy of the weights goes there every ``[ev
 without waiting (dropped, and counted, while the evaluator is busy) and after the last step
 (waited for, so the final weights are always evaluated).
 
+With ``[run].time_budget_s`` (:mod:`dflash.train.budget`) the schedule's end follows the measured
+step rate after every step; when the budget is spent the stage sets ``RunApp.budget_reached`` (the
+prefetch stage sends no more batches), drains the batches already on their way without training
+them, and ends as a finished run: final checkpoint, final snapshot.
+
 Built from: :mod:`dflash.train.optim` (AdamW and schedule), :mod:`dflash.train.nonfinite` (the skip policy),
 :mod:`dflash.train.state` (restore, the checkpoint window, ``train_state.pt``).
 """
@@ -19,6 +24,7 @@ Built from: :mod:`dflash.train.optim` (AdamW and schedule), :mod:`dflash.train.n
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -31,6 +37,7 @@ from dflash.run.app import RunApp
 from dflash.run.options import DrafterStageOptions
 from dflash.run.step_gate import StepGate
 from dflash.train import parallel
+from dflash.train.budget import TimeBudget
 from dflash.train.nonfinite import NonFiniteGuard, last_trusted_checkpoint
 from dflash.train.optim import make_optimizer
 from dflash.train.state import (
@@ -92,6 +99,11 @@ class DrafterStage(csp.Process):
         self.window = CheckpointWindow()
         self.saved_step = -1
         self.gate = StepGate()  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
+        self.budget = None
+        if o.time_budget_s is not None:
+            self.budget = TimeBudget(o.time_budget_s, o.total_steps, clock=app.clock)
+            self.budget_logged = 0
+            log.info("time budget %g s: the schedule's end follows the measured step rate", o.time_budget_s)
 
     def run(self, inputs, outputs) -> None:
         metrics = outputs["metrics"]
@@ -99,6 +111,10 @@ class DrafterStage(csp.Process):
         eval_every, dropped, sent = self.opts.eval_every, 0, -1
         snapshots = outputs.get("snapshots") if parallel.is_writer(self.ctx) and eval_every else None
         for inp in inputs["features"]:
+            if self.app.budget_reached.is_set():
+                continue  # on its way when the time budget ended: drained, not trained
+            if self.budget is not None and not self.budget.started:
+                self.budget.start(self.step)
             m = self.train_step(inp)
             if parallel.is_writer(self.ctx):  # one record per step, not one per replica
                 metrics.send(m)
@@ -111,11 +127,35 @@ class DrafterStage(csp.Process):
                 except WouldBlock:
                     dropped += 1
                     log.info("step %d: the evaluator is still busy; these weights are not evaluated", self.step)
+            if self.budget is not None:
+                self.follow_budget()
+        final = time.perf_counter()
         if self.window.last_batch_id >= 0 and self.saved_step != self.step:  # final checkpoint, once
             self.save()
         if snapshots is not None and self.window.last_batch_id >= 0 and sent != self.step:
             snapshots.send(self.snapshot(dropped=dropped, final=True))  # the final weights, always
         self.ckpt.wait()
+        if self.app.budget_end is not None:
+            self.app.budget_end += f"; final checkpoint {time.perf_counter() - final:.1f} s"
+
+    def follow_budget(self) -> None:
+        """After a step under ``[run].time_budget_s``: move the schedule's end to where the measured
+        step rate meets the deadline; once the budget is spent (or the end reached), say so to the
+        prefetch stage (``RunApp.budget_reached``) and for the closing summary (``RunApp.budget_end``)."""
+        b = self.budget
+        self.optim.schedule.total = b.after_step(self.step)
+        if b.expired(self.step):
+            self.app.budget_end_at = time.perf_counter()
+            self.app.budget_end = (f"run.steps reached at {b.elapsed():.1f} s of the {b.seconds:g} s time budget"
+                                   if self.step >= b.max_total else
+                                   f"stopped at the time budget ({b.seconds:g} s): {self.step} steps "
+                                   f"(run.steps {b.max_total})")
+            log.info("%s", self.app.budget_end)
+            self.app.budget_reached.set()
+        elif b.rate is not None and b.elapsed() >= (self.budget_logged + 1) * b.seconds / 10:
+            self.budget_logged = int(10 * b.elapsed() / b.seconds)  # a line per tenth of the budget
+            log.info("time budget: %.0f of %g s at %.2f steps/s, step %d: the schedule ends at step %d",
+                     b.elapsed(), b.seconds, b.rate, self.step, b.total)
 
     def snapshot(self, *, dropped: int, final: bool = False) -> DrafterSnapshot:
         """A copy of the weights after ``self.step`` (on this device; the trainer keeps updating its own)."""
