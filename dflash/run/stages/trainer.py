@@ -136,7 +136,7 @@ class DrafterStage(csp.Process):
             snapshots.send(self.snapshot(dropped=dropped, final=True))  # the final weights, always
         self.ckpt.wait()
         if self.app.budget_end is not None:
-            self.app.budget_end += f"; final checkpoint {time.perf_counter() - final:.1f} s"
+            self.app.budget_end += f"; final checkpoint and snapshot hand-off {time.perf_counter() - final:.1f} s"
 
     def follow_budget(self) -> None:
         """After a step under ``[run].time_budget_s``: move the schedule's end to where the measured
