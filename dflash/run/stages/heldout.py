@@ -137,8 +137,8 @@ class HeldoutDecoder:
         if say is not None:
             sampled = f", then sampled at T={e.temperature:g}" if e.temperature > 0 else ""
             cpu = f", {torch.get_num_threads()} CPU thread(s)" if self.device.type == "cpu" else ""
-            say(f"evaluator: step {step}: decoding {over_text(len(self.prompts), e.max_new_tokens)} of held-out "
-                f"conversations{sampled} ({self.device}{cpu})")
+            say(f"evaluator: step {step}: decoding the held-out conversations, "
+                f"{over_text(len(self.prompts), e.max_new_tokens)}{sampled} ({self.device}{cpu})")
             progress = ProgressLines(say, prefix=f"evaluator: step {step}: ", done_line=False)
         t0 = time.perf_counter()
         with lock if lock is not None else nullcontext(), torch.no_grad():
