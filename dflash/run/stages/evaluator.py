@@ -64,6 +64,9 @@ class EvaluatorStage(csp.Process):
             log.warning("evaluator: eval.threads = %d not applied: this torch's CPU backend is not OpenMP, whose "
                         "thread counts are per thread, so the count is the whole process's; set eval.isolate = "
                         "true to decode in a process of its own with that count", o.eval.threads)
+        elif o.eval.threads == 0:
+            log.info("evaluator: decoding in the training process with torch's default of %d CPU thread(s) "
+                     "(eval.threads = 0)", threads)
         else:
             log.info("evaluator: decoding in the training process with %d torch CPU thread(s) of its own "
                      "(eval.threads)", threads)
