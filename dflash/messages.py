@@ -233,6 +233,10 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
             over every verify step of every prompt; ``accepted`` = ``tau - 1``.
         sampled_tau: the same for the sampled decode at ``[eval].temperature`` (None when greedy only).
         prompts: prompts decoded; new_tokens: tokens generated (greedy); steps: verify steps (greedy).
+        max_new_tokens: tokens generated per prompt (``[eval].max_new_tokens``; every decode
+            generates exactly this many).
+        temperature: the sampled decode's (``[eval].temperature``; 0: greedy only).
+        dtype: the decode's dtype ("float32", "bfloat16"): the target's for generation.
         seconds: wall time of the evaluation (decodes and the weight load).
         skipped: snapshots not evaluated since the previous evaluation: the evaluator was busy, or
             over its share of the run's time (``[eval].max_busy``).
@@ -249,3 +253,6 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
     sampled_tau: float | None = None
     skipped: int = 0
     time: float = 0.0
+    max_new_tokens: int | None = None
+    temperature: float = 0.0
+    dtype: str | None = None

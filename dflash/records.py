@@ -41,7 +41,7 @@ from msgspec import UNSET, UnsetType
 
 __all__ = ["KINDS", "CheckpointRecord", "EndRecord", "HeldoutRecord", "MetricsFormatError", "Record", "RecordBase",
            "ResumeRecord", "SkipRecord", "StartRecord", "TrainRecord", "decode_line", "encode",
-           "read_records", "to_record"]
+           "over_text", "read_records", "to_record"]
 
 Float = Union[float, None, UnsetType]
 """A float that a writer may have left out, or written as ``null`` (a NaN)."""
@@ -174,7 +174,8 @@ class SkipRecord(RecordBase, tag="skip"):
 
 class HeldoutRecord(RecordBase, tag="heldout"):
     """Measured tau of real draft-and-verify decoding on held-out prompts with the weights of
-    ``step`` (``[eval]``; :class:`dflash.messages.HeldoutTau` has the fields' meaning)."""
+    ``step`` (``[eval]``; :class:`dflash.messages.HeldoutTau` has the fields' meaning).
+    ``max_new_tokens``, ``temperature`` and ``dtype`` are absent from runs older than them."""
 
     step: int
     tau: Float = UNSET
@@ -186,6 +187,28 @@ class HeldoutRecord(RecordBase, tag="heldout"):
     seconds: Float = UNSET
     skipped: int | UnsetType = UNSET
     time: float | UnsetType = UNSET
+    max_new_tokens: int | None | UnsetType = UNSET
+    temperature: Float = UNSET
+    dtype: str | None | UnsetType = UNSET
+
+    def over(self) -> str:
+        """What its tau is over, ``8 prompts x 64 tokens`` (:func:`over_text`). A record older than
+        ``max_new_tokens`` gives ``new_tokens / prompts``: every decode generates exactly
+        ``max_new_tokens`` (no stop token ends it)."""
+        prompts = self.prompts if isinstance(self.prompts, int) else 0
+        tokens = self.max_new_tokens
+        if not isinstance(tokens, int):
+            tokens = self.new_tokens // prompts if prompts and isinstance(self.new_tokens, int) else None
+        return over_text(prompts, tokens)
+
+
+def over_text(prompts: int, max_new_tokens: int | None, decodes: int | None = None) -> str:
+    """What a measured tau is over, in the words the run's log, its summary and ``dflash.eval``
+    share: ``8 prompts x 64 tokens`` (``80 prompts, 160 turns x 128 tokens`` when later turns of a
+    prompt were decoded too; no ``x`` part when the tokens are unknown)."""
+    turns = f", {decodes} turns" if decodes is not None and decodes != prompts else ""
+    tokens = f" x {max_new_tokens} tokens" if max_new_tokens is not None else ""
+    return f"{prompts} prompt{'' if prompts == 1 else 's'}{turns}{tokens}"
 
 
 class CheckpointRecord(RecordBase, tag="checkpoint"):

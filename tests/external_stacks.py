@@ -43,9 +43,9 @@ def fixture(out: Path, types: list[str] | None = SLIDING_THEN_FULL) -> None:
     from dflash.export import export_drafter, load_exported
     from dflash.model.attention import decode_layout
     from dflash.model.target import load_target
-    from tests.dflash.export.test_export import TCFG, make
+    from tests.dflash.export.test_export import ABOUT, TCFG, make
 
-    export_drafter(make(types), out / "export", torch.float32)
+    export_drafter(make(types), out / "export", torch.float32, about=ABOUT)
     drafter, cfg = load_exported(out / "export")
     target = load_target(TCFG, "cpu", 2).model.float().eval()
     target.save_pretrained(out / "target")
@@ -71,10 +71,10 @@ def fixture_xpress(out: Path) -> None:
     from dflash.export import export_drafter, load_exported
     from dflash.model.attention import decode_layout
     from dflash.model.target import load_target
-    from tests.dflash.export.test_export import TCFG
+    from tests.dflash.export.test_export import ABOUT, TCFG
     from tests.dflash.export.test_xpress_export import make
 
-    export_drafter(make(), out / "export", torch.float32)
+    export_drafter(make(), out / "export", torch.float32, about=ABOUT)
     drafter, cfg = load_exported(out / "export")
     target = load_target(TCFG, "cpu", 2).model.float().eval()
     target.save_pretrained(out / "target")

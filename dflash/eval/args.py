@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from csp.cli import HelpFormatter
+from dflash.eval.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PROMPTS, DEFAULT_THREADS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "A DFlash2 drafter (drafter.variant = \"dflash2\") drafts with its selector's walk over "
                     "the top-K, so the\nfigures above are the walk's; beside them: the backbone top-1's "
                     "teacher-forced tau, the oracle\ntop-K tau (label in the top-K) and recall@K. Sampled, it "
-                    "samples the walk: q is\nsoftmax(score / T) over the K candidates.",
+                    "samples the walk: q is\nsoftmax(score / T) over the K candidates.\n\n"
+                    "The run's held-out measure: for RUN_DIR/checkpoints/step_N with --data the run's "
+                    "data.source, the\ndefaults of --num-prompts, --max-new-tokens and --max-prompt-tokens "
+                    "are the run's [eval] prompts,\nmax_new_tokens and max_prompt_tokens (RUN_DIR/config.toml), "
+                    "so the final checkpoint measures the\nrun's last held-out tau; a flag given overrides its "
+                    "setting.\n\n"
+                    "Progress goes to stderr as plain lines (a line per set, then prompts done, tau so far, "
+                    "time left,\nat most one every 10 s; a line when the speed baseline and the teacher-forced "
+                    "scoring start);\n--quiet drops them. stdout holds the result only (--json: one JSON "
+                    "object).",
         epilog="exit codes:\n  0    evaluated and printed\n  1    an unexpected error (traceback)\n"
                "  2    bad input: missing checkpoint, a run directory instead of a checkpoint, no such "
                "--prompts file or set,\n       a set whose package is not installed, a --prompts file with "
@@ -76,16 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                      "N of SOURCE")
     p.add_argument("--num-prompts", type=int, default=None, metavar="N",
                    help="prompts to decode: exactly N (fewer existing is an error naming how many exist); "
-                        "left out, all of a --prompts set, or 8 (or as many as exist) of --data")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt")
+                        f"left out, all of a --prompts set, or of --data the run's [eval].prompts for its "
+                        f"held-out conversations, else {DEFAULT_PROMPTS} (or as many as exist)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to generate per prompt (default {DEFAULT_MAX_NEW_TOKENS}; for the run's "
+                        "held-out conversations its [eval].max_new_tokens)")
     p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="serve at N tokens per block, anchor included (2 .. the trained block size; default "
                         "the trained size): published drafters are trained at 16 and served at 8")
     p.add_argument("--jacobi-passes", type=int, default=None, metavar="K",
                    help="an XPress drafter's Jacobi passes at most (0: the backbone's argmax; default the "
                         "checkpoint's [drafter].jacobi_passes)")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, metavar="N",
-                   help="prompt tokens kept (the last ones)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help=f"prompt tokens kept, the last ones (default {DEFAULT_MAX_PROMPT_TOKENS}; for the run's "
+                        "held-out conversations its [eval].max_prompt_tokens)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -95,9 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's weights during the decode: as the run trained (default), bf16/fp32 "
                    "(none), or float8 (fp8, torchao on CUDA). E.g. a drafter trained on an fp8 target's "
                    "features, measured against the bf16 target it will serve")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="torch intra-op CPU threads (default 1: batch-1 decode is launch-bound, and "
-                   "torch's default of one thread per core made a decode on a busy 2-core machine "
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                   help=f"torch intra-op CPU threads (default {DEFAULT_THREADS}: batch-1 decode is launch-bound, "
+                   "and torch's default of one thread per core made a decode on a busy 2-core machine "
                    "50x slower)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="also decode sampled at temperature T > 0 (lossless speculative rejection "
@@ -110,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-speedup", action="store_true",
                    help="skip timing the target alone (the measured speedup); halves the decode time")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (notes and errors are still printed)")
     p.add_argument("--allow-unhealthy", action="store_true",
                    help="evaluate a checkpoint marked healthy: false or holding NaN/Inf weights (refused "
                         "otherwise, naming the nearest healthy one)")

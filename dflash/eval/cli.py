@@ -12,9 +12,15 @@ contexts).
 
 ``python -m dflash.eval CHECKPOINT (--prompts NAME|FILE | --data SOURCE) [--num-prompts N]
 [--max-new-tokens N] [--device DEV] [--dtype auto|float32|bfloat16] [--threads N] [--no-speedup]
-[--temperature T [--top-p P] [--top-k K] [--seed S]] [--json]``. The decode runs with ``--threads``
-torch CPU threads (default 1: batch-1 decode is launch-bound, more threads only contend), in
-``--dtype`` (default: the run's ``[target].dtype``); both are recorded in the result. Prompts:
+[--temperature T [--top-p P] [--top-k K] [--seed S]] [--json] [--quiet]``. The decode runs with
+``--threads`` torch CPU threads (default 1: batch-1 decode is launch-bound, more threads only
+contend), in ``--dtype`` (default: the run's ``[target].dtype``); both are recorded in the result.
+
+Progress goes to stderr as plain lines, terminal or not (:mod:`dflash.eval.progress`): what is
+loaded, a line when the set starts (which set, prompts and turns, tokens, device, dtype, threads),
+then prompts done, tau so far, time elapsed and left, at most one line every 10 s, and a line when
+the speed baseline's warm-up and the teacher-forced scoring start. ``--quiet`` drops them; stdout
+holds only the result (``--json``: one JSON object). Prompts:
 
 * ``--prompts NAME`` (``mtbench``, ``humaneval``; :mod:`dflash.eval.sets`) or ``--prompts FILE``
   (JSONL): every prompt of the set, or ``--num-prompts N`` of them taken across its categories in
@@ -26,7 +32,10 @@ torch CPU threads (default 1: batch-1 decode is launch-bound, more threads only 
   * when CHECKPOINT is ``RUN_DIR/checkpoints/step_N``, ``RUN_DIR/config.toml`` exists and its
     ``data.source`` is SOURCE: the run's held-out conversations, ``split(data.holdout, data.seed)[1]``
     of its tokenized data (:func:`~dflash.data.prompts.heldout_prompts`), i.e. none the drafter was
-    trained on;
+    trained on. This is the run's held-out measure, the one its in-training evaluator took: N,
+    ``--max-new-tokens`` and ``--max-prompt-tokens`` default to the run's ``[eval]`` ``prompts``,
+    ``max_new_tokens`` and ``max_prompt_tokens``, so on the final checkpoint it prints the run's
+    last held-out tau (a flag given overrides its setting);
   * otherwise (a copied checkpoint, another source, ``data.holdout = 0``): the *last* N usable
     conversations of SOURCE in file order (:func:`~dflash.data.prompts.source_prompts`), which may be
     training data; a note on stderr says so.
@@ -46,28 +55,34 @@ import torch
 
 from dflash.data.prompts import encode_prompt, heldout_prompts, source_prompts
 from dflash.eval.args import INTERRUPTED, build_parser
+from dflash.eval.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PROMPTS
 from dflash.eval.inputs import (
     EvalInputError,
     check_checkpoint,
     check_device,
     run_data_config,
+    run_eval_config,
 )
 from dflash.eval.measure import evaluate
+from dflash.eval.progress import ProgressLines
 from dflash.eval.projection import project_8b
 from dflash.eval.report import (
     format_categories,
+    format_headline,
     format_prompt,
     format_result,
     format_speed,
 )
 from dflash.eval.sets import EvalPrompt, load_prompt_set
 from dflash.eval.turns import Turns, stratified
+from dflash.records import over_text
 
 __all__ = ["DEFAULT_NUM_PROMPTS", "main", "prompt_ids"]
 
-DEFAULT_NUM_PROMPTS = 8
+DEFAULT_NUM_PROMPTS = DEFAULT_PROMPTS
 """Conversations decoded with ``--data`` when ``--num-prompts`` is left out (or as many as exist,
-said in one line); a ``--prompts`` set is decoded whole."""
+said in one line), unless they are the run's held-out ones (then its ``[eval].prompts``); a
+``--prompts`` set is decoded whole."""
 
 PER_PROMPT_LINES = 16
 """Decodes up to which one line per decode is printed before the tables (``--json`` has them all)."""
@@ -118,9 +133,8 @@ def _main(argv: list[str] | None) -> int:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    asked = args.num_prompts  # None: the default (--data: 8 or as many as exist; a --prompts set: all)
-    args.num_prompts = DEFAULT_NUM_PROMPTS if asked is None else asked
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.max_prompt_tokens < 1:
+    asked = args.num_prompts  # None: the default (--data: the run's [eval].prompts or 8; a --prompts set: all)
+    if any(v is not None and v < 1 for v in (args.num_prompts, args.max_new_tokens, args.max_prompt_tokens)):
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if args.threads < 1:
         p.error("--threads must be >= 1")
@@ -149,9 +163,22 @@ def _main(argv: list[str] | None) -> int:
         # the run's [data] table (its held-out prompts): a broken config.toml is said before the
         # models load, not after a minute of loading them
         data_cfg = run_data_config(Path(args.checkpoint))
+        heldout = bool(args.data) and data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0
+        # the run's held-out measure: the defaults its own evaluator decoded with ([eval])
+        run_eval = run_eval_config(Path(args.checkpoint)) if heldout else None
     except (EvalInputError, DataError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
+    if args.num_prompts is None:
+        args.num_prompts = run_eval.prompts if run_eval is not None else DEFAULT_NUM_PROMPTS
+    if args.max_new_tokens is None:
+        args.max_new_tokens = run_eval.max_new_tokens if run_eval is not None else DEFAULT_MAX_NEW_TOKENS
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = run_eval.max_prompt_tokens if run_eval is not None else DEFAULT_MAX_PROMPT_TOKENS
+
+    def say(line: str) -> None:  # progress on stderr, terminal or not; --quiet drops it
+        if not args.quiet:
+            print(f"dflash.eval: {line}", file=sys.stderr, flush=True)
 
     from dflash.checkpoint.model_files import load_drafter, locate_target
     from dflash.data.tokenizer import load_tokenizer
@@ -222,9 +249,23 @@ def _main(argv: list[str] | None) -> int:
             print(f"dflash.eval: --num-prompts {asked} asked, but {where} holds {have}; give --num-prompts "
                   f"{len(ids)} or fewer", file=sys.stderr)
             return 2
-        print(f"dflash.eval: decoding the {have} of {where} (fewer than the default {DEFAULT_NUM_PROMPTS})",
+        default = "the run's eval.prompts" if run_eval is not None else "the default"
+        print(f"dflash.eval: decoding the {have} of {where} (fewer than {default}, {args.num_prompts})",
               file=sys.stderr)
     categories, next_turn = [args.data] * len(ids), None
+    if chosen:
+        turns = sum(len(c.turns) for c in chosen)
+        what = f"{set_name}: {over_text(len(chosen), args.max_new_tokens, turns)}"
+    else:
+        source = f"{args.data}, the run's held-out conversations" if heldout else f"--data {args.data}"
+        what = f"{source}: {over_text(len(ids), args.max_new_tokens)}"
+    what += f", prompts cut to their last {args.max_prompt_tokens} tokens"
+    if run_eval is not None:
+        what += " (the run's [eval] settings; flags override them)"
+    threads = f", {torch.get_num_threads()} CPU thread(s)" if torch.device(args.device).type == "cpu" else ""
+    extra = "; the target alone is timed beside each decode (--no-speedup skips it)" if not args.no_speedup else ""
+    extra += f"; sampled at T={args.temperature:g} too" if args.temperature > 0 else ""
+    say(f"{what}; {args.device}, {str(target.model.dtype).removeprefix('torch.')}{threads}{extra}")
     try:
         if chosen:
             next_turn = Turns(tok, chosen, args.max_prompt_tokens, data_cfg, args.device)
@@ -233,11 +274,13 @@ def _main(argv: list[str] | None) -> int:
             prompts = [torch.tensor(x, device=args.device) for x in ids]
         res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
-                       next_turn=next_turn, speed=not args.no_speedup)
+                       next_turn=next_turn, speed=not args.no_speedup,
+                       progress=ProgressLines(say) if not args.quiet else None)
     except DataError as exc:  # a chat template that cannot render a later turn
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
     res.prompt_set = set_name or args.data
+    res.max_new_tokens, res.heldout = args.max_new_tokens, heldout
     res.projection = project_8b(res.tau)
     if args.json:
         print(msgspec.json.encode(res).decode())
@@ -245,13 +288,10 @@ def _main(argv: list[str] | None) -> int:
     if len(res.per_prompt) <= PER_PROMPT_LINES:
         for r in res.per_prompt:
             print(format_prompt(r.prompt, r))
+    print(format_headline(res))
     print(format_result(res))
     if chosen:
         print(format_categories(res))
     print(format_speed(res))
-    return 0
-    for i, r in enumerate(res.per_prompt):
-        print(format_prompt(i, r))
-    print(format_result(res))
     return 0
 

@@ -6,9 +6,15 @@ the run's first ``prompts`` held-out conversations with those weights against it
 target and sends the measured tau to the monitor (``metrics.jsonl`` kind ``heldout``, wandb
 ``heldout/*``, the plot and the run summary). A snapshot that arrives while the evaluator is still
 busy with the previous one is dropped (the step never waits; the log says so); the final weights
-are always evaluated. This is the figure ``python -m dflash.eval --data SOURCE`` measures, on fewer
-prompts and shorter generations, so that it costs little next to training; ``max_busy`` caps the
-share of the run the evaluator spends decoding.
+are always evaluated. ``python -m dflash.eval CHECKPOINT --data SOURCE`` measures the same figure
+the same way: for a checkpoint in its run directory, with ``SOURCE`` the run's ``data.source``, it
+decodes the same held-out prompts with this table's ``prompts``, ``max_new_tokens`` and
+``max_prompt_tokens`` unless told otherwise, so on the final weights it reproduces the run's last
+held-out tau. The defaults below are ``dflash.eval``'s own (:data:`DEFAULT_PROMPTS`,
+:data:`DEFAULT_MAX_NEW_TOKENS`, :data:`DEFAULT_MAX_PROMPT_TOKENS`), so a run that leaves them out
+measures what a plain ``dflash.eval`` does; ``examples/dflash-tiny.toml`` sets 64 tokens to fit a
+CPU's time. ``max_busy`` caps the share of the run the evaluator spends decoding, and ``threads``
+the CPU threads it decodes with.
 """
 
 from __future__ import annotations
@@ -21,9 +27,20 @@ from msgspec import Meta
 
 from dflash.errors import ConfigError
 
-__all__ = ["EVALUATOR_KIND", "EvalSection", "check_eval"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_PROMPTS", "DEFAULT_THREADS",
+           "EVALUATOR_KIND", "EvalSection", "check_eval"]
 
 EVALUATOR_KIND = "dflash.evaluator"
+
+DEFAULT_PROMPTS = 8
+"""Held-out conversations decoded by default, by ``[eval]`` and by ``dflash.eval --data``."""
+DEFAULT_MAX_NEW_TOKENS = 128
+"""Tokens generated per prompt by default, by ``[eval]`` and by ``dflash.eval``."""
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+"""Prompt tokens kept (the last ones) by default, by ``[eval]`` and by ``dflash.eval``."""
+DEFAULT_THREADS = 1
+"""torch CPU threads of a decode by default, in ``[eval]`` and ``dflash.eval --threads``: a batch-1
+decode is launch-bound, and one thread per core made it up to 50x slower on a busy 2-core machine."""
 
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -36,12 +53,14 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Steps between evaluations (and one of the final weights); 0 = off, even in a graph with an
     evaluator (--set eval.every=0). A positive value needs a process of kind "dflash.evaluator" fed
     by the drafter's snapshots output (examples/dflash-tiny.toml has one)."""
-    prompts: PositiveInt = 8
-    """Held-out conversations decoded per evaluation (the first ones of the run's hold-out)."""
-    max_new_tokens: PositiveInt = 64
-    """Tokens generated per prompt."""
-    max_prompt_tokens: PositiveInt = 512
-    """Prompt tokens kept (the last ones)."""
+    prompts: PositiveInt = DEFAULT_PROMPTS
+    """Held-out conversations decoded per evaluation (the first ones of the run's hold-out); what
+    ``dflash.eval CHECKPOINT --data SOURCE`` decodes by default for this run too."""
+    max_new_tokens: PositiveInt = DEFAULT_MAX_NEW_TOKENS
+    """Tokens generated per prompt (dflash.eval's default too, and what it follows for this run's
+    held-out prompts)."""
+    max_prompt_tokens: PositiveInt = DEFAULT_MAX_PROMPT_TOKENS
+    """Prompt tokens kept (the last ones), as dflash.eval keeps them."""
     temperature: float = 0.0
     """0: greedy only; > 0 also decodes sampled at this temperature and logs its tau."""
     seed: int = 0
@@ -57,6 +76,13 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     process: its own interpreter, so that the decode and the training thread's launches do not
     wait on each other's interpreter lock, which is what the in-process decode costs on a GPU. It
     costs a second CUDA context and a start-up of a few seconds (dflash.run.stages.heldout)."""
+    threads: NonNegativeInt = DEFAULT_THREADS
+    """torch intra-op CPU threads the evaluator decodes with (0: torch's default, one per core). In
+    the training process they are the evaluator thread's own: OpenMP keeps a thread count per
+    thread, so the training threads keep theirs (dflash.run.stages.heldout); with ``isolate``, the
+    child process's. 1, as ``dflash.eval --threads``: a batch-1 decode is launch-bound, and with
+    one thread per core it fought the training threads for the cores (on 2 shared cores the final
+    evaluation of a short CPU run took 14.9 s with 2 threads, 0.8 s with 1)."""
 
 
 def check_eval(section: EvalSection, *, evaluators: int, holdout: int | None) -> None:

@@ -1,7 +1,7 @@
 """What ``python -m dflash.eval`` reads from its command line, checked before any model loads:
 the checkpoint directory (:func:`check_checkpoint`, also used by ``dflash.export``), the device
-and the ``[data]`` table of the run that wrote the checkpoint (which says
-whose held-out conversations to decode).
+and the ``[data]`` and ``[eval]`` tables of the run that wrote the checkpoint (which say whose
+held-out conversations to decode, and how many tokens the run's own evaluator decoded).
 
 Each bad input raises :class:`EvalInputError` with a one-line message saying what to change; the
 CLI prints it and exits 2. The ``--prompts`` sets and files are read by :mod:`dflash.eval.sets`;
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["EvalInputError", "check_checkpoint", "check_device", "run_data_config"]
+__all__ = ["EvalInputError", "check_checkpoint", "check_device", "run_data_config", "run_eval_config"]
 
 
 class EvalInputError(ValueError):
@@ -32,20 +32,38 @@ def run_data_config(checkpoint: Path):
         EvalInputError: ``config.toml`` exists but is not readable TOML (an integer of more than
             4,300 digits included) or its ``[data]`` table does not decode.
     """
+    from dflash.data import DataConfig
+
+    return _run_table(checkpoint, "data", DataConfig)
+
+
+def run_eval_config(checkpoint: Path):
+    """The ``[eval]`` table (:class:`~dflash.eval.config.EvalSection`) of the run that wrote
+    ``checkpoint``, or None when it is not in a run directory (as :func:`run_data_config`); a
+    config.toml without the table gives the defaults.
+
+    Raises:
+        EvalInputError: ``config.toml`` is not readable TOML or its ``[eval]`` table does not decode.
+    """
+    from dflash.eval.config import EvalSection
+
+    return _run_table(checkpoint, "eval", EvalSection)
+
+
+def _run_table(checkpoint: Path, table: str, kind: type):
     from csp.errors import GraphError
     from csp.graph.load import read_toml
-    from dflash.data import DataConfig
 
     ckpt = Path(checkpoint).resolve()
     path = ckpt.parent.parent / "config.toml"
     if ckpt.parent.name != "checkpoints" or not path.is_file():
         return None
     try:
-        return msgspec.convert(read_toml(path).get("data", {}), DataConfig)
+        return msgspec.convert(read_toml(path).get(table, {}), kind)
     except GraphError as exc:  # not TOML, an integer too long for Python, not UTF-8: names the file
         raise EvalInputError(str(exc)) from None
     except msgspec.ValidationError as exc:
-        raise EvalInputError(f"{path}: cannot read its [data] table: {exc}") from None
+        raise EvalInputError(f"{path}: cannot read its [{table}] table: {exc}") from None
 
 
 def check_device(name: str):

@@ -30,6 +30,7 @@ from dflash.eval.decode import (
     greedy_decode,
     speculative_decode,
 )
+from dflash.eval.progress import EvalProgress
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SelectorFigures, SpeedResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
 from dflash.eval.xpress import is_xpress, xpress_block_hits, xpress_proposer
@@ -119,28 +120,37 @@ def _proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], 
 @torch.no_grad()
 def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts: list[torch.Tensor],
                max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0) -> DecodedTau:
+               seed: int = 0, progress: Callable[[EvalProgress], None] | None = None) -> DecodedTau:
     """The measured tau of greedy draft-and-verify over ``prompts`` (each ``[n]`` int64 ids), and
     with ``temperature > 0`` of the sampled decode too (one generator seeded with ``seed``):
     :func:`evaluate` without the teacher-forced scoring, for the in-training evaluator, whose cost
-    is the decodes alone.
+    is the decodes alone. ``progress``: called after each prompt's greedy decode (stage
+    ``"decode"``), after each sampled one (``"sampled"``) and at the end (:mod:`dflash.eval.progress`).
 
     Raises:
         ValueError: an empty prompt or bad sampling parameters.
     """
     proposer, bs = _proposer_factory(drafter, head), drafter.cfg.block_size
+    t_start = time.perf_counter()
     ms, tokens = [], 0
-    for p in prompts:
+    for i, p in enumerate(prompts):
         out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs)
         ms += acc
         tokens += out.shape[0] - p.shape[0]
+        if progress is not None:
+            progress(_progress("decode", i + 1, len(prompts), t_start, i + 1, tokens, ms))
     sampled = None
     if temperature > 0:
         gen = torch.Generator(device=target.device).manual_seed(seed)
-        sm = [m for p in prompts for m in speculative_decode(
-            target, proposer(), p, max_new_tokens, bs, temperature=temperature, top_p=top_p, top_k=top_k,
-            generator=gen)[1]]
+        sm = []
+        for i, p in enumerate(prompts):
+            sm += speculative_decode(target, proposer(), p, max_new_tokens, bs, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, generator=gen)[1]
+            if progress is not None:
+                progress(_progress("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))
+    if progress is not None:
+        progress(_progress("done", len(prompts), len(prompts), t_start, len(prompts), tokens, ms))
     mean = sum(ms) / max(len(ms), 1)
     return DecodedTau(tau=tau_from_accepted(mean), accepted=mean, new_tokens=tokens, steps=len(ms),
                       sampled_tau=sampled)
@@ -172,7 +182,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
-             speed: bool = False) -> EvalResult:
+             speed: bool = False, progress: Callable[[EvalProgress], None] | None = None) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
     of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
     ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
@@ -190,6 +200,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         speed: also time the target alone (:func:`~dflash.eval.decode.greedy_decode`) on every
             decoded prompt, after one untimed warm-up decode of each kind, every timed region
             synchronised: :class:`SpeedResult` (wall-clock tokens/s of both, their ratio).
+        progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
+            (``speed``), after each prompt's decodes (every turn), before the teacher-forced
+            scoring and at the end; None: quiet.
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
@@ -199,8 +212,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     bs = drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
     proposer = _proposer_factory(drafter, head)
+    t_start = time.perf_counter()
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
+        if progress is not None:
+            progress(EvalProgress("warmup", 0, len(prompts)))
         speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs)
         greedy_decode(target, prompts[0], max_new_tokens)
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
@@ -224,6 +240,12 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
             turn += 1
+        if progress is not None:
+            progress(_progress("decode", i + 1, len(prompts), t_start, len(decoded),
+                               sum(d.tokens.shape[0] - d.prompt_len for d in decoded),
+                               [m for d in decoded for m in d.acc_m]))
+    if progress is not None:
+        progress(_progress("score", 0, len(prompts), t_start, len(decoded), 0, []))
     for d in decoded:  # teacher-forced scoring, after every timed decode
         _score(d, target, drafter, head, dflash2)
     cats = categories or ["all"] * len(prompts)
@@ -233,6 +255,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None
+    if progress is not None:
+        progress(_progress("done", len(prompts), len(prompts), t_start, len(decoded),
+                           sum(r.new_tokens for r in res.per_prompt), [m for d in decoded for m in d.acc_m]))
     return res
 
 
@@ -336,3 +361,11 @@ def _selector_figures(drafter: DFlashDrafter, extra, correct: torch.Tensor) -> S
 def _scored(acc: torch.Tensor) -> list[float | None]:
     """Per-position accuracies as a list, None where no anchor reached the position (NaN)."""
     return [None if math.isnan(a) else a for a in acc.tolist()]
+
+
+def _progress(stage, done: int, total: int, t_start: float, decodes: int, tokens: int,
+              ms: list[int]) -> EvalProgress:
+    """The :class:`EvalProgress` of a stage: ``ms`` the accepted drafts of every verify step so far."""
+    return EvalProgress(stage, done, total, decodes=decodes, new_tokens=tokens, steps=len(ms),
+                        tau=tau_from_accepted(sum(ms) / len(ms)) if ms else None,
+                        elapsed=time.perf_counter() - t_start)

@@ -11,8 +11,10 @@ import math
 
 import msgspec
 
+from dflash.records import over_text
+
 __all__ = ["CategoryResult", "EvalResult", "Projection", "PromptResult", "SelectorFigures", "SpeedResult", "explain",
-           "format_categories", "format_prompt", "format_result", "format_speed"]
+           "format_categories", "format_headline", "format_prompt", "format_result", "format_speed"]
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -156,6 +158,9 @@ class EvalResult(msgspec.Struct, kw_only=True):
         jacobi_passes: an XPress drafter's Jacobi passes at most (its figures above are those of
             the passes' drafts); None for the other variants.
         prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
+        heldout: the prompts were the run's held-out conversations (``--data`` = the run's source).
+        max_new_tokens: tokens each decode generated (``--max-new-tokens``); None in results saved
+            before it was recorded.
         categories: one :class:`CategoryResult` per category, in first-seen order.
         macro_tau: the mean of the categories' tau (each category weighs the same, as SPEED-Bench
             averages); ``tau`` above pools every verify step instead.
@@ -186,6 +191,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
     jacobi_passes: int | None = None
     n_per_pos: list[int] = msgspec.field(default_factory=list)
     prompt_set: str = ""
+    heldout: bool = False
+    max_new_tokens: int | None = None
     categories: list[CategoryResult] = msgspec.field(default_factory=list)
     speed: SpeedResult | None = None
     projection: Projection | None = None
@@ -224,6 +231,16 @@ def explain(res: EvalResult) -> list[str]:
                    f"tau_sim is {sign} streak@all: correct slots cluster in the same blocks, "
                    "which the product of marginals undercounts")
     return out
+
+
+def format_headline(res: EvalResult) -> str:
+    """The result's first line: ``held-out tau 2.310 tokens/verify step (8 prompts x 64 tokens)``,
+    the words the run's log and summary use for its in-training held-out tau (``held-out`` for the
+    run's held-out conversations, else the set's name)."""
+    name = "held-out" if res.heldout else (res.prompt_set or "measured")
+    prompts = len({r.prompt for r in res.per_prompt})
+    return (f"{name} tau {res.tau:.3f} tokens/verify step "
+            f"({over_text(prompts, res.max_new_tokens, len(res.per_prompt))})")
 
 
 def format_result(res: EvalResult) -> str:

@@ -34,7 +34,15 @@ have such a module, so its keys would be unexpected there; it stays in the train
   Serving engines select the drafter by ``architectures`` and ignore it. Without
   ``trust_remote_code=True`` transformers ignores it too and silently builds a plain ``Qwen3Model``
   (not a drafter); the CLI says so when it finishes;
-* ``README.md``: the model card (:func:`model_card`): what the drafter is and how to load it.
+* ``README.md``: the model card (:func:`model_card`): what the drafter is, the target it was
+  trained for and its measured tau, and code that loads and decodes with it as written, beside
+  this project too (z-lab's package, also named ``dflash``, unpacked as ``zlab_dflash``).
+
+``config.json`` also names the target (``dflash_target``: ``[target].path`` as recorded, its
+``model_type``, ``architectures``, depth, width, vocabulary) and, when the run's ``metrics.jsonl``
+holds a held-out evaluation of the exported step, its measured tau (``dflash_eval``: over which
+prompts, how many tokens, which decoder); :func:`describe` (:mod:`~dflash.export.about`) reads
+both from the checkpoint. The public loaders ignore these keys (the interop tests export with them).
 
 The CLI refuses (one line, exit 2) an output directory that is a checkpoint (it holds
 ``meta.json`` or ``train_state.pt``) or the input itself, an empty ``-o ""``, an output path that is
@@ -51,7 +59,8 @@ The export is written into a temporary sibling directory and renamed into place
 The rename also refuses (one line, exit 2) an ``-o`` that another writer filled while this export
 ran, e.g. two exports to the same new directory: the first one's files are left as they are.
 The room: :mod:`~dflash.export.layout` (file names and architectures, torch-free),
-:mod:`~dflash.export.write`, :mod:`~dflash.export.read`, :mod:`~dflash.export.cli`. Every public
+:mod:`~dflash.export.about`, :mod:`~dflash.export.write`, :mod:`~dflash.export.read`,
+:mod:`~dflash.export.cli`. Every public
 name is importable from here; they load on first use, so ``python -m dflash.export --help``
 imports no torch. Imports: :mod:`dflash.model`, :mod:`dflash.checkpoint`, :mod:`dflash.eval`
 (the checkpoint checks the evaluator shares) and csp.
@@ -72,12 +81,12 @@ from dflash.export.layout import (
 
 __all__ = ["ARCHITECTURES", "CARD_FILE", "DFLASH2_CONFIG_KEYS", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED",
            "NO_REMOTE_CODE", "ExportedThenInterrupted", "LastLayerWarning", "OutputTaken", "build_parser",
-           "check_output", "export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem",
+           "check_output", "describe", "export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem",
            "load_exported", "main", "model_card"]
 
 _HOME = {"export_drafter": "write", "exported_weights": "write", "hf_config_dict": "write",
          "last_layer_problem": "write", "model_card": "write", "load_exported": "read",
-         "build_parser": "cli", "check_output": "cli", "main": "cli"}
+         "build_parser": "cli", "check_output": "cli", "main": "cli", "describe": "about"}
 
 
 def __getattr__(name: str):  # lazy: write and read import torch

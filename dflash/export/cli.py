@@ -109,16 +109,19 @@ def _export(args, written: list[Path]) -> bool:
 
     from dflash.checkpoint.model_files import load_drafter
     from dflash.eval.inputs import check_checkpoint
+    from dflash.export.about import describe
     from dflash.export.write import export_drafter
+    from dflash.records import over_text
 
     try:
         check_checkpoint(args.checkpoint, args.allow_unhealthy)  # a run directory, an unhealthy one
         check_output(args.checkpoint, args.out, args.force)
-        drafter, _, _ = load_drafter(args.checkpoint)
+        drafter, dc, tc = load_drafter(args.checkpoint)
+        about = describe(args.checkpoint, dc, tc)  # the target it was trained for, its recorded tau
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", LastLayerWarning)
             try:
-                out = export_drafter(drafter, args.out, getattr(torch, args.dtype), force=args.force)
+                out = export_drafter(drafter, args.out, getattr(torch, args.dtype), force=args.force, about=about)
             except OutputTaken as e:  # another export (or anything) filled -o after check_output
                 raise ValueError(f"-o {args.out} was filled by another writer while this export ran "
                                  "(a second dflash.export to the same -o?) and is left as it is; give "
@@ -138,5 +141,10 @@ def _export(args, written: list[Path]) -> bool:
     n = sum(t.numel() for k, t in drafter.state_dict().items() if not k.startswith(NOT_EXPORTED))
     print(f"wrote {out}/config.json, model.safetensors ({n / 1e6:.1f}M parameters, {args.dtype}), "
           f"{MODELING_FILE} (the transformers model class) and {CARD_FILE}")
+    m = about.measured
+    tau = (f"measured tau {m.tau:.3f} tokens/verify step ({over_text(m.prompts, m.max_new_tokens)}, step "
+           f"{m.step})" if m is not None else "no measured tau recorded for this step (python -m dflash.eval "
+           f"{args.checkpoint} --data SOURCE measures it)")
+    print(f"target {about.target.name_or_path}; {tau}: in config.json (dflash_target, dflash_eval) and {CARD_FILE}")
     print(f"load it with AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True); {NO_REMOTE_CODE}")
     return True

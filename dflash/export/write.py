@@ -14,7 +14,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
@@ -34,45 +34,113 @@ from dflash.export.layout import (
 )
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
+if TYPE_CHECKING:
+    from dflash.export.about import ExportInfo
+
 __all__ = ["export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem", "model_card"]
 
 
 _TITLE = {"dflash": "DFlash", "dflash2": "DFlash2", "xpress": "XPress"}
 
 
-def model_card(cfg: DrafterConfig, dtype: torch.dtype) -> str:
-    """The export's ``README.md``: what it is and the load-and-decode calls that work."""
+def model_card(cfg: DrafterConfig, dtype: torch.dtype, about: ExportInfo | None = None,
+               where: str | Path = "DIR") -> str:
+    """The export's ``README.md``: what it is (the drafter, the target it was trained for, its
+    measured tau when ``about`` has one) and code that loads and decodes with it as written, here
+    or where z-lab's package is installed. ``where``: the export directory, as the code names it."""
+    target = about.target if about is not None else None
+    name = f"`{target.name_or_path}`" if target is not None else "its target"
     return f"""---
 library_name: transformers
 tags: [dflash, speculative-decoding, drafter]
 ---
-# {_TITLE[cfg.variant]} drafter
+# {_TITLE[cfg.variant]} drafter for {name}
 
 A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
-mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of a
-{cfg.num_target_layers}-layer target; weights in {str(dtype).removeprefix("torch.")}. It has no embedding
-and no LM head: it uses the target's.
+mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of
+{_target_text(target, cfg)}; weights in {str(dtype).removeprefix("torch.")}. It has no embedding and no LM head:
+it uses the target's. Trained with dflash-csp.
 
-## Load it
+{_measured_text(about.measured if about is not None else None)}
+
+## Load it and decode
 
 ```python
-from transformers import AutoModel
-drafter = AutoModel.from_pretrained(DIR, trust_remote_code=True)
+{_load_code(target, where)}
+out = drafter.spec_generate(target, input_ids, max_new_tokens=64, stop_token_ids=[tok.eos_token_id])
+print(tok.decode(out[0, input_ids.shape[1]:]))
 ```
 
 **`trust_remote_code=True` is required**: {NO_REMOTE_CODE}.
-`modeling_dflash.py` (torch and transformers only) is the model class.
+`modeling_dflash.py` (torch and transformers only) is the model class; its `spec_generate` is
+greedy draft-and-verify with z-lab's signature (the target's own greedy text, `[1, N + n]` ids).
 
 ## Decode with z-lab's loop
 
+z-lab's reference package is also named `dflash`, as is dflash-csp: where only z-lab's is installed,
+`from dflash.model import dflash_generate` works; beside dflash-csp it finds dflash-csp's package and
+fails. Unpack z-lab's wheel under another name there (as dflash-csp's `tests/interop_setup.sh` does):
+
+```bash
+pip download --no-deps --only-binary=:all: dflash==0.1.0 -d zlab && python -c "import glob, zipfile; zipfile.ZipFile(glob.glob('zlab/dflash-0.1.0-*.whl')[0]).extractall('zlab')" && mv zlab/dflash zlab/zlab_dflash
+```
+
 ```python
-from dflash.model import dflash_generate   # z-lab's dflash package
-out = dflash_generate(drafter, target, input_ids, max_new_tokens=256, stop_token_ids=None)
+import sys; sys.path.append("zlab")  # holds zlab_dflash/: z-lab's dflash 0.1.0, renamed
+from zlab_dflash.model import dflash_generate
+out = dflash_generate(drafter, target, input_ids, max_new_tokens=64, stop_token_ids=[tok.eos_token_id])
 ```
 
 Serving engines pick the drafter by `architectures = ["{ARCHITECTURES[cfg.variant]}"]` and read
-`dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`).
+`dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`); `config.json` also names the
+target (`dflash_target`) and, when one was recorded, the measured tau (`dflash_eval`).
 {_XPRESS_NOTE if cfg.variant == "xpress" else ""}"""
+
+
+def _target_text(target, cfg: DrafterConfig) -> str:
+    """``the target `PATH` (qwen3, Qwen3ForCausalLM, 8 layers, hidden 256, vocabulary 4096)``."""
+    if target is None:
+        return f"a {cfg.num_target_layers}-layer target"
+    shape = [x for x in (target.model_type, ", ".join(target.architectures or []) or None,
+                         f"{target.num_hidden_layers} layers" if target.num_hidden_layers else None,
+                         f"hidden size {target.hidden_size}" if target.hidden_size else None,
+                         f"vocabulary {target.vocab_size}" if target.vocab_size else None) if x]
+    where = ("recorded relative to the directory training started in" if not target.name_or_path.startswith("preset:")
+             and not Path(target.name_or_path).is_absolute() else "")
+    if target.name_or_path.startswith("preset:"):
+        where = "a random-init preset shape, for plumbing runs: there is no target to load"
+    return f"the target `{target.name_or_path}` ({', '.join(shape + ([where] if where else []))})"
+
+
+def _measured_text(m) -> str:
+    if m is None:
+        return ("**Measured tau:** none was recorded with the checkpoint this was exported from; "
+                "`python -m dflash.eval CHECKPOINT --data SOURCE` measures it.")
+    tokens = f" x {m.max_new_tokens} tokens" if m.max_new_tokens else ""
+    sampled = (f"; sampled at T={m.temperature:g}, tau {m.sampled_tau:.3f}" if m.sampled_tau is not None
+               and m.temperature else "")
+    return (f"**Measured tau: {m.tau:.3f} tokens per verify step** (accepted + 1: {m.accepted:.3f} drafted "
+            f"tokens accepted per step), over {m.prompt_source}, {m.prompts} prompts{tokens}: "
+            f"{m.decoder}, with the weights of step {m.step}{sampled}.")
+
+
+def _load_code(target, where: str | Path) -> str:
+    """The card's load lines: the drafter from ``where``, the target and its tokenizer from where
+    the export found it (else as recorded, or a placeholder for a preset)."""
+    if target is None or target.name_or_path.startswith("preset:"):
+        path, note = "TARGET", "  # the target's Hugging Face directory"
+    else:
+        path, note = target.found_at or target.name_or_path, ""
+    return f"""import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+drafter = AutoModel.from_pretrained({str(where)!r}, trust_remote_code=True, dtype=dtype).to(device)
+target = AutoModelForCausalLM.from_pretrained({path!r}, dtype=dtype).to(device){note}
+tok = AutoTokenizer.from_pretrained({path!r})
+input_ids = tok.apply_chat_template([{{"role": "user", "content": "Name three colours."}}], add_generation_prompt=True,
+                                    return_tensors="pt", return_dict=False).to(device)"""
 
 
 _XPRESS_NOTE = """
@@ -100,8 +168,11 @@ def last_layer_problem(cfg: DrafterConfig) -> str | None:
             "retrain with target.layer_ids inside [1, L-3] for vLLM")
 
 
-def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The public-layout ``config.json`` content for a resolved drafter config.
+def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
+                   about: ExportInfo | None = None) -> dict[str, Any]:
+    """The public-layout ``config.json`` content for a resolved drafter config; with ``about``
+    (:func:`dflash.export.about.describe`) also ``dflash_target`` (the target it was trained
+    for) and, when recorded, ``dflash_eval`` (its measured tau): keys the public loaders ignore.
 
     Raises:
         ValueError: ``mask_token_id`` is unset.
@@ -120,7 +191,7 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
         dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_CONFIG_KEYS})
     if cfg.variant == "xpress":
         dflash_config.update({k: getattr(cfg, ours) for k, ours in XPRESS_CONFIG_KEYS.items()})
-    return {
+    out = {
         "architectures": [arch],
         "model_type": "qwen3",  # the drafter's layers, for a Llama target too (dflash.export's docstring)
         "block_size": cfg.block_size,
@@ -150,6 +221,15 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> d
         "use_cache": True,
         "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{arch}"},
     }
+    if about is not None:
+        import msgspec
+
+        target = msgspec.to_builtins(about.target)
+        target.pop("found_at")  # where this machine found it: no part of what the drafter is
+        out["dflash_target"] = target
+        if about.measured is not None:
+            out["dflash_eval"] = msgspec.to_builtins(about.measured)
+    return out
 
 
 def exported_weights(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -159,9 +239,12 @@ def exported_weights(drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
-                   dtype: torch.dtype = torch.bfloat16, *, force: bool = True) -> Path:
+                   dtype: torch.dtype = torch.bfloat16, *, force: bool = True,
+                   about: ExportInfo | None = None) -> Path:
     """Write ``config.json``, ``model.safetensors``, ``modeling_dflash.py`` and the model card
-    ``README.md`` into ``out_dir`` (created if needed, with its parents).
+    ``README.md`` into ``out_dir`` (created if needed, with its parents). ``about``: the target
+    and measured tau the config and the card name (:func:`dflash.export.about.describe`; the CLI
+    reads them from the checkpoint); None: the card names neither.
 
     The files are written into a temporary sibling directory (``.NAME.tmp-*``), which is then
     renamed to ``out_dir`` when that is missing or empty, so an interrupted export leaves nothing
@@ -182,7 +265,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
     if problem is not None:
         warnings.warn(problem, LastLayerWarning, stacklevel=2)
     out = Path(out_dir)
-    cfg = hf_config_dict(drafter.cfg, dtype)
+    cfg = hf_config_dict(drafter.cfg, dtype, about)
     weights = exported_weights(drafter, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -190,7 +273,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         (tmp / MODELING_FILE).write_bytes((Path(__file__).parent.parent / "model" / MODELING_FILE).read_bytes())
-        (tmp / CARD_FILE).write_text(model_card(drafter.cfg, dtype))
+        (tmp / CARD_FILE).write_text(model_card(drafter.cfg, dtype, about, out_dir))
         umask = os.umask(0)
         os.umask(umask)
         for name in EXPORT_FILES:

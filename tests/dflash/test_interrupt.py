@@ -81,7 +81,7 @@ def test_ctrl_c_while_decoding_is_one_line_exit_130(tmp_path, checkpoint, monkey
 
     monkeypatch.setattr(ev, "evaluate", interrupted)
     assert ev.main([str(checkpoint), "--prompts", str(tmp_path / "p.jsonl"), "--num-prompts", "1",
-                    "--device", "cpu"]) == 130
+                    "--device", "cpu", "--quiet"]) == 130  # --quiet: the set's progress line aside
     out = capsys.readouterr()
     assert out.err.strip() == ev.INTERRUPTED and out.out == ""
 

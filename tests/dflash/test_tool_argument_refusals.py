@@ -222,6 +222,6 @@ def test_eval_decodes_exactly_the_prompts_asked_or_says_how_many_exist(tiny_run,
     assert err.count("\n") == 1 and f"--num-prompts 5 asked, but --prompts {prompts} holds 2 prompts" in err
     assert main([*base, "--num-prompts", "1", "--no-speedup"]) == 0
     assert len(json.loads(capsys.readouterr().out)["per_prompt"]) == 1
-    assert main([*base, "--no-speedup"]) == 0  # a --prompts set is decoded whole by default
+    assert main([*base, "--no-speedup", "--quiet"]) == 0  # a --prompts set is decoded whole by default
     out = capsys.readouterr()
     assert len(json.loads(out.out)["per_prompt"]) == 2 and out.err == ""

@@ -10,21 +10,32 @@ the run's time, and an evaluation holds the process's step lock shared, so it ru
 other stages (:mod:`dflash.run.step_gate`). With ``[eval].isolate = true`` the decode runs in a
 child process of its own (:mod:`dflash.run.stages.heldout`), which shares no interpreter lock with
 training.
+
+It decodes with ``[eval].threads`` torch CPU threads of its own (default 1), set in its thread
+(the training threads keep theirs; :func:`~dflash.run.stages.heldout.own_threads` says how) or in
+the isolated child. While it decodes it logs progress lines (prompts done, tau so far, time left):
+to run.log only while training runs, so the live view stays put, and to the terminal as well for
+the final weights, whose evaluation comes after the last step's line.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 import csp
 from dflash.messages import DrafterSnapshot, HeldoutTau
+from dflash.observe.runlog import FILE_ONLY
 from dflash.run.app import RunApp
 from dflash.run.options import EvaluatorOptions
 from dflash.run.step_gate import process_lock
 
 __all__ = ["EvaluatorStage"]
+
+log = logging.getLogger("dflash.evaluator")
 
 
 @csp.register("dflash.evaluator")
@@ -37,7 +48,7 @@ class EvaluatorStage(csp.Process):
     outputs = {"metrics": HeldoutTau}
 
     def setup(self) -> None:
-        from dflash.run.stages.heldout import HeldoutDecoder, HeldoutProcess
+        from dflash.run.stages.heldout import HeldoutDecoder, HeldoutProcess, own_threads, threads_are_per_thread
 
         app: RunApp = self.ctx.app
         o: EvaluatorOptions = app.resolved.evaluator
@@ -45,14 +56,30 @@ class EvaluatorStage(csp.Process):
         if o.eval.every == 0:  # off: the drafter sends no snapshot, nothing to load
             return
         device = self.ctx.device or torch.device("cpu")
-        self.worker = HeldoutProcess(o, device) if o.eval.isolate else HeldoutDecoder(o, device)
+        if o.eval.isolate:  # the child sets its own count
+            self.worker = HeldoutProcess(o, device)
+            return
+        threads = own_threads(o.eval.threads)  # this thread's count; the training threads keep theirs
+        if o.eval.threads and threads != o.eval.threads and not threads_are_per_thread():
+            log.warning("evaluator: eval.threads = %d not applied: this torch's CPU backend is not OpenMP, whose "
+                        "thread counts are per thread, so the count is the whole process's; set eval.isolate = "
+                        "true to decode in a process of its own with that count", o.eval.threads)
+        elif o.eval.threads == 0:
+            log.info("evaluator: decoding in the training process with torch's default of %d CPU thread(s) "
+                     "(eval.threads = 0)", threads)
+        else:
+            log.info("evaluator: decoding in the training process with %d torch CPU thread(s) of its own "
+                     "(eval.threads)", threads)
+        self.worker = HeldoutDecoder(o, device)
 
     def evaluate(self, snap: DrafterSnapshot) -> HeldoutTau:
         """Measured tau of ``snap``'s weights on the held-out prompts."""
+        say = _say(snap.final)
         with self.ctx.span("evaluator.decode"):
             if self.opts.eval.isolate:
-                return self.worker.evaluate(snap.step, snap.weights, snap.dropped)
-            return self.worker.evaluate(snap.step, snap.weights, snap.dropped, lock=process_lock().shared())
+                return self.worker.evaluate(snap.step, snap.weights, snap.dropped, say=say)
+            return self.worker.evaluate(snap.step, snap.weights, snap.dropped, lock=process_lock().shared(),
+                                        say=say)
 
     def teardown(self) -> None:
         close = getattr(getattr(self, "worker", None), "close", None)
@@ -73,3 +100,11 @@ class EvaluatorStage(csp.Process):
             busy, skipped = busy + item.seconds, 0
             del snap  # the weights' memory goes before the next snapshot arrives
             out.send(item)
+
+
+def _say(final: bool) -> Callable[[str], None]:
+    """Where an evaluation's progress lines go: run.log while training runs (the live view stays as
+    it is), the terminal too for the final weights (nothing else moves after the last step)."""
+    if final:
+        return log.info
+    return lambda line: log.info(line, extra=FILE_ONLY)

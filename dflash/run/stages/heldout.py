@@ -15,14 +15,27 @@ beside training against 3.6 s alone, benchmarks/results/LOG.md).
 The child receives each snapshot's weights through ``torch.multiprocessing`` (CUDA tensors as IPC
 handles, so a GPU snapshot is not copied; CPU tensors through shared memory); the parent keeps the
 snapshot alive until the child has answered, as CUDA IPC requires. The child costs its own CUDA
-context and a second import of torch and transformers at start-up.
+context and a second import of torch and transformers at start-up. While it decodes it sends its
+progress lines (:mod:`dflash.eval.progress`) up the same pipe, and the parent logs them.
+
+**CPU threads** (``[eval].threads``). ``torch.set_num_threads`` is process-wide in name only:
+under OpenMP, torch's CPU backend in the Linux and Windows wheels, it sets the *calling thread's*
+OpenMP and MKL thread counts (OpenMP keeps one per thread) and the process default that a thread
+adopts the first time it runs torch. So the in-process evaluator calls it from its own thread
+(:func:`own_threads`) and puts the process default back from a short-lived thread: the training
+threads, already running, keep their counts, and a thread started later gets torch's default, not
+the evaluator's. Under another backend (native, TBB) the count is one pool's for the whole process:
+the in-process evaluator then leaves it alone and says so, and ``[eval].isolate = true`` is the way
+to give the decode a count of its own. The isolated child sets its count for its whole process.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -32,9 +45,10 @@ import torch
 from dflash.data.config import DataError
 from dflash.errors import ConfigError
 from dflash.messages import HeldoutTau
+from dflash.records import over_text
 from dflash.run.options import EvaluatorOptions
 
-__all__ = ["EvaluatorProcessError", "HeldoutDecoder", "HeldoutProcess"]
+__all__ = ["EvaluatorProcessError", "HeldoutDecoder", "HeldoutProcess", "own_threads", "threads_are_per_thread"]
 
 log = logging.getLogger("dflash.evaluator")
 
@@ -43,6 +57,32 @@ _ERRORS: dict[str, type[Exception]] = {"DataError": DataError, "ConfigError": Co
 
 class EvaluatorProcessError(RuntimeError):
     """The evaluator's child process failed or exited; the message says how."""
+
+
+def threads_are_per_thread() -> bool:
+    """Whether torch's CPU parallel backend is OpenMP, which keeps a thread count per thread (the
+    module docstring says why that matters)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def own_threads(n: int) -> int:
+    """Give the calling thread ``n`` torch intra-op CPU threads and leave every other thread's
+    count, and the process default, as they were; ``n = 0`` changes nothing. Returns the calling
+    thread's count afterwards. Under a backend that is not OpenMP nothing is changed either (one
+    pool serves the process; the caller says so).
+
+    Why it works (OpenMP): ``torch.set_num_threads`` sets this thread's own OpenMP and MKL counts
+    and the process default; this thread has read its count first, so it never re-reads the
+    default, which a short-lived thread then puts back.
+    """
+    if n == 0 or not threads_are_per_thread():
+        return torch.get_num_threads()
+    before = torch.get_num_threads()  # also fixes this thread's count: it is initialised once per thread
+    torch.set_num_threads(n)
+    restore = threading.Thread(target=torch.set_num_threads, args=(before,), name="dflash-threads-default")
+    restore.start()
+    restore.join()
+    return torch.get_num_threads()
 
 
 class HeldoutDecoder:
@@ -78,38 +118,55 @@ class HeldoutDecoder:
             log.warning("[eval] decodes the %d usable held-out prompts (eval.prompts = %d)", len(ids), o.eval.prompts)
         self.prompts = [torch.tensor(x, device=device) for x in ids]
 
-    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int, lock: Any = None) -> HeldoutTau:
+    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int, lock: Any = None,
+                 say: Callable[[str], None] | None = None) -> HeldoutTau:
         """Measured tau of ``weights`` (the drafter's state dict after ``step``) on the prompts.
 
         Args:
             dropped: snapshots the drafter dropped before this one (the record's ``skipped``).
             lock: a context manager held while decoding (the in-process evaluator holds the
                 process's step lock shared, :mod:`dflash.run.step_gate`); None in a child process.
+            say: called with progress lines while it decodes (a line when it starts, then
+                prompts done, tau so far, time left, at most one every 10 s); None: quiet.
         """
         from dflash.eval.measure import decode_tau
+        from dflash.eval.progress import ProgressLines
 
         e = self.opts.eval
+        progress = None
+        if say is not None:
+            sampled = f", then sampled at T={e.temperature:g}" if e.temperature > 0 else ""
+            cpu = f", {torch.get_num_threads()} CPU thread(s)" if self.device.type == "cpu" else ""
+            say(f"evaluator: step {step}: decoding the held-out conversations, "
+                f"{over_text(len(self.prompts), e.max_new_tokens)}{sampled} ({self.device}{cpu})")
+            progress = ProgressLines(say, prefix=f"evaluator: step {step}: ", done_line=False)
         t0 = time.perf_counter()
         with lock if lock is not None else nullcontext(), torch.no_grad():
             self.drafter.load_state_dict(weights)
             got = decode_tau(self.target, self.drafter, self.head, self.prompts, e.max_new_tokens,
-                             temperature=e.temperature, seed=e.seed)
+                             temperature=e.temperature, seed=e.seed, progress=progress)
         return HeldoutTau(step=step, tau=got.tau, accepted=got.accepted, sampled_tau=got.sampled_tau,
                           prompts=len(self.prompts), new_tokens=got.new_tokens, steps=got.steps,
-                          seconds=time.perf_counter() - t0, skipped=dropped, time=time.time())
+                          seconds=time.perf_counter() - t0, skipped=dropped, time=time.time(),
+                          max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                          dtype=str(self.target.model.dtype).removeprefix("torch."))
 
 
 def serve(o: EvaluatorOptions, device: str, conn: Any) -> None:
-    """The child process's main: build a :class:`HeldoutDecoder`, answer ``("ready", None)``, then
-    answer each ``(step, weights, dropped)`` with ``("tau", HeldoutTau)`` until ``None`` arrives. An
-    exception is answered with ``("error", (type name, message))`` and ends the process."""
+    """The child process's main: set its CPU threads (``[eval].threads``, the whole process's),
+    build a :class:`HeldoutDecoder`, answer ``("ready", threads)``, then answer each ``(step,
+    weights, dropped)`` with ``("progress", line)`` messages while decoding and ``("tau",
+    HeldoutTau)`` at the end, until ``None`` arrives. An exception is answered with ``("error",
+    (type name, message))`` and ends the process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
     try:
+        if o.eval.threads:  # this process decodes only: its count is the decode's
+            torch.set_num_threads(o.eval.threads)
         decoder = HeldoutDecoder(o, torch.device(device))
-        conn.send(("ready", None))
+        conn.send(("ready", torch.get_num_threads()))
         while (msg := conn.recv()) is not None:
             step, weights, dropped = msg
-            item = decoder.evaluate(step, weights, dropped)
+            item = decoder.evaluate(step, weights, dropped, say=lambda line: conn.send(("progress", line)))
             del weights, msg  # the parent may free the snapshot once it has the answer
             conn.send(("tau", item))
     except (EOFError, BrokenPipeError):  # the parent is gone: nothing to answer
@@ -137,25 +194,33 @@ class HeldoutProcess:
         self.proc = ctx.Process(target=serve, args=(o, str(device), child), name="dflash-evaluator", daemon=True)
         self.proc.start()
         child.close()
-        self._answer("ready")
-        log.info("evaluator: decoding in its own process (pid %d, eval.isolate = true)", self.proc.pid)
+        threads = self._answer("ready")
+        log.info("evaluator: decoding in its own process (pid %d, eval.isolate = true) with %d torch CPU "
+                 "thread(s)", self.proc.pid, threads)
 
-    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int) -> HeldoutTau:
-        """The child's :meth:`HeldoutDecoder.evaluate` of ``weights``; keep them alive until it returns."""
+    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int,
+                 say: Callable[[str], None] | None = None) -> HeldoutTau:
+        """The child's :meth:`HeldoutDecoder.evaluate` of ``weights``; keep them alive until it
+        returns. ``say`` gets the child's progress lines as they arrive."""
         try:
             self.conn.send((step, weights, dropped))
         except (BrokenPipeError, EOFError, OSError):
             self._answer("tau")  # the child is gone: say why
-        return self._answer("tau")
+        return self._answer("tau", say)
 
-    def _answer(self, kind: str) -> Any:
-        try:
-            got, value = self.conn.recv()
-        except (EOFError, OSError):
-            self.proc.join(timeout=5)
-            raise EvaluatorProcessError(f"the evaluator's process (pid {self.proc.pid}) exited with code "
-                                        f"{self.proc.exitcode} before answering; its output above says why "
-                                        "(set eval.isolate = false to evaluate in the training process)") from None
+    def _answer(self, kind: str, say: Callable[[str], None] | None = None) -> Any:
+        while True:
+            try:
+                got, value = self.conn.recv()
+            except (EOFError, OSError):
+                self.proc.join(timeout=5)
+                raise EvaluatorProcessError(f"the evaluator's process (pid {self.proc.pid}) exited with code "
+                                            f"{self.proc.exitcode} before answering; its output above says why "
+                                            "(set eval.isolate = false to evaluate in the training process)") from None
+            if got != "progress":
+                break
+            if say is not None:
+                say(value)
         if got == "error":
             name, message = value
             raise _ERRORS.get(name, EvaluatorProcessError)(

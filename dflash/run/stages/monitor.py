@@ -86,8 +86,8 @@ class MonitorStage(csp.Process):
         self.wandb.log_heldout(record)
         sampled = f", sampled {m.sampled_tau:.3f}" if m.sampled_tau is not None else ""
         dropped = f"; {m.skipped} snapshot(s) skipped (evaluator busy, or over eval.max_busy)" if m.skipped else ""
-        line = (f"held-out tau {m.tau:.3f} tokens/verify step (accepted {m.accepted:.3f}{sampled}) at step {m.step}: "
-                f"{m.prompts} prompts decoded in {m.seconds:.1f} s{dropped}")
+        line = (f"held-out tau {m.tau:.3f} tokens/verify step ({record.over()}; accepted {m.accepted:.3f}{sampled}) "
+                f"at step {m.step}: decoded in {m.seconds:.1f} s{dropped}")
         self.display.note(line)  # the terminal and run.log
 
     def teardown(self) -> None:

@@ -192,13 +192,13 @@ def test_eval_on_mtbench_prints_the_category_table_speedup_and_projection(tiny_r
 
 
 def test_eval_data_default_is_8_and_more_than_exist_is_refused(tiny_run, capsys):  # noqa: F811
-    """Invariant: with --data and no --num-prompts, 8 held-out conversations are decoded, or all
-    the usable ones when fewer exist, said in one line; asking for more than exist is one line
-    naming how many do, exit 2."""
+    """Invariant: with --data and no --num-prompts, 8 held-out conversations are decoded (the
+    run's eval.prompts, 8 by default), or all the usable ones when fewer exist, said in one line
+    (the only line with --quiet); asking for more than exist is one line naming how many do, exit 2."""
     from dflash.eval.cli import main
 
     ck = max((tiny_run / "checkpoints").glob("step_*"))
-    base = [str(ck), "--data", "sharegpt", "--max-new-tokens", "4", "--device", "cpu", "--no-speedup"]
+    base = [str(ck), "--data", "sharegpt", "--max-new-tokens", "4", "--device", "cpu", "--no-speedup", "--quiet"]
     assert main([*base, "--json"]) == 0
     out = capsys.readouterr()
     n = len(json.loads(out.out)["per_prompt"])

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash.export import MODELING_FILE, export_drafter, load_exported
 from dflash.model.attention import decode_layout
-from tests.dflash.export.test_export import make
+from tests.dflash.export.test_export import ABOUT, make
 from tests.helpers import save_checkpoint
 
 CHILD = r"""
@@ -48,7 +48,7 @@ def test_automodel_loads_the_export_and_drafts_the_same(tmp_path, types):
     as load_exported's drafter (full and sliding-window layers; context longer than the window)."""
     drafter = make(types)
     out_dir = tmp_path / "export"
-    export_drafter(drafter, out_dir, torch.float32)
+    export_drafter(drafter, out_dir, torch.float32, about=ABOUT)  # dflash_target, dflash_eval: ignored
     cfg = json.loads((out_dir / "config.json").read_text())
     assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert (out_dir / MODELING_FILE).is_file()
@@ -146,7 +146,7 @@ def test_export_loads_its_weights_under_transformers_5_8(tmp_path):
                     "pip install --no-deps --target DIR transformers==5.8.1 tokenizers==0.22.2 "
                     "'huggingface-hub>=1.5,<2'; or eval \"$(bash tests/interop_setup.sh .stacks)\")")
     out_dir = tmp_path / "export"
-    export_drafter(make(["sliding_attention", "full_attention"]), out_dir, torch.float32)
+    export_drafter(make(["sliding_attention", "full_attention"]), out_dir, torch.float32, about=ABOUT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=OLD_TRANSFORMERS, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")

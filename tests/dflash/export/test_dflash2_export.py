@@ -19,6 +19,7 @@ from dflash.export import main as export_main
 from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
+from tests.dflash.export.test_export import ABOUT
 from tests.helpers import save_checkpoint
 from tests.zlab import zlab_model
 
@@ -99,7 +100,7 @@ def test_zlab_dflash2_loads_the_export_with_every_key_and_drafts_the_same(tmp_pa
     and its greedy selector path (``propose``) equals our walk, full and sliding-window layers."""
     zl = zlab_model()
     d = make(types)
-    export_drafter(d, tmp_path, torch.float32)
+    export_drafter(d, tmp_path, torch.float32, about=ABOUT)  # dflash_target, dflash_eval: ignored
     model, info = zl.DFlash2DraftModel.from_pretrained(str(tmp_path), output_loading_info=True,
                                                         dtype=torch.float32)
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
@@ -141,7 +142,7 @@ def test_automodel_loads_the_dflash2_export_through_our_modeling_file(tmp_path):
     hidden states and our selector's drafts."""
     d = make(["sliding_attention", "full_attention"])
     out_dir = tmp_path / "export"
-    export_drafter(d, out_dir, torch.float32)
+    export_drafter(d, out_dir, torch.float32, about=ABOUT)
     feats, emb = inputs()
     head = torch.randn(4096, H, generator=torch.Generator().manual_seed(2))
     anchor = torch.tensor([7])

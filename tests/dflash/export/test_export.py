@@ -11,12 +11,23 @@ from safetensors import safe_open
 from dflash.checkpoint.model_files import load_drafter
 from dflash.export import export_drafter, load_exported
 from dflash.export import main as export_main
+from dflash.export.about import ExportInfo, MeasuredTau, TargetInfo
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
 from tests.helpers import save_checkpoint
 
 TCFG = TargetConfig(preset="tiny", seed=4, vocab_size=4096, tokenizer="builtin:tiny")
+
+ABOUT = ExportInfo(
+    target=TargetInfo(name_or_path="models/Qwen3-tiny", model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+                      num_hidden_layers=6, hidden_size=128, vocab_size=4096),
+    measured=MeasuredTau(tau=2.5, accepted=1.5, step=300, prompts=8, max_new_tokens=64, verify_steps=205,
+                         prompt_source="the run's first 8 held-out conversations of sharegpt (never trained on)",
+                         decoder="greedy draft-and-verify against the target at block size 4, float32"))
+"""The target and measured tau the CLI writes beside the public keys (``dflash_target``,
+``dflash_eval``): the interop tests export with them, so every peer's loader reads a config.json
+that has them."""
 
 
 def make(types=None):
@@ -178,10 +189,10 @@ def test_a_second_export_into_the_same_new_directory_is_refused(tmp_path, capsys
     out = tmp_path / "new"
     card = export.model_card
 
-    def first_export_finishes_meanwhile(cfg, dtype):  # called after check_output, before the move
+    def first_export_finishes_meanwhile(cfg, dtype, *more):  # called after check_output, before the move
         monkeypatch.setattr(export, "model_card", card)
         assert export_main([str(ck), "-o", str(out), "--dtype", "float32"]) == 0
-        return card(cfg, dtype)
+        return card(cfg, dtype, *more)
 
     monkeypatch.setattr(export, "model_card", first_export_finishes_meanwhile)
     args = [str(ck), "-o", str(out), "--dtype", "bfloat16"] + (["--force"] if force else [])

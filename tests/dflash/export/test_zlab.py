@@ -15,7 +15,7 @@ import torch
 
 from dflash.export import export_drafter
 from dflash.model.target import load_target
-from tests.dflash.export.test_export import TCFG, make
+from tests.dflash.export.test_export import ABOUT, TCFG, make
 from tests.zlab import zlab_model
 
 
@@ -47,7 +47,7 @@ def test_automodel_export_decodes_in_zlab_dflash_generate_like_zlab_own_class(tm
     from transformers import AutoModel
 
     out = tmp_path / "export"
-    export_drafter(make(types), out, torch.float32)
+    export_drafter(make(types), out, torch.float32, about=ABOUT)  # dflash_target, dflash_eval: ignored
     target = load_target(TCFG, "cpu", 2).model.float()
     # An LM head that scores token 7 by one random direction of the hidden state and every other token 0, so
     # target and drafter agree often and the accepted lengths vary (a random drafter gets 1s only).

@@ -4,6 +4,7 @@ never the step wait; the evaluation changes nothing trained (the config hash).""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -81,11 +82,15 @@ def test_an_isolated_evaluator_measures_what_the_in_process_one_does(tmp_path, c
         run = tmp_path / f"run-{isolate}"
         sets = _eval_sets(2, "eval.max_busy=1", f"eval.isolate={str(isolate).lower()}")
         args = small(run, cache_dir, steps=4) + [a for s in sets for a in ("--set", s)]
+        caplog.clear()
         with caplog.at_level(logging.INFO, logger="dflash.evaluator"):
             assert main(args) == 0
         got[isolate] = [(r["step"], r["tau"], r["steps"], r["new_tokens"]) for r in records(run, "heldout")]
+        said = [r.getMessage() for r in caplog.records]
+        # the progress of the final evaluation is logged, from the child through its pipe when isolated
+        assert any(m.startswith("evaluator: step 4: 1/") and "prompts | tau " in m for m in said), said
     assert got[True] == got[False] and got[True][-1][0] == 4
-    assert any("decoding in its own process (pid" in r.getMessage() for r in caplog.records)
+    assert any("decoding in its own process (pid" in m and "with 1 torch CPU thread(s)" in m for m in said)
 
 
 def _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch, before) -> str:  # noqa: F811
@@ -95,7 +100,7 @@ def _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch, before) -> str
 
     real = heldout.HeldoutProcess.evaluate
     monkeypatch.setattr(heldout.HeldoutProcess, "evaluate",
-                        lambda self, step, weights, dropped: real(self, step, before(self, weights), dropped))
+                        lambda self, step, weights, dropped, **kw: real(self, step, before(self, weights), dropped, **kw))
     run = tmp_path / "run"
     args = small(run, cache_dir, steps=2) + [a for s in _eval_sets(2, "eval.isolate=true") for a in ("--set", s)]
     assert main(args) != 0
@@ -161,3 +166,95 @@ def test_an_eval_without_held_out_data_stops_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert any("eval.every = 200 decodes held-out conversations, but data.holdout = 0" in x for x in err), err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_run_and_dflash_eval_take_the_same_held_out_measure(tmp_path, cache_dir, capsys):  # noqa: F811
+    """Invariant (one measure): ``dflash.eval CKPT --data SOURCE`` on a run's final checkpoint, with
+    no flag, decodes what the run's evaluator decoded for the same weights (the run's [eval]
+    prompts and max_new_tokens, the same held-out conversations, one CPU thread each), so it
+    prints the same tau over the same prompts, tokens and verify steps; the run's log line, its
+    summary and dflash.eval say what the tau is over in the same words. The final evaluation's
+    progress reaches the terminal; an earlier one's only run.log (the live view stays put)."""
+    from dflash.eval.cli import main as eval_main
+
+    run = tmp_path / "run"
+    sets = ["eval.every=2", "eval.prompts=2", "eval.max_new_tokens=12", "eval.max_busy=1"]
+    assert main(small(run, cache_dir, *sets, steps=4)) == 0
+    err = capsys.readouterr().err
+    last = records(run, "heldout")[-1]
+    assert last["step"] == 4 and last["max_new_tokens"] == 12 and last["dtype"] == "float32"
+    over = f"({last['prompts']} prompts x 12 tokens"
+    assert f"held-out tau {last['tau']:.3f} tokens/verify step {over}; accepted" in err
+    assert f"measured at step 4 {over})" in err  # the closing summary
+    assert "evaluator: step 4: 1/" in err  # the final evaluation's progress, on the terminal
+    log = (run / "run.log").read_text()
+    assert "decoding in the training process with 1 torch CPU thread(s) of its own (eval.threads)" in log
+    if any(r["step"] == 2 for r in records(run, "heldout")):  # evaluated, not skipped as busy
+        assert "evaluator: step 2: 1/" in log and "evaluator: step 2: 1/" not in err
+
+    ckpt = run / "checkpoints" / "step_00000004"
+    assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["heldout"] and res["max_new_tokens"] == 12 and res["threads"] == 1
+    assert len(res["per_prompt"]) == last["prompts"]
+    assert sum(p["new_tokens"] for p in res["per_prompt"]) == last["new_tokens"]
+    assert sum(p["steps"] for p in res["per_prompt"]) == last["steps"]
+    assert res["tau"] == pytest.approx(last["tau"], abs=1e-12)
+    assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--quiet"]) == 0
+    assert f"held-out tau {last['tau']:.3f} tokens/verify step {over})" in capsys.readouterr().out
+    assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--json", "--quiet", "--max-new-tokens", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_new_tokens"] == 5  # a flag overrides the run's setting
+
+
+def test_eval_threads_are_the_evaluator_threads_own():
+    """Invariant: ``own_threads(n)`` (the in-process evaluator's [eval].threads, applied in its own
+    thread) gives the calling thread n torch threads while a thread already running torch keeps
+    its count and a thread started afterwards gets the process default, not n: the training
+    threads' parallelism is not the evaluator's to change. ``n = 0`` changes nothing."""
+    import threading
+
+    import torch
+
+    from dflash.run.stages.heldout import own_threads, threads_are_per_thread
+
+    if not threads_are_per_thread():
+        pytest.skip("torch's CPU backend here is not OpenMP: the thread count is the whole process's")
+    default = torch.get_num_threads()
+    seen: dict[str, int] = {}
+    running, set_done = threading.Event(), threading.Event()
+
+    def training():  # runs torch before the evaluator sets its count, and after
+        torch.ones(4).sum()
+        seen["training before"] = torch.get_num_threads()
+        running.set()
+        set_done.wait(30)
+        seen["training after"] = torch.get_num_threads()
+
+    def evaluator():
+        running.wait(30)
+        seen["evaluator"] = own_threads(1)
+        seen["evaluator later"] = torch.get_num_threads()
+        seen["evaluator, 0"] = own_threads(0)
+        set_done.set()
+
+    threads = [threading.Thread(target=training), threading.Thread(target=evaluator)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    later = threading.Thread(target=lambda: seen.setdefault("started later", torch.get_num_threads()))
+    later.start()
+    later.join(30)
+    assert seen == {"training before": default, "training after": default, "evaluator": 1, "evaluator later": 1,
+                    "evaluator, 0": 1, "started later": default}
+    assert torch.get_num_threads() == default
+
+
+def test_eval_threads_must_be_zero_or_more():
+    """A negative eval.threads is refused naming the key (0 is torch's default, one per core)."""
+    from dflash.run.config import load_config
+
+    with pytest.raises(ConfigError, match=r"\$\.eval\.threads"):
+        load_config(GRAPH, ["eval.threads=-1"])
+    assert load_config(GRAPH, ["eval.threads=0"]).eval.threads == 0
+    assert load_config(GRAPH).eval.threads == 1
