@@ -172,7 +172,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
-             speed: bool = False) -> EvalResult:
+             speed: bool = False, cuda_graphs: bool = False) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
     of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
     ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
@@ -190,6 +190,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         speed: also time the target alone (:func:`~dflash.eval.decode.greedy_decode`) on every
             decoded prompt, after one untimed warm-up decode of each kind, every timed region
             synchronised: :class:`SpeedResult` (wall-clock tokens/s of both, their ratio).
+        cuda_graphs: every decode here (both timed kinds, the sampled one) runs the target's
+            steps through :mod:`dflash.eval.static_target` (CUDA-graph replays on a GPU).
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
@@ -201,25 +203,26 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     proposer = _proposer_factory(drafter, head)
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
-        speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs)
-        greedy_decode(target, prompts[0], max_new_tokens)
+        speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs, cuda_graphs=cuda_graphs)
+        greedy_decode(target, prompts[0], max_new_tokens, cuda_graphs=cuda_graphs)
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     decoded: list[_Decoded] = []
     for i, first in enumerate(prompts):
         prompt, turn = first, 0
         while prompt is not None:
             t0 = _clock(prompt.device)
-            tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs)
+            tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
+                                                        cuda_graphs=cuda_graphs)
             d = _Decoded(i, turn, prompt.shape[0], tokens, acc_m, visited, _clock(prompt.device) - t0)
             if speed:
                 t0 = _clock(prompt.device)
-                greedy_decode(target, prompt, max_new_tokens)
+                greedy_decode(target, prompt, max_new_tokens, cuda_graphs=cuda_graphs)
                 d.target_seconds = _clock(prompt.device) - t0
             if gen is not None:  # the generator's stream runs through the prompts in order
                 t0 = _clock(prompt.device)
                 d.sampled_m = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
                                                  temperature=temperature, top_p=top_p, top_k=top_k,
-                                                 generator=gen)[1]
+                                                 generator=gen, cuda_graphs=cuda_graphs)[1]
                 d.sampled_seconds = _clock(prompt.device) - t0
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
@@ -230,6 +233,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     res = _summary(decoded, drafter, dflash2)
     res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
     res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
+    res.cuda_graphs = cuda_graphs
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None

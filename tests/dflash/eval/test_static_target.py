@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from dflash.eval import static_target
+from dflash.eval.args import build_parser
 from dflash.eval.decode import CachedDrafterProposer, CachedTarget, greedy_decode, speculative_decode
+from dflash.eval.measure import evaluate
+from dflash.eval.report import format_result, format_speed
 from dflash.eval.selector import selector_proposer
 from dflash.eval.static_target import StaticTarget, UnsupportedTarget, acquire, check_supported, release
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
@@ -158,6 +161,26 @@ def test_dflash2_and_sampled_decodes_are_identical_with_the_static_step(targets)
         b = speculative_decode(target, selector_proposer(drafter, head), p, 24, BS, cuda_graphs=True,
                                generator=torch.Generator().manual_seed(seed), **kw)
         assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_eval_with_cuda_graphs_measures_the_same_and_says_so(targets):
+    """dflash.eval --cuda-graphs: every figure of the decodes (and the speed's token counts) is the
+    dynamic path's, and the result says the target's steps ran as CUDA graphs (JSON and table)."""
+    target = targets["llama"]
+    head = target.shared_head()
+    cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1).resolve(target.hf_config,
+                                                                                  target.layer_ids)
+    drafter = DFlashDrafter(cfg, seed=3).eval()
+    prompts = [prompt(8), prompt(9, 5)]
+    plain = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True)
+    graphs = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True, cuda_graphs=True)
+    assert build_parser().parse_args(["CKPT", "--data", "x", "--cuda-graphs"]).cuda_graphs
+    assert not plain.cuda_graphs and graphs.cuda_graphs
+    for name in ("tau", "sampled_tau", "acc_per_pos", "per_prompt", "streak_all"):
+        assert getattr(graphs, name) == getattr(plain, name), name
+    assert graphs.speed.new_tokens == plain.speed.new_tokens == 24
+    assert "target steps as CUDA graphs" in format_result(graphs) and "CUDA graphs" in format_speed(graphs)
+    assert "CUDA graphs" not in format_result(plain) + format_speed(plain)
 
 
 def test_an_unsupported_target_falls_back_to_the_dynamic_cache_once_logged(caplog):
