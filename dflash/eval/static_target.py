@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from dflash.model.target import Target
 
-__all__ = ["StaticTarget", "UnsupportedTarget", "acquire", "check_supported", "release"]
+__all__ = ["StaticTarget", "UnsupportedTarget", "acquire", "check_supported", "pooled", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,12 @@ def acquire(target: Target, width: int, capacity: int, graphs: bool = True) -> S
     run = StaticTarget(target, width, _rounded(capacity + width), graphs)
     run.owner = weakref.ref(target)
     return run
+
+
+def pooled(target: Target, width: int, graphs: bool = True) -> StaticTarget | None:
+    """The idle :class:`StaticTarget` of ``target`` and ``width`` (the last generation's), if any:
+    e.g. to ask whether its step was captured (``graph is not None``)."""
+    return _POOL.get(target, {}).get((width, graphs))
 
 
 def release(run: StaticTarget) -> None:

@@ -245,8 +245,8 @@ def test_graph_replay_equals_the_eager_static_step_on_cuda():
         assert torch.equal(greedy_decode(target, p, 40, cuda_graphs=True), ref)
         out, acc, _ = speculative_decode(target, _Spoiled(text), p, 40, BS, cuda_graphs=True)
         assert torch.equal(out, ref) and acc == speculative_decode(target, _Spoiled(text), p, 40, BS)[1]
-    pooled = static_target._POOL[target]
-    assert all(run.graph is not None for run in pooled.values())
+    assert static_target.pooled(target, 1).graph is not None
+    assert static_target.pooled(target, BS).graph is not None
 
 
 def test_a_failed_capture_leaves_the_eager_step_with_one_warning(targets, monkeypatch, caplog):
