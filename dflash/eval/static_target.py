@@ -24,7 +24,7 @@ The forward is written over the Hugging Face model's own modules (``embed_tokens
 transformers' ``LlamaDecoderLayer``/``Qwen3DecoderLayer``, for those two families only
 (:func:`check_supported`); the features are the captured layers' outputs concatenated as
 :meth:`dflash.model.target.Target.collect` orders them. On a CPU (or when capture fails: one
-warning line, then eager) the same forward runs eagerly; that is what the CPU tests compare with
+warning line, then eager; :mod:`dflash.eval.cuda_graph`) the same forward runs eagerly; that is what the CPU tests compare with
 :class:`dflash.eval.decode.CachedTarget`. Grouped-query attention packs the query heads of one key
 head into the query length (as transformers' ``pack_gqa``), so SDPA sees equal head counts and
 any backend that takes a mask can run it.
@@ -37,17 +37,15 @@ loop) gets an instance of its own.
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 import torch.nn.functional as F
 
+from dflash.eval.cuda_graph import GraphedStep, weights_signature
 from dflash.model.target import Target
 
 __all__ = ["StaticTarget", "UnsupportedTarget", "acquire", "check_supported", "pooled", "release"]
-
-log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "qwen3")
 # rotary types whose frequencies are fixed at build time; "dynamic" and "longrope" recompute them
@@ -125,10 +123,16 @@ class StaticTarget:
         self.ids = torch.zeros(1, width, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, width, dtype=torch.long, device=dev)
         self.offsets = torch.arange(width, device=dev)
-        self.asked_graphs, self.graphs = graphs, graphs and dev.type == "cuda"
+        self.asked_graphs = graphs
+        self.weights = weights_signature(target.model)   # what the graph reads (acquire checks it)
         self.owner: weakref.ref | None = None   # the target whose pool it returns to (acquire)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's static outputs
+        self.step = GraphedStep(lambda: self.forward(self.ids, self.pos), graphs, dev.type == "cuda",
+                                f"the target's {width}-token step")
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step (None before the first fixed-shape call, on a CPU, or after a failed capture)."""
+        return self.step.graph
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,41 +183,9 @@ class StaticTarget:
             return (f if features else None), logits
         self.ids[0, :w] = ids
         torch.add(self.offsets, start, out=self.pos[0])
-        f, logits = self._step()
+        f, logits = self.step()
         f, logits = f[:, :w], logits[w - 1:w] if last_only else logits[:w]
         return (f if features else None), logits
-
-    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fixed-shape forward of the static inputs: a graph replay once captured."""
-        if self.graph is not None:
-            self.graph.replay()
-            return self.out
-        if self.graphs:
-            try:
-                self._capture()
-                self.graph.replay()
-                return self.out
-            except Exception as exc:  # noqa: BLE001 - any capture failure leaves the eager step
-                self.graph, self.graphs = None, False
-                log.warning("dflash.eval: CUDA graph capture of the target's %d-token step failed (%s: %s); "
-                            "decoding with the eager static forward", self.width, type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
-        return self.forward(self.ids, self.pos)
-
-    def _capture(self) -> None:
-        """Capture the step on the current inputs. The warm-up forwards run that same step (each
-        writes the same keys at the same slots, so repeating it changes nothing), on a side
-        stream as PyTorch's CUDA graph notes ask, so that lazy initialisation is not captured."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.forward(self.ids, self.pos)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.out = self.forward(self.ids, self.pos)
-        self.graph = graph
 
     def keep(self, n: int) -> None:
         """Nothing to crop: slots past ``n`` are masked until overwritten (module docstring)."""
@@ -229,15 +201,15 @@ def _rounded(capacity: int) -> int:
 
 def acquire(target: Target, width: int, capacity: int, graphs: bool = True) -> StaticTarget:
     """A :class:`StaticTarget` of ``width`` with room for ``capacity`` positions: the last one released
-    for this target, width and ``graphs`` if it has the room (its graph is replayed as captured; one
-    whose capture failed stays eager), else a new one (capacity rounded up to a power of two, at
+    for this target, width and ``graphs`` if it has the room and the target's weights have not moved
+    (its graph is replayed as captured; one whose capture failed stays eager), else a new one (capacity rounded up to a power of two, at
     least 256, so that most generations fit the first). Until :func:`release` no other caller gets it.
 
     Raises:
         UnsupportedTarget: as :func:`check_supported`.
     """
     run = _POOL.get(target, {}).pop((width, graphs), None)
-    if run is not None and run.capacity >= capacity + width:
+    if run is not None and run.capacity >= capacity + width and run.weights == weights_signature(target.model):
         return run
     run = StaticTarget(target, width, _rounded(capacity + width), graphs)
     run.owner = weakref.ref(target)

@@ -204,7 +204,8 @@ def test_an_unsupported_target_falls_back_to_the_dynamic_cache_once_logged(caplo
 
 def test_pool_reuses_a_released_step_and_never_hands_out_one_in_use(targets):
     """acquire/release: the next generation of a width gets the released instance (its graph is
-    reused), a nested one gets its own cache, and one that needs more room gets a larger one."""
+    reused), a nested one gets its own cache, one that needs more room gets a larger one, and
+    after the target's weights move (``.to()``, a reload) the old graph is never handed out."""
     target = targets["qwen3"]
     a = acquire(target, BS, 40)
     b = acquire(target, BS, 40)                     # a is still in use
@@ -217,6 +218,9 @@ def test_pool_reuses_a_released_step_and_never_hands_out_one_in_use(targets):
     assert big is not a and big.capacity == 512
     with pytest.raises(ValueError, match="exceed the static cache's capacity 512"):
         big(prompt(1, 3), 510)
+    release(big)
+    target.model.lm_head.weight.data = target.model.lm_head.weight.data.clone()   # as .to() moves it
+    assert acquire(target, BS, 300) is not big      # a graph of the old addresses is never replayed
 
 
 @pytest.mark.gpu
@@ -254,23 +258,23 @@ def test_a_failed_capture_leaves_the_eager_step_with_one_warning(targets, monkey
     saying why, then the same step eagerly, and no second attempt."""
     target = targets["qwen3"]
     run = StaticTarget(target, BS, 64)
-    run.graphs = True                               # as on CUDA; the capture itself is made to fail
+    run.step.graphs = True                          # as on CUDA; the capture itself is made to fail
     calls = []
 
     def refuse():
         calls.append(1)
         raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
 
-    monkeypatch.setattr(run, "_capture", refuse)
+    monkeypatch.setattr(run.step, "_capture", refuse)
     ref = CachedTarget(target, 64)
     p = prompt(2)
     ref(p, 0)
     run(p, 0)
-    with caplog.at_level(logging.WARNING, logger="dflash.eval.static_target"):
+    with caplog.at_level(logging.WARNING, logger="dflash.eval.cuda_graph"):
         for start in (9, 10):
             ids = prompt(start, BS)
             _close(run(ids, start)[1], ref(ids, start)[1])
             ref.keep(start + 1)
-    said = [r.getMessage() for r in caplog.records if r.name == "dflash.eval.static_target"]
+    said = [r.getMessage() for r in caplog.records if r.name == "dflash.eval.cuda_graph"]
     assert calls == [1] and len(said) == 1 and "\n" not in said[0]
     assert "RuntimeError: operation not permitted when stream is capturing" in said[0] and run.graph is None
