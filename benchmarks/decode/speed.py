@@ -9,8 +9,10 @@ Rows (each on the same target, drafter, prompts and GPU):
   :class:`~dflash.eval.decode.CachedDrafterProposer`);
 * ``greedy_graphs``, ``dflash_graphs`` (with ``--cuda-graphs``): ``greedy`` and ``dflash`` with
   ``cuda_graphs=True``, each target step a CUDA-graph replay of a static-shape forward
-  (:mod:`dflash.eval.static_target`); the row's ``target_steps`` says whether the graphs were
-  captured, ran eagerly (a CPU, or a failed capture) or fell back to the dynamic cache;
+  (:mod:`dflash.eval.static_target`), and ``dflash_graphs``'s drafter step too
+  (:mod:`dflash.eval.static_drafter`); the row's ``target_steps`` (and ``drafter_steps``) says
+  whether the graphs were captured, ran eagerly (a CPU, or a failed capture) or fell back to the
+  dynamic cache;
 * ``zlab``: z-lab's ``dflash_generate`` on the drafter exported by :func:`dflash.export.export_drafter`
   and loaded by its ``DFlashDraftModel.from_pretrained``, where its package is importable
   (``import zlab_dflash.model``; the directory holding it from ``ZLAB_DFLASH_PATH``, else
@@ -111,6 +113,7 @@ def _decoders(args, target, drafter, head, tmp: Path):
     """``{name: decode(prompt [n]) -> (tokens [n + N], verify steps)}`` and ``{name: why skipped}``."""
     from dflash.eval.decode import CachedDrafterProposer, greedy_decode, speculative_decode
     from dflash.eval.selector import is_dflash2, selector_proposer
+    from dflash.eval.static_drafter import static_proposer
 
     N, bs = args.max_new_tokens, drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with its selector walk; z-lab's row loads DFlash2DraftModel
@@ -122,7 +125,14 @@ def _decoders(args, target, drafter, head, tmp: Path):
         return out[0], N
 
     def spec(pr, graphs=False):
-        proposer = selector_proposer(drafter, head) if dflash2 else CachedDrafterProposer(drafter, head)
+        proposer = None
+        if graphs:    # the drafter's step graphed too (dflash.eval.static_drafter), where it can be
+            try:
+                proposer = static_proposer(drafter, head)
+            except ValueError:   # sliding-window layers: the row says so (drafter_steps)
+                pass
+        if proposer is None:
+            proposer = selector_proposer(drafter, head) if dflash2 else CachedDrafterProposer(drafter, head)
         out, acc, _ = speculative_decode(target, proposer, pr, N, bs, cuda_graphs=graphs)
         return out, len(acc)
 
@@ -171,6 +181,18 @@ def _target_steps(target, width: int) -> str:
     if run.graph is not None:
         return "cuda graph"
     return "eager static forward" + (" (capture failed; see the log)" if run.k.is_cuda else " (no CUDA)")
+
+
+def _drafter_steps(drafter) -> str:
+    """How ``dflash_graphs``'s drafter steps ran (dflash.eval.static_drafter), as :func:`_target_steps`."""
+    from dflash.eval.static_drafter import pooled
+
+    run = pooled(drafter)
+    if run is None:
+        return "eager cached proposer (the static step refuses this drafter)"
+    if run.step.graph is not None:
+        return "cuda graph"
+    return "eager static forward" + (" (capture failed; see the log)" if run.feats.is_cuda else " (no CUDA)")
 
 
 def _time_rows(decoders, prompts, device, N):
@@ -243,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, width in (("greedy_graphs", 1), ("dflash_graphs", drafter.cfg.block_size)):
                 if name in rows:
                     rows[name]["target_steps"] = _target_steps(target, width)
+            if "dflash_graphs" in rows:
+                rows["dflash_graphs"]["drafter_steps"] = _drafter_steps(drafter)
             res.update(target=tc.path or tc.preset, block_size=drafter.cfg.block_size,
                        drafter_layers=drafter.cfg.num_layers, prompts=len(prompts))
             res["by_dtype"][dtype] = {"rows": rows, "skipped": skipped}
@@ -250,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{dtype:9s} {name:13s} {r['tok_s']:8.1f} tok/s {r['ms_per_verify_step']:7.2f} ms/step "
                       f"tau {r['tau']:.3f} equal {r['outputs_equal']}/{len(prompts)} "
                       f"speedup {r['speedup_vs_hf_generate']:.2f}x"
-                      + (f" [{r['target_steps']}]" if "target_steps" in r else ""), flush=True)
+                      + (f" [target: {r['target_steps']}]" if "target_steps" in r else "")
+                      + (f" [drafter: {r['drafter_steps']}]" if "drafter_steps" in r else ""), flush=True)
             for name, why in skipped.items():
                 print(f"{dtype:9s} {name:13s} skipped: {why}", flush=True)
     if args.out:

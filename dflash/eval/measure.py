@@ -32,6 +32,7 @@ from dflash.eval.decode import (
 )
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SelectorFigures, SpeedResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
+from dflash.eval.static_drafter import static_proposer
 from dflash.eval.xpress import is_xpress, xpress_block_hits, xpress_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
@@ -104,9 +105,14 @@ class DecodedTau:
     sampled_tau: float | None = None
 
 
-def _proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object]:
+def _proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool = False) -> Callable[[], object]:
     """A new proposer per decode: the selector walk for DFlash2, the Jacobi passes for XPress, the
-    cached drafter when every layer attends fully, else the recomputing one."""
+    cached drafter when every layer attends fully, else the recomputing one. ``cuda_graphs``: a
+    full-attention DFlash or DFlash2 drafter drafts with its static step instead (same drafts;
+    :mod:`dflash.eval.static_drafter`)."""
+    full = all(t == "full_attention" for t in drafter.cfg.types)
+    if cuda_graphs and full and not is_xpress(drafter):
+        return lambda: static_proposer(drafter, head)
     if is_dflash2(drafter):
         return lambda: selector_proposer(drafter, head)
     if is_xpress(drafter):
@@ -191,7 +197,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             decoded prompt, after one untimed warm-up decode of each kind, every timed region
             synchronised: :class:`SpeedResult` (wall-clock tokens/s of both, their ratio).
         cuda_graphs: every decode here (both timed kinds, the sampled one) runs the target's
-            steps through :mod:`dflash.eval.static_target` (CUDA-graph replays on a GPU).
+            steps through :mod:`dflash.eval.static_target`, and a full-attention DFlash or DFlash2
+            drafter's through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
@@ -200,7 +207,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     bs = drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
-    proposer = _proposer_factory(drafter, head)
+    proposer = _proposer_factory(drafter, head, cuda_graphs)
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
         speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs, cuda_graphs=cuda_graphs)

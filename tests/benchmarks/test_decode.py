@@ -47,6 +47,8 @@ def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path, graphs)
     assert set(block["rows"]) | set(block["skipped"]) == {"hf_generate", "greedy", "dflash", "zlab"} | extra
     for name in extra:   # on a CPU the static step runs eagerly (the shipped target is a Qwen3)
         assert block["rows"][name]["target_steps"] == "eager static forward (no CUDA)"
+    if graphs:
+        assert block["rows"]["dflash_graphs"]["drafter_steps"] == "eager static forward (no CUDA)"
     for name, row in block["rows"].items():
         assert row["outputs_equal"] == 1, name
         assert row["tok_s"] > 0 and 1 <= row["tau"] <= res["block_size"]
