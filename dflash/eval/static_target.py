@@ -24,8 +24,8 @@ The forward is written over the Hugging Face model's own modules (``embed_tokens
 transformers' ``LlamaDecoderLayer``/``Qwen3DecoderLayer``, for those two families only
 (:func:`check_supported`); the features are the captured layers' outputs concatenated as
 :meth:`dflash.model.target.Target.collect` orders them. On a CPU (or when capture fails: one
-warning line, then eager; :mod:`dflash.eval.cuda_graph`) the same forward runs eagerly; that is what the CPU tests compare with
-:class:`dflash.eval.decode.CachedTarget`. Grouped-query attention packs the query heads of one key
+warning line, then eager; :mod:`dflash.eval.cuda_graph`) the same forward runs eagerly; that is
+what the CPU tests compare with :class:`dflash.eval.decode.CachedTarget`. Grouped-query attention packs the query heads of one key
 head into the query length (as transformers' ``pack_gqa``), so SDPA sees equal head counts and
 any backend that takes a mask can run it.
 
@@ -202,14 +202,16 @@ def _rounded(capacity: int) -> int:
 def acquire(target: Target, width: int, capacity: int, graphs: bool = True) -> StaticTarget:
     """A :class:`StaticTarget` of ``width`` with room for ``capacity`` positions: the last one released
     for this target, width and ``graphs`` if it has the room and the target's weights have not moved
-    (its graph is replayed as captured; one whose capture failed stays eager), else a new one (capacity rounded up to a power of two, at
-    least 256, so that most generations fit the first). Until :func:`release` no other caller gets it.
+    (its graph is replayed as captured; one whose capture failed stays eager), else a new one
+    (capacity rounded up to a power of two, at least 256, so that most generations fit the first).
+    Until :func:`release` no other caller gets it.
 
     Raises:
         UnsupportedTarget: as :func:`check_supported`.
     """
     run = _POOL.get(target, {}).pop((width, graphs), None)
-    if run is not None and run.capacity >= capacity + width and run.weights == weights_signature(target.model):
+    fits = run is not None and run.capacity >= capacity + width
+    if fits and run.weights == weights_signature(target.model):
         return run
     run = StaticTarget(target, width, _rounded(capacity + width), graphs)
     run.owner = weakref.ref(target)
