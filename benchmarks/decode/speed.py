@@ -7,6 +7,12 @@ Rows (each on the same target, drafter, prompts and GPU):
 * ``greedy``: this project's target-only loop (:func:`dflash.eval.decode.greedy_decode`);
 * ``dflash``: this project's draft-and-verify (:func:`~dflash.eval.decode.speculative_decode`, a
   :class:`~dflash.eval.decode.CachedDrafterProposer`);
+* ``greedy_graphs``, ``dflash_graphs`` (with ``--cuda-graphs``): ``greedy`` and ``dflash`` with
+  ``cuda_graphs=True``, each target step a CUDA-graph replay of a static-shape forward
+  (:mod:`dflash.eval.static_target`), and ``dflash_graphs``'s drafter step too
+  (:mod:`dflash.eval.static_drafter`); the row's ``target_steps`` (and ``drafter_steps``) says
+  whether the graphs were captured, ran eagerly (a CPU, or a failed capture) or fell back to the
+  dynamic cache;
 * ``zlab``: z-lab's ``dflash_generate`` on the drafter exported by :func:`dflash.export.export_drafter`
   and loaded by its ``DFlashDraftModel.from_pretrained``, where its package is importable
   (``import zlab_dflash.model``; the directory holding it from ``ZLAB_DFLASH_PATH``, else
@@ -19,7 +25,7 @@ first difference, and the speedup over ``hf_generate``. On a GPU every timed reg
 
     python -m benchmarks.decode.speed CHECKPOINT (--data SOURCE | --prompts FILE.jsonl)
         [--num-prompts 16] [--max-new-tokens 256] [--dtypes float32,bfloat16] [--threads 1]
-        [--out benchmarks/results/decode_speed_h200.json]
+        [--cuda-graphs] [--out benchmarks/results/decode_speed_h200.json]
 
 Why bf16 can be slower than fp32 at the shipped 7M target: batch-1 decode there is bound by
 kernel launches, not by weight reads, and bf16 adds kernels. Counted with ``torch.profiler`` on
@@ -107,6 +113,7 @@ def _decoders(args, target, drafter, head, tmp: Path):
     """``{name: decode(prompt [n]) -> (tokens [n + N], verify steps)}`` and ``{name: why skipped}``."""
     from dflash.eval.decode import CachedDrafterProposer, greedy_decode, speculative_decode
     from dflash.eval.selector import is_dflash2, selector_proposer
+    from dflash.eval.static_drafter import static_proposer
 
     N, bs = args.max_new_tokens, drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with its selector walk; z-lab's row loads DFlash2DraftModel
@@ -117,13 +124,23 @@ def _decoders(args, target, drafter, head, tmp: Path):
                                     top_p=None, top_k=None, temperature=None)
         return out[0], N
 
-    def spec(pr):
-        proposer = selector_proposer(drafter, head) if dflash2 else CachedDrafterProposer(drafter, head)
-        out, acc, _ = speculative_decode(target, proposer, pr, N, bs)
+    def spec(pr, graphs=False):
+        proposer = None
+        if graphs:    # the drafter's step graphed too (dflash.eval.static_drafter), where it can be
+            try:
+                proposer = static_proposer(drafter, head)
+            except ValueError:   # sliding-window layers: the row says so (drafter_steps)
+                pass
+        if proposer is None:
+            proposer = selector_proposer(drafter, head) if dflash2 else CachedDrafterProposer(drafter, head)
+        out, acc, _ = speculative_decode(target, proposer, pr, N, bs, cuda_graphs=graphs)
         return out, len(acc)
 
     found = {"hf_generate": hf_generate, "greedy": lambda pr: (greedy_decode(target, pr, N), N),
              "dflash": spec}
+    if args.cuda_graphs:
+        found["greedy_graphs"] = lambda pr: (greedy_decode(target, pr, N, cuda_graphs=True), N)
+        found["dflash_graphs"] = lambda pr: spec(pr, graphs=True)
     skipped = {}
     zl, why = _zlab()
     if zl is None:
@@ -151,6 +168,31 @@ def _decoders(args, target, drafter, head, tmp: Path):
 
         found["zlab"] = zlab
     return found, skipped
+
+
+def _target_steps(target, width: int) -> str:
+    """How a ``*_graphs`` row's target steps ran: its pooled static step (dflash.eval.static_target)
+    captured as a CUDA graph, eager, or absent (the target is one the static step refuses)."""
+    from dflash.eval.static_target import pooled
+
+    run = pooled(target, width)
+    if run is None:
+        return "dynamic cache (the static step refuses this target; see the log)"
+    if run.graph is not None:
+        return "cuda graph"
+    return "eager static forward" + (" (capture failed; see the log)" if run.k.is_cuda else " (no CUDA)")
+
+
+def _drafter_steps(drafter) -> str:
+    """How ``dflash_graphs``'s drafter steps ran (dflash.eval.static_drafter), as :func:`_target_steps`."""
+    from dflash.eval.static_drafter import pooled
+
+    run = pooled(drafter)
+    if run is None:
+        return "eager cached proposer (the static step refuses this drafter)"
+    if run.step.graph is not None:
+        return "cuda graph"
+    return "eager static forward" + (" (capture failed; see the log)" if run.feats.is_cuda else " (no CUDA)")
 
 
 def _time_rows(decoders, prompts, device, N):
@@ -193,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, one block of rows each")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (batch 1 is launch-bound)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="add the rows greedy_graphs and dflash_graphs: target steps as CUDA graphs")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--random-drafter", action="store_true", help="a seeded random drafter instead of CHECKPOINT")
     p.add_argument("--target", default="dflash/assets/target-sharegpt-7m", help="with --random-drafter")
@@ -218,15 +262,22 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [torch.tensor(x, device=device) for x in _prompt_ids(args, tc)]
             decoders, skipped = _decoders(args, target, drafter, head, Path(tmp))
             rows = _time_rows(decoders, prompts, device, args.max_new_tokens)
+            for name, width in (("greedy_graphs", 1), ("dflash_graphs", drafter.cfg.block_size)):
+                if name in rows:
+                    rows[name]["target_steps"] = _target_steps(target, width)
+            if "dflash_graphs" in rows:
+                rows["dflash_graphs"]["drafter_steps"] = _drafter_steps(drafter)
             res.update(target=tc.path or tc.preset, block_size=drafter.cfg.block_size,
                        drafter_layers=drafter.cfg.num_layers, prompts=len(prompts))
             res["by_dtype"][dtype] = {"rows": rows, "skipped": skipped}
             for name, r in rows.items():
-                print(f"{dtype:9s} {name:12s} {r['tok_s']:8.1f} tok/s {r['ms_per_verify_step']:7.2f} ms/step "
+                print(f"{dtype:9s} {name:13s} {r['tok_s']:8.1f} tok/s {r['ms_per_verify_step']:7.2f} ms/step "
                       f"tau {r['tau']:.3f} equal {r['outputs_equal']}/{len(prompts)} "
-                      f"speedup {r['speedup_vs_hf_generate']:.2f}x", flush=True)
+                      f"speedup {r['speedup_vs_hf_generate']:.2f}x"
+                      + (f" [target: {r['target_steps']}]" if "target_steps" in r else "")
+                      + (f" [drafter: {r['drafter_steps']}]" if "drafter_steps" in r else ""), flush=True)
             for name, why in skipped.items():
-                print(f"{dtype:9s} {name:12s} skipped: {why}", flush=True)
+                print(f"{dtype:9s} {name:13s} skipped: {why}", flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -274,7 +274,7 @@ def _main(argv: list[str] | None) -> int:
             prompts = [torch.tensor(x, device=args.device) for x in ids]
         res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
-                       next_turn=next_turn, speed=not args.no_speedup,
+                       next_turn=next_turn, speed=not args.no_speedup, cuda_graphs=args.cuda_graphs,
                        progress=ProgressLines(say) if not args.quiet else None)
     except DataError as exc:  # a chat template that cannot render a later turn
         print(f"dflash.eval: {exc}", file=sys.stderr)

@@ -28,7 +28,10 @@ Near the end of a generation only as many tokens are drafted as remain
 Speed (batch 1 is launch-bound at small targets): tokens and features live in buffers allocated
 once per generation (no ``torch.cat`` growth), positions are slices of one ``arange``, the
 KV-cache keyword is looked up once, greedy decoding reads nothing back to the host (the next
-input is a slice of the device buffer), and a verify step reads one integer (``m``) back.
+input is a slice of the device buffer), and a verify step reads one integer (``m``) back. With
+``cuda_graphs=True`` a Llama or Qwen3 target runs each step at a fixed shape over a static KV cache,
+replayed as one CUDA graph on a GPU (:mod:`dflash.eval.static_target`; same outputs, tested on CPU,
+where the same forward runs eagerly); another target keeps the dynamic cache, with one log line.
 
 Proposers: :class:`DrafterProposer` (recomputes the drafter's context each step),
 :class:`CachedDrafterProposer` (a drafter KV cache; same drafts), :class:`OracleProposer` (the
@@ -42,7 +45,9 @@ and ``benchmarks/decode/speed.py``.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
+import weakref
 
 import torch
 
@@ -53,11 +58,14 @@ from dflash.eval.proposers import (
     Proposer,
     SamplingProposer,
 )
+from dflash.eval.static_target import StaticTarget, UnsupportedTarget, acquire, release
 from dflash.model.target import Target
 
 # the drafter proposers are re-exported: a decode is always called with one
 __all__ = ["CachedDrafterProposer", "CachedTarget", "DrafterContextCache", "DrafterProposer", "OracleProposer", "Proposer",
            "SamplingProposer", "crop_cache", "greedy_decode", "sampling_probs", "speculative_decode"]
+
+log = logging.getLogger(__name__)
 
 
 class OracleProposer:
@@ -173,20 +181,45 @@ class CachedTarget:
         # the hooks captured the layers either way; greedy decoding does not need their concat
         return (self.target.collect() if features else None), self.lm_head(hidden)
 
+    def keep(self, n: int) -> None:
+        """Keep the first ``n`` cached positions (a rejected draft's are dropped)."""
+        crop_cache(self.cache, n)
+
+
+_TOLD: weakref.WeakSet = weakref.WeakSet()  # targets whose static-verify refusal was logged once
+
+
+def _target_run(target: Target, width: int, capacity: int, cuda_graphs: bool) -> CachedTarget | StaticTarget:
+    """The target's cached forward for one generation: a pooled :class:`StaticTarget` of ``width``
+    tokens per step with ``cuda_graphs`` (CUDA-graph replays on a GPU), else :class:`CachedTarget`,
+    which is also the fallback for a target the static path does not run (logged once per target).
+    Hand a static one back with :func:`dflash.eval.static_target.release` after the generation."""
+    if cuda_graphs:
+        try:
+            return acquire(target, width, capacity)
+        except UnsupportedTarget as exc:
+            if target not in _TOLD:
+                _TOLD.add(target)
+                log.warning("dflash.eval: no CUDA graphs for this target (%s); decoding with the dynamic "
+                            "KV cache", exc)
+    return CachedTarget(target, capacity)
+
 
 @torch.no_grad()
-def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int, *,
+                  cuda_graphs: bool = False) -> torch.Tensor:
     """Plain greedy decoding with a KV cache: ``prompt [n]`` (int64) -> ``[n + max_new_tokens]``.
 
     No host read per token: each argmax is written to a device buffer and the next step reads its
-    slice, so on a GPU the host queues steps ahead of the kernels.
+    slice, so on a GPU the host queues steps ahead of the kernels. ``cuda_graphs``: each token's
+    step is a static-shape forward, a CUDA-graph replay on a GPU (module docstring).
 
     Raises:
         ValueError: an empty prompt.
     """
     _check_inputs(prompt, 0.0, 1.0, 0)
     n = prompt.shape[0]
-    run = CachedTarget(target, n + max_new_tokens)
+    run = _target_run(target, 1, n + max_new_tokens, cuda_graphs)
     out = torch.empty(n + max_new_tokens, dtype=torch.long, device=prompt.device)
     out[:n] = prompt
     _, logits = run(prompt, 0, features=False, last_only=True)
@@ -194,6 +227,8 @@ def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> 
     for i in range(n, n + max_new_tokens - 1):
         _, logits = run(out[i:i + 1], i, features=False)
         out[i + 1] = logits[0].argmax()
+    if isinstance(run, StaticTarget):
+        release(run)
     return out
 
 
@@ -201,7 +236,7 @@ def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int) -> 
 def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
                        max_new_tokens: int, block_size: int, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0,
-                       generator: torch.Generator | None = None
+                       generator: torch.Generator | None = None, cuda_graphs: bool = False
                        ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Draft-and-verify decoding (module docstring): greedy at ``temperature == 0``, else lossless
     speculative rejection sampling of the target processed by :func:`sampling_probs`.
@@ -214,6 +249,8 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
             ``q = sampling_probs(logits)``). ``p`` is the processed target either way.
         generator: the random source of every sample and acceptance draw (on the target's
             device; None = torch's default generator).
+        cuda_graphs: verify with the static-shape target step, one CUDA-graph replay per step on a
+            GPU (module docstring); False: transformers' forward with a dynamic KV cache.
 
     Returns:
         ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``: the last
@@ -233,7 +270,7 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     n0 = prompt.shape[0]
     end = n0 + max_new_tokens
     capacity = end + block_size                   # room for the last step's drafts past the end
-    run = CachedTarget(target, capacity)
+    run = _target_run(target, block_size, capacity, cuda_graphs)
     tokens = torch.empty(capacity, dtype=torch.long, device=prompt.device)
     tokens[:n0] = prompt
     f, logits = run(prompt, 0, last_only=True)                               # prefill
@@ -268,8 +305,10 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
             m = int((draft == g[:d]).long().cumprod(0).sum())                # the one host read
             nxt = g[m]
         tokens[n + m] = nxt                # tokens[n:n+m] already hold the accepted drafts
-        crop_cache(run.cache, n + m)
+        run.keep(n + m)
         accepted.append(m)
         anchors.append(n - 1)
         n += m + 1
+    if isinstance(run, StaticTarget):
+        release(run)
     return tokens[:end], accepted, anchors

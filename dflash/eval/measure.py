@@ -33,6 +33,7 @@ from dflash.eval.decode import (
 from dflash.eval.progress import EvalProgress
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SelectorFigures, SpeedResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
+from dflash.eval.static_drafter import static_proposer
 from dflash.eval.xpress import is_xpress, xpress_block_hits, xpress_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
@@ -105,9 +106,14 @@ class DecodedTau:
     sampled_tau: float | None = None
 
 
-def _proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object]:
+def _proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool = False) -> Callable[[], object]:
     """A new proposer per decode: the selector walk for DFlash2, the Jacobi passes for XPress, the
-    cached drafter when every layer attends fully, else the recomputing one."""
+    cached drafter when every layer attends fully, else the recomputing one. ``cuda_graphs``: a
+    full-attention DFlash or DFlash2 drafter drafts with its static step instead (same drafts;
+    :mod:`dflash.eval.static_drafter`)."""
+    full = all(t == "full_attention" for t in drafter.cfg.types)
+    if cuda_graphs and full and not is_xpress(drafter):
+        return lambda: static_proposer(drafter, head)
     if is_dflash2(drafter):
         return lambda: selector_proposer(drafter, head)
     if is_xpress(drafter):
@@ -182,7 +188,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
-             speed: bool = False, progress: Callable[[EvalProgress], None] | None = None) -> EvalResult:
+             speed: bool = False, cuda_graphs: bool = False,
+             progress: Callable[[EvalProgress], None] | None = None) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
     of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
     ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
@@ -200,6 +207,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         speed: also time the target alone (:func:`~dflash.eval.decode.greedy_decode`) on every
             decoded prompt, after one untimed warm-up decode of each kind, every timed region
             synchronised: :class:`SpeedResult` (wall-clock tokens/s of both, their ratio).
+        cuda_graphs: every decode here (both timed kinds, the sampled one) runs the target's
+            steps through :mod:`dflash.eval.static_target`, and a full-attention DFlash or DFlash2
+            drafter's through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
@@ -211,31 +221,32 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     bs = drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
-    proposer = _proposer_factory(drafter, head)
+    proposer = _proposer_factory(drafter, head, cuda_graphs)
     t_start = time.perf_counter()
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
         if progress is not None:
             progress(EvalProgress("warmup", 0, len(prompts)))
-        speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs)
-        greedy_decode(target, prompts[0], max_new_tokens)
+        speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs, cuda_graphs=cuda_graphs)
+        greedy_decode(target, prompts[0], max_new_tokens, cuda_graphs=cuda_graphs)
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     decoded: list[_Decoded] = []
     for i, first in enumerate(prompts):
         prompt, turn = first, 0
         while prompt is not None:
             t0 = _clock(prompt.device)
-            tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs)
+            tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
+                                                        cuda_graphs=cuda_graphs)
             d = _Decoded(i, turn, prompt.shape[0], tokens, acc_m, visited, _clock(prompt.device) - t0)
             if speed:
                 t0 = _clock(prompt.device)
-                greedy_decode(target, prompt, max_new_tokens)
+                greedy_decode(target, prompt, max_new_tokens, cuda_graphs=cuda_graphs)
                 d.target_seconds = _clock(prompt.device) - t0
             if gen is not None:  # the generator's stream runs through the prompts in order
                 t0 = _clock(prompt.device)
                 d.sampled_m = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
                                                  temperature=temperature, top_p=top_p, top_k=top_k,
-                                                 generator=gen)[1]
+                                                 generator=gen, cuda_graphs=cuda_graphs)[1]
                 d.sampled_seconds = _clock(prompt.device) - t0
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
@@ -252,6 +263,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     res = _summary(decoded, drafter, dflash2)
     res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
     res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
+    res.cuda_graphs = cuda_graphs
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None

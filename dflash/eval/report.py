@@ -148,6 +148,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
         per_prompt: one :class:`PromptResult` per prompt.
         dtype: the decode's dtype ("float32" | "bfloat16").
         threads: torch intra-op CPU threads during the decode.
+        cuda_graphs: the target's steps ran at a fixed shape, CUDA-graph replays on a GPU
+            (``--cuda-graphs``, :mod:`dflash.eval.static_target`); False in results saved before it.
         temperature: 0 = greedy only; else the sampled decode's temperature (``top_p``,
             ``top_k``, ``seed`` are its other settings).
         sampled_tau: measured tokens per verify step of the sampled decode (None when greedy
@@ -180,6 +182,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     trained_block_size: int | None = None
     dtype: str = "float32"
     threads: int = 1
+    cuda_graphs: bool = False
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -260,7 +263,8 @@ def format_result(res: EvalResult) -> str:
     lines.append(f"block size {res.block_size} (tau <= {res.block_size}{trained}); plain target decoding "
                  "has tau = 1")
     secs = f", decode {res.seconds:.1f} s" if res.seconds is not None else ""
-    lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){secs}")
+    graphs = ", target steps as CUDA graphs" if res.cuda_graphs else ""
+    lines.append(f"dtype {res.dtype}, {res.threads} CPU thread(s){graphs}{secs}")
     if res.jacobi_passes is not None:
         lines.append(f"XPress: drafts are the last of up to {res.jacobi_passes} Jacobi passes of its refiner")
     sel = res.selector
@@ -332,7 +336,7 @@ def format_speed(res: EvalResult) -> str:
     if s is not None:
         lines.append(f"measured speedup {s.speedup:.2f}x: draft-and-verify {s.dflash_tok_s:.1f} tok/s vs the "
                      f"target alone {s.target_tok_s:.1f} tok/s (greedy, batch 1, {s.new_tokens} tokens each, "
-                     f"{res.dtype}, warmed up, synchronised)")
+                     f"{res.dtype}{', CUDA graphs' if res.cuda_graphs else ''}, warmed up, synchronised)")
     p = res.projection
     if p is not None:
         lines.append(f"projected speedup {p.speedup:.2f}x on an 8B-class target at this tau (a projection, "

@@ -29,20 +29,26 @@ def test_projection_follows_its_formula(tmp_path):
             assert pr["tau_for_3x"] == pytest.approx(3 * c) and pr["tau_for_5x"] == pytest.approx(5 * c)
 
 
-def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path):
+@pytest.mark.parametrize("graphs", [[], ["--cuda-graphs"]])
+def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path, graphs):
     """Invariant: one run times target-only generate, the greedy loop, draft-and-verify and
-    z-lab's decoder (or names why it is skipped), and the greedy decoders' outputs all equal
-    transformers' generate."""
+    z-lab's decoder (or names why it is skipped), with --cuda-graphs also the loops with the
+    static target step, and the greedy decoders' outputs all equal transformers' generate."""
     from benchmarks.decode.speed import main
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "How do I sort a list?"}\n')
     out = tmp_path / "speed.json"
     assert main(["--random-drafter", "--prompts", str(prompts), "--num-prompts", "1", "--max-new-tokens",
-                 "8", "--dtypes", "float32", "--device", "cpu", "--out", str(out)]) == 0
+                 "8", "--dtypes", "float32", "--device", "cpu", "--out", str(out), *graphs]) == 0
     res = json.loads(out.read_text())
     block = res["by_dtype"]["float32"]
-    assert set(block["rows"]) | set(block["skipped"]) == {"hf_generate", "greedy", "dflash", "zlab"}
+    extra = {"greedy_graphs", "dflash_graphs"} if graphs else set()
+    assert set(block["rows"]) | set(block["skipped"]) == {"hf_generate", "greedy", "dflash", "zlab"} | extra
+    for name in extra:   # on a CPU the static step runs eagerly (the shipped target is a Qwen3)
+        assert block["rows"][name]["target_steps"] == "eager static forward (no CUDA)"
+    if graphs:
+        assert block["rows"]["dflash_graphs"]["drafter_steps"] == "eager static forward (no CUDA)"
     for name, row in block["rows"].items():
         assert row["outputs_equal"] == 1, name
         assert row["tok_s"] > 0 and 1 <= row["tau"] <= res["block_size"]
