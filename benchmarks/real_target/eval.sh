@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Step 4: the last checkpoint of R/run measured. Each line is capped (CAP_S) so the call ends in time.
-#   1. this project's decoder beside z-lab's dflash_generate on the same export, prompts and dtype
-#      (benchmarks/decode/speed.py: ms per verify step, tau, outputs equal to transformers' generate);
+#   0. the GPU tests of the CUDA-graph decode path (capture, replay equal to the eager step);
+#   1. this project's decoder (eager, and with --cuda-graphs) beside z-lab's dflash_generate on the
+#      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
+#      equal to transformers' generate);
 #   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy, with the measured
 #      speedup over the target alone; the held-out conversations greedy and at T = 1;
 #   3. the export (python -m dflash.export).
@@ -13,12 +15,14 @@ CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
 T0=$(date +%s)
 python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
 cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null
+timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
+  tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"
 timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
-  --max-new-tokens 128 --dtypes bfloat16 --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
+  --max-new-tokens 128 --dtypes bfloat16 --cuda-graphs --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
 echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
 for set in ${SETS_TO_RUN:-mtbench humaneval}; do
   timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
-    --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
+    ${GRAPHS:+--cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
 timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "$R/regen-all.jsonl" --num-prompts 32 --max-new-tokens 128 \
