@@ -6,7 +6,7 @@ the run's first ``prompts`` held-out conversations with those weights against it
 target and sends the measured tau to the monitor (``metrics.jsonl`` kind ``heldout``, wandb
 ``heldout/*``, the plot and the run summary). A snapshot that arrives while the evaluator is still
 busy with the previous one is dropped (the step never waits; the log says so); the final weights
-are always evaluated. This is the figure ``python -m dflash.eval --data SOURCE`` measures, on fewer
+are always evaluated, unless the run is stopping (:mod:`dflash.run.stages.evaluator`). This is the figure ``python -m dflash.eval --data SOURCE`` measures, on fewer
 prompts and shorter generations, so that it costs little next to training; ``max_busy`` caps the
 share of the run the evaluator spends decoding.
 """

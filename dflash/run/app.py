@@ -3,14 +3,14 @@ resolved options and the run's resources, nothing read from the graph file by a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash.observe.metrics_writer import MetricsLog
 from dflash.run.resolve import Resolved
 
-__all__ = ["ResumeState", "RunApp"]
+__all__ = ["ResumeState", "RunApp", "RunProgress"]
 
 
 @dataclass
@@ -39,6 +39,23 @@ class ResumeState:
 
 
 @dataclass
+class RunProgress:
+    """What the stages did, as they go (each attribute written by one stage), for the run's ``end``
+    record and closing summary: the metrics windows lag behind, and an abort or a failure drops
+    the windows still in flight, so they cannot say how far training got.
+
+    Attributes:
+        step: the drafter's last finished step (counted over the whole run; skipped steps count),
+            None before the first step of this process.
+        unevaluated: the newest snapshot step whose held-out evaluation a stop cut short or never
+            started (the evaluator stage), None when every evaluation ran.
+    """
+
+    step: int | None = None
+    unevaluated: int | None = None
+
+
+@dataclass
 class RunApp:
     """Run-wide objects built once by ``dflash.run`` before the graph starts.
 
@@ -48,6 +65,7 @@ class RunApp:
         sampler: the data sampler, already positioned at the first batch to train (after resume).
         metrics: the run's ``metrics.jsonl`` writer (shared by monitor, drafter, checkpointer).
         resume: where the run starts (:class:`ResumeState`).
+        progress: how far the stages got (:class:`RunProgress`).
     """
 
     resolved: Resolved
@@ -55,11 +73,17 @@ class RunApp:
     sampler: Any
     metrics: MetricsLog
     resume: ResumeState
+    progress: RunProgress = field(default_factory=RunProgress)
 
     def step_of(self, seq: int) -> int:
         """The drafter step (1-based, counted over the whole run) that trains the batch with
         ``Batch.seq == seq``: data-parallel drafter replicas take one batch each per step."""
         return self.resume.start_step + seq // self.resolved.prefetch.drafters + 1
+
+    @property
+    def last_step(self) -> int:
+        """The last finished drafter step: this process's, or the resumed one before its first."""
+        return self.resume.start_step if self.progress.step is None else self.progress.step
 
     @property
     def steps_to_run(self) -> int:

@@ -26,7 +26,8 @@ EXIT_CODES = {
     5: "deadlocked: every stage waited on a channel and nothing moved for [runtime].deadlock_timeout_s "
        "(30 s; 0 = off); the error names the cycle of waits",
     130: "stopped by Ctrl-C or SIGTERM: the graph drained and a final checkpoint was written "
-         "(or, after a second signal, aborted without one)",
+         "(or, after a second signal, aborted without one); an evaluation in progress ends unfinished "
+         "and the summary names its step",
 }
 
 

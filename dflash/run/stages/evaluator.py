@@ -10,21 +10,30 @@ the run's time, and an evaluation holds the process's step lock shared, so it ru
 other stages (:mod:`dflash.run.step_gate`). With ``[eval].isolate = true`` the decode runs in a
 child process of its own (:mod:`dflash.run.stages.heldout`), which shares no interpreter lock with
 training.
+
+A stop request (Ctrl-C, SIGTERM, an abort or a failure elsewhere) ends an evaluation within one
+verify step, and no evaluation starts after it, the final weights' included: a stop must not wait
+for a decode of minutes. The newest step left unevaluated is kept for the run's summary
+(:class:`dflash.run.app.RunProgress`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 import csp
+from dflash.eval.decode import DecodeStopped
 from dflash.messages import DrafterSnapshot, HeldoutTau
 from dflash.run.app import RunApp
 from dflash.run.options import EvaluatorOptions
 from dflash.run.step_gate import process_lock
 
 __all__ = ["EvaluatorStage"]
+
+log = logging.getLogger("dflash.evaluator")
 
 
 @csp.register("dflash.evaluator")
@@ -45,14 +54,23 @@ class EvaluatorStage(csp.Process):
         if o.eval.every == 0:  # off: the drafter sends no snapshot, nothing to load
             return
         device = self.ctx.device or torch.device("cpu")
-        self.worker = HeldoutProcess(o, device) if o.eval.isolate else HeldoutDecoder(o, device)
+        try:
+            self.worker = HeldoutProcess(o, device, self.ctx.stopping) if o.eval.isolate else HeldoutDecoder(o, device)
+        except DecodeStopped:  # stopped while the child started: run() evaluates nothing
+            log.info("evaluator: the run stopped while the evaluator's process started")
 
     def evaluate(self, snap: DrafterSnapshot) -> HeldoutTau:
-        """Measured tau of ``snap``'s weights on the held-out prompts."""
+        """Measured tau of ``snap``'s weights on the held-out prompts.
+
+        Raises:
+            DecodeStopped: the run is stopping; the evaluation ended unfinished.
+        """
+        stopping = self.ctx.stopping
         with self.ctx.span("evaluator.decode"):
             if self.opts.eval.isolate:
-                return self.worker.evaluate(snap.step, snap.weights, snap.dropped)
-            return self.worker.evaluate(snap.step, snap.weights, snap.dropped, lock=process_lock().shared())
+                return self.worker.evaluate(snap.step, snap.weights, snap.dropped, should_stop=stopping)
+            return self.worker.evaluate(snap.step, snap.weights, snap.dropped, lock=process_lock().shared(),
+                                        should_stop=stopping)
 
     def teardown(self) -> None:
         close = getattr(getattr(self, "worker", None), "close", None)
@@ -63,12 +81,21 @@ class EvaluatorStage(csp.Process):
         out = outputs["metrics"]
         cap = self.opts.eval.max_busy
         start, busy, skipped = time.perf_counter(), 0.0, 0
+        progress = self.ctx.app.progress
         for snap in inputs["snapshots"]:
+            if self.ctx.stopping():  # the run is stopping: start no evaluation (it takes seconds to minutes)
+                progress.unevaluated = snap.step
+                continue
             # over its share of the run's time ([eval].max_busy): skip, unless these are the final weights
             if not snap.final and busy > cap * (time.perf_counter() - start):
                 skipped += 1 + snap.dropped
                 continue
-            item = self.evaluate(snap)
+            try:
+                item = self.evaluate(snap)
+            except DecodeStopped:
+                log.info("evaluator: the run is stopping; the evaluation of step %d ends unfinished", snap.step)
+                progress.unevaluated = snap.step
+                continue
             item.skipped += skipped
             busy, skipped = busy + item.seconds, 0
             del snap  # the weights' memory goes before the next snapshot arrives

@@ -16,6 +16,11 @@ The child receives each snapshot's weights through ``torch.multiprocessing`` (CU
 handles, so a GPU snapshot is not copied; CPU tensors through shared memory); the parent keeps the
 snapshot alive until the child has answered, as CUDA IPC requires. The child costs its own CUDA
 context and a second import of torch and transformers at start-up.
+
+Either way an evaluation asks the run's stop request between verify steps (``should_stop``): a
+long decode would otherwise hold a graceful stop for the whole evaluation (tens of seconds to
+minutes), which is when a user presses Ctrl-C again. The child sees the request through a shared
+event the parent sets while it waits for the answer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,6 +37,7 @@ import torch
 
 from dflash.data.config import DataError
 from dflash.errors import ConfigError
+from dflash.eval.decode import DecodeStopped
 from dflash.messages import HeldoutTau
 from dflash.run.options import EvaluatorOptions
 
@@ -78,13 +85,18 @@ class HeldoutDecoder:
             log.warning("[eval] decodes the %d usable held-out prompts (eval.prompts = %d)", len(ids), o.eval.prompts)
         self.prompts = [torch.tensor(x, device=device) for x in ids]
 
-    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int, lock: Any = None) -> HeldoutTau:
+    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int, lock: Any = None,
+                 should_stop: Callable[[], bool] | None = None) -> HeldoutTau:
         """Measured tau of ``weights`` (the drafter's state dict after ``step``) on the prompts.
 
         Args:
             dropped: snapshots the drafter dropped before this one (the record's ``skipped``).
             lock: a context manager held while decoding (the in-process evaluator holds the
                 process's step lock shared, :mod:`dflash.run.step_gate`); None in a child process.
+            should_stop: the run's stop request, asked between prompts and verify steps.
+
+        Raises:
+            DecodeStopped: ``should_stop()`` returned True before the evaluation finished.
         """
         from dflash.eval.measure import decode_tau
 
@@ -93,25 +105,30 @@ class HeldoutDecoder:
         with lock if lock is not None else nullcontext(), torch.no_grad():
             self.drafter.load_state_dict(weights)
             got = decode_tau(self.target, self.drafter, self.head, self.prompts, e.max_new_tokens,
-                             temperature=e.temperature, seed=e.seed)
+                             temperature=e.temperature, seed=e.seed, should_stop=should_stop)
         return HeldoutTau(step=step, tau=got.tau, accepted=got.accepted, sampled_tau=got.sampled_tau,
                           prompts=len(self.prompts), new_tokens=got.new_tokens, steps=got.steps,
                           seconds=time.perf_counter() - t0, skipped=dropped, time=time.time())
 
 
-def serve(o: EvaluatorOptions, device: str, conn: Any) -> None:
+def serve(o: EvaluatorOptions, device: str, conn: Any, stop: Any = None) -> None:
     """The child process's main: build a :class:`HeldoutDecoder`, answer ``("ready", None)``, then
-    answer each ``(step, weights, dropped)`` with ``("tau", HeldoutTau)`` until ``None`` arrives. An
-    exception is answered with ``("error", (type name, message))`` and ends the process."""
+    answer each ``(step, weights, dropped)`` with ``("tau", HeldoutTau)``, or ``("stopped", None)``
+    once the parent has set ``stop`` (a multiprocessing event: the run is stopping), until ``None``
+    arrives. An exception is answered with ``("error", (type name, message))`` and ends the process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
+    should_stop = stop.is_set if stop is not None else None
     try:
         decoder = HeldoutDecoder(o, torch.device(device))
         conn.send(("ready", None))
         while (msg := conn.recv()) is not None:
             step, weights, dropped = msg
-            item = decoder.evaluate(step, weights, dropped)
+            try:
+                answer = ("tau", decoder.evaluate(step, weights, dropped, should_stop=should_stop))
+            except DecodeStopped:
+                answer = ("stopped", None)
             del weights, msg  # the parent may free the snapshot once it has the answer
-            conn.send(("tau", item))
+            conn.send(answer)
     except (EOFError, BrokenPipeError):  # the parent is gone: nothing to answer
         return
     except Exception as exc:  # noqa: BLE001 - every failure is reported to the parent, which raises it
@@ -129,24 +146,60 @@ class HeldoutProcess:
         EvaluatorProcessError: the child failed otherwise or exited (its exit code is named).
     """
 
-    def __init__(self, o: EvaluatorOptions, device: torch.device) -> None:
+    POLL_S = 0.1
+    """How often the parent, waiting for an answer, looks at the run's stop request (seconds)."""
+    STOP_GRACE_S = 5.0
+    """How long the child may take to end its decode after a stop request before it is ended (seconds)."""
+
+    def __init__(self, o: EvaluatorOptions, device: torch.device,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(o, str(device), child), name="dflash-evaluator", daemon=True)
+        self.stop = ctx.Event()  # set by the parent when the run stops; the child's decode asks it
+        self.proc = ctx.Process(target=serve, args=(o, str(device), child, self.stop), name="dflash-evaluator",
+                                daemon=True)
         self.proc.start()
         child.close()
+        # the child's start-up (imports, the target) takes seconds: a stop meanwhile ends it
+        if self._wait(should_stop, on_stop=self.proc.terminate):
+            self.proc.join(timeout=5)
+            raise DecodeStopped("the run stopped while the evaluator's process started")
         self._answer("ready")
         log.info("evaluator: decoding in its own process (pid %d, eval.isolate = true)", self.proc.pid)
 
-    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int) -> HeldoutTau:
-        """The child's :meth:`HeldoutDecoder.evaluate` of ``weights``; keep them alive until it returns."""
+    def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int,
+                 should_stop: Callable[[], bool] | None = None) -> HeldoutTau:
+        """The child's :meth:`HeldoutDecoder.evaluate` of ``weights``; keep them alive until it returns.
+
+        Raises:
+            DecodeStopped: ``should_stop()`` turned True and the child ended the evaluation unfinished.
+        """
         try:
             self.conn.send((step, weights, dropped))
         except (BrokenPipeError, EOFError, OSError):
             self._answer("tau")  # the child is gone: say why
-        return self._answer("tau")
+        if self._wait(should_stop, on_stop=self.stop.set) and not self.proc.is_alive():
+            raise DecodeStopped("the run is stopping; the evaluator's process was ended")
+        return self._answer("tau")  # a stopped decode answers "stopped": DecodeStopped
+
+    def _wait(self, should_stop: Callable[[], bool] | None, on_stop: Callable[[], None]) -> bool:
+        """Wait for the child's next answer (or its end) in short polls that look at
+        ``should_stop``; when it turns True, call ``on_stop`` and wait at most ``STOP_GRACE_S``
+        more, then end the child. Returns whether the stop was seen."""
+        if should_stop is None:
+            return False
+        stopped_at = None
+        while not self.conn.poll(self.POLL_S):
+            if stopped_at is None and should_stop():
+                on_stop()
+                stopped_at = time.monotonic()
+            elif stopped_at is not None and time.monotonic() - stopped_at > self.STOP_GRACE_S:
+                self.proc.terminate()  # the run's stop must not wait on it (the csp join timeout is 10 s)
+                self.proc.join(timeout=5)
+                break
+        return stopped_at is not None
 
     def _answer(self, kind: str) -> Any:
         try:
@@ -160,6 +213,8 @@ class HeldoutProcess:
             name, message = value
             raise _ERRORS.get(name, EvaluatorProcessError)(
                 message if name in _ERRORS else f"the evaluator's process failed: {name}: {message}")
+        if got == "stopped":
+            raise DecodeStopped("the run is stopping")
         assert got == kind, (got, kind)
         return value
 

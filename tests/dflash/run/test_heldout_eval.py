@@ -95,7 +95,7 @@ def _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch, before) -> str
 
     real = heldout.HeldoutProcess.evaluate
     monkeypatch.setattr(heldout.HeldoutProcess, "evaluate",
-                        lambda self, step, weights, dropped: real(self, step, before(self, weights), dropped))
+                        lambda self, step, weights, dropped, **kw: real(self, step, before(self, weights), dropped, **kw))
     run = tmp_path / "run"
     args = small(run, cache_dir, steps=2) + [a for s in _eval_sets(2, "eval.isolate=true") for a in ("--set", s)]
     assert main(args) != 0
