@@ -1,6 +1,6 @@
 """Stops while the in-training evaluator decodes: a stop request reaches the decode loop, one or two
-signals end the run in one summary and a documented exit code, and the summary counts the steps
-the trainer really finished."""
+signals end the run in one summary and a documented exit code, a stuck stage exits 3 (never a C++
+abort), and the summary counts the steps the trainer really finished."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -154,6 +155,49 @@ def test_two_signals_during_an_evaluation_abort_with_exit_130(tmp_path, cache_di
     assert proc.returncode == 130, out
     assert out.count("run summary: ") == 1 and "(exit 130)" in out, out
     assert "terminate called" not in out and "did not stop" not in out and "Traceback" not in out, out
+
+
+STUCK_STAGE = textwrap.dedent("""
+    import os, pathlib, runpy, sys, torch
+    import csp
+    import csp.runtime.engine
+    from dflash.run.stages.postprocess import PostprocessStage
+
+    csp.runtime.engine.JOIN_TIMEOUT_S = 1.0  # give up on the stuck thread after 1 s, not 10
+
+    @csp.register("tests.stuck_postprocess")
+    class Stuck(PostprocessStage):
+        def process(self, out):
+            item = super().process(out)
+            if item.batch.batch_id >= 3:  # spins in torch ops, never looking at the stop request
+                pathlib.Path(os.environ["STUCK_MARK"]).touch()
+                x = torch.randn(64, 64)
+                while True:
+                    x = torch.tanh(x @ x)
+            return item
+
+    sys.argv = ["dflash.run", *sys.argv[1:]]
+    runpy.run_module("dflash.run", run_name="__main__", alter_sys=True)
+""")
+
+
+def test_a_stage_stuck_in_native_code_exits_3_not_sigabrt(tmp_path, cache_dir):  # noqa: F811
+    """Invariant: a stage thread that never returns (here: spinning in torch ops) makes
+    ``python -m dflash.run`` exit 3 with its one line after an abort. Regression: the interpreter's
+    shutdown with that thread inside torch aborted in C++ ("terminate called without an active
+    exception"), exit 134, a code docs/failure-modes.md does not list."""
+    run = tmp_path / "run"
+    args = small(run, cache_dir, 'process.postprocess.kind="tests.stuck_postprocess"', steps=50)
+    mark = tmp_path / "stuck"
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_STAGE, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "STUCK_MARK": str(mark)})
+    _wait_for(proc, mark.exists)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    out = _finish(proc, 60)
+    assert proc.returncode == 3, out
+    assert "error: process postprocess[0] did not stop within 1 s" in out, out
+    assert "terminate called" not in out
 
 
 # -- the run summary counts the trainer's steps ----------------------------------------------------
