@@ -69,13 +69,14 @@ def console() -> Console:
 
 
 class _TerminalFormatter(logging.Formatter):
-    """The terminal's format, without the traceback of a :class:`dflash.errors.DiskFullError`: its
-    one line says all (the device, the last good checkpoint); run.log keeps the traceback."""
+    """The terminal's format, without the traceback of a :class:`dflash.errors.DFlashError` (a full
+    disk, the evaluator's process gone, data found unusable at run time): its one line says all
+    and follows as the run's error line; run.log keeps the traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
-        from dflash.errors import DiskFullError
+        from dflash.errors import DFlashError
 
-        if not (record.exc_info and isinstance(record.exc_info[1], DiskFullError)):
+        if not (record.exc_info and isinstance(record.exc_info[1], DFlashError)):
             return super().format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None

@@ -36,7 +36,7 @@ import msgspec
 import torch
 
 from dflash.data.config import DataError
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DFlashError
 from dflash.eval.decode import DecodeStopped
 from dflash.messages import HeldoutTau
 from dflash.run.options import EvaluatorOptions
@@ -48,8 +48,8 @@ log = logging.getLogger("dflash.evaluator")
 _ERRORS: dict[str, type[Exception]] = {"DataError": DataError, "ConfigError": ConfigError}
 
 
-class EvaluatorProcessError(RuntimeError):
-    """The evaluator's child process failed or exited; the message says how."""
+class EvaluatorProcessError(DFlashError, RuntimeError):
+    """The evaluator's child process failed or exited; the message (one line) says how."""
 
 
 class HeldoutDecoder:
