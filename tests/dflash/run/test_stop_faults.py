@@ -1,6 +1,7 @@
 """Stops while the in-training evaluator decodes: a stop request reaches the decode loop, one or two
 signals end the run in one summary and a documented exit code, a stuck stage exits 3 (never a C++
-abort), and the summary counts the steps the trainer really finished."""
+abort), the summary counts the steps the trainer really finished, and held-out data that gives
+the evaluator no prompt is refused before start-up."""
 
 from __future__ import annotations
 
@@ -250,3 +251,27 @@ def test_the_summary_says_no_redo_for_a_checkpoint_past_the_steps_done(tmp_path,
     assert "redone on resume" not in text, text
     assert "steps        0/60 (no step finished in this run)" in text, text
     assert f"saved        {ckpt} (step 15, the last healthy checkpoint)" in text, text
+
+
+# -- held-out data with no prompt ------------------------------------------------------------------
+
+
+def test_held_out_data_without_a_prompt_is_refused_before_start_up(tmp_path, cache_dir, capsys):  # noqa: F811
+    """Invariant: when every conversation opens with an assistant turn no held-out conversation
+    gives the evaluator a prompt; the run stops before the graph starts (no start record), exit 2,
+    one line whose advice fits: eval.every = 0, not "hold out more". Regression: exit 1 after
+    start-up, a traceback, and advice to hold out more conversations."""
+    data = tmp_path / "assistant-first.jsonl"
+    words = " ".join(f"word{i}" for i in range(60))
+    rows = [{"messages": [{"role": "assistant", "content": f"Hello {i}, {words}."},
+                          {"role": "user", "content": f"Question {i}?"},
+                          {"role": "assistant", "content": f"Answer {i}: {words}."}]} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    code = main(small(run, cache_dir, f'data.source="{data}"', "eval.every=2", "data.max_samples=\"all\"", steps=2))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "none of the 4 held-out conversations" in line and "set eval.every = 0" in line, line
+    assert "nor has any of its conversations" in line and "data.holdout" not in line, line
+    assert "Traceback" not in err and not (run / "metrics.jsonl").exists()
