@@ -11,6 +11,9 @@ from dflash.run.args import INTERRUPTED_STARTING, build_parser
 
 build_parser().parse_args()
 try:
+    from dflash.import_noise import quiet_import_noise
+
+    quiet_import_noise()  # torchao's and torch's import-time lines are not the run's (dflash.import_noise)
     import torch  # noqa: F401
     import transformers  # noqa: F401
 

@@ -116,7 +116,10 @@ def serve(o: EvaluatorOptions, device: str, conn: Any, stop: Any = None) -> None
     answer each ``(step, weights, dropped)`` with ``("tau", HeldoutTau)``, or ``("stopped", None)``
     once the parent has set ``stop`` (a multiprocessing event: the run is stopping), until ``None``
     arrives. An exception is answered with ``("error", (type name, message))`` and ends the process."""
+    from dflash.import_noise import quiet_import_noise
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
+    quiet_import_noise()  # a spawned process imports torchao again: the parent's filters are not here
     should_stop = stop.is_set if stop is not None else None
     try:
         decoder = HeldoutDecoder(o, torch.device(device))
