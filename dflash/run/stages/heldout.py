@@ -147,6 +147,7 @@ class HeldoutProcess:
     Raises:
         DataError, ConfigError: the child could not build its decoder, for these reasons.
         EvaluatorProcessError: the child failed otherwise or exited (its exit code is named).
+        DecodeStopped: ``should_stop()`` turned True while the child started (it is ended).
     """
 
     POLL_S = 0.1
