@@ -118,4 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == EXIT_STUCK:  # a thread still runs native code: shutdown could abort (SIGABRT, 134), not exit 3
+        from csp.dist import hard_exit
+
+        hard_exit(code)
+    sys.exit(code)

@@ -282,4 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from dflash.import_noise import quiet_import_noise
+
+    quiet_import_noise()
     sys.exit(main())

@@ -231,12 +231,17 @@ class CheckpointRecord(RecordBase, tag="checkpoint"):
 
 
 class EndRecord(RecordBase, tag="end"):
-    """The process ended with ``status`` and ``exit_code`` after ``seconds``; ``rank`` under torchrun."""
+    """The process ended with ``status`` and ``exit_code`` after ``seconds``; ``rank`` under torchrun.
+    ``step``: the drafter's last finished step (the trainer's own count: ``train`` windows still in
+    flight at an abort or a failure are never written); ``unevaluated``: the newest step whose
+    held-out evaluation a stop cut short or never started (:class:`dflash.run.app.RunProgress`)."""
 
     status: str | UnsetType = UNSET
     exit_code: int | UnsetType = UNSET
     rank: int | UnsetType = UNSET
     seconds: Float = UNSET
+    step: int | UnsetType = UNSET
+    unevaluated: int | None | UnsetType = UNSET
     time: float | UnsetType = UNSET
 
 

@@ -395,4 +395,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
 
 
 if __name__ == "__main__":
+    from dflash.import_noise import quiet_import_noise
+
+    quiet_import_noise()
     sys.exit(main())

@@ -125,12 +125,24 @@ def run_dir_checkpoints(path: Path) -> list[Path] | None:
     return list_checkpoints(root) if root.is_dir() else None
 
 
+META_DAMAGED = (f"{META} is missing or unreadable, or damaged (not a JSON object with a boolean 'healthy' and "
+                "an integer 'step'): an interrupted, torn or overwritten save")
+"""What every reader says of a checkpoint whose ``meta.json`` :func:`read_meta` does not accept."""
+
+
 def read_meta(path: Path) -> dict[str, Any] | None:
-    """``meta.json`` of a checkpoint, or None if it is missing or unreadable (an incomplete save)."""
+    """``meta.json`` of a checkpoint, or None if it is missing, unreadable or damaged: anything but
+    a JSON object with a boolean ``healthy`` and an integer ``step`` (a list, ``{}``,
+    ``{"healthy": "no"}``, bytes that are not UTF-8). The one rule of every reader (resume,
+    ``dflash.eval``, ``dflash.export``, ``dflash.logs``), so they judge a damaged file alike."""
     try:
-        return json.loads((path / META).read_text())
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("healthy"), bool):
+        return None
+    step = meta.get("step")
+    return meta if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def check_files(path: Path) -> dict[str, Any]:
@@ -146,8 +158,8 @@ def check_files(path: Path) -> dict[str, Any]:
     path = Path(path)
     meta = read_meta(path)
     if meta is None:
-        raise CheckpointError("meta.json is missing or unreadable (an interrupted or damaged save)")
-    if not meta.get("healthy"):
+        raise CheckpointError(META_DAMAGED)
+    if not meta["healthy"]:
         raise CheckpointError(f"marked unhealthy ({meta.get('reason') or 'no reason recorded'})")
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:

@@ -14,7 +14,6 @@ in ``model.safetensors``) refuses it, naming :func:`nearest_healthy`; resume app
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -34,8 +33,10 @@ __all__ = ["CheckpointInfo", "nearest_healthy", "nonfinite_weights", "reader_pro
            "scan_checkpoints"]
 
 
-META_UNREADABLE = f"{META} is unreadable (an interrupted or damaged save)"
-"""What :func:`reader_problem` and :func:`scan_checkpoints` say of a ``meta.json`` that does not parse."""
+META_UNREADABLE = (f"{META} is unreadable or damaged (not a JSON object with a boolean 'healthy' and an integer "
+                   "'step'): an interrupted, torn or overwritten save")
+"""What :func:`reader_problem` and :func:`scan_checkpoints` say of a ``meta.json`` that
+:func:`~dflash.checkpoint.format.read_meta` does not accept."""
 TMP_PROBLEM = "incomplete (a save in progress or interrupted; resume ignores it)"
 """What :func:`scan_checkpoints` says of a leftover ``.tmp-*`` directory."""
 
@@ -137,11 +138,8 @@ def scan_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
         if not meta_path.exists():
             out.append(CheckpointInfo(name=d.name, complete=False))  # no meta.json: incomplete
             continue
-        try:
-            meta: Any = msgspec.json.decode(meta_path.read_bytes())
-        except (OSError, msgspec.DecodeError):
-            meta = None
-        if not isinstance(meta, dict) or not meta:  # as reader_problem and --resume judge it
+        meta = read_meta(d)
+        if meta is None:  # as reader_problem and --resume judge it
             out.append(CheckpointInfo(name=d.name, complete=False, problem=META_UNREADABLE))
             continue
         missing = tuple(f for f in REQUIRED_FILES if not (d / f).is_file())

@@ -245,13 +245,6 @@ def archive_foreign(root: Path, resumed: Resume | None) -> tuple[Path | None, li
     return dest, [p.name for p in moving]
 
 
-SHAPE_KEYS = ("num_layers", "block_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "vocab_size", "target_layer_ids", "layer_types")
-"""The drafter config keys that fix its tensor shapes (a resume cannot change them)."""
-DFLASH2_SHAPE_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
-"""DFlash2's extra keys that fix its tensor shapes, compared when both sides are DFlash2."""
-
-
 def resume_candidate(run_dir: Path, resume: str) -> Path | None:
     """The checkpoint ``resume`` would most likely continue from, found without reading any tensor:
     the given path, the newest complete healthy checkpoint (:func:`is_healthy`) for ``"auto"``, or
@@ -265,37 +258,101 @@ def resume_candidate(run_dir: Path, resume: str) -> Path | None:
 
 
 def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
-    """Check that the checkpoint's ``drafter_config.json`` has the shape of ``drafter_cfg`` (a
-    :class:`dflash.model.drafter.DrafterConfig`); nothing to check when the file is unreadable.
+    """Check that the checkpoint's ``drafter_config.json`` describes the drafter ``drafter_cfg`` (a
+    :class:`dflash.model.drafter.DrafterConfig`) would build; nothing to check when the file is
+    unreadable (the loader names it).
+
+    The rule holds for every variant by construction: both configs build their drafter on the meta
+    device (no memory, no init) and every tensor's name and shape are compared, so a field of a
+    variant added later is checked without being listed here. Beside the shapes, the variant and the
+    block size a drafter trains at (``trained_block_size``: what it is served at) must agree.
 
     Raises:
-        CheckpointError: names the variant (DFlash or DFlash2) and each :data:`SHAPE_KEYS` key
-            (and, between DFlash2 drafters, :data:`DFLASH2_SHAPE_KEYS` key) that differs, and ``confidence_head``
-            (whether the weights hold DSpark's confidence head), and what to do.
+        CheckpointError: names the variant, and each field that changes a tensor's shape (alone),
+            or else every differing field, and ``confidence_head`` (whether the weights hold
+            DSpark's confidence head) as ``loss.confidence``, and what to do.
     """
-    import msgspec
-
     try:
         saved = json.loads((Path(ckpt) / DRAFTER_CONFIG).read_text())
+        then = _drafter_config(saved)
     except (OSError, ValueError):
         return
-    now = msgspec.to_builtins(drafter_cfg)
-    # a checkpoint written before DFlash2 existed has no "variant": it is a DFlash drafter
-    variants = saved.get("variant", "dflash"), now.get("variant", "dflash")
-    diff = [] if variants[0] == variants[1] else [
-        f"variant: checkpoint {variants[0]!r}, config {variants[1]!r} (drafter.variant)"]
-    keys = SHAPE_KEYS + (DFLASH2_SHAPE_KEYS if variants == ("dflash2", "dflash2") else ())
-    diff += [f"{k}: checkpoint {saved.get(k)!r}, config {now.get(k)!r}" for k in keys
-             if k in saved and saved.get(k) != now.get(k)]
-    if saved.get("confidence_head", False) != now.get("confidence_head", False):
-        # the head's weights are in model.safetensors or not: loss.confidence cannot change on resume
-        diff.append(f"confidence_head (loss.confidence = 'head'): checkpoint {saved.get('confidence_head', False)!r}, "
-                    f"config {now.get('confidence_head', False)!r}")
+    diff = architecture_changes(then, drafter_cfg)
     if diff:
         raise CheckpointError(
             f"checkpoint {ckpt} has another drafter shape ({'; '.join(diff)}); resume it with its own "
             "config, or start fresh with --resume none or another run.out_dir"
         )
+
+
+def architecture_changes(then: DrafterConfig, now: DrafterConfig) -> list[str]:
+    """What keeps weights trained as drafter ``then`` from training on as drafter ``now``, one
+    ``"field: checkpoint X, config Y"`` each (empty: nothing)."""
+    import msgspec
+
+    out = []
+    if then.variant != now.variant:
+        out.append(f"variant: checkpoint {then.variant!r}, config {now.variant!r} (drafter.variant)")
+    if then.block_size != now.block_size:  # no DFlash weight depends on it, but it is what the drafter is trained for
+        out.append(f"block_size: checkpoint {then.block_size!r}, config {now.block_size!r}")
+    try:
+        before = tensor_shapes(then)
+    except ValueError:  # not a resolved drafter config (a hand-made file): nothing more to compare
+        return out
+    if before == tensor_shapes(now):
+        return out
+    fields = [f for f in now.__struct_fields__ if f not in ("variant", "block_size")
+              and getattr(then, f) != getattr(now, f)]
+
+    def reshapes(f: str) -> bool:
+        try:
+            return tensor_shapes(msgspec.structs.replace(then, **{f: getattr(now, f)})) != before
+        except ValueError:  # not a drafter alone (num_layers without its layer_types): it is part of the change
+            return True
+
+    named = [f for f in fields if reshapes(f)] or ([] if then.variant != now.variant else fields)
+    for f in named:
+        was, is_ = getattr(then, f), getattr(now, f)
+        if f == "confidence_head":  # its weights are in model.safetensors or not: set by loss.confidence
+            out.append(f"confidence_head (loss.confidence = 'head'): checkpoint {was!r}, config {is_!r}")
+        else:
+            out.append(f"{f}: checkpoint {was!r}, config {is_!r}")
+    return out
+
+
+def tensor_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """``{state-dict key: shape}`` of the drafter ``cfg`` builds, built on the meta device (no
+    memory, no weight init, no random draw). The training switches that keep keys and shapes
+    (kernels, compile, precision) are left at their plain values, so no optional package is needed."""
+    import msgspec
+
+    from dflash.model.drafter import DFlashDrafter
+
+    plain = msgspec.structs.replace(cfg, kernels="torch", compile=False, precision="bf16",
+                                    attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = DFlashDrafter(plain)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _drafter_config(saved: Any) -> DrafterConfig:
+    """A checkpoint's ``drafter_config.json`` contents as a DrafterConfig (keys it no longer has,
+    such as the older ``num_anchors``, dropped; keys added since take their defaults).
+
+    Raises:
+        ValueError: it is not a [drafter] table.
+    """
+    import msgspec
+
+    from dflash.model.drafter import DrafterConfig
+
+    if not isinstance(saved, dict):
+        raise ValueError("not an object")
+    try:
+        return msgspec.convert({k: v for k, v in saved.items() if k in DrafterConfig.__struct_fields__},
+                               DrafterConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def check_optimizer(ckpt: Path, optimizer: str) -> None:

@@ -79,6 +79,9 @@ class Encoded(NamedTuple):
         reasoning_turns: assistant turns that carry reasoning.
         reasoning_dropped: of those, turns whose reasoning is not in ``ids`` (removed by
             ``reasoning = "drop"`` or left out by the chat template).
+        full_length: tokens of the whole conversation, in tokens: exact when every segment was
+            tokenized, else estimated from its characters at the tokens per character of its
+            tokenized part (segments past ``max_length`` are not tokenized; 0: unknown).
     """
 
     ids: np.ndarray
@@ -86,6 +89,7 @@ class Encoded(NamedTuple):
     truncated: bool
     reasoning_turns: int = 0
     reasoning_dropped: int = 0
+    full_length: int = 0
 
 
 def _forms(text: str) -> Iterator[str]:
@@ -352,7 +356,7 @@ class ChatEncoder:
                 continue
             s0, s1 = int(starts[a]), int(starts[a] + kept[a])
             out[j] = Encoded(ids[s0:s1], mask[s0:s1], cut[a] or bool(sizes[a] > limit), p.reasoning_turns,
-                             p.reasoning_dropped)
+                             p.reasoning_dropped, _full_length(p, (len(lens[a]) - 1) // 2, int(sizes[a])))
         return out  # type: ignore[return-value]
 
     def encode(self, conversation: Conversation) -> Encoded | str:
@@ -366,6 +370,20 @@ class ChatEncoder:
         if isinstance(e, str):
             return e
         return e.ids[: int(np.argmax(e.mask))]
+
+
+def _full_length(plan: _Plan, done: int, tokens: int) -> int:
+    """Tokens of the whole conversation whose first ``done`` segments (and the pieces around them)
+    gave ``tokens``: exact when every segment was tokenized, else scaled by characters (the
+    segments past ``max_length`` are never tokenized: tokenizing them would cost more than the
+    data summary's "by how much" is worth)."""
+    if done == len(plan.forms):
+        return tokens
+
+    def chars(n: int) -> int:
+        return len(plan.pieces[0]) + sum(len(plan.forms[i]) + len(plan.pieces[i + 1]) for i in range(n))
+
+    return max(tokens, round(tokens * chars(len(plan.forms)) / max(chars(done), 1)))
 
 
 def _run_values(plan: _Plan, runs: int) -> Iterator[int]:

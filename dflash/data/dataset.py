@@ -36,6 +36,13 @@ class DataSummary(msgspec.Struct, kw_only=True):
         reasoning_dropped: of those, turns whose reasoning is not in the tokens (data.reasoning =
             "drop", or left out by the chat template).
         seconds: wall time of this load (tokenization or cache reload), in seconds.
+        max_length: data.max_length the conversations were cut to, in tokens (0: not recorded,
+            a summary cached before it was; so are the three below).
+        truncated_cut: median tokens cut from a truncated conversation, in tokens.
+        longest: the longest kept conversation before truncation, in tokens.
+        whole_at: the data.max_length that keeps :data:`WHOLE_SHARE` of the kept conversations whole
+            (their length at that quantile, rounded up to a multiple of 64), in tokens.
+        The lengths past ``max_length`` are estimated from characters (:mod:`dflash.data.chat`).
     """
 
     source: str
@@ -51,10 +58,31 @@ class DataSummary(msgspec.Struct, kw_only=True):
     reasoning_turns: int = 0
     reasoning_dropped: int = 0
     seconds: float = 0.0
+    max_length: int = 0
+    truncated_cut: int = 0
+    longest: int = 0
+    whole_at: int = 0
 
     def to_dict(self) -> dict:
         """JSON-able dict (for logs)."""
         return msgspec.to_builtins(self)
+
+
+WHOLE_SHARE = 0.9
+"""The share of conversations the suggested data.max_length keeps whole (:attr:`DataSummary.whole_at`)."""
+
+
+def truncation_text(summary: DataSummary) -> str:
+    """How many kept conversations ``max_length`` cut, by how much, and the ``data.max_length``
+    that would keep :data:`WHOLE_SHARE` of them whole (when the present one does not)."""
+    n, of = summary.truncated, summary.conversations
+    if not n or not summary.max_length:  # none cut, or a summary cached before these were recorded
+        return f"{n:,}"
+    text = (f"{n:,} of {of:,} ({n / of:.0%}) longer than data.max_length = {summary.max_length:,}, cut by about "
+            f"{summary.truncated_cut:,} tokens each (median; the longest has about {summary.longest:,})")
+    if summary.whole_at > summary.max_length:
+        text += f"; data.max_length = {summary.whole_at:,} keeps {WHOLE_SHARE:.0%} whole"
+    return text
 
 
 def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
@@ -62,7 +90,7 @@ def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
     rows = [("records read", f"{summary.records_read:,}"),
             ("conversations kept", f"{summary.conversations:,}"),
             ("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}"),
-            ("truncated to max_length (kept)", f"{summary.truncated:,}")]
+            ("truncated to max_length (kept)", truncation_text(summary))]
     if summary.reasoning_turns:
         rows.append(("turns with reasoning / reasoning not in tokens",
                      f"{summary.reasoning_turns:,} / {summary.reasoning_dropped:,}"))

@@ -21,7 +21,7 @@ from dflash.data.config import DataConfig, DataError
 from dflash.data.sources import read_source
 from dflash.data.tokenize import encoder_kwargs, load_dataset
 
-__all__ = ["encode_prompt", "heldout_prompts", "source_prompts"]
+__all__ = ["encode_prompt", "heldout_prompts", "source_prompts", "usable_prompts"]
 
 
 _PLACEHOLDER = {"role": "assistant", "content": "x"}
@@ -64,14 +64,21 @@ def heldout_prompts(data_cfg: DataConfig, tok, num: int, max_tokens: int) -> lis
     """
     ds = load_dataset(data_cfg, tok, progress=False, quiet=True)
     _, held = ds.split(data_cfg.holdout, data_cfg.seed)
+    return usable_prompts(held, tok, data_cfg, num, max_tokens)
+
+
+def usable_prompts(held, tok, data_cfg: DataConfig, num: int, max_tokens: int) -> list[list[int]]:
+    """Prompt ids of the first ``num`` conversations of ``held`` (a :class:`~dflash.data.TokenizedDataset`)
+    with user text before their first trained token, each cut to its last ``max_tokens`` tokens
+    (:func:`heldout_prompts` without loading the data)."""
     shortest = _min_prompt_tokens(tok, data_cfg)
     out = []
     for i in range(len(held)):
+        if len(out) == num:
+            break
         ids = held.prompt(i)
         if len(ids) >= shortest:
             out.append(ids[-max_tokens:].tolist())
-        if len(out) == num:
-            break
     return out
 
 

@@ -107,7 +107,7 @@ def resolve_source(source: str, arg: str | None = None) -> tuple[Path, dict[str,
     (e.g. ``"--data"``), named in the errors instead of the config key ``data.source``.
 
     Raises:
-        DataError: the file does not exist, or the ShareGPT package is not installed.
+        DataError: the file does not exist or is a directory, or the ShareGPT package is not installed.
     """
     if source == SHAREGPT:
         try:
@@ -123,6 +123,9 @@ def resolve_source(source: str, arg: str | None = None) -> tuple[Path, dict[str,
     else:
         path = Path(source).expanduser()
         extra = {}
+        if path.is_dir():  # exists, so "not found" would send the user looking for a typo
+            raise DataError(f"{arg or 'data.source'} {source}: is a directory (resolved to {path.resolve()}); give "
+                            "one .json/.jsonl file in it, or 'sharegpt'")
         if not path.is_file() and arg:
             raise DataError(
                 f"{arg} {source}: no such file (resolved to {path.resolve()}); {arg} takes 'sharegpt' "

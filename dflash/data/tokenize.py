@@ -200,6 +200,18 @@ def load_dataset(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, progres
                             summary=summary, key=key)
 
 
+def _length_figures(kept: list, lengths: np.ndarray) -> dict[str, int]:
+    """The :class:`DataSummary` fields on lengths before truncation: the median cut of a truncated
+    conversation, the longest conversation, and the length that keeps ``WHOLE_SHARE`` whole."""
+    from dflash.data.dataset import WHOLE_SHARE
+
+    full = np.fromiter((max(e.full_length, len(e.ids)) for e in kept), np.int64, len(kept))
+    cut = (full - lengths)[np.fromiter((e.truncated for e in kept), bool, len(kept))]
+    whole = int(np.quantile(full, WHOLE_SHARE, method="higher"))
+    return {"truncated_cut": int(np.median(cut)) if len(cut) else 0, "longest": int(full.max()),
+            "whole_at": -(-whole // 64) * 64}
+
+
 def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[str, Any], path: Path, entry: Path,
               progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
     records = read_source(cfg.source, cfg.format, cfg.max_samples)
@@ -228,6 +240,7 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
         num_loss_tokens=int(arrays["loss_mask"].sum(dtype=np.int64)),
         reasoning_turns=sum(e.reasoning_turns for e, _ in kept),
         reasoning_dropped=sum(e.reasoning_dropped for e, _ in kept),
+        max_length=cfg.max_length, **_length_figures([e for e, _ in kept], lengths),
     )
     save_entry(entry, arrays, {"key_parts": parts, "summary": summary.to_dict()})
     return arrays, summary

@@ -10,6 +10,9 @@ from dflash.eval.args import INTERRUPTED, build_parser
 
 build_parser().parse_args()
 try:
+    from dflash.import_noise import quiet_import_noise
+
+    quiet_import_noise()  # torchao's and torch's import-time lines are not the evaluation's (dflash.import_noise)
     import torch  # noqa: F401
 
     from dflash.eval.cli import main

@@ -6,7 +6,8 @@ the run's first ``prompts`` held-out conversations with those weights against it
 target and sends the measured tau to the monitor (``metrics.jsonl`` kind ``heldout``, wandb
 ``heldout/*``, the plot and the run summary). A snapshot that arrives while the evaluator is still
 busy with the previous one is dropped (the step never waits; the log says so); the final weights
-are always evaluated. ``python -m dflash.eval CHECKPOINT --data SOURCE`` measures the same figure
+are always evaluated, unless the run is stopping
+(:mod:`dflash.run.stages.evaluator`). ``python -m dflash.eval CHECKPOINT --data SOURCE`` measures the same figure
 the same way: for a checkpoint in its run directory, with ``SOURCE`` the run's ``data.source``, it
 decodes the same held-out prompts with this table's ``prompts``, ``max_new_tokens`` and
 ``max_prompt_tokens`` unless told otherwise, so on the final weights it reproduces the run's last

@@ -48,6 +48,7 @@ import inspect
 import logging
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -62,8 +63,13 @@ from dflash.eval.static_target import StaticTarget, UnsupportedTarget, acquire, 
 from dflash.model.target import Target
 
 # the drafter proposers are re-exported: a decode is always called with one
-__all__ = ["CachedDrafterProposer", "CachedTarget", "DrafterContextCache", "DrafterProposer", "OracleProposer", "Proposer",
-           "SamplingProposer", "crop_cache", "greedy_decode", "sampling_probs", "speculative_decode"]
+__all__ = ["CachedDrafterProposer", "CachedTarget", "DecodeStopped", "DrafterContextCache", "DrafterProposer",
+           "OracleProposer", "Proposer", "SamplingProposer", "crop_cache", "greedy_decode", "sampling_probs",
+           "speculative_decode"]
+
+
+class DecodeStopped(Exception):
+    """A decode's ``should_stop()`` returned True: it ended before its last token (nothing returned)."""
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +242,8 @@ def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int, *,
 def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
                        max_new_tokens: int, block_size: int, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0,
-                       generator: torch.Generator | None = None, cuda_graphs: bool = False
+                       generator: torch.Generator | None = None, cuda_graphs: bool = False,
+                       should_stop: Callable[[], bool] | None = None
                        ) -> tuple[torch.Tensor, list[int], list[int]]:
     """Draft-and-verify decoding (module docstring): greedy at ``temperature == 0``, else lossless
     speculative rejection sampling of the target processed by :func:`sampling_probs`.
@@ -251,6 +258,9 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
             device; None = torch's default generator).
         cuda_graphs: verify with the static-shape target step, one CUDA-graph replay per step on a
             GPU (module docstring); False: transformers' forward with a dynamic KV cache.
+        should_stop: asked before each verify step (a cheap flag read, e.g. a run's stop request);
+            True ends the decode with :class:`DecodeStopped`. A long decode then stops within one
+            step instead of running to ``max_new_tokens``.
 
     Returns:
         ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``: the last
@@ -260,6 +270,7 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
         ValueError: an empty prompt, bad sampling parameters (a non-finite or negative temperature,
             ``top_p`` outside (0, 1], ``top_k`` < 0), or ``temperature > 0`` with a proposer that has
             neither ``sample`` nor ``logits``.
+        DecodeStopped: ``should_stop()`` returned True.
     """
     _check_inputs(prompt, temperature, top_p, top_k)
     sampled = temperature > 0
@@ -284,6 +295,8 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     n = n0 + 1                                     # tokens known; tokens[n-1] is the anchor
     accepted, anchors = [], []
     while n < end:
+        if should_stop is not None and should_stop():
+            raise DecodeStopped(f"stopped after {len(accepted)} verify steps")
         d = min(block_size - 1, end - n)                                     # drafts this step
         if own_q:  # the proposer draws the block itself (a selector walk: q_j given drafts < j)
             draft, q = proposer.sample(tokens[:n], feats[:, :n - 1], temperature, generator)

@@ -26,6 +26,7 @@ import torch
 
 from dflash.eval.decode import (
     CachedDrafterProposer,
+    DecodeStopped,
     DrafterProposer,
     greedy_decode,
     speculative_decode,
@@ -126,21 +127,27 @@ def _proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: boo
 @torch.no_grad()
 def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts: list[torch.Tensor],
                max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int = 0, progress: Callable[[EvalProgress], None] | None = None) -> DecodedTau:
+               seed: int = 0, progress: Callable[[EvalProgress], None] | None = None,
+               should_stop: Callable[[], bool] | None = None) -> DecodedTau:
     """The measured tau of greedy draft-and-verify over ``prompts`` (each ``[n]`` int64 ids), and
     with ``temperature > 0`` of the sampled decode too (one generator seeded with ``seed``):
     :func:`evaluate` without the teacher-forced scoring, for the in-training evaluator, whose cost
     is the decodes alone. ``progress``: called after each prompt's greedy decode (stage
     ``"decode"``), after each sampled one (``"sampled"``) and at the end (:mod:`dflash.eval.progress`).
+    ``should_stop`` is asked before every prompt and every verify step
+    (:func:`~dflash.eval.decode.speculative_decode`): an evaluation of many long decodes ends
+    within one verify step of a stop request.
 
     Raises:
         ValueError: an empty prompt or bad sampling parameters.
+        DecodeStopped: ``should_stop()`` returned True; nothing was measured.
     """
     proposer, bs = _proposer_factory(drafter, head), drafter.cfg.block_size
     t_start = time.perf_counter()
     ms, tokens = [], 0
     for i, p in enumerate(prompts):
-        out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs)
+        _stop_if(should_stop)
+        out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs, should_stop=should_stop)
         ms += acc
         tokens += out.shape[0] - p.shape[0]
         if progress is not None:
@@ -150,8 +157,9 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
         gen = torch.Generator(device=target.device).manual_seed(seed)
         sm = []
         for i, p in enumerate(prompts):
+            _stop_if(should_stop)
             sm += speculative_decode(target, proposer(), p, max_new_tokens, bs, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, generator=gen)[1]
+                                     top_p=top_p, top_k=top_k, generator=gen, should_stop=should_stop)[1]
             if progress is not None:
                 progress(_progress("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))
@@ -160,6 +168,12 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
     mean = sum(ms) / max(len(ms), 1)
     return DecodedTau(tau=tau_from_accepted(mean), accepted=mean, new_tokens=tokens, steps=len(ms),
                       sampled_tau=sampled)
+
+
+def _stop_if(should_stop: Callable[[], bool] | None) -> None:
+    """Raise :class:`DecodeStopped` when ``should_stop()`` says so (checked between prompts)."""
+    if should_stop is not None and should_stop():
+        raise DecodeStopped("stopped between prompts")
 
 
 @dataclass
@@ -189,7 +203,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
              speed: bool = False, cuda_graphs: bool = False,
-             progress: Callable[[EvalProgress], None] | None = None) -> EvalResult:
+             progress: Callable[[EvalProgress], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
     of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
     ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
@@ -213,9 +228,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
+        should_stop: asked before every decode and between its verify steps, as :func:`decode_tau`.
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
+        DecodeStopped: ``should_stop()`` returned True; nothing was measured.
     """
     if categories is not None and len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
@@ -234,9 +251,10 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     for i, first in enumerate(prompts):
         prompt, turn = first, 0
         while prompt is not None:
+            _stop_if(should_stop)
             t0 = _clock(prompt.device)
             tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
-                                                        cuda_graphs=cuda_graphs)
+                                                        cuda_graphs=cuda_graphs, should_stop=should_stop)
             d = _Decoded(i, turn, prompt.shape[0], tokens, acc_m, visited, _clock(prompt.device) - t0)
             if speed:
                 t0 = _clock(prompt.device)
@@ -246,7 +264,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                 t0 = _clock(prompt.device)
                 d.sampled_m = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
                                                  temperature=temperature, top_p=top_p, top_k=top_k,
-                                                 generator=gen, cuda_graphs=cuda_graphs)[1]
+                                                 generator=gen, cuda_graphs=cuda_graphs,
+                                                 should_stop=should_stop)[1]
                 d.sampled_seconds = _clock(prompt.device) - t0
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None

@@ -100,6 +100,9 @@ def load_prompt_set(name_or_path: str) -> tuple[str, list[EvalPrompt]]:
     if path.is_file():
         return path.name.split(".")[0], read_set_file(path)
     entry = EVAL_SETS.get(name_or_path.lower())
+    if entry is None and path.is_dir():  # exists, so "no such file" would send the user looking for a typo
+        raise EvalInputError(f"--prompts {name_or_path}: is a directory; give one .jsonl file in it, or a set name "
+                             f"({', '.join(EVAL_SETS)})")
     if entry is None:
         raise EvalInputError(f"--prompts {name_or_path}: no such file, and not a set name "
                              f"({', '.join(EVAL_SETS)})")

@@ -11,7 +11,9 @@ skipped, and the averages are then null).
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import sys
 import threading
 import time
@@ -22,6 +24,8 @@ from typing import Any, Callable
 from csp.observe.statslog import unwritable
 from dflash.messages import StepMetrics
 from dflash.records import HeldoutRecord, RecordBase, TrainRecord, encode
+
+log = logging.getLogger("dflash.monitor")
 
 
 class MetricsLog:
@@ -174,6 +178,11 @@ class WandbSink:
         self.run = None
         if mode == "disabled":
             return
+        home = Path(run_dir) / WANDB_ID.parent
+        if home.exists() and not home.is_dir():  # wandb.init cannot write there: the run goes on without it
+            log.warning("%s is a file, not a directory: wandb logs nothing in this run (metrics.jsonl has every "
+                        "window); move that file away to log to wandb again", home)
+            return
         import wandb
 
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
@@ -211,22 +220,54 @@ class WandbSink:
             self.run = None
 
 
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A run id this module keeps: wandb's own are 8 lowercase letters and digits; wandb refuses some
+characters (``:;,#?/'``) and puts the id in directory names, so a longer or odder one is not used."""
+
+
 def run_id(run_dir: Path, new: Callable[[], str] = lambda: uuid.uuid4().hex[:8]) -> str:
     """The wandb run id of ``run_dir``: the one kept in :data:`WANDB_ID`, or a ``new()`` one
-    (8 lowercase hex characters, the shape of wandb's own ids),
-    kept there for the next segment (best effort: a file that cannot be written costs only the
-    continuity of the curve, never the run)."""
+    (8 lowercase hex characters, the shape of wandb's own ids), kept there for the next segment.
+
+    A kept id that cannot be used (unreadable, not UTF-8, empty, too long, characters wandb refuses)
+    and a file that cannot be written cost only the continuity of the curve, never the run: one
+    warning line names the file, and this segment logs to a new id."""
     path = Path(run_dir) / WANDB_ID
-    try:
-        kept = path.read_text(encoding="utf-8").strip()
-    except OSError:
-        kept = ""
-    if kept:
+    kept, why = _kept_id(path)
+    if kept is not None:
         return kept
     fresh = new()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(fresh + "\n", encoding="utf-8")
-    except OSError:
-        pass
+        keeps = "the file now keeps the new id"
+    except OSError as exc:
+        keeps = f"it cannot keep the new one ({exc.strerror or exc}): the next segment starts apart again"
+    if why is not None:
+        log.warning("%s %s: wandb logs this segment as a new run %s, its curve apart from the earlier segments'; "
+                    "%s", path, why, fresh, keeps)
+    elif not keeps.startswith("the file"):
+        log.warning("%s: %s", path, keeps)
     return fresh
+
+
+def _kept_id(path: Path) -> tuple[str | None, str | None]:
+    """``(id, None)`` for a usable kept id, ``(None, why not)`` for an unusable one, ``(None, None)``
+    when there is none yet."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1024)  # an id is short: the rest of a huge file is never read
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot be read ({exc.strerror or exc})"
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, "is not UTF-8 text"
+    if not text:
+        return None, "is empty"
+    if not _ID.fullmatch(text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        return None, f"holds {shown!r}, not a run id (1 to 64 letters, digits, '-' or '_')"
+    return text, None

@@ -69,13 +69,14 @@ def console() -> Console:
 
 
 class _TerminalFormatter(logging.Formatter):
-    """The terminal's format, without the traceback of a :class:`dflash.errors.DiskFullError`: its
-    one line says all (the device, the last good checkpoint); run.log keeps the traceback."""
+    """The terminal's format, without the traceback of a :class:`dflash.errors.DFlashError` (a full
+    disk, the evaluator's process gone, data found unusable at run time): its one line says all
+    and follows as the run's error line; run.log keeps the traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
-        from dflash.errors import DiskFullError
+        from dflash.errors import DFlashError
 
-        if not (record.exc_info and isinstance(record.exc_info[1], DiskFullError)):
+        if not (record.exc_info and isinstance(record.exc_info[1], DFlashError)):
             return super().format(record)
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None
@@ -178,11 +179,13 @@ def file_handlers() -> list[logging.FileHandler]:
 
 def data_line(summary: Any) -> str:
     """The data summary (a :class:`dflash.data.DataSummary`) as one line for run.log."""
+    from dflash.data.dataset import truncation_text
+
     skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(summary.skipped.items())) or "none"
     how = "cache hit" if summary.from_cache else f"tokenized in {summary.seconds:.1f} s"
     return (f"data: {summary.source} ({how}): {summary.records_read:,} records read, "
             f"{summary.conversations:,} conversations kept, {summary.num_tokens:,} tokens "
-            f"({summary.num_loss_tokens:,} with loss), {summary.truncated:,} truncated to max_length; "
+            f"({summary.num_loss_tokens:,} with loss), truncated to max_length: {truncation_text(summary)}; "
             f"skipped: {skipped}; cache {summary.cache_path}")
 
 

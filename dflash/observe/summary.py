@@ -32,7 +32,7 @@ from typing import Any, Sequence
 from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
 from dflash.observe import runlog
 from dflash.observe.logs import read_metrics
-from dflash.records import HeldoutRecord, SkipRecord, StartRecord, TrainRecord
+from dflash.records import EndRecord, HeldoutRecord, SkipRecord, StartRecord, TrainRecord
 
 STATUS_TEXT = {
     "completed": "completed",
@@ -133,9 +133,11 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     train = [r for r in seg if isinstance(r, TrainRecord)]
     skips = [r for r in seg if isinstance(r, SkipRecord)]
     last = train[-1] if train else {}
+    end = next((r for r in reversed(seg) if isinstance(r, EndRecord)), {})
     start_step = int(start.get("step", 0) or 0)
 
-    done = last.get("step", start_step)
+    # the trainer's own count (the end record): the windows lag, and an abort or failure drops those in flight
+    done = end.get("step") if isinstance(end.get("step"), int) else last.get("step", start_step)
     try:
         ckpt = last_healthy(run_dir)
     except Exception:  # noqa: BLE001 - a summary never fails the run's exit
@@ -157,7 +159,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
 
     if error:
         row("error", error)
-    this = f"this run: {start_step + 1}..{done}" if train else "no step finished in this run"
+    this = f"this run: {start_step + 1}..{done}" if done > start_step else "no step finished in this run"
     row("steps", f"{done}/{total_steps} ({this})")
     if budget:
         row("time budget", budget)
@@ -179,6 +181,13 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         sampled = f", sampled {_num(h.sampled_tau)}" if isinstance(h.sampled_tau, (int, float)) else ""
         row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.over()}"
                         f"{sampled}); best {_num(best.tau)} at step {best.step}; {len(held)} evaluations")
+    unevaluated = end.get("unevaluated")
+    if isinstance(unevaluated, int):  # a stop cut the held-out evaluation of these weights short
+        src = f"--data {shlex.quote(data_source)}" if data_source else "--prompts FILE.jsonl"
+        measure = (f"; python -m dflash.eval {shlex.quote(str(ckpt))} {src} measures these weights"
+                   if ckpt is not None and ckpt_step == unevaluated else "")
+        row("unevaluated", f"step {unevaluated}: the stop came before its held-out evaluation finished; a resume "
+                           f"does not redo it{measure}")
     total_skipped = last.get("skipped_total")
     skipped = f"{len(skips)} steps in this run"
     if isinstance(total_skipped, int) and total_skipped != len(skips):
@@ -194,7 +203,8 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     elif finished or ckpt_step == done:
         row(label, f"{ckpt} (step {ckpt_step}, healthy{'' if finished else ', the final one'})")
     else:
-        redo = f"; steps {ckpt_step + 1}..{done} are redone on resume" if isinstance(ckpt_step, int) else ""
+        redo = (f"; steps {ckpt_step + 1}..{done} are redone on resume"
+                if isinstance(ckpt_step, int) and isinstance(done, int) and ckpt_step < done else "")
         row(label, f"{ckpt} (step {ckpt_step}, the last healthy checkpoint{redo})")
     row("run dir", f"{run_dir} (run.log, metrics.jsonl, csp/stats.jsonl, checkpoints/)")
     if plot:

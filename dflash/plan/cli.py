@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,15 +63,17 @@ PLAN_MARK = "# dflash.plan "
 
 
 def _out_refusal(out: str | None, run: str, force: bool) -> str | None:
-    """Why ``-o out`` must not be written, in one line, or None: it is the run's own
-    ``config.toml`` (never, whatever ``--force`` says), a directory, or a file that is not a plan
-    this command wrote (unless ``force``)."""
-    if not out:
+    """Why ``-o out`` must not be written, in one line, or None: it is empty, the run's own
+    ``config.toml`` (never, whatever ``--force`` says; a symlink or a hard link to it is the same
+    file), a directory, or a file that is not a plan this command wrote (unless ``force``)."""
+    if out is None:
         return None
+    if not out.strip():
+        return f"-o {out!r} is not a file path; give one, e.g. -o plan.toml"
     path = Path(out)
     try:
-        own = (Path(run) / "config.toml").resolve()
-        if path.resolve() == own:
+        own = Path(run) / "config.toml"
+        if path.resolve() == own.resolve() or (path.exists() and own.exists() and os.path.samefile(path, own)):
             return (f"-o {out} is the run's own config.toml, the record of what it trained with; write the "
                     "plan elsewhere, e.g. -o plan.toml")
         if path.is_dir():
@@ -84,6 +87,18 @@ def _out_refusal(out: str | None, run: str, force: bool) -> str | None:
     except OSError as e:
         return f"-o {out}: cannot be checked ({e.strerror or e}); give another path"
     return None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a new file renamed over it: a hard link to the old file
+    (another copy of a config) keeps its contents, and a failed write leaves the old file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def render(m: Measured, ranked: list[Layout], base: Layout, show: int = SHOW) -> str:
@@ -166,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{count(best.tok_s)} tok/s (bound {best.bound}; {best.tok_s / base.tok_s:.2f}x colocated)\n"
                   f"{command(best, args.out)}\ninputs: {msgspec.json.encode(m.inputs).decode()}")
         try:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(graph_toml(m.config, best, slug, header), encoding="utf-8")
+            _replace(Path(args.out), graph_toml(m.config, best, slug, header))
         except OSError as e:
             print(f"dflash.plan: cannot write -o {args.out}: {e.strerror or e}", file=sys.stderr)
             return 2

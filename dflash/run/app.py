@@ -12,7 +12,7 @@ from typing import Any, Callable
 from dflash.observe.metrics_writer import MetricsLog
 from dflash.run.resolve import Resolved
 
-__all__ = ["ResumeState", "RunApp"]
+__all__ = ["ResumeState", "RunApp", "RunProgress"]
 
 
 @dataclass
@@ -41,6 +41,23 @@ class ResumeState:
 
 
 @dataclass
+class RunProgress:
+    """What the stages did, as they go (each attribute written by one stage), for the run's ``end``
+    record and closing summary: the metrics windows lag behind, and an abort or a failure drops
+    the windows still in flight, so they cannot say how far training got.
+
+    Attributes:
+        step: the drafter's last finished step (counted over the whole run; skipped steps count),
+            None before the first step of this process.
+        unevaluated: the newest snapshot step whose held-out evaluation a stop cut short or never
+            started (the evaluator stage), None when every evaluation ran.
+    """
+
+    step: int | None = None
+    unevaluated: int | None = None
+
+
+@dataclass
 class RunApp:
     """Run-wide objects built once by ``dflash.run`` before the graph starts.
 
@@ -56,6 +73,7 @@ class RunApp:
             (thread-safe; one process only, which is why torchrun refuses the budget).
         budget_end: the closing summary's line about the budget, set by the drafter stage, or None.
         budget_end_at: ``time.perf_counter()`` when the budget ended training, or None.
+        progress: how far the stages got (:class:`RunProgress`).
     """
 
     resolved: Resolved
@@ -67,11 +85,17 @@ class RunApp:
     budget_reached: threading.Event = field(default_factory=threading.Event)
     budget_end: str | None = None
     budget_end_at: float | None = None
+    progress: RunProgress = field(default_factory=RunProgress)
 
     def step_of(self, seq: int) -> int:
         """The drafter step (1-based, counted over the whole run) that trains the batch with
         ``Batch.seq == seq``: data-parallel drafter replicas take one batch each per step."""
         return self.resume.start_step + seq // self.resolved.prefetch.drafters + 1
+
+    @property
+    def last_step(self) -> int:
+        """The last finished drafter step: this process's, or the resumed one before its first."""
+        return self.resume.start_step if self.progress.step is None else self.progress.step
 
     @property
     def steps_to_run(self) -> int:

@@ -20,13 +20,15 @@ EXIT_CODES = {
     1: "a stage failed (the error names it: target[1], drafter[0] ...), or a checkpoint or data "
        "problem was found at run time; the summary names the last healthy checkpoint",
     2: "bad graph file, config, --set value or data (nothing was trained)",
-    3: "a stage did not stop within 10 s of an abort (stuck outside a channel call); the line names it",
+    3: "a stage did not stop within 10 s of an abort (stuck outside a channel call); the line names it "
+       "and the process leaves at once, its thread abandoned",
     4: "disk full: a checkpoint could not be written (no space left on the device the line names); its "
        "partial files were removed and the last good checkpoint is intact (free space, --resume auto)",
     5: "deadlocked: every stage waited on a channel and nothing moved for [runtime].deadlock_timeout_s "
        "(30 s; 0 = off); the error names the cycle of waits",
     130: "stopped by Ctrl-C or SIGTERM: the graph drained and a final checkpoint was written "
-         "(or, after a second signal, aborted without one)",
+         "(or, after a second signal, aborted without one); an evaluation in progress ends unfinished "
+         "and the summary names its step",
 }
 
 

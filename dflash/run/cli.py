@@ -169,7 +169,7 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
     if app.steps_to_run == 0:  # the previous segment's csp stats and trace stay where csp.inspect reads them
         log.info("%s", nothing_to_do(app.resume.start_step, cfg.run.steps, app.resume.path,
                                      resume == "auto"))
-        app.metrics.write(EndRecord(status="nothing to do", exit_code=0, seconds=0.0))
+        app.metrics.write(EndRecord(status="nothing to do", exit_code=0, seconds=0.0, step=app.last_step))
         app.metrics.close()
         if rank == 0:  # the short summary: where the checkpoint is and what to run next (no plot, no wandb)
             _summary(cfg, args, run_dir, "nothing to do", 0, None, None, None, plot=False, wandb_ran=False)
@@ -184,7 +184,8 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
     if csp.dist.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
         result, runtime = csp.dist.run(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
         status, code = result.status, result.exit_code
-        app.metrics.write(EndRecord(status=status, exit_code=code, rank=result.rank, seconds=time.time() - t0))
+        app.metrics.write(EndRecord(status=status, exit_code=code, rank=result.rank, seconds=time.time() - t0,
+                                    step=app.last_step, unevaluated=app.progress.unevaluated))
         app.metrics.close()
         if rank == 0:
             _summary(cfg, args, run_dir, status, code, None, result.error, time.time() - t0)
@@ -209,7 +210,8 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
         status, code, error = "stuck", csp.runtime.engine.EXIT_STUCK, f"{exc} to {run_dir / 'run.log'}"
         _error(error)
     finally:
-        app.metrics.write(EndRecord(status=status, exit_code=code, seconds=time.time() - t0))
+        app.metrics.write(EndRecord(status=status, exit_code=code, seconds=time.time() - t0, step=app.last_step,
+                                    unevaluated=app.progress.unevaluated))
         app.metrics.close()
     budget = app.budget_end
     if budget is not None and app.budget_end_at is not None:  # what the budget does not cover

@@ -10,8 +10,8 @@ owns its table: ``[data]`` is :class:`dflash.data.DataConfig`, ``[target]``
 
 Paths (:data:`PATH_KEYS`): a relative path written in the graph file is relative to the graph
 file's own directory (``examples/dflash-tiny.toml`` says ``path = "../dflash/assets/..."`` and
-``out_dir = "../runs/dflash-tiny"``, so it trains the same from the repository root and from
-``examples/``); one given with ``--set`` is relative to the current directory. The loaded config
+``out_dir = "../runs/{name}"``, so it trains the same from the repository root and from
+``examples/``; ``{name}`` is ``run.name``, by default the file's stem); one given with ``--set`` is relative to the current directory. The loaded config
 holds each re-spelled for the current directory (:func:`csp.load_spec`), which is what
 ``RUN_DIR/config.toml`` records. Every path must be usable on this system: no NUL character, no
 component over 255 bytes, at most 4,095 bytes in all (one line, exit 2, naming the key).
@@ -50,11 +50,15 @@ is over three years of training."""
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``[run]``: what this run is called, where it writes, how long it trains."""
 
-    name: str
-    """The run's name: shown in the terminal, the summary and as the wandb run's name."""
+    name: str | None = None
+    """The run's name: shown in the terminal, the summary and as the wandb run's name, and what
+    ``{name}`` in ``out_dir`` stands for. Default: the graph file's name without ``.toml``, so a copy
+    of a graph file is a run of its own."""
     out_dir: str
     """Run directory (a relative path is relative to the graph file's directory; given with
-    ``--set``, to the current directory)."""
+    ``--set``, to the current directory). ``{name}`` in it is replaced by ``run.name``: the shipped
+    examples say ``"../runs/{name}"``, so a copy saved under another name writes to its own run
+    directory instead of resuming the original's checkpoints."""
     steps: PositiveInt
     """Drafter steps (batches) to train in total, counting steps done before a resume; at most
     :data:`MAX_STEPS` (99,999,999)."""
@@ -154,8 +158,20 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
             raise ConfigError(f"{path}: drafter.num_anchors is a training-sampling setting and has moved to "
                               "[train]: rename it to train.num_anchors (--set train.num_anchors=N)") from exc
         raise ConfigError(str(exc)) from exc
+    cfg = _named(cfg, Path(path))
     check_paths(cfg)
     return cfg
+
+
+def _named(cfg: DFlashFile, path: Path) -> DFlashFile:
+    """``cfg`` with ``run.name`` set (the graph file's stem when the file gives none) and ``{name}``
+    in ``run.out_dir`` replaced by it: what ``RUN_DIR/config.toml`` then records."""
+    name = cfg.run.name if cfg.run.name is not None else path.stem
+    if "{name}" in cfg.run.out_dir and (name.strip() in ("", ".", "..") or any(c in name for c in "/\\\0")):
+        raise ConfigError(f"run.name = {cut(name)!r} cannot name a run directory (run.out_dir = "
+                          f"{cut(cfg.run.out_dir)!r}): give a non-empty name without '/', e.g. \"my-run\"")
+    run = msgspec.structs.replace(cfg.run, name=name, out_dir=cfg.run.out_dir.replace("{name}", name))
+    return msgspec.structs.replace(cfg, run=run)
 
 
 _HASHED_ONLY_WHEN_SET = {

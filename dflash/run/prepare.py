@@ -72,6 +72,8 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
         raise DataError(f"{cfg.data.source}: {len(dataset)} usable conversations, {len(heldout)} held out "
                         f"(data.holdout) leaves {len(train)} to train on, fewer than {MIN_TRAIN}: give more "
                         "conversations, or lower data.holdout")
+    if resolved.evaluator.eval.every > 0:
+        _check_eval_prompts(cfg, tok, train, heldout)
     sampler = Sampler(train, cfg.data, pad_id=info.pad_token_id)
 
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, ranks > 0 log beside their csp stats
@@ -116,3 +118,24 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
                                    rejected=[{"path": str(p), "reason": r} for p, r in got.rejected],
                                    config_changes=changes))
     return app
+
+
+def _check_eval_prompts(cfg, tok, train, heldout) -> None:
+    """The in-training evaluator decodes from the held-out conversations' prompts; when none has
+    one (each opens with an assistant turn) say so before start-up, with advice that fits the data.
+
+    Raises:
+        dflash.data.DataError: no held-out conversation gives a prompt.
+    """
+    from dflash.data import DataError
+    from dflash.data.prompts import usable_prompts
+
+    if usable_prompts(heldout, tok, cfg.data, 1, 1):
+        return
+    what = (f"[eval]: none of the {len(heldout)} held-out conversations of {cfg.data.source} has a user turn "
+            f"before its first assistant turn, so eval.every = {cfg.eval.every} has no prompt to decode")
+    if usable_prompts(train, tok, cfg.data, 1, 1):  # some conversations do: a larger or other draw finds them
+        raise DataError(f"{what}; raise data.holdout or change data.seed (the held-out draw), or set eval.every = 0")
+    raise DataError(f"{what}, nor has any of its conversations (each opens with an assistant turn); "
+                    "set eval.every = 0, and measure the drafter after training with python -m dflash.eval "
+                    "CKPT --prompts FILE.jsonl on prompts that open with a user turn")

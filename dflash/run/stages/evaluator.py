@@ -16,6 +16,11 @@ It decodes with ``[eval].threads`` torch CPU threads of its own (default 1), set
 the isolated child. While it decodes it logs progress lines (prompts done, tau so far, time left):
 to run.log only while training runs, so the live view stays put, and to the terminal as well for
 the final weights, whose evaluation comes after the last step's line.
+
+A stop request (Ctrl-C, SIGTERM, an abort or a failure elsewhere) ends an evaluation within one
+verify step, and no evaluation starts after it, the final weights' included: a stop must not wait
+for a decode of minutes. The newest step left unevaluated is kept for the run's summary
+(:class:`dflash.run.app.RunProgress`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 import csp
+from dflash.eval.decode import DecodeStopped
 from dflash.messages import DrafterSnapshot, HeldoutTau
 from dflash.observe.runlog import FILE_ONLY
 from dflash.run.app import RunApp
@@ -57,7 +63,10 @@ class EvaluatorStage(csp.Process):
             return
         device = self.ctx.device or torch.device("cpu")
         if o.eval.isolate:  # the child sets its own count
-            self.worker = HeldoutProcess(o, device)
+            try:
+                self.worker = HeldoutProcess(o, device, self.ctx.stopping)
+            except DecodeStopped:  # stopped while the child started: run() evaluates nothing
+                log.info("evaluator: the run stopped while the evaluator's process started")
             return
         threads = own_threads(o.eval.threads)  # this thread's count; the training threads keep theirs
         if o.eval.threads and threads != o.eval.threads and not threads_are_per_thread():
@@ -73,13 +82,17 @@ class EvaluatorStage(csp.Process):
         self.worker = HeldoutDecoder(o, device)
 
     def evaluate(self, snap: DrafterSnapshot) -> HeldoutTau:
-        """Measured tau of ``snap``'s weights on the held-out prompts."""
-        say = _say(snap.final)
+        """Measured tau of ``snap``'s weights on the held-out prompts.
+
+        Raises:
+            DecodeStopped: the run is stopping; the evaluation ended unfinished.
+        """
+        say, stopping = _say(snap.final), self.ctx.stopping
         with self.ctx.span("evaluator.decode"):
             if self.opts.eval.isolate:
-                return self.worker.evaluate(snap.step, snap.weights, snap.dropped, say=say)
+                return self.worker.evaluate(snap.step, snap.weights, snap.dropped, say=say, should_stop=stopping)
             return self.worker.evaluate(snap.step, snap.weights, snap.dropped, lock=process_lock().shared(),
-                                        say=say)
+                                        say=say, should_stop=stopping)
 
     def teardown(self) -> None:
         close = getattr(getattr(self, "worker", None), "close", None)
@@ -90,12 +103,21 @@ class EvaluatorStage(csp.Process):
         out = outputs["metrics"]
         cap = self.opts.eval.max_busy
         start, busy, skipped = time.perf_counter(), 0.0, 0
+        progress = self.ctx.app.progress
         for snap in inputs["snapshots"]:
+            if self.ctx.stopping():  # the run is stopping: start no evaluation (it takes seconds to minutes)
+                progress.unevaluated = snap.step
+                continue
             # over its share of the run's time ([eval].max_busy): skip, unless these are the final weights
             if not snap.final and busy > cap * (time.perf_counter() - start):
                 skipped += 1 + snap.dropped
                 continue
-            item = self.evaluate(snap)
+            try:
+                item = self.evaluate(snap)
+            except DecodeStopped:
+                log.info("evaluator: the run is stopping; the evaluation of step %d ends unfinished", snap.step)
+                progress.unevaluated = snap.step
+                continue
             item.skipped += skipped
             busy, skipped = busy + item.seconds, 0
             del snap  # the weights' memory goes before the next snapshot arrives

@@ -27,6 +27,11 @@ threads, already running, keep their counts, and a thread started later gets tor
 the evaluator's. Under another backend (native, TBB) the count is one pool's for the whole process:
 the in-process evaluator then leaves it alone and says so, and ``[eval].isolate = true`` is the way
 to give the decode a count of its own. The isolated child sets its count for its whole process.
+
+Either way an evaluation asks the run's stop request between verify steps (``should_stop``): a
+long decode would otherwise hold a graceful stop for the whole evaluation (tens of seconds to
+minutes), which is when a user presses Ctrl-C again. The child sees the request through a shared
+event the parent sets while it waits for the answer.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import msgspec
 import torch
 
 from dflash.data.config import DataError
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DFlashError
+from dflash.eval.decode import DecodeStopped
 from dflash.messages import HeldoutTau
 from dflash.records import over_text
 from dflash.run.options import EvaluatorOptions
@@ -55,8 +61,8 @@ log = logging.getLogger("dflash.evaluator")
 _ERRORS: dict[str, type[Exception]] = {"DataError": DataError, "ConfigError": ConfigError}
 
 
-class EvaluatorProcessError(RuntimeError):
-    """The evaluator's child process failed or exited; the message says how."""
+class EvaluatorProcessError(DFlashError, RuntimeError):
+    """The evaluator's child process failed or exited; the message (one line) says how."""
 
 
 def threads_are_per_thread() -> bool:
@@ -119,7 +125,8 @@ class HeldoutDecoder:
         self.prompts = [torch.tensor(x, device=device) for x in ids]
 
     def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int, lock: Any = None,
-                 say: Callable[[str], None] | None = None) -> HeldoutTau:
+                 say: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> HeldoutTau:
         """Measured tau of ``weights`` (the drafter's state dict after ``step``) on the prompts.
 
         Args:
@@ -128,6 +135,10 @@ class HeldoutDecoder:
                 process's step lock shared, :mod:`dflash.run.step_gate`); None in a child process.
             say: called with progress lines while it decodes (a line when it starts, then
                 prompts done, tau so far, time left, at most one every 10 s); None: quiet.
+            should_stop: the run's stop request, asked between prompts and verify steps.
+
+        Raises:
+            DecodeStopped: ``should_stop()`` returned True before the evaluation finished.
         """
         from dflash.eval.measure import decode_tau
         from dflash.eval.progress import ProgressLines
@@ -144,7 +155,8 @@ class HeldoutDecoder:
         with lock if lock is not None else nullcontext(), torch.no_grad():
             self.drafter.load_state_dict(weights)
             got = decode_tau(self.target, self.drafter, self.head, self.prompts, e.max_new_tokens,
-                             temperature=e.temperature, seed=e.seed, progress=progress)
+                             temperature=e.temperature, seed=e.seed, progress=progress,
+                             should_stop=should_stop)
         return HeldoutTau(step=step, tau=got.tau, accepted=got.accepted, sampled_tau=got.sampled_tau,
                           prompts=len(self.prompts), new_tokens=got.new_tokens, steps=got.steps,
                           seconds=time.perf_counter() - t0, skipped=dropped, time=time.time(),
@@ -152,13 +164,18 @@ class HeldoutDecoder:
                           dtype=str(self.target.model.dtype).removeprefix("torch."))
 
 
-def serve(o: EvaluatorOptions, device: str, conn: Any) -> None:
+def serve(o: EvaluatorOptions, device: str, conn: Any, stop: Any = None) -> None:
     """The child process's main: set its CPU threads (``[eval].threads``, the whole process's),
     build a :class:`HeldoutDecoder`, answer ``("ready", threads)``, then answer each ``(step,
     weights, dropped)`` with ``("progress", line)`` messages while decoding and ``("tau",
-    HeldoutTau)`` at the end, until ``None`` arrives. An exception is answered with ``("error",
-    (type name, message))`` and ends the process."""
+    HeldoutTau)`` at the end, or ``("stopped", None)`` once the parent has set ``stop`` (a
+    multiprocessing event: the run is stopping), until ``None`` arrives. An exception is answered
+    with ``("error", (type name, message))`` and ends the process."""
+    from dflash.import_noise import quiet_import_noise
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends this process
+    quiet_import_noise()  # a spawned process imports torchao again: the parent's filters are not here
+    should_stop = stop.is_set if stop is not None else None
     try:
         if o.eval.threads:  # this process decodes only: its count is the decode's
             torch.set_num_threads(o.eval.threads)
@@ -166,9 +183,13 @@ def serve(o: EvaluatorOptions, device: str, conn: Any) -> None:
         conn.send(("ready", torch.get_num_threads()))
         while (msg := conn.recv()) is not None:
             step, weights, dropped = msg
-            item = decoder.evaluate(step, weights, dropped, say=lambda line: conn.send(("progress", line)))
+            try:
+                answer = ("tau", decoder.evaluate(step, weights, dropped, should_stop=should_stop,
+                                                  say=lambda line: conn.send(("progress", line))))
+            except DecodeStopped:
+                answer = ("stopped", None)
             del weights, msg  # the parent may free the snapshot once it has the answer
-            conn.send(("tau", item))
+            conn.send(answer)
     except (EOFError, BrokenPipeError):  # the parent is gone: nothing to answer
         return
     except Exception as exc:  # noqa: BLE001 - every failure is reported to the parent, which raises it
@@ -184,49 +205,97 @@ class HeldoutProcess:
     Raises:
         DataError, ConfigError: the child could not build its decoder, for these reasons.
         EvaluatorProcessError: the child failed otherwise or exited (its exit code is named).
+        DecodeStopped: ``should_stop()`` turned True while the child started (it is ended).
     """
 
-    def __init__(self, o: EvaluatorOptions, device: torch.device) -> None:
+    POLL_S = 0.1
+    """How often the parent, waiting for an answer, looks at the run's stop request (seconds)."""
+    STOP_GRACE_S = 5.0
+    """How long the child may take to end its decode after a stop request before it is ended (seconds)."""
+
+    def __init__(self, o: EvaluatorOptions, device: torch.device,
+                 should_stop: Callable[[], bool] | None = None) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(o, str(device), child), name="dflash-evaluator", daemon=True)
+        self.stop = ctx.Event()  # set by the parent when the run stops; the child's decode asks it
+        self.proc = ctx.Process(target=serve, args=(o, str(device), child, self.stop), name="dflash-evaluator",
+                                daemon=True)
         self.proc.start()
         child.close()
+        # the child's start-up (imports, the target) takes seconds: a stop meanwhile ends it
+        self._stop_seen_at: float | None = None
+        if self._wait(should_stop, on_stop=self.proc.terminate):
+            self.proc.join(timeout=5)
+            raise DecodeStopped("the run stopped while the evaluator's process started")
         threads = self._answer("ready")
         log.info("evaluator: decoding in its own process (pid %d, eval.isolate = true) with %d torch CPU "
                  "thread(s)", self.proc.pid, threads)
 
     def evaluate(self, step: int, weights: dict[str, torch.Tensor], dropped: int,
-                 say: Callable[[str], None] | None = None) -> HeldoutTau:
+                 say: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> HeldoutTau:
         """The child's :meth:`HeldoutDecoder.evaluate` of ``weights``; keep them alive until it
-        returns. ``say`` gets the child's progress lines as they arrive."""
+        returns. ``say`` gets the child's progress lines as they arrive.
+
+        Raises:
+            DecodeStopped: ``should_stop()`` turned True and the child ended the evaluation unfinished.
+        """
         try:
             self.conn.send((step, weights, dropped))
         except (BrokenPipeError, EOFError, OSError):
             self._answer("tau")  # the child is gone: say why
-        return self._answer("tau", say)
-
-    def _answer(self, kind: str, say: Callable[[str], None] | None = None) -> Any:
-        while True:
-            try:
-                got, value = self.conn.recv()
-            except (EOFError, OSError):
-                self.proc.join(timeout=5)
-                raise EvaluatorProcessError(f"the evaluator's process (pid {self.proc.pid}) exited with code "
-                                            f"{self.proc.exitcode} before answering; its output above says why "
-                                            "(set eval.isolate = false to evaluate in the training process)") from None
+        self._stop_seen_at = None
+        while True:  # progress lines until the answer, the stop request looked at while waiting
+            if self._wait(should_stop, on_stop=self.stop.set) and not self.proc.is_alive():
+                raise DecodeStopped("the run is stopping; the evaluator's process was ended")
+            got, value = self._recv()
             if got != "progress":
-                break
+                return self._check(got, value, "tau")  # a stopped decode answers "stopped": DecodeStopped
             if say is not None:
                 say(value)
+
+    def _wait(self, should_stop: Callable[[], bool] | None, on_stop: Callable[[], None]) -> bool:
+        """Wait for the child's next message (or its end) in short polls that look at
+        ``should_stop``; when it turns True, call ``on_stop`` and wait at most ``STOP_GRACE_S``
+        more (counted from the first time it was seen in this evaluation), then end the child.
+        Returns whether the stop was seen."""
+        if should_stop is None:
+            return False
+        while not self.conn.poll(self.POLL_S):
+            if self._stop_seen_at is None and should_stop():
+                on_stop()
+                self._stop_seen_at = time.monotonic()
+            elif self._stop_seen_at is not None and time.monotonic() - self._stop_seen_at > self.STOP_GRACE_S:
+                self.proc.terminate()  # the run's stop must not wait on it (the csp join timeout is 10 s)
+                self.proc.join(timeout=5)
+                break
+        return self._stop_seen_at is not None
+
+    def _recv(self) -> tuple[str, Any]:
+        """The child's next ``(kind, value)`` message."""
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(timeout=5)
+            raise EvaluatorProcessError(f"the evaluator's process (pid {self.proc.pid}) exited with code "
+                                        f"{self.proc.exitcode} before answering; its output above says why "
+                                        "(set eval.isolate = false to evaluate in the training process)") from None
+
+    def _check(self, got: str, value: Any, kind: str) -> Any:
+        """``value`` of an answer of ``kind``; an error or a stopped decode raised as such."""
         if got == "error":
             name, message = value
             raise _ERRORS.get(name, EvaluatorProcessError)(
                 message if name in _ERRORS else f"the evaluator's process failed: {name}: {message}")
+        if got == "stopped":
+            raise DecodeStopped("the run is stopping")
         assert got == kind, (got, kind)
         return value
+
+    def _answer(self, kind: str) -> Any:
+        return self._check(*self._recv(), kind)
 
     def close(self) -> None:
         """Ask the child to end, then end it (at most 10 s)."""

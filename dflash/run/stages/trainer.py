@@ -10,7 +10,9 @@ When the input ends (the data is exhausted, or a graceful stop drained the graph
 checkpoint is written and waited for. Where the graph connects the ``snapshots`` output (an
 in-training evaluator, ``[eval]``), a copy of the weights goes there every ``[eval].every`` steps
 without waiting (dropped, and counted, while the evaluator is busy) and after the last step
-(waited for, so the final weights are always evaluated).
+(waited for, so the final weights are evaluated, unless the run is stopping:
+:mod:`dflash.run.stages.evaluator`). Each finished step is counted in the app's
+:class:`~dflash.run.app.RunProgress`, which the run's end record and summary read.
 
 With ``[run].time_budget_s`` (:mod:`dflash.train.budget`) the schedule's end follows the measured
 step rate after every step; when the budget is spent the stage sets ``RunApp.budget_reached`` (the
@@ -116,6 +118,7 @@ class DrafterStage(csp.Process):
             if self.budget is not None and not self.budget.started:
                 self.budget.start(self.step)
             m = self.train_step(inp)
+            self.app.progress.step = self.step
             if parallel.is_writer(self.ctx):  # one record per step, not one per replica
                 metrics.send(m)
             if every and self.step % every == 0 and self.step < total:
@@ -133,7 +136,7 @@ class DrafterStage(csp.Process):
         if self.window.last_batch_id >= 0 and self.saved_step != self.step:  # final checkpoint, once
             self.save()
         if snapshots is not None and self.window.last_batch_id >= 0 and sent != self.step:
-            snapshots.send(self.snapshot(dropped=dropped, final=True))  # the final weights, always
+            snapshots.send(self.snapshot(dropped=dropped, final=True))  # the final weights (skipped if stopping)
         self.ckpt.wait()
         if self.app.budget_end is not None:
             self.app.budget_end += f"; final checkpoint and snapshot hand-off {time.perf_counter() - final:.1f} s"

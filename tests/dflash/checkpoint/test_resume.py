@@ -199,3 +199,36 @@ def test_config_saved_with_drafter_num_anchors_is_compared_in_todays_layout():
     assert config_changes(before, now) == []
     now["train"]["num_anchors"] = 32
     assert config_changes(before, now) == ["train.num_anchors 64 -> 32 (anchors)"]
+
+
+@pytest.mark.parametrize("variant, change, says", [
+    ("xpress", {"xpress_rank": 16}, "xpress_rank: checkpoint 32, config 16"),
+    ("xpress", {"xpress_mlp_ratio": 3}, "xpress_mlp_ratio: checkpoint 2, config 3"),
+    ("dflash2", {"selector_rank": 8}, "selector_rank: checkpoint 16, config 8"),
+    ("dflash", {"intermediate_size": 96}, "intermediate_size: checkpoint"),
+    ("dflash", {"block_size": 8}, "block_size: checkpoint 4, config 8"),
+    ("dflash", {"confidence_head": True}, "confidence_head (loss.confidence = 'head'): checkpoint False, config True"),
+    ("xpress", {"variant": "dflash"}, "variant: checkpoint 'xpress', config 'dflash' (drafter.variant)"),
+])
+def test_every_variants_shape_change_is_refused_naming_the_field(tmp_path, variant, change, says):
+    """Invariant: a resume is refused when the run's drafter would hold tensors of other names or
+    shapes than the checkpoint's, for every variant's fields alike (compared on the meta device,
+    not from a list of keys), or another variant or block size; the line names each field that
+    changes a shape. Fields that change no tensor (XPress's jacobi_passes, the kernels) pass.
+    Regression: an XPress checkpoint resumed with another xpress_rank or xpress_mlp_ratio only
+    warned, then failed after start-up in load_state_dict ("size mismatch for refiner_head.*")."""
+    import msgspec
+
+    from dflash.checkpoint.resume import check_architecture
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.drafter_config import resolve_drafter_config
+    from tests.dflash.export.test_export import TCFG
+    from tests.helpers import save_checkpoint
+
+    cfg = resolve_drafter_config(DrafterConfig(num_layers=1, block_size=4, variant=variant, xpress_rank=32,
+                                               selector_rank=16, conv_group_size=8, mask_token_id=7), TCFG)
+    save_checkpoint(tmp_path, DFlashDrafter(cfg, seed=0), cfg, TCFG)
+    check_architecture(tmp_path, msgspec.structs.replace(cfg, jacobi_passes=1, kernels="liger", compile=True))
+    with pytest.raises(CheckpointError, match="has another drafter shape") as err:
+        check_architecture(tmp_path, msgspec.structs.replace(cfg, **change))
+    assert says in str(err.value) and "--resume none" in str(err.value)

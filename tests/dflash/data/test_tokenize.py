@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dflash.data import (
     tokenizer_info,
 )
 from dflash.data import tokenize as tokenize_mod
+from dflash.data.dataset import summary_rows
 
 FIX = Path(__file__).resolve().parents[3] / "tests" / "fixtures"
 END = "<|im_end|>"
@@ -286,3 +288,33 @@ def test_a_left_out_holdout_scales_with_the_data():
 
     assert [holdout_count(None, n) for n in (0, 9, 72, 640, 100_000)] == [0, 0, 7, 64, 64]
     assert holdout_count(40, 72) == 40 and holdout_count(0, 1000) == 0
+
+
+def test_the_summary_says_how_much_truncation_cut_and_the_length_that_keeps_most_whole(tok, tmp_path):
+    """Invariant: the data summary says how many kept conversations max_length cut, by how much
+    (the median cut; the longest conversation), and the data.max_length that keeps 90% whole;
+    the full lengths of a conversation cut short are estimated from its characters, here
+    within 20% of the exact ones (ShareGPT at 256, 512 and 2,048 tokens: median 1.00, 90% of them
+    within 0.86..1.16, the 90th percentile within 3%). Regression: a user's file was cut in 169 of
+    189 conversations and the summary said only "169"."""
+    words = " ".join(f"word{i}" for i in range(400))
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"},
+                          {"role": "assistant", "content": " ".join([words] * (1 + i % 4))}]} for i in range(20)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    exact = [len(ChatEncoder(tok, max_length=1 << 30).encode(c).ids) for c in read_source(str(path)).conversations]
+    d = load_dataset(cfg_for(path, tmp_path / "c", max_length=256),
+                     tok, progress=False, quiet=True)
+    s = d.summary
+    assert s.truncated == 20 and s.max_length == 256
+    assert abs(s.longest / max(exact) - 1) < 0.2
+    assert abs(s.truncated_cut / (float(np.median(exact)) - 256) - 1) < 0.2
+    assert s.whole_at % 64 == 0 and abs(s.whole_at / float(np.quantile(exact, 0.9, method="higher")) - 1) < 0.2
+    (row,) = [v for k, v in summary_rows(s) if k.startswith("truncated")]
+    assert row.startswith(f"20 of 20 (100%) longer than data.max_length = 256, cut by about {s.truncated_cut:,} "
+                          f"tokens each (median; the longest has about {s.longest:,})"), row
+    assert row.endswith(f"; data.max_length = {s.whole_at:,} keeps 90% whole"), row
+    whole = load_dataset(cfg_for(path, tmp_path / "c", max_length=1 << 20),
+                         tok, progress=False, quiet=True)
+    assert whole.summary.truncated == 0 and dict(summary_rows(whole.summary))["truncated to max_length (kept)"] == "0"
+    assert whole.summary.longest == max(exact)  # every segment tokenized: exact

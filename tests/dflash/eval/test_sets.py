@@ -73,6 +73,18 @@ def test_unknown_and_unpackaged_set_names_say_what_to_give(tmp_path):
     assert load_prompt_set(str(f))[1][0].turns == ("q" + MATH_SUFFIX,)
 
 
+def test_a_directory_is_named_a_directory_and_never_hides_a_set(tmp_path, monkeypatch):
+    """Invariant: ``--prompts DIR`` says it is a directory (it exists: "no such file" sent users
+    looking for a typo); a directory that happens to carry a set's name does not hide the set.
+    Regression: a directory was reported as "no such file, and not a set name"."""
+    with pytest.raises(EvalInputError, match=r"--prompts .*: is a directory; give one \.jsonl file in it"):
+        load_prompt_set(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gsm8k").mkdir()
+    with pytest.raises(EvalInputError, match="shipped by no package"):  # the set's own answer
+        load_prompt_set("gsm8k")
+
+
 def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch):
     def missing(name):
         raise metadata.PackageNotFoundError(name)

@@ -234,6 +234,8 @@ def test_damaged_checkpoints_say_what_is_wrong(tmp_path, capsys):
     checkpoint without ``train_state.pt`` as ``REJECTED: train_state.pt missing, complete``.
     Invariant: each line says what is actually wrong and never calls a checkpoint lacking a file
     complete."""
+    from dflash.checkpoint.health import META_UNREADABLE
+
     run = tmp_path / "run"
     shutil.copytree(RUN, run)
     (run / "checkpoints" / "step_00000100" / "train_state.pt").unlink()
@@ -243,7 +245,7 @@ def test_damaged_checkpoints_say_what_is_wrong(tmp_path, capsys):
     assert main([str(run)]) == 0
     out = capsys.readouterr().out
     lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ln.startswith("  step_000")}
-    assert lines["step_00000120"] == "  step_00000120: meta.json is unreadable (an interrupted or damaged save)"
+    assert lines["step_00000120"] == f"  step_00000120: {META_UNREADABLE}"
     assert lines["step_00000100"].endswith("REJECTED: train_state.pt missing"), lines["step_00000100"]
     assert "complete" not in lines["step_00000100"]
     assert lines["step_00000050"].endswith("healthy, complete <- resume=auto picks this"), lines["step_00000050"]

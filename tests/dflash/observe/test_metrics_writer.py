@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from dflash.messages import StepMetrics
 from dflash.observe.metrics_writer import MetricsLog, WindowAggregator
+from dflash.records import TrainRecord
 
 
 def _m(step: int, loss: float = 1.0, skipped: bool = False, t: float = 0.0) -> StepMetrics:
@@ -112,3 +115,49 @@ def test_the_wandb_config_names_layers_variant_and_data():
     got = resolve(load_config(GRAPH), info).monitor.wandb_config["resolved"]
     assert got["target_layer_ids"] == [4] and got["drafter_variant"] == "dflash" and got["config_hash"]
     assert got["data"]["path"].endswith(".json") and got["data"]["size"] > 0
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"a/b:c\n", "holds 'a/b:c', not a run id"),
+    (b"\xff\xfe\x00id", "is not UTF-8 text"),
+    (b"x" * 300_000, "not a run id"),
+    (b"  \n", "is empty"),
+], ids=["refused-characters", "not-utf8", "300K-characters", "empty"])
+def test_an_unusable_wandb_run_id_costs_only_the_curve(tmp_path, caplog, content, why):
+    """Invariant: a RUN_DIR/wandb/run-id that wandb cannot use (characters it refuses, bytes that
+    are not UTF-8, 300K characters, nothing) gives a new id for this segment and one warning line
+    naming the file; the file then keeps the new id. Regression: wandb.init raised at start-up
+    (UsageError, UnicodeDecodeError): exit 1 with a traceback and a line that never named the file."""
+    import logging
+
+    from dflash.observe.metrics_writer import WANDB_ID, run_id
+
+    path = tmp_path / WANDB_ID
+    path.parent.mkdir()
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="dflash.monitor"):
+        assert run_id(tmp_path, lambda: "fresh123") == "fresh123"
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"{path} ") and why in line and "new run fresh123" in line, line
+    assert "\n" not in line and len(line) < 400
+    assert path.read_text() == "fresh123\n"
+    caplog.clear()
+    assert run_id(tmp_path, lambda: "other") == "fresh123" and not caplog.records  # kept from now on
+
+
+def test_a_wandb_path_that_is_a_file_costs_only_wandb(tmp_path, caplog):
+    """Invariant: RUN_DIR/wandb being a file turns wandb off for the run with one warning line
+    naming it (metrics.jsonl still has every window), and the id it cannot keep is said once.
+    Regression: wandb.init failed in the monitor's setup (NotADirectoryError), exit 1, traceback."""
+    import logging
+
+    from dflash.observe.metrics_writer import WandbSink
+
+    (tmp_path / "wandb").write_text("x")
+    with caplog.at_level(logging.WARNING, logger="dflash.monitor"):
+        sink = WandbSink("offline", "p", "n", tmp_path, {})
+    assert sink.run is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"{tmp_path / 'wandb'} is a file, not a directory: wandb logs nothing"), line
+    sink.log(TrainRecord(step=1, window=1))  # a no-op, as with wandb disabled
+    sink.close()

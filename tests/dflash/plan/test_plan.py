@@ -207,6 +207,36 @@ def test_o_replaces_only_its_own_plans_and_never_the_runs_config(tiny_run, tmp_p
     assert config.read_bytes() == before
 
 
+def test_o_refuses_a_link_to_the_runs_config_and_an_empty_path(tiny_run, tmp_path, capsys):
+    """Invariant: ``-o`` naming a hard link or a symlink to the run's config.toml is the run's
+    config.toml (refused even with --force, the file untouched), and ``-o ""`` is an error, not a
+    plan written nowhere; a plan written over a file replaces it by a rename, so another hard link
+    to the old file keeps its contents. Regression: the hard link was overwritten with --force
+    (the check compared resolved paths, which a hard link does not share), and ``-o ""`` exited 0
+    writing nothing without a word."""
+    import os
+
+    config = tiny_run / "config.toml"
+    before = config.read_bytes()
+    hard, soft = tmp_path / "hard.toml", tmp_path / "soft.toml"
+    os.link(config, hard)
+    soft.symlink_to(config)
+    for link in (hard, soft):
+        assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(link), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "the run's own config.toml" in err, err
+    assert config.read_bytes() == before
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-o '' is not a file path" in err, err
+    mine, twin = tmp_path / "mine.toml", tmp_path / "twin.toml"
+    mine.write_text("[mine]\n")
+    os.link(mine, twin)
+    assert main([str(tiny_run), "--extrapolate", "--gpus", "8", "-o", str(mine), "--force"]) == 0
+    assert mine.read_text().startswith("# dflash.plan ") and twin.read_text() == "[mine]\n"
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
 def test_graph_dict_keeps_the_run_and_moves_its_out_dir(tiny_run):
     """Invariant: the written graph is the run's config with only placement, channel flags and
     out_dir changed."""

@@ -142,3 +142,30 @@ def test_a_gguf_file_as_target_path_says_to_import_it(tmp_path, capsys):
                  "--set", "monitor.wandb=disabled"]) == 2
     err = capsys.readouterr().err
     assert f"python -m dflash.import_gguf {gguf} -o DIR" in err and err.count("\n") == 1, err
+
+
+def test_a_copy_of_an_example_under_another_name_trains_in_its_own_run_directory(tmp_path, monkeypatch):
+    """Invariant: a graph file's run.name defaults to the file's name, and the shipped examples'
+    out_dir is "../runs/{name}", so a copy saved under another name (the new user's path: copy the
+    CPU graph, point it at your data) writes to runs/<its name>, never resuming the example's
+    checkpoints; a name set in the file or with --set names the directory too, and a name no
+    directory can have is one line. Regression: the copy kept out_dir = "../runs/dflash-tiny"."""
+    import shutil
+
+    from dflash.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").mkdir()
+    copy = tmp_path / "examples" / "my-data.toml"
+    shutil.copy(EXAMPLE, copy)
+    cfg = load_config(copy)
+    assert cfg.run.name == "my-data" and cfg.run.out_dir == os.path.join("runs", "my-data")
+    named = load_config(copy, ['run.name="exp-1"'])
+    assert named.run.name == "exp-1" and named.run.out_dir == os.path.join("runs", "exp-1")
+    with pytest.raises(ConfigError, match=r"run.name = 'a/b' cannot name a run directory"):
+        load_config(copy, ['run.name="a/b"'])
+    for example in sorted((ROOT / "examples").glob("*.toml")):
+        if "[run]" in example.read_text():  # the dflash graphs (the csp ones have no [run])
+            got = load_config(example)
+            assert got.run.name == example.stem, example
+            assert Path(got.run.out_dir).resolve() == ROOT / "runs" / example.stem, example

@@ -118,7 +118,8 @@ def test_an_isolated_evaluator_that_fails_says_why(tmp_path, cache_dir, capsys, 
 def test_an_isolated_evaluator_that_dies_is_named_with_its_exit_code(tmp_path, cache_dir,  # noqa: F811
                                                                       capsys, monkeypatch):
     """A child killed mid-run (here: SIGKILL before the first snapshot reaches it) stops the run
-    with one line naming its pid and exit code, instead of a hang on its pipe."""
+    with one line naming its pid and exit code, instead of a hang on its pipe, and with no
+    traceback before it (there was one of 20 lines: the line says all; run.log keeps it)."""
     def kill(process, weights):
         process.proc.kill()
         process.proc.join(timeout=10)
@@ -126,6 +127,8 @@ def test_an_isolated_evaluator_that_dies_is_named_with_its_exit_code(tmp_path, c
 
     err = _isolated_run_error(tmp_path, cache_dir, capsys, monkeypatch, kill)
     assert "exited with code -9 before answering" in err and "set eval.isolate = false" in err
+    assert "Traceback" not in err, err
+    assert "Traceback" in (tmp_path / "run" / "run.log").read_text()
 
 
 def test_the_evaluation_changes_nothing_trained():

@@ -316,6 +316,27 @@ def test_resume_with_another_drafter_shape_is_a_clear_error(tmp_path, cache_dir,
         assert "variant: checkpoint 'dflash', config 'dflash2' (drafter.variant)" in err, err
 
 
+def test_resume_of_an_xpress_checkpoint_with_another_refiner_shape_is_refused(tmp_path, cache_dir, capsys,
+                                                                              monkeypatch):
+    """Invariant: an XPress checkpoint resumed with another drafter.xpress_rank or
+    xpress_mlp_ratio is refused as DFlash and DFlash2 shape changes are: one line naming both
+    values, exit 2, before any data work. Regression: a WARNING, then after start-up a
+    load_state_dict "size mismatch for refiner_head.*" traceback, exit 1, and a summary saying
+    no healthy checkpoint exists."""
+    import dflash.data
+
+    run = tmp_path / "run"
+    xpress = ('drafter.variant="xpress"', "drafter.xpress_rank=32")
+    assert main(small(run, cache_dir, *xpress, steps=2)) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(dflash.data, "load_dataset", lambda *a, **k: pytest.fail("data work before the check"))
+    for change, says in (("drafter.xpress_rank=16", "xpress_rank: checkpoint 32, config 16"),
+                         ("drafter.xpress_mlp_ratio=3", "xpress_mlp_ratio: checkpoint 2, config 3")):
+        assert main(small(run, cache_dir, *xpress, change, steps=4)) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and says in err, err
+
+
 # -- checkpoints that must not lie, resume that must not change the run ---------------------------
 
 
