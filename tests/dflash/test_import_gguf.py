@@ -22,7 +22,7 @@ def _refused(capsys, argv) -> str:
 
 def _tiny_gguf(path, arch: str) -> None:
     """A GGUF file holding only ``general.architecture`` (no tensors)."""
-    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install 'dflash-csp[gguf]'")
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install -e '.[gguf]'")
     w = gguf.GGUFWriter(str(path), arch)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -56,7 +56,7 @@ def test_a_missing_gguf_extra_names_it(tmp_path, capsys, monkeypatch, missing):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
     err = _refused(capsys, [str(tmp_path / "m.gguf"), "-o", str(tmp_path / "out")])
-    assert f"needs the {missing} package: pip install 'dflash-csp[gguf]'" in err
+    assert f"needs the {missing} package: pip install -e '.[gguf]'" in err
 
 
 def test_an_unsupported_architecture_names_the_supported_ones(tmp_path, capsys):
