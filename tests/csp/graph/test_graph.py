@@ -140,7 +140,7 @@ def test_a_dflash_graph_file_with_a_utf8_byte_order_mark_loads(tmp_path):
     from dflash.run.config import load_config
 
     example = Path(__file__).resolve().parents[3] / "examples" / "dflash-tiny.toml"
-    path = tmp_path / "g.toml"
+    path = tmp_path / "dflash-tiny.toml"  # run.name is the file's name (the example sets none)
     path.write_bytes(b"\xef\xbb\xbf" + example.read_bytes())
     assert load_config(path).run.name == "dflash-tiny"
 
