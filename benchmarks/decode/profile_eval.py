@@ -7,7 +7,7 @@ then one draft-and-verify decode under ``cProfile`` (host time per Python functi
 
 Phases (each synchronised): the greedy draft-and-verify decodes, the target-alone greedy decodes
 (the speed baseline), the sampled decodes (``--temperature``), and the teacher-forced scoring of
-the decoded text. Per verify step: milliseconds, and the share of it in the proposer (the
+the decoded text (the backbone's blocks at every anchor, :func:`dflash.eval.measure.teacher_forced`). Per verify step: milliseconds, and the share of it in the proposer (the
 drafter's forward and, for DFlash2, the selector's walk) against the target's verify forward.
 """
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.data.prompts import encode_prompt
     from dflash.data.tokenizer import load_tokenizer
     from dflash.eval.decode import greedy_decode, speculative_decode
-    from dflash.eval.measure import _proposer_factory, _score, _Decoded
+    from dflash.eval.measure import proposer_factory, teacher_forced
     from dflash.eval.sets import load_prompt_set
     from dflash.model.target import for_generation, load_target
 
@@ -80,20 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.tensor(encode_prompt(tok, [{"role": "user", "content": q.turns[0]}], 1024, None),
                             device=device) for q in chosen[: args.num_prompts]]
     N, bs = args.max_new_tokens, dc.block_size
-    factory = _proposer_factory(drafter, head)
+    factory = proposer_factory(drafter, head)
     speculative_decode(target, factory(), prompts[0], N, bs)           # warm-up
     greedy_decode(target, prompts[0], N)
 
     res: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                  "dtype": args.dtype, "variant": dc.variant, "block_size": bs, "prompts": len(prompts),
                  "max_new_tokens": N, "torch": torch.__version__}
-    decoded, steps, prop_s = [], 0, 0.0
+    decoded, steps, prop_s = [], 0, 0.0  # (tokens, prompt length) of each decode
     _sync(device)
     t0 = time.perf_counter()
     for i, pr in enumerate(prompts):
         prop = _Timed(factory(), device)
         out, acc, vis = speculative_decode(target, prop, pr, N, bs)
-        decoded.append(_Decoded(i, 0, pr.shape[0], out, acc, vis, 0.0))
+        decoded.append((out, pr.shape[0]))
         steps += len(acc)
         prop_s += prop.seconds
     _sync(device)
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     _sync(device)
     greedy_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for d in decoded:
-        _score(d, target, drafter, head, dc.variant == "dflash2")
+    for out, n in decoded:  # the backbone's teacher-forced blocks at every anchor of the text
+        teacher_forced(target, drafter, head, out, torch.arange(n, out.shape[0], device=device))
     _sync(device)
     score_s = time.perf_counter() - t0
     res.update(spec_seconds=spec_s, verify_steps=steps, ms_per_verify_step=1e3 * spec_s / steps,

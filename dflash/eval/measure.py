@@ -46,7 +46,7 @@ from dflash.train.acceptance import (
     tau_from_accepted,
 )
 
-__all__ = ["DecodedTau", "decode_tau", "evaluate", "greedy_labels", "teacher_forced"]
+__all__ = ["DecodedTau", "decode_tau", "evaluate", "greedy_labels", "proposer_factory", "teacher_forced"]
 
 
 @torch.no_grad()
@@ -107,7 +107,7 @@ class DecodedTau:
     sampled_tau: float | None = None
 
 
-def _proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool = False) -> Callable[[], object]:
+def proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool = False) -> Callable[[], object]:
     """A new proposer per decode: the selector walk for DFlash2, the Jacobi passes for XPress, the
     cached drafter when every layer attends fully, else the recomputing one. ``cuda_graphs``: a
     full-attention DFlash or DFlash2 drafter drafts with its static step instead (same drafts;
@@ -142,7 +142,7 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
         ValueError: an empty prompt or bad sampling parameters.
         DecodeStopped: ``should_stop()`` returned True; nothing was measured.
     """
-    proposer, bs = _proposer_factory(drafter, head), drafter.cfg.block_size
+    proposer, bs = proposer_factory(drafter, head), drafter.cfg.block_size
     t_start = time.perf_counter()
     ms, tokens = [], 0
     for i, p in enumerate(prompts):
@@ -238,7 +238,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     bs = drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
-    proposer = _proposer_factory(drafter, head, cuda_graphs)
+    proposer = proposer_factory(drafter, head, cuda_graphs)
     t_start = time.perf_counter()
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
