@@ -151,7 +151,7 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
         ms += acc
         tokens += out.shape[0] - p.shape[0]
         if progress is not None:
-            progress(_progress("decode", i + 1, len(prompts), t_start, i + 1, tokens, ms))
+            progress(EvalProgress.at("decode", i + 1, len(prompts), t_start, i + 1, tokens, ms))
     sampled = None
     if temperature > 0:
         gen = torch.Generator(device=target.device).manual_seed(seed)
@@ -161,10 +161,10 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
             sm += speculative_decode(target, proposer(), p, max_new_tokens, bs, temperature=temperature,
                                      top_p=top_p, top_k=top_k, generator=gen, should_stop=should_stop)[1]
             if progress is not None:
-                progress(_progress("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
+                progress(EvalProgress.at("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))
     if progress is not None:
-        progress(_progress("done", len(prompts), len(prompts), t_start, len(prompts), tokens, ms))
+        progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(prompts), tokens, ms))
     mean = sum(ms) / max(len(ms), 1)
     return DecodedTau(tau=tau_from_accepted(mean), accepted=mean, new_tokens=tokens, steps=len(ms),
                       sampled_tau=sampled)
@@ -271,11 +271,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
             turn += 1
         if progress is not None:
-            progress(_progress("decode", i + 1, len(prompts), t_start, len(decoded),
+            progress(EvalProgress.at("decode", i + 1, len(prompts), t_start, len(decoded),
                                sum(d.tokens.shape[0] - d.prompt_len for d in decoded),
                                [m for d in decoded for m in d.acc_m]))
     if progress is not None:
-        progress(_progress("score", 0, len(prompts), t_start, len(decoded), 0, []))
+        progress(EvalProgress.at("score", 0, len(prompts), t_start, len(decoded), 0, []))
     for d in decoded:  # teacher-forced scoring, after every timed decode
         _score(d, target, drafter, head, dflash2)
     cats = categories or ["all"] * len(prompts)
@@ -287,7 +287,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None
     if progress is not None:
-        progress(_progress("done", len(prompts), len(prompts), t_start, len(decoded),
+        progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(decoded),
                            sum(r.new_tokens for r in res.per_prompt), [m for d in decoded for m in d.acc_m]))
     return res
 
@@ -392,11 +392,3 @@ def _selector_figures(drafter: DFlashDrafter, extra, correct: torch.Tensor) -> S
 def _scored(acc: torch.Tensor) -> list[float | None]:
     """Per-position accuracies as a list, None where no anchor reached the position (NaN)."""
     return [None if math.isnan(a) else a for a in acc.tolist()]
-
-
-def _progress(stage, done: int, total: int, t_start: float, decodes: int, tokens: int,
-              ms: list[int]) -> EvalProgress:
-    """The :class:`EvalProgress` of a stage: ``ms`` the accepted drafts of every verify step so far."""
-    return EvalProgress(stage, done, total, decodes=decodes, new_tokens=tokens, steps=len(ms),
-                        tau=tau_from_accepted(sum(ms) / len(ms)) if ms else None,
-                        elapsed=time.perf_counter() - t_start)

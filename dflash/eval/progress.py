@@ -50,6 +50,17 @@ class EvalProgress:
     tau: float | None = None
     elapsed: float = 0.0
 
+    @classmethod
+    def at(cls, stage: Stage, done: int, total: int, t_start: float, decodes: int, tokens: int,
+           accepted: list[int]) -> EvalProgress:
+        """The report of ``stage`` at this moment: ``accepted`` the accepted drafts of every greedy
+        verify step so far, ``t_start`` the ``time.perf_counter()`` the evaluation began at."""
+        from dflash.train.acceptance import tau_from_accepted
+
+        return cls(stage, done, total, decodes=decodes, new_tokens=tokens, steps=len(accepted),
+                   tau=tau_from_accepted(sum(accepted) / len(accepted)) if accepted else None,
+                   elapsed=time.perf_counter() - t_start)
+
 
 def clock_text(seconds: float) -> str:
     """``seconds`` as ``m:ss`` (``h:mm:ss`` from an hour)."""
