@@ -23,6 +23,16 @@ ENV = "ZLAB_DFLASH_PATH"
 SKIP_REASON = "z-lab's dflash wheel not provided (set ZLAB_DFLASH_PATH; eval \"$(bash tests/interop_setup.sh .stacks)\" sets it)"
 
 
+def zlab_root() -> str | None:
+    """The directory ``ZLAB_DFLASH_PATH`` names when z-lab's decoder can run here, else ``None``
+    (unset, or transformers 4.x): for a test whose z-lab part is optional."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    return os.environ.get(ENV) or None
+
+
 def zlab_model():
     """The module ``zlab_dflash.model``; skips the calling test when ``ZLAB_DFLASH_PATH`` is unset
     or transformers is 4.x."""
