@@ -23,7 +23,7 @@ and of ``dflash``:
 floor  rooms
 =====  ==========================================================================================
 0      the leaves: ``dflash`` (the package), ``dflash.errors``, ``dflash.messages``,
-       ``dflash.records``, ``dflash.seeding``, ``dflash.import_noise``
+       ``dflash.records``, ``dflash.seeding``, ``dflash.import_noise``, ``dflash.tables``
 1      ``dflash.data``, ``dflash.model``
 2      ``dflash.checkpoint``
 3      ``dflash.train``, ``dflash.observe``
@@ -59,7 +59,7 @@ CSP_FLOORS = {
 
 FLOORS = {
     "dflash": 0, "dflash.errors": 0, "dflash.messages": 0, "dflash.records": 0, "dflash.seeding": 0,
-    "dflash.import_noise": 0,
+    "dflash.import_noise": 0, "dflash.tables": 0,
     "dflash.data": 1, "dflash.model": 1,
     "dflash.checkpoint": 2,
     "dflash.train": 3, "dflash.observe": 3,

@@ -12,18 +12,19 @@ from typing import TYPE_CHECKING, Annotated
 import msgspec
 from msgspec import Meta
 
+from dflash.tables import NonNegInt, PositiveInt, Table
+
 if TYPE_CHECKING:  # a type only: the reports that read a run directory import this room without the models
     from dflash.model.drafter_config import DrafterConfig
 
 __all__ = ["CheckpointSection", "checkpoint_bytes"]
 
-PositiveInt = Annotated[int, Meta(ge=1)]
 
 
-class CheckpointSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CheckpointSection(Table):
     """``[checkpoint]``: how often and how many."""
 
-    every: Annotated[int, Meta(ge=0)] = 100
+    every: NonNegInt = 100
     """Save every N steps (0 = only at the end)."""
     keep_last: PositiveInt = 3
     """Keep the newest K complete healthy checkpoints."""

@@ -4,13 +4,15 @@ does to training: the lines of a resume record's ``config_changes`` and of the r
 A checkpoint records the resolved graph file it trained with (``train_config.json``);
 :func:`changes_since` compares it with the run's, key by key (:func:`config_changes`), naming each
 changed key and its effect. Keys added to the config after a checkpoint was written take the value
-that reproduces the older code (:data:`_ADDED_LATER`), so an unchanged setting is never reported.
+that reproduces the older code (each such key says so on its own field:
+:func:`dflash.tables.added_later`), so an unchanged setting is never reported.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from dflash.checkpoint.format import TRAIN_CONFIG
@@ -58,25 +60,15 @@ _EFFECTS = (
 )
 
 
-_ADDED_LATER = {("loss", "tv_weight"): 0.0, ("loss", "conf_weight"): 0.0, ("loss", "confidence"): "top1",
-                ("drafter", "confidence_head"): False, ("drafter", "precision"): "bf16",
-                ("drafter", "fp8_recipe"): "tensorwise", ("train", "optimizer"): "adamw",
-                ("train", "muon_momentum"): 0.95, ("loss", "dpace_alpha"): 0.5,
-                ("drafter", "xpress_rank"): 256, ("drafter", "xpress_mlp_ratio"): 2, ("drafter", "jacobi_passes"): 6,
-                ("loss", "xpress_base_weight"): 0.6, ("loss", "xpress_consistency_weight"): 0.3,
-                ("loss", "xpress_consistency_passes"): 3, ("train", "adamw_fused"): False,
-                ("run", "time_budget_s"): None}
-"""Keys a config saved before they existed lacks, with the value that means what that code did."""
-
-
-def _current_layout(config: dict[str, Any]) -> dict[str, Any]:
+def _current_layout(config: dict[str, Any], added_later: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """A saved config in today's layout: ``drafter.num_anchors`` (the older layout) is
-    ``train.num_anchors``, and keys added later (:data:`_ADDED_LATER`) take the value that
-    reproduces the older code, so an unchanged setting is not reported as a change."""
-    for (table, key), value in _ADDED_LATER.items():
+    ``train.num_anchors``, and keys added later (``{table: {key: value before}}``) take the value
+    that reproduces the older code, so an unchanged setting is not reported as a change."""
+    for table, keys in added_later.items():
         section = config.get(table)
-        if isinstance(section, dict) and key not in section:
-            config = {**config, table: {**section, key: value}}
+        missing = {k: v for k, v in keys.items() if k not in section} if isinstance(section, dict) else {}
+        if missing:
+            config = {**config, table: {**section, **missing}}
     drafter = config.get("drafter")
     if not isinstance(drafter, dict) or "num_anchors" not in drafter:
         return config
@@ -100,10 +92,14 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: obj}
 
 
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def config_changes(old: dict[str, Any], new: dict[str, Any],
+                   added_later: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
     """``"run.steps 8 -> 12 (lr schedule: ...)"`` for every training-relevant key that differs
-    between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.run.config.DFlashFile`)."""
-    a, b = _flatten(_current_layout(old)), _flatten(_current_layout(new))
+    between two resolved configs (``msgspec.to_builtins`` of :class:`dflash.run.config.DFlashFile`).
+    ``added_later``: ``{table: {key: value before the key existed}}`` (the graph file's marked
+    keys, :func:`dflash.run.config.added_later_keys`); a config that lacks one reads as holding it."""
+    added_later = added_later or {}
+    a, b = _flatten(_current_layout(old, added_later)), _flatten(_current_layout(new, added_later))
     out = []
     for key in sorted(a.keys() | b.keys()):
         if key.startswith(_IGNORED) or a.get(key) == b.get(key):
@@ -121,13 +117,15 @@ def saved_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def changes_since(resumed: Resumed, config: dict[str, Any], config_hash: str) -> list[str]:
+def changes_since(resumed: Resumed, config: dict[str, Any], config_hash: str,
+                  added_later: Mapping[str, Mapping[str, Any]] | None = None) -> list[str]:
     """What differs between the checkpoint's training config and ``config`` (the resolved graph
-    file as plain data, :func:`config_changes`); only the hashes when the checkpoint predates
-    ``train_config.json`` (``config_hash``: :func:`dflash.run.config.config_hash` of the new one)."""
+    file as plain data, :func:`config_changes` with ``added_later``); only the hashes when the
+    checkpoint predates ``train_config.json`` (``config_hash``: :func:`dflash.run.config.config_hash`
+    of the new one)."""
     saved = saved_config(resumed.path)
     if saved is not None:
-        return config_changes(saved, config)
+        return config_changes(saved, config, added_later)
     old = resumed.meta.get("config_hash")
     if old not in (None, config_hash):
         return [f"config hash {old} -> {config_hash} (the checkpoint does not record which keys)"]

@@ -13,6 +13,7 @@ from dflash.errors import (
     ConfigError,
     DataError,  # noqa: F401 - the data path raises it; dflash.data re-exports it
 )
+from dflash.tables import NonNegInt, PositiveInt, Table
 
 Strategy = Literal["sorted", "random", "bucketed", "packed"]
 Reasoning = Literal["train", "context", "drop"]
@@ -24,7 +25,7 @@ def default_cache_dir() -> str:
     return os.environ.get("DFLASH_CACHE") or str(Path.cwd() / ".cache" / "dflash")
 
 
-class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class DataConfig(Table):
     """The ``[data]`` table: where conversations come from, how they are tokenized and batched.
 
     Attributes:
@@ -74,21 +75,21 @@ class DataConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     source: str = "sharegpt"
     format: Format = "auto"
-    max_samples: Annotated[int, Meta(ge=1)] | Literal["all"] | None = None
+    max_samples: PositiveInt | Literal["all"] | None = None
     max_length: Annotated[int, Meta(ge=8)] = 2048
-    block_size: Annotated[int, Meta(ge=1)] = 16
+    block_size: PositiveInt = 16
     last_turn_only: bool = False
     reasoning: Reasoning = "train"
     strategy: Strategy = "packed"
-    batch_size: Annotated[int, Meta(ge=1)] = 8
+    batch_size: PositiveInt = 8
     tokens_per_batch: Annotated[int, Meta(ge=8)] = 16384
-    packed_rows: Annotated[int, Meta(ge=1)] = 1
-    num_buckets: Annotated[int, Meta(ge=1)] = 8
-    pack_window: Annotated[int, Meta(ge=1)] = 32
+    packed_rows: PositiveInt = 1
+    num_buckets: PositiveInt = 8
+    pack_window: PositiveInt = 32
     cache_dir: str | None = None
-    num_workers: Annotated[int, Meta(ge=1)] | None = None
-    holdout: Annotated[int, Meta(ge=0)] | None = None
-    seed: Annotated[int, Meta(ge=0)] = 0
+    num_workers: PositiveInt | None = None
+    holdout: NonNegInt | None = None
+    seed: NonNegInt = 0
 
     def __post_init__(self) -> None:
         if self.max_samples == "all":  # TOML has no null: the spelling a file can write for "no limit"

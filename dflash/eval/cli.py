@@ -75,6 +75,7 @@ from dflash.eval.report import (
 )
 from dflash.eval.sets import EvalPrompt, load_prompt_set
 from dflash.eval.turns import Turns, stratified
+from dflash.model.variants import variant_of
 from dflash.records import over_text
 
 __all__ = ["DEFAULT_NUM_PROMPTS", "main", "prompt_ids"]
@@ -202,9 +203,10 @@ def _main(argv: list[str] | None) -> int:
             return 2
         dc = drafter.cfg
     if args.jacobi_passes is not None:
-        if dc.variant != "xpress" or args.jacobi_passes < 0:
+        passes = variant_of(dc.variant).reads("jacobi_passes")
+        if not passes or args.jacobi_passes < 0:
             why = (f"this drafter is a {dc.variant} drafter; only XPress decodes with Jacobi passes"
-                   if dc.variant != "xpress" else "give 0 or more passes")
+                   if not passes else "give 0 or more passes")
             print(f"dflash.eval: --jacobi-passes {args.jacobi_passes}: {why}", file=sys.stderr)
             return 2
         drafter.cfg = dc = msgspec.structs.replace(dc, jacobi_passes=args.jacobi_passes)

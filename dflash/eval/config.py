@@ -27,6 +27,7 @@ import msgspec
 from msgspec import Meta
 
 from dflash.errors import ConfigError
+from dflash.tables import NonNegInt, PositiveInt, Table
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "DEFAULT_PROMPTS", "DEFAULT_THREADS",
            "EVALUATOR_KIND", "EvalSection", "check_eval"]
@@ -43,14 +44,12 @@ DEFAULT_THREADS = 1
 """torch CPU threads of a decode by default, in ``[eval]`` and ``dflash.eval --threads``: a batch-1
 decode is launch-bound, and one thread per core made it up to 50x slower on a busy 2-core machine."""
 
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
 
 
-class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class EvalSection(Table):
     """``[eval]``: held-out tau measured by real decoding while the drafter trains."""
 
-    every: NonNegativeInt = 0
+    every: NonNegInt = 0
     """Steps between evaluations (and one of the final weights); 0 = off, even in a graph with an
     evaluator (--set eval.every=0). A positive value needs a process of kind "dflash.evaluator" fed
     by the drafter's snapshots output (examples/dflash-tiny.toml has one)."""
@@ -77,7 +76,7 @@ class EvalSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     process: its own interpreter, so that the decode and the training thread's launches do not
     wait on each other's interpreter lock, which is what the in-process decode costs on a GPU. It
     costs a second CUDA context and a start-up of a few seconds (dflash.run.stages.heldout)."""
-    threads: NonNegativeInt = DEFAULT_THREADS
+    threads: NonNegInt = DEFAULT_THREADS
     """torch intra-op CPU threads the evaluator decodes with (0: torch's default, one per core). In
     the training process they are the evaluator thread's own: OpenMP keeps a thread count per
     thread, so the training threads keep theirs (dflash.run.stages.heldout); with ``isolate``, the

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, _rope
 from dflash.model.target import SharedHead
+from dflash.model.variants import variant_of
 
 __all__ = ["CachedDrafterProposer", "DrafterContextCache", "DrafterProposer", "Proposer", "SamplingProposer"]
 
@@ -38,15 +39,18 @@ class SamplingProposer(Protocol):
         ``j`` was drawn from given the drafts before it (what the rejection rule divides by)."""
 
 
+_PROPOSER = {"selector": ("candidate selector", "dflash.eval.selector.selector_proposer"),
+             "refiner": ("refiner", "dflash.eval.xpress.xpress_proposer")}
+
+
 def _refuse_selector(drafter: DFlashDrafter, name: str) -> None:
-    """A DFlash2 drafter drafts with its selector's walk and an XPress drafter with its refiner's
-    passes; these proposers would draft the backbone's top-1."""
-    if getattr(drafter, "candidate_selector", None) is not None:
-        raise ValueError(f"{name} drafts with the backbone's top-1 and would ignore this DFlash2 drafter's "
-                         "candidate selector: use dflash.eval.selector.selector_proposer")
-    if getattr(drafter, "refiner_head", None) is not None:
-        raise ValueError(f"{name} drafts with the backbone's top-1 and would ignore this XPress drafter's "
-                         "refiner: use dflash.eval.xpress.xpress_proposer")
+    """A variant that drafts with more than the backbone's top-1 (DFlash2's selector walk,
+    XPress's refiner passes: its ``drafts_with``) is refused: these proposers draft the top-1."""
+    spec = variant_of(drafter.cfg.variant)
+    if spec.drafts_with != "top1":
+        what, use = _PROPOSER[spec.drafts_with]
+        raise ValueError(f"{name} drafts with the backbone's top-1 and would ignore this {spec.title} drafter's "
+                         f"{what}: use {use}")
 
 
 class DrafterProposer:
@@ -179,7 +183,7 @@ class CachedDrafterProposer(DrafterContextCache):
                                                  scale=1.0 / math.sqrt(a.d), enable_gqa=a.nh != a.nkv)
             x = x + a.o_proj(out.transpose(1, 2).reshape(1, bs, a.nh * a.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return d.norm(x)
+        return d.output(x)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -39,13 +39,15 @@ from dflash.eval.decode import DrafterContextCache
 from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, _rope
 from dflash.model.target import SharedHead
+from dflash.model.variants import variant_of
 
 __all__ = ["CachedSelectorProposer", "SelectorProposer", "block_figures", "is_dflash2", "selector_proposer"]
 
 
 def is_dflash2(drafter: DFlashDrafter) -> bool:
-    """Whether ``drafter`` is a DFlash2 drafter (has a candidate selector)."""
-    return getattr(drafter, "candidate_selector", None) is not None
+    """Whether ``drafter``'s variant drafts with a candidate selector's walk (DFlash2's;
+    ``drafts_with = "selector"`` in :mod:`dflash.model.variants`)."""
+    return variant_of(drafter.cfg.variant).drafts_with == "selector"
 
 
 class _Walk:

@@ -36,6 +36,7 @@ from dflash.eval.cuda_graph import GraphedStep, weights_signature
 from dflash.eval.proposers import DrafterContextCache
 from dflash.model.drafter import DFlashDrafter, _rope
 from dflash.model.target import SharedHead
+from dflash.model.variants import variant_of
 
 __all__ = ["StaticDrafter", "StaticDrafterProposer", "StaticSelectorProposer", "acquire", "pooled",
            "static_proposer"]
@@ -52,15 +53,15 @@ class StaticDrafter(DrafterContextCache):
 
     def __init__(self, drafter: DFlashDrafter, head: SharedHead, capacity: int = MIN_CAPACITY,
                  graphs: bool = True) -> None:
-        if getattr(drafter, "refiner_head", None) is not None:
-            raise ValueError("StaticDrafter drafts DFlash and DFlash2 blocks; an XPress drafter refines with "
-                             "Jacobi passes: use dflash.eval.xpress.xpress_proposer")
+        if variant_of(drafter.cfg.variant).drafts_with == "refiner":
+            raise ValueError("StaticDrafter drafts the backbone's top-1 or the selector's walk; an XPress drafter "
+                             "refines with Jacobi passes: use dflash.eval.xpress.xpress_proposer")
         # a proxy: the pool (acquire) is keyed weakly on the drafter, and an idle step must not keep
         # its drafter alive; owner names the pool it returns to
         super().__init__(weakref.proxy(drafter), head, capacity)
         self.owner = weakref.ref(drafter)
         dev, bs, kH = head.embed_tokens.weight.device, self.bs, drafter.fc.weight.shape[1]
-        self.dflash2 = getattr(drafter, "candidate_selector", None) is not None
+        self.dflash2 = variant_of(drafter.cfg.variant).drafts_with == "selector"
         self.feats = torch.zeros(1, bs, kH, device=dev, dtype=drafter.fc.weight.dtype)
         self.cpos = torch.zeros(1, bs, dtype=torch.long, device=dev)
         self.qpos = torch.zeros(1, bs, dtype=torch.long, device=dev)
@@ -132,7 +133,7 @@ class StaticDrafter(DrafterContextCache):
             else:
                 x = x + attend(layer.input_layernorm(x))
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = d.norm(x)                                                   # [1, bs, H]
+        hidden = d.output(x)                                                 # [1, bs, H]
         logits = self.head.logits(hidden[:, 1:])                             # [1, bs-1, V]
         if self.dflash2:
             sel = d.candidate_selector

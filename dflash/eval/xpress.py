@@ -22,13 +22,15 @@ import torch
 from dflash.eval.proposers import CachedDrafterProposer, DrafterContextCache, DrafterProposer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead
+from dflash.model.variants import variant_of
 
 __all__ = ["CachedXPressProposer", "XPressProposer", "is_xpress", "xpress_block_hits", "xpress_proposer"]
 
 
 def is_xpress(drafter: DFlashDrafter) -> bool:
-    """Whether ``drafter`` is an XPress drafter (has a refiner head)."""
-    return getattr(drafter, "refiner_head", None) is not None
+    """Whether ``drafter``'s variant drafts with a refiner's Jacobi passes (XPress's;
+    ``drafts_with = "refiner"`` in :mod:`dflash.model.variants`)."""
+    return variant_of(drafter.cfg.variant).drafts_with == "refiner"
 
 
 def _check(drafter: DFlashDrafter, name: str) -> None:

@@ -69,7 +69,6 @@ imports no torch. Imports: :mod:`dflash.model`, :mod:`dflash.checkpoint`, :mod:`
 from dflash.export.layout import (
     ARCHITECTURES,
     CARD_FILE,
-    DFLASH2_CONFIG_KEYS,
     EXPORT_FILES,
     MODELING_FILE,
     NO_REMOTE_CODE,
@@ -79,7 +78,7 @@ from dflash.export.layout import (
     OutputTaken,
 )
 
-__all__ = ["ARCHITECTURES", "CARD_FILE", "DFLASH2_CONFIG_KEYS", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED",
+__all__ = ["ARCHITECTURES", "CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED",
            "NO_REMOTE_CODE", "ExportedThenInterrupted", "LastLayerWarning", "OutputTaken", "build_parser",
            "check_output", "describe", "export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem",
            "load_exported", "main", "model_card"]

@@ -3,20 +3,20 @@ warning and errors an export raises.
 
 Torch-free, so ``python -m dflash.export --help`` and the output checks answer before torch loads;
 :mod:`dflash.export.write` writes this layout and :mod:`dflash.export.read` reads it back.
+What a variant adds to the layout (its architecture, its ``dflash_config`` keys, a model file of
+its own) is declared in its :mod:`dflash.model.variants` entry.
 """
 
-__all__ = ["ARCHITECTURES", "CARD_FILE", "DFLASH2_CONFIG_KEYS", "XPRESS_CONFIG_KEYS", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED",
+from dflash.model.variants import VARIANTS
+
+__all__ = ["ARCHITECTURES", "CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED",
            "NO_REMOTE_CODE", "ExportedThenInterrupted", "LastLayerWarning", "OutputTaken"]
 
 MODELING_FILE = "modeling_dflash.py"  # written next to config.json; auto_map points at it
 CARD_FILE = "README.md"  # the model card: how to load it (trust_remote_code) and decode with it
 EXPORT_FILES = ("model.safetensors", "config.json", MODELING_FILE, CARD_FILE)
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",  # by [drafter].variant
-                 "xpress": "XPressDraftModel"}
-DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
-XPRESS_CONFIG_KEYS = {"xpress_rank": "xpress_rank", "xpress_mlp_ratio": "xpress_mlp_ratio",
-                      "num_jacobi_passes": "jacobi_passes"}
-"""``dflash_config`` key (speculators' ``XPressSpeculatorConfig`` field names) -> ``[drafter]`` key."""
+ARCHITECTURES = {v.name: v.architecture for v in VARIANTS}
+"""``config.json``'s ``architectures[0]`` by ``[drafter].variant``."""
 
 NO_REMOTE_CODE = ("without trust_remote_code=True, AutoModel ignores modeling_dflash.py and silently "
                   "builds a plain Qwen3Model from config.json, which is not a drafter")

@@ -9,39 +9,38 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash.export.layout import ARCHITECTURES, DFLASH2_CONFIG_KEYS, XPRESS_CONFIG_KEYS
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.variants import VARIANTS, by_architecture
 
 __all__ = ["load_exported"]
 
 
 def load_exported(directory: str | Path, device: torch.device | str = "cpu",
                   dtype: torch.dtype | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
-    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one; DFlash,
-    DFlash2, whose codebooks may be stored bare or as ``.weight``, or XPress).
+    """Build a :class:`DFlashDrafter` from a public-layout directory (ours or a z-lab one; any
+    variant of :mod:`dflash.model.variants`: DFlash, DFlash2, whose codebooks may be stored bare or
+    as ``.weight``, XPress, ...).
 
     Raises:
-        ValueError: ``architectures`` is not one of ``["DFlashDraftModel"]``, ``["DFlash2DraftModel"]``,
-            ``["XPressDraftModel"]``.
+        ValueError: ``architectures`` names no variant's architecture (``["DFlashDraftModel"]``,
+            ``["DFlash2DraftModel"]``, ...), or a key the variant requires is missing.
         RuntimeError: the weights do not match the config.
     """
     d = Path(directory)
     raw = json.loads((d / "config.json").read_text())
-    variants = {v: k for k, v in ARCHITECTURES.items()}
     arch = raw.get("architectures")
-    if not (isinstance(arch, list) and len(arch) == 1 and arch[0] in variants):
+    spec = by_architecture(arch[0]) if isinstance(arch, list) and len(arch) == 1 else None
+    if spec is None:
         raise ValueError(f"{d}/config.json: architectures {arch} is not one of "
-                         f"{[[a] for a in variants]}")
-    variant = variants[arch[0]]
+                         f"{[[v.architecture] for v in VARIANTS]}")
     dfc = raw.get("dflash_config", {})
     extra = {}
-    for k in DFLASH2_CONFIG_KEYS if variant == "dflash2" else ():
-        if dfc.get(k, raw.get(k)) is None:
-            raise ValueError(f"{d}/config.json: a DFlash2DraftModel config needs dflash_config.{k}")
-        extra[k] = int(dfc.get(k, raw.get(k)))
-    for k, ours in XPRESS_CONFIG_KEYS.items() if variant == "xpress" else ():
-        if dfc.get(k) is not None:  # left out: speculators' defaults, which are ours
-            extra[ours] = int(dfc[k])
+    for k, ours in spec.export_keys:
+        value = dfc.get(k, raw.get(k))  # z-lab's DFlash2 configs have held them at the top level too
+        if value is None and spec.export_keys_required:
+            raise ValueError(f"{d}/config.json: a {spec.architecture} config needs dflash_config.{k}")
+        if value is not None:  # left out and optional: the variant's defaults (speculators', for XPress)
+            extra[ours] = int(value)
     rope = raw.get("rope_parameters") or {}
     n = raw["num_hidden_layers"]
     types = raw.get("layer_types") or ["full_attention"] * n
@@ -62,7 +61,7 @@ def load_exported(directory: str | Path, device: torch.device | str = "cpu",
         vocab_size=raw.get("vocab_size"),
         target_layer_ids=list(dfc["target_layer_ids"]),
         num_target_layers=raw.get("num_target_layers"),
-        variant=variant,
+        variant=spec.name,
         **extra,
     )
     drafter = DFlashDrafter(cfg)

@@ -20,27 +20,22 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.export.layout import (
-    ARCHITECTURES,
     CARD_FILE,
-    DFLASH2_CONFIG_KEYS,
     EXPORT_FILES,
     MODELING_FILE,
     NO_REMOTE_CODE,
     NOT_EXPORTED,
-    XPRESS_CONFIG_KEYS,
     ExportedThenInterrupted,
     LastLayerWarning,
     OutputTaken,
 )
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.variants import variant_of
 
 if TYPE_CHECKING:
     from dflash.export.about import ExportInfo
 
 __all__ = ["export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem", "model_card"]
-
-
-_TITLE = {"dflash": "DFlash", "dflash2": "DFlash2", "xpress": "XPress"}
 
 
 def model_card(cfg: DrafterConfig, dtype: torch.dtype, about: ExportInfo | None = None,
@@ -50,11 +45,12 @@ def model_card(cfg: DrafterConfig, dtype: torch.dtype, about: ExportInfo | None 
     or where z-lab's package is installed. ``where``: the export directory, as the code names it."""
     target = about.target if about is not None else None
     name = f"`{target.name_or_path}`" if target is not None else "its target"
+    spec = variant_of(cfg.variant)
     return f"""---
 library_name: transformers
 tags: [dflash, speculative-decoding, drafter]
 ---
-# {_TITLE[cfg.variant]} drafter for {name}
+# {spec.title} drafter for {name}
 
 A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
 mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of
@@ -91,10 +87,10 @@ from zlab_dflash.model import dflash_generate
 out = dflash_generate(drafter, target, input_ids, max_new_tokens=64, stop_token_ids=[tok.eos_token_id])
 ```
 
-Serving engines pick the drafter by `architectures = ["{ARCHITECTURES[cfg.variant]}"]` and read
+Serving engines pick the drafter by `architectures = ["{spec.architecture}"]` and read
 `dflash_config` (`block_size`, `mask_token_id`, `target_layer_ids`); `config.json` also names the
 target (`dflash_target`) and, when one was recorded, the measured tau (`dflash_eval`).
-{_XPRESS_NOTE if cfg.variant == "xpress" else ""}"""
+{spec.card_note}"""
 
 
 def _target_text(target, cfg: DrafterConfig) -> str:
@@ -143,17 +139,6 @@ input_ids = tok.apply_chat_template([{{"role": "user", "content": "Name three co
                                     return_tensors="pt", return_dict=False).to(device)"""
 
 
-_XPRESS_NOTE = """
-## XPress
-
-`refiner_head.*` is XPress's causal refiner (rank `dflash_config.xpress_rank`); its drafts are the
-last of up to `num_jacobi_passes` parallel Jacobi passes. z-lab's `dflash_generate` knows no refiner
-and drafts with the backbone alone; `drafter.spec_generate(target, input_ids, max_new_tokens=256,
-stop_token_ids=None)` decodes with the passes. vLLM speculators 0.9 loads these tensors as they are
-into its `XPressDraftModel` (the project's `docs/interop.md` gives the lines).
-"""
-
-
 def last_layer_problem(cfg: DrafterConfig) -> str | None:
     """Why ``cfg.target_layer_ids`` may not load where drafters are served, or None if fine.
 
@@ -181,16 +166,14 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
     if cfg.mask_token_id is None:
         raise ValueError("drafter.mask_token_id is unset; the exported config must name it")
     sliding = "sliding_attention" in cfg.types
-    arch = ARCHITECTURES[cfg.variant]
+    spec = variant_of(cfg.variant)
+    arch = spec.architecture
     dflash_config = {
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
         "target_layer_ids": list(cfg.target_layer_ids),
+        **{key: getattr(cfg, ours) for key, ours in spec.export_keys},
     }
-    if cfg.variant == "dflash2":
-        dflash_config.update({k: getattr(cfg, k) for k in DFLASH2_CONFIG_KEYS})
-    if cfg.variant == "xpress":
-        dflash_config.update({k: getattr(cfg, ours) for k, ours in XPRESS_CONFIG_KEYS.items()})
     out = {
         "architectures": [arch],
         "model_type": "qwen3",  # the drafter's layers, for a Llama target too (dflash.export's docstring)
@@ -219,7 +202,7 @@ def hf_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         "initializer_range": 0.02,
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
-        "auto_map": {"AutoModel": f"{MODELING_FILE.removesuffix('.py')}.{arch}"},
+        "auto_map": {"AutoModel": f"{(spec.remote_code or MODELING_FILE).removesuffix('.py')}.{arch}"},
     }
     if about is not None:
         import msgspec
@@ -267,16 +250,19 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
     out = Path(out_dir)
     cfg = hf_config_dict(drafter.cfg, dtype, about)
     weights = exported_weights(drafter, dtype)
+    remote = variant_of(drafter.cfg.variant).remote_code  # a variant's own model file, beside modeling_dflash.py
+    files = EXPORT_FILES + ((remote,) if remote else ())
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / MODELING_FILE).write_bytes((Path(__file__).parent.parent / "model" / MODELING_FILE).read_bytes())
+        for name in (MODELING_FILE, remote) if remote else (MODELING_FILE,):
+            (tmp / name).write_bytes((Path(__file__).parent.parent / "model" / name).read_bytes())
         (tmp / CARD_FILE).write_text(model_card(drafter.cfg, dtype, about, out_dir))
         umask = os.umask(0)
         os.umask(umask)
-        for name in EXPORT_FILES:
+        for name in files:
             os.chmod(tmp / name, 0o666 & ~umask)
         os.chmod(tmp, 0o777 & ~umask)
         with _ctrl_c_deferred():
@@ -289,7 +275,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path,
                     raise OutputTaken(e.errno, f"{out} is not empty", str(out)) from None
                 if not out.is_dir():
                     raise
-                for name in EXPORT_FILES:  # --force into a non-empty directory: each file atomically
+                for name in files:  # --force into a non-empty directory: each file atomically
                     os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

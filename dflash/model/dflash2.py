@@ -45,11 +45,28 @@ projection through the normed input, ``S`` through ``P[y] * W h`` (nonzero by th
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-__all__ = ["CandidateSelector", "GroupedDynamicCausalConv", "walk_selector"]
+if TYPE_CHECKING:
+    from dflash.model.drafter_config import DrafterConfig
+
+__all__ = ["CandidateSelector", "GroupedDynamicCausalConv", "decoder_layer_parts", "drafter_parts", "walk_selector"]
+
+
+def decoder_layer_parts(cfg: DrafterConfig) -> dict[str, nn.Module]:
+    """The two convolutions of every decoder layer (``attention_conv``, ``mlp_conv``), which
+    :class:`dflash.model.drafter.DecoderLayer` wraps around its sublayers."""
+    return {name: GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            for name in ("attention_conv", "mlp_conv")}
+
+
+def drafter_parts(cfg: DrafterConfig) -> dict[str, nn.Module]:
+    """The drafter's ``candidate_selector``."""
+    return {"candidate_selector": CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank,
+                                                    cfg.selector_top_k)}
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -76,8 +93,9 @@ class GroupedDynamicCausalConv(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """The identity: tap 0 of both sides is 1, every other tap and the projection 0."""
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The identity: tap 0 of both sides is 1, every other tap and the projection 0 (no draw:
+        ``generator`` is unused)."""
         self.base_kernel.zero_()
         self.base_kernel[:, 0] = 1.0
         self.kernel_projection.weight.zero_()

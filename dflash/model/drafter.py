@@ -24,6 +24,7 @@ which the export leaves out.
 
 from __future__ import annotations
 
+import importlib
 import math
 import warnings
 
@@ -36,20 +37,13 @@ from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
 from dflash.model.build_lock import BUILD_LOCK
 from dflash.model.confidence_head import ConfidenceHead
-from dflash.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
-from dflash.model.drafter_config import (
-    DFLASH2_FIELDS,
-    XPRESS_FIELDS,
-    DrafterConfig,
-    resolve_drafter_config,
-    rope_theta_of,
-)
-from dflash.model.xpress import XPressRefiner
+from dflash.model.drafter_config import DrafterConfig, resolve_drafter_config, rope_theta_of
+from dflash.model.variants import variant_of
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
 
-__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config",
-           "rope_theta_of"]  # the config's names are re-exported: the model and its config go together
+__all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config", "rope_theta_of",
+           "variant_parts"]  # the config's names are re-exported: the model and its config go together
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +125,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def variant_parts(cfg: DrafterConfig, where: str) -> dict[str, nn.Module]:
+    """What the config's variant adds to every decoder layer (``where = "decoder_layer"``) or to
+    the drafter (``"drafter"``): its module's ``decoder_layer_parts`` / ``drafter_parts``
+    (:mod:`dflash.model.variants` says the protocol); ``{}`` for a variant with no module."""
+    module = variant_of(cfg.variant).module
+    if module is None:
+        return {}
+    build = getattr(importlib.import_module(module), f"{where}_parts", None)
+    return build(cfg) if build is not None else {}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: DrafterConfig, layer_type: str) -> None:
         super().__init__()
@@ -140,11 +145,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.block = c.block_size
-        if c.variant == "dflash2":  # around each sublayer (dflash.model.dflash2)
-            self.attention_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
-            self.mlp_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
-        else:
-            self.attention_conv = self.mlp_conv = None
+        self.attention_conv = self.mlp_conv = None  # DFlash2's, around each sublayer (dflash.model.dflash2)
+        parts = variant_parts(c, "decoder_layer")
+        for name, part in parts.items():
+            setattr(self, name, part)
+        self.part_names = tuple(parts)
 
     def forward(self, x, ctx, rope_q, rope_k, mask) -> torch.Tensor:
         if self.attention_conv is not None:
@@ -190,10 +195,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.types)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        if cfg.variant == "dflash2":
-            self.candidate_selector = CandidateSelector(cfg.vocab_size, H, cfg.selector_rank, cfg.selector_top_k)
-        if cfg.variant == "xpress":
-            self.refiner_head = XPressRefiner(cfg.vocab_size, H, cfg.block_size, cfg.xpress_rank, cfg.xpress_mlp_ratio)
+        self.output_block: nn.Module | None = None  # a variant's map of the post-norm hidden states
+        parts = variant_parts(cfg, "drafter")  # DFlash2's selector, XPress's refiner, ...
+        for name, part in parts.items():
+            setattr(self, name, part)
+        self.part_names = tuple(parts)
         if cfg.confidence_head:
             self.confidence_head = ConfidenceHead(H)
         # fp32 RoPE frequencies kept outside the module's buffers, so .to(bf16) cannot round them
@@ -235,14 +241,16 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """Backbone: ``N(0, 0.02)`` matrices, unit norms. DFlash2's modules, XPress's refiner and the
-        confidence head are skipped in that loop and initialised after it (:mod:`dflash.model.dflash2`,
-        :mod:`dflash.model.xpress`, :mod:`dflash.model.confidence_head`), so the backbone's draws, and with them a fresh
-        drafter's hidden states, equal the plain DFlash drafter's of the same seed."""
+        """Backbone: ``N(0, 0.02)`` matrices, unit norms. The variant's parts (DFlash2's
+        convolutions and selector, XPress's refiner, ...) and the confidence head are skipped in
+        that loop and initialised after it, each by its own ``reset_parameters(generator)``, so the
+        backbone's draws, and with them a fresh drafter's hidden states, equal the plain DFlash
+        drafter's of the same seed."""
         gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed) if seed is not None else None
-        added = {id(p) for m in self.modules()
-                 if isinstance(m, (GroupedDynamicCausalConv, CandidateSelector, ConfidenceHead, XPressRefiner))
-                 for p in m.parameters()}
+        parts = [getattr(owner, n) for owner in (*self.layers, self) for n in owner.part_names]
+        if self.cfg.confidence_head:
+            parts.append(self.confidence_head)
+        added = {id(p) for m in parts for p in m.parameters()}
         for name, p in self.named_parameters():
             if id(p) in added:
                 continue
@@ -250,13 +258,8 @@ class DFlashDrafter(nn.Module):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-        for m in self.modules():
-            if isinstance(m, GroupedDynamicCausalConv):
-                m.reset_parameters()
-            elif isinstance(m, (CandidateSelector, XPressRefiner)):
-                m.reset_parameters(gen)
-        if isinstance(getattr(self, "confidence_head", None), ConfidenceHead):
-            self.confidence_head.reset_parameters(gen)
+        for part in parts:  # layers' parts, the drafter's, the confidence head: the order they were built
+            part.reset_parameters(gen)
 
     def _rope_table(self, positions: torch.Tensor):
         """``cos, sin [B, 1, N, head_dim]`` fp32 for ``positions [B, N]``."""
@@ -306,4 +309,11 @@ class DFlashDrafter(nn.Module):
         masks = masks if masks is not None else self.build_masks(layout)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
-        return self.norm(x).view(B, A, bs, H)
+        return self.output(x).view(B, A, bs, H)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output ``x [..., H]`` to the hidden states every reader takes (the LM
+        head, DFlash2's selector, the confidence head): ``norm``, then the variant's
+        ``output_block`` when it has one. Every decode path ends its forward here."""
+        x = self.norm(x)
+        return x if self.output_block is None else self.output_block(x)

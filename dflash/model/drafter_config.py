@@ -15,19 +15,17 @@ from typing import Annotated, Literal
 import msgspec
 
 from dflash.model.target_config import TargetConfig
+from dflash.model.variants import VARIANT_NAMES, variant_of
+from dflash.tables import NonNegInt, PositiveInt, Table, added_later
 
-__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DrafterConfig", "LayerType", "check_drafter_devices",
-           "resolve_drafter_config", "rope_theta_of"]
+__all__ = ["DrafterConfig", "LayerType", "VariantName", "check_drafter_devices", "resolve_drafter_config",
+           "rope_theta_of"]
 
 LayerType = Literal["full_attention", "sliding_attention"]
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-DFLASH2_FIELDS = ("variant", "conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
-"""The ``[drafter]`` fields DFlash2 added; a DFlash drafter's model does not depend on them."""
-XPRESS_FIELDS = ("xpress_rank", "xpress_mlp_ratio", "jacobi_passes")
-"""The ``[drafter]`` fields XPress added; only an XPress drafter depends on them."""
+VariantName = Literal[VARIANT_NAMES]  # type: ignore[valid-type]  # the registry's names (dflash.model.variants)
 
 
-class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class DrafterConfig(Table):
     """The graph file's ``[drafter]`` table; dims left None are filled by :meth:`resolve`.
 
     Attributes:
@@ -58,12 +56,13 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         fp8_recipe: torchao's float8 training recipe when ``precision = "fp8"``: "tensorwise" (one
             scale per tensor, cuBLAS) | "rowwise" (per-row scales, power-of-two rounded) |
             "rowwise_with_gw_hp" (rowwise, the weight gradient kept in bf16).
-        variant: "dflash" (the DFlash drafter) | "dflash2" (z-lab's DFlash2: adds a grouped
-            dynamic causal convolution around every sublayer and a candidate selector,
-            :mod:`dflash.model.dflash2`) | "xpress" (XPress: the DFlash backbone and a causal
-            low-rank refiner head resolved by parallel Jacobi passes, :mod:`dflash.model.xpress`).
-            The next four fields are read by "dflash2" only, the three after them by "xpress" only;
-            their defaults are the published checkpoints' values.
+        variant: a name declared in :data:`dflash.model.variants.VARIANTS`: "dflash" (the DFlash
+            drafter) | "dflash2" (z-lab's DFlash2: adds a grouped dynamic causal convolution
+            around every sublayer and a candidate selector, :mod:`dflash.model.dflash2`) | "xpress"
+            (XPress: the DFlash backbone and a causal low-rank refiner head resolved by parallel
+            Jacobi passes, :mod:`dflash.model.xpress`). Each variant's entry names the fields
+            only it reads: the next four are DFlash2's, the three after them XPress's; their
+            defaults are the published checkpoints' values.
         conv_kernel_size: convolution taps (in block tokens, the current one included).
         conv_group_size: channels sharing one dynamic tap (``hidden_size`` must be a multiple).
         selector_top_k: candidates per block position the selector re-ranks.
@@ -94,19 +93,19 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     vocab_size: int | None = None
     target_layer_ids: list[int] | None = None
     num_target_layers: int | None = None
-    kernels: Literal["torch", "liger"] = "torch"
-    compile: bool = False
-    precision: Literal["bf16", "fp8"] = "bf16"
-    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    variant: Literal["dflash", "dflash2", "xpress"] = "dflash"
-    conv_kernel_size: Positive = 2
-    conv_group_size: Positive = 16
-    selector_top_k: Positive = 16
-    selector_rank: Positive = 256
-    xpress_rank: Positive = 256
-    xpress_mlp_ratio: Positive = 2
-    jacobi_passes: Annotated[int, msgspec.Meta(ge=0)] = 6
-    confidence_head: bool = False
+    kernels: Annotated[Literal["torch", "liger"], added_later("torch")] = "torch"
+    compile: Annotated[bool, added_later(False)] = False
+    precision: Annotated[Literal["bf16", "fp8"], added_later("bf16")] = "bf16"
+    fp8_recipe: Annotated[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"], added_later("tensorwise")] = "tensorwise"
+    variant: Annotated[VariantName, added_later("dflash")] = "dflash"
+    conv_kernel_size: Annotated[PositiveInt, added_later(2, hashed=False)] = 2
+    conv_group_size: Annotated[PositiveInt, added_later(16, hashed=False)] = 16
+    selector_top_k: Annotated[PositiveInt, added_later(16, hashed=False)] = 16
+    selector_rank: Annotated[PositiveInt, added_later(256, hashed=False)] = 256
+    xpress_rank: Annotated[PositiveInt, added_later(256, hashed=False)] = 256
+    xpress_mlp_ratio: Annotated[PositiveInt, added_later(2, hashed=False)] = 2
+    jacobi_passes: Annotated[NonNegInt, added_later(6, hashed=False)] = 6
+    confidence_head: Annotated[bool, added_later(False)] = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -120,7 +119,8 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if self.sliding_window is None or self.sliding_window < self.block_size:
                 raise ValueError("drafter.sliding_window must be set and >= block_size when a "
                                  "layer is 'sliding_attention'")
-        if self.variant == "dflash2" and self.conv_kernel_size > self.block_size:
+        # a variant's own fields are checked where that variant reads them
+        if variant_of(self.variant).reads("conv_kernel_size") and self.conv_kernel_size > self.block_size:
             raise ValueError(f"drafter.conv_kernel_size = {self.conv_kernel_size} is longer than a block "
                              f"(block_size = {self.block_size}): the convolution restarts at every block, so "
                              "taps past its start only see zeros; use at most block_size (published: 2)")
@@ -180,14 +180,14 @@ class DrafterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"drafter.{f} is unset; call DrafterConfig.resolve(target config)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("drafter.num_attention_heads must be a multiple of num_key_value_heads")
-        if self.variant == "dflash2":
-            if self.hidden_size % self.conv_group_size:
-                raise ValueError(f"drafter.conv_group_size = {self.conv_group_size} does not divide the "
-                                 f"hidden size {self.hidden_size} (the target's); use a divisor of it "
-                                 "(published: 16)")
-            if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
-                raise ValueError(f"drafter.selector_top_k = {self.selector_top_k} exceeds the vocabulary "
-                                 f"({self.vocab_size} tokens); published: 16")
+        if variant_of(self.variant).reads("conv_group_size") and self.hidden_size % self.conv_group_size:
+            raise ValueError(f"drafter.conv_group_size = {self.conv_group_size} does not divide the "
+                             f"hidden size {self.hidden_size} (the target's); use a divisor of it "
+                             "(published: 16)")
+        if (variant_of(self.variant).reads("selector_top_k") and self.vocab_size is not None
+                and self.selector_top_k > self.vocab_size):
+            raise ValueError(f"drafter.selector_top_k = {self.selector_top_k} exceeds the vocabulary "
+                             f"({self.vocab_size} tokens); published: 16")
 
 
 def resolve_drafter_config(cfg: DrafterConfig, target_cfg: TargetConfig) -> DrafterConfig:

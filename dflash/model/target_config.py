@@ -8,10 +8,12 @@ preset, with ``target.overrides`` checked against the config class (:func:`check
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
+
+from dflash.tables import Table, added_later
 
 __all__ = [
     "PRESETS",
@@ -64,7 +66,7 @@ llama on SmolLM2-135M-Instruct (``python -m dflash.import_gguf``; tests/dflash/t
 and on a small random Llama (tests/dflash/model/test_llama_target.py)."""
 
 
-class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TargetConfig(Table):
     """The graph file's ``[target]`` table.
 
     Attributes:
@@ -103,9 +105,10 @@ class TargetConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     attn_implementation: Literal["sdpa", "flex_attention", "eager", "varlen"] = "sdpa"
-    quantization: Literal["none", "fp8"] = "none"
-    compile: bool = False
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"] = "default"
+    quantization: Annotated[Literal["none", "fp8"], added_later("none")] = "none"
+    compile: Annotated[bool, added_later(False)] = False
+    compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead"],
+                            added_later("default")] = "default"
     layer_ids: list[int] | None = None
     tokenizer: str | None = None
 

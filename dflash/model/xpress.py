@@ -31,11 +31,22 @@ refiner weight still gets a gradient from the second step on (``readout`` from t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["XPressRefiner", "predecessors"]
+if TYPE_CHECKING:
+    from dflash.model.drafter_config import DrafterConfig
+
+__all__ = ["XPressRefiner", "drafter_parts", "predecessors"]
+
+
+def drafter_parts(cfg: DrafterConfig) -> dict[str, nn.Module]:
+    """The drafter's ``refiner_head``."""
+    return {"refiner_head": XPressRefiner(cfg.vocab_size, cfg.hidden_size, cfg.block_size, cfg.xpress_rank,
+                                          cfg.xpress_mlp_ratio)}
 
 
 def predecessors(before_anchor: torch.Tensor, anchor: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,13 @@ import msgspec
 from msgspec import Meta
 
 from dflash.errors import ConfigError
+from dflash.tables import PositiveInt, Table
 
 __all__ = ["MonitorSection", "check_monitor"]
 
-PositiveInt = Annotated[int, Meta(ge=1)]
 
 
-class MonitorSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class MonitorSection(Table):
     """``[monitor]``: metrics windows and sinks."""
 
     window: PositiveInt = 10

@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -33,13 +33,13 @@ from dflash.checkpoint.config import CheckpointSection
 from dflash.data import DataConfig
 from dflash.errors import ConfigError
 from dflash.eval.config import EVALUATOR_KIND, EvalSection
-from dflash.model.drafter import DFLASH2_FIELDS, XPRESS_FIELDS, DrafterConfig
+from dflash.model.drafter import DrafterConfig
 from dflash.model.target import TargetConfig
+from dflash.model.variants import VARIANT_NAMES, VARIANTS
 from dflash.observe.config import MonitorSection
+from dflash.tables import PositiveInt, Table, added_later, keys_added_later
 from dflash.train.config import TrainSection
-from dflash.train.loss import XPRESS_LOSS_FIELDS, LossConfig
-
-PositiveInt = Annotated[int, Meta(ge=1)]
+from dflash.train.loss import LossConfig
 MAX_STEPS = 10 ** 8 - 1
 """The most ``run.steps`` may be (99,999,999): checkpoint directories are named ``step_%08d`` and
 ordered by name (:func:`dflash.checkpoint.list_checkpoints`), so a ninth digit would sort step
@@ -47,7 +47,7 @@ ordered by name (:func:`dflash.checkpoint.list_checkpoints`), so a ninth digit w
 is over three years of training."""
 
 
-class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class RunSection(Table):
     """``[run]``: what this run is called, where it writes, how long it trains."""
 
     name: str | None = None
@@ -70,7 +70,7 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resume: str = "auto"
     """"auto" (newest healthy checkpoint of out_dir, if any), "none", or a checkpoint path
     (relative to the graph file, like out_dir)."""
-    time_budget_s: Annotated[float, Meta(gt=0.0)] | None = None
+    time_budget_s: Annotated[Annotated[float, Meta(gt=0.0)] | None, added_later(None, hashed=False)] = None
     """Seconds of training (wall clock from this process's first step; a resume gets a budget of its
     own): the lr schedule's end follows the measured step rate so the cosine ends at the deadline,
     and the run then ends as completed (final checkpoint and evaluation come after it).
@@ -174,12 +174,22 @@ def _named(cfg: DFlashFile, path: Path) -> DFlashFile:
     return msgspec.structs.replace(cfg, run=run)
 
 
-_HASHED_ONLY_WHEN_SET = {
-    "target": {"quantization": "none", "compile": False, "compile_mode": "default"},
-    "drafter": {"kernels": "torch", "compile": False, "precision": "bf16", "fp8_recipe": "tensorwise"},
-    "train": {"lm_head": "chunked", "optimizer": "adamw", "muon_momentum": 0.95, "adamw_fused": False},
-    "loss": {"dpace_alpha": 0.5},
-}
+def tables(spec: type[msgspec.Struct] = DFlashFile) -> dict[str, type[Table]]:
+    """``{name: struct}`` of the graph file's own tables (``[target]``, ``[drafter]``, ...)."""
+    out = {}
+    for field in msgspec.inspect.type_info(spec).fields:
+        if isinstance(field.type, msgspec.inspect.StructType) and issubclass(field.type.cls, Table):
+            out[field.encode_name] = field.type.cls
+    return out
+
+
+def added_later_keys(spec: type[msgspec.Struct] = DFlashFile) -> dict[str, dict[str, Any]]:
+    """``{table: {key: value before}}`` for every key of the graph file marked as added later
+    (:func:`dflash.tables.added_later`): what a resume's change report fills into a saved config
+    that predates them (:func:`dflash.checkpoint.config_changes.config_changes`)."""
+    return {name: {key: mark.before for key, mark in keys_added_later(table).items()}
+            for name, table in tables(spec).items()}
+
 
 _OLD_NUM_ANCHORS = "unknown field `num_anchors` - at `$.drafter`"
 
@@ -198,46 +208,31 @@ def to_toml(cfg: DFlashFile) -> bytes:
     return msgspec.toml.encode(_drop_none(msgspec.to_builtins(cfg)))
 
 
-_LOSS_KEYS_HASHED_WHEN_SET = ("tv_weight", "conf_weight")
-
-
 def config_hash(cfg: DFlashFile) -> str:
     """Short stable hash of everything that changes what is trained (``[run].resume``/``out_dir`` and
     ``[monitor]`` excluded), stored in checkpoints."""
     raw = msgspec.to_builtins(cfg)
-    # Switches added after checkpoints existed are hashed only when set, so the hash of a file that
-    # leaves them at their defaults is the one it had before they existed. The speed switches give
-    # the same loss to rounding (tested); drafter.precision = "fp8" and train.optimizer = "muon"
-    # change what is trained, and being set, they are hashed.
-    for table, defaults in _HASHED_ONLY_WHEN_SET.items():
-        for key, default in defaults.items():
-            if raw[table].get(key) == default:
-                raw[table].pop(key, None)
+    # A key added after checkpoints existed (marked on its field, dflash.tables.added_later) is
+    # hashed only when it differs from the value that does what the code did before it, so a file
+    # that leaves it there hashes as it did before the key existed. The speed switches give the
+    # same loss to rounding (tested); drafter.precision = "fp8" or train.optimizer = "muon" change
+    # what is trained, and being set, they are hashed.
+    for name, table in tables(type(cfg)).items():
+        for key, mark in keys_added_later(table).items():
+            if mark.hashed_when_set and raw[name].get(key) == mark.before:
+                raw[name].pop(key, None)
     # Hashed in the older layout, where num_anchors sat in [drafter]: the same
     # settings give the same hash, so older checkpoints resume without a "config differs" warning.
     raw["drafter"]["num_anchors"] = raw["train"].pop("num_anchors")
-    # DFlash2's settings change nothing a DFlash drafter trains: left out, a DFlash run hashes as
-    # before they existed (its checkpoints resume without a "config differs" warning).
-    variant = raw["drafter"]["variant"]
-    if variant == "dflash":
-        for key in DFLASH2_FIELDS:
-            raw["drafter"].pop(key)
-        raw["loss"].pop("selector_weight")
-    if variant != "xpress":  # likewise XPress's, for every other variant
-        for key in XPRESS_FIELDS:
-            raw["drafter"].pop(key)
-        for key in XPRESS_LOSS_FIELDS:
-            raw["loss"].pop(key)
+    # A variant's own keys change nothing an older variant trains: left out of the hash of every
+    # variant declared before it (dflash.model.variants), a DFlash run hashes as it did before
+    # DFlash2's keys existed, and a DFlash2 run as before XPress's.
+    for later in VARIANTS[VARIANT_NAMES.index(cfg.drafter.variant) + 1:]:
+        for key in later.drafter_fields:
+            raw["drafter"].pop(key, None)
+        for key in later.loss_fields:
+            raw["loss"].pop(key, None)
     raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps", "time_budget_s")}
-    # Loss terms added later are hashed only when switched on, so a file that leaves them at 0 keeps
-    # the hash it had before they existed (its checkpoints resume without a config-differs warning).
-    for key in _LOSS_KEYS_HASHED_WHEN_SET:
-        if raw["loss"].get(key) == 0.0:
-            raw["loss"].pop(key)
-    if raw["loss"].get("confidence") == "top1":  # the term's only form before the head existed
-        raw["loss"].pop("confidence")
-    if raw["drafter"].get("confidence_head") is False:  # no head: the drafter trains as before it existed
-        raw["drafter"].pop("confidence_head")
     # A left-out data.holdout (64, at most a tenth of the data) hashes as the 64 it was before it
     # could be left out: the same split wherever the data holds 640 conversations or more; on a
     # smaller set the sampler's dataset fingerprint still refuses a resume across the change.

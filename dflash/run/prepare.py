@@ -24,6 +24,7 @@ from dflash.observe import runlog
 from dflash.observe.metrics_writer import MetricsLog
 from dflash.records import ResumeRecord, StartRecord
 from dflash.run.app import ResumeState, RunApp
+from dflash.run.config import added_later_keys
 from dflash.run.resolve import Resolved
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
     state, changes = ResumeState(), []
     if got is not None:
         state = ResumeState(start_step=got.step, path=got.path, train_state=got.train_state, weights=got.weights)
-        changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), resolved.config_hash)
+        changes = changes_since(got, json.loads(msgspec.json.encode(cfg)), resolved.config_hash, added_later_keys())
         try:
             sampler.load_state_dict(got.train_state["sampler"])
         except DataError as exc:  # name the settings behind the data order's fingerprint

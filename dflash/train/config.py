@@ -12,21 +12,20 @@ import importlib.util
 import math
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
 
 from dflash.errors import ConfigError
 from dflash.model.drafter_config import DrafterConfig
+from dflash.model.variants import variant_of
+from dflash.tables import NonNegFloat, NonNegInt, PositiveInt, Table, added_later
 from dflash.train.loss import LossConfig
 
 __all__ = ["TrainSection", "check_train", "lr_warnings"]
 
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegFloat = Annotated[float, Meta(ge=0.0)]
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
-class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TrainSection(Table):
     """``[train]``: optimizer, schedule, feature post-processing and non-finite handling."""
 
     num_anchors: PositiveInt = 256
@@ -35,7 +34,7 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lr: Annotated[float, Meta(gt=0.0)] = 6e-4
     """Peak learning rate (per step), reached after warmup_steps. Must be finite and small enough
     that AdamW's first step, lr / (1 - betas[0]), fits in float32; above 1 the run warns."""
-    warmup_steps: Annotated[int, Meta(ge=0)] = 20
+    warmup_steps: NonNegInt = 20
     """Linear warmup length, in steps."""
     min_lr_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.1
     """Cosine decay floor, as a fraction of lr."""
@@ -43,7 +42,7 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """AdamW's decoupled weight decay (per step, scaled by the learning rate)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's moment decays (beta1, beta2), each in [0, 1)."""
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Annotated[Literal["adamw", "muon"], added_later("adamw")] = "adamw"
     """"adamw": AdamW for every parameter. "muon": ``torch.optim.Muon`` (Jordan et al. 2024, "Muon:
     An optimizer for hidden layers in neural networks": momentum orthogonalised by Newton-Schulz
     iterations) for the matrices of the drafter's Linear layers, with the update scaled to AdamW's
@@ -51,9 +50,9 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     so ``lr``, ``weight_decay`` and the schedule carry over unchanged; AdamW for the rest (norms,
     DFlash2's convolution taps and codebooks). The published Qwen3-8B DFlash2 drafter and
     speculators' trainer use Muon. :mod:`dflash.train.optim`."""
-    muon_momentum: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.95
+    muon_momentum: Annotated[float, Meta(ge=0.0, lt=1.0), added_later(0.95)] = 0.95
     """Muon's momentum (Nesterov), read when ``optimizer = "muon"``."""
-    adamw_fused: bool = False
+    adamw_fused: Annotated[bool, added_later(False)] = False
     """AdamW's update as torch's fused kernel (``torch.optim.AdamW(fused=True)``, CUDA or CPU) instead
     of its ``foreach`` kernels: the same update to float rounding (tested), fewer kernels. In the
     compiled float8 drafter's profile the ``foreach`` update took 63 ms of 801 per three steps
@@ -80,13 +79,13 @@ class TrainSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Cast the target features to the drafter's fp32 master dtype before ``fc`` even under bf16
     autocast: a [B, T, k*H] fp32 copy (about 1.3 GB per 16K-token batch at the 8B shape) that
     autocast rounds straight back. False lets ``fc`` read them in bf16; bitwise equal (tested)."""
-    lm_head_chunk: Annotated[int, Meta(ge=0)] = 2048
+    lm_head_chunk: NonNegInt = 2048
     """With sync_free_loss: LM head and loss this many block slots at a time (dflash.train.chunked_head),
     so the [slots, vocab] logits never exist whole (about 2.3 GB fp32 per copy at the 8B shape with
     3,840 slots); 0 = all at once; ignored with sync_free_loss = false. Same loss, gradients to
     rounding (tested). On one H200 at the 8B shape, 2048 cut the drafter's peak memory from 83.3 to
     62.1 GiB and ran 2% faster (benchmarks/results/LOG.md, the performance switches), hence the default."""
-    lm_head: Literal["chunked", "liger"] = "chunked"
+    lm_head: Annotated[Literal["chunked", "liger"], added_later("chunked")] = "chunked"
     """With sync_free_loss: "chunked" (lm_head_chunk above) or "liger": Liger-Kernel's fused linear
     cross-entropy (dflash.train.liger_head; CUDA, hard-label CE only: loss.kl_weight, tv_weight and
     conf_weight must be 0).
@@ -114,14 +113,15 @@ def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, d
 
     Raises:
         ConfigError: ``train.lm_head = "liger"`` with ``loss.kl_weight``, ``tv_weight`` or
-            ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with DFlash2 (no top-K
-            candidates for its selector), with ``train.sync_free_loss = false`` (it replaces the
-            fixed-shape head), on a CPU drafter, or without liger_kernel installed; an XPress drafter
-            with ``train.sync_free_loss = false`` or ``train.lm_head = "liger"`` (its refined
-            logits are computed in fixed-shape chunks).
+            ``conf_weight`` > 0 (the fused loss is the hard-label CE only), with a variant whose
+            entry says it needs more than that (``fused_head``: DFlash2's top-K candidates, XPress's
+            refined logits), with ``train.sync_free_loss = false`` (it replaces the fixed-shape
+            head), on a CPU drafter, or without liger_kernel installed; a variant that trains in
+            fixed shapes only (``masked_loss``: XPress) with ``train.sync_free_loss = false``.
     """
-    if drafter.variant == "xpress" and not train.sync_free_loss:
-        raise ConfigError("drafter.variant = \"xpress\" trains its refiner with the fixed-shape loss: "
+    spec = variant_of(drafter.variant)
+    if not spec.masked_loss and not train.sync_free_loss:
+        raise ConfigError(f"drafter.variant = \"{spec.name}\" trains with the fixed-shape loss only: "
                           "set train.sync_free_loss = true")
     if train.lm_head != "liger":
         return
@@ -130,10 +130,10 @@ def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, d
         raise ConfigError(f"train.lm_head = \"liger\" fuses the hard-label cross-entropy only, but "
                           f"loss.{soft[0]} = {getattr(loss, soft[0]):g}: set it to 0 or "
                           "train.lm_head = \"chunked\"")
-    if drafter.variant != "dflash":
-        raise ConfigError(f"train.lm_head = \"liger\" gives neither DFlash2's top-K candidates nor XPress's "
-                          f"refined logits: set train.lm_head = \"chunked\" with drafter.variant = "
-                          f"\"{drafter.variant}\"")
+    if not spec.fused_head:
+        needs = _TRAINS_ON.get(spec.drafts_with, "what it trains on")
+        raise ConfigError(f"train.lm_head = \"liger\" gives the hard-label loss only, not {spec.title}'s {needs}: "
+                          f"set train.lm_head = \"chunked\" with drafter.variant = \"{spec.name}\"")
     if not train.sync_free_loss:
         raise ConfigError("train.lm_head = \"liger\" replaces the fixed-shape LM head: set "
                           "train.sync_free_loss = true or train.lm_head = \"chunked\"")
@@ -144,6 +144,10 @@ def check_train(train: TrainSection, loss: LossConfig, drafter: DrafterConfig, d
     if importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("train.lm_head = \"liger\" needs the liger-kernel package (pip install liger-kernel); "
                           "set train.lm_head = \"chunked\"")
+
+
+_TRAINS_ON = {"selector": "top-K candidates (its selector's)", "refiner": "refined logits"}
+"""What a variant's training reads beyond the hard-label loss, by its ``drafts_with``."""
 
 
 def lr_warnings(train: TrainSection) -> list[str]:

@@ -73,17 +73,18 @@ position ``anchor + j - 1``); ``v_{b,j}`` is 1 where the slot is trained.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-import msgspec
 import torch
 import torch.nn.functional as F
 
-__all__ = ["XPRESS_LOSS_FIELDS", "LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "loss_terms",
+from dflash.tables import Table, added_later
+
+__all__ = ["LossConfig", "accept_probability", "confidence_term", "head_confidence_term", "loss_terms",
            "mixed_loss", "needs_final_hidden", "position_weights", "tv_term", "uses_head"]
 
 
-class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class LossConfig(Table):
     """The graph file's ``[loss]`` table.
 
     Attributes:
@@ -106,9 +107,9 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         dpace_alpha: D-PACE's confidence smoothing in [0, 1] (0: the exact gradient of the
             expected accepted length; 1: each slot weighs the count of trained slots from it to the block's end).
         selector_weight: weight (>= 0) of DFlash2's selector loss, added to the loss above
-            (:mod:`dflash.train.selector_loss`); read only when ``drafter.variant = "dflash2"``.
+            (:mod:`dflash.train.selector_loss`); DFlash2's own key (:mod:`dflash.model.variants`).
         xpress_base_weight, xpress_consistency_weight, xpress_consistency_passes: XPress's loss
-            (:mod:`dflash.train.xpress_loss`; read only when ``drafter.variant = "xpress"``):
+            (:mod:`dflash.train.xpress_loss`; XPress's own keys):
             ``base * L(backbone) + L(refined, true predecessors) + consistency * mean over the
             passes of L(refined, the previous pass's drafts)``, each ``L`` the loss above.
             speculators' recipe: 0.6, 0.3, 3.
@@ -116,18 +117,18 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     label: Literal["data", "target_argmax"] = "data"
     kl_weight: float = 0.0
-    tv_weight: float = 0.0
-    conf_weight: float = 0.0
-    confidence: Literal["top1", "head"] = "top1"
+    tv_weight: Annotated[float, added_later(0.0)] = 0.0
+    conf_weight: Annotated[float, added_later(0.0)] = 0.0
+    confidence: Annotated[Literal["top1", "head"], added_later("top1")] = "top1"  # "top1": the term's only form before
     temperature: float = 1.0
     weighting: Literal["exp_decay", "streak", "dpace", "none"] = "exp_decay"
     gamma: float = 7.0
     alpha: float = 0.1
-    dpace_alpha: float = 0.5
-    selector_weight: float = 1.0
-    xpress_base_weight: float = 0.6
-    xpress_consistency_weight: float = 0.3
-    xpress_consistency_passes: int = 3
+    dpace_alpha: Annotated[float, added_later(0.5)] = 0.5
+    selector_weight: Annotated[float, added_later(1.0, hashed=False)] = 1.0
+    xpress_base_weight: Annotated[float, added_later(0.6, hashed=False)] = 0.6
+    xpress_consistency_weight: Annotated[float, added_later(0.3, hashed=False)] = 0.3
+    xpress_consistency_passes: Annotated[int, added_later(3, hashed=False)] = 3
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.kl_weight <= 1.0:
@@ -155,10 +156,6 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ValueError(f"loss.{key} must be a finite number >= 0, got {getattr(self, key)}")
         if self.xpress_consistency_passes < 0:
             raise ValueError(f"loss.xpress_consistency_passes must be >= 0, got {self.xpress_consistency_passes}")
-
-
-XPRESS_LOSS_FIELDS = ("xpress_base_weight", "xpress_consistency_weight", "xpress_consistency_passes")
-"""The ``[loss]`` fields XPress added; only an XPress drafter's training reads them."""
 
 
 def needs_final_hidden(cfg: LossConfig) -> bool:

@@ -17,9 +17,10 @@ Steps (shapes: B rows, T tokens, A anchors, bs block size, N trained slots):
    ``[loss].confidence = "head"`` the drafter's confidence head reads each trained slot's hidden
    state and its term ``conf_weight * BCE(head, 1 - TV)`` joins that slot's loss, under the same
    position weight.
-6. DFlash2 (``drafter.variant = "dflash2"``): the selector's loss over each slot's top-K
-   candidates, ``loss += selector_weight * L_sel``, and its metrics (:mod:`dflash.train.selector_loss`).
-   XPress (``"xpress"``): the refiner's passes, ``loss = xpress_base_weight * loss + L_refiner``,
+6. What the variant drafts with (its ``drafts_with``, :mod:`dflash.model.variants`): nothing more
+   for ``"top1"``; for ``"selector"`` (DFlash2) the selector's loss over each slot's top-K
+   candidates, ``loss += selector_weight * L_sel``, and its metrics (:mod:`dflash.train.selector_loss`);
+   for ``"refiner"`` (XPress) the refiner's passes, ``loss = xpress_base_weight * loss + L_refiner``,
    and the metrics of its Jacobi drafts (:mod:`dflash.train.xpress_loss`; fixed shapes only).
 """
 
@@ -33,6 +34,7 @@ from dflash.messages import LossInput
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead
+from dflash.model.variants import variant_of
 from dflash.train.acceptance import accuracy_per_position, streak_lengths
 from dflash.train.chunked_head import chunked_head_loss
 from dflash.train.loss import (
@@ -136,8 +138,9 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     layout = training_layout(x.position_ids, x.doc_ids, x.anchors, bs)
     hidden = drafter(features, head.embed(block_ids), layout)
     pos, trained = block_targets(x.input_ids, x.loss_mask, x.doc_ids, x.anchors, bs)  # [B, A, bs-1]
-    selector = getattr(core, "candidate_selector", None)  # DFlash2 only
-    refiner = getattr(core, "refiner_head", None)  # XPress only
+    drafts_with = variant_of(core.cfg.variant).drafts_with  # step 6's dispatch
+    selector = core.candidate_selector if drafts_with == "selector" else None
+    refiner = core.refiner_head if drafts_with == "refiner" else None
     if sync_free:
         before = before_anchors(x.input_ids, x.doc_ids, x.anchors) if refiner is not None else None
         return _loss_fixed_shape(head, hidden, pos, trained, x.input_ids, x.anchors, x.final_hidden, cfg,

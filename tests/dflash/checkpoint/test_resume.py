@@ -17,6 +17,7 @@ from dflash.checkpoint import (
     step_dir,
 )
 from dflash.checkpoint.config_changes import config_changes
+from dflash.run.config import added_later_keys
 from dflash.checkpoint.resume import archive_foreign, choose, verify
 
 
@@ -179,7 +180,7 @@ def test_config_changes_name_the_key_and_what_it_affects():
     new = {"run": {"steps": 80, "out_dir": "b", "seed": 0}, "data": {"tokens_per_batch": 1024},
            "monitor": {"window": 5}, "train": {"lr": 1e-3, "num_anchors": 16},
            "process": [{"name": "target", "replicas": 2}]}
-    got = config_changes(old, new)
+    got = config_changes(old, new, added_later_keys())
     assert got == [
         "data.tokens_per_batch 512 -> 1024 (data order and batch shapes; the restored sampler position may no "
         "longer match)",
@@ -187,7 +188,7 @@ def test_config_changes_name_the_key_and_what_it_affects():
         "run.steps 40 -> 80 (lr schedule: the cosine decay ends at run.steps)",
         "train.num_anchors 8 -> 16 (anchors)",
     ]
-    assert config_changes(old, old) == []
+    assert config_changes(old, old, added_later_keys()) == []
 
 
 def test_config_saved_with_drafter_num_anchors_is_compared_in_todays_layout():
@@ -196,9 +197,9 @@ def test_config_saved_with_drafter_num_anchors_is_compared_in_todays_layout():
     value is named under its new key."""
     before = {"run": {"steps": 40}, "drafter": {"num_layers": 1, "num_anchors": 64}, "train": {"lr": 3e-3}}
     now = {"run": {"steps": 40}, "drafter": {"num_layers": 1}, "train": {"lr": 3e-3, "num_anchors": 64}}
-    assert config_changes(before, now) == []
+    assert config_changes(before, now, added_later_keys()) == []
     now["train"]["num_anchors"] = 32
-    assert config_changes(before, now) == ["train.num_anchors 64 -> 32 (anchors)"]
+    assert config_changes(before, now, added_later_keys()) == ["train.num_anchors 64 -> 32 (anchors)"]
 
 
 @pytest.mark.parametrize("variant, change, says", [

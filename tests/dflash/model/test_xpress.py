@@ -287,18 +287,19 @@ def test_a_config_saved_before_xpress_and_dpace_existed_resumes_without_a_change
     """Resume compares the checkpoint's saved config with today's: the keys added with XPress and
     D-PACE, at their defaults, are no change; set otherwise, they are named."""
     from dflash.checkpoint.config_changes import config_changes
-    from dflash.model.drafter_config import XPRESS_FIELDS
+    from dflash.run.config import added_later_keys
+    from dflash.model.variants import variant_of
     from dflash.run.config import load_config
-    from dflash.train.loss import XPRESS_LOSS_FIELDS
     from tests.dflash.run.test_run_e2e import GRAPH
 
+    xpress = variant_of("xpress")
     now = msgspec.to_builtins(load_config(GRAPH))
-    old = {**now, "drafter": {k: v for k, v in now["drafter"].items() if k not in XPRESS_FIELDS},
-           "loss": {k: v for k, v in now["loss"].items() if k not in (*XPRESS_LOSS_FIELDS, "dpace_alpha")}}
-    assert config_changes(old, now) == []
+    old = {**now, "drafter": {k: v for k, v in now["drafter"].items() if k not in xpress.drafter_fields},
+           "loss": {k: v for k, v in now["loss"].items() if k not in (*xpress.loss_fields, "dpace_alpha")}}
+    assert config_changes(old, now, added_later_keys()) == []
     passes = {**now, "drafter": {**now["drafter"], "jacobi_passes": 2}}
-    assert config_changes(old, passes) == ["drafter.jacobi_passes 6 -> 2 (decoding only: the Jacobi passes an "
-                                           "XPress drafter drafts with)"]
+    assert config_changes(old, passes, added_later_keys()) == [
+        "drafter.jacobi_passes 6 -> 2 (decoding only: the Jacobi passes an XPress drafter drafts with)"]
 
 
 def test_trained_xpress_drafts_are_accepted_longer_than_the_backbone_top1():

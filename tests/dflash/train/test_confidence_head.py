@@ -235,6 +235,7 @@ def test_the_run_adds_the_head_from_the_loss_and_keeps_old_hashes():
     drafter.confidence_head set by hand alone is one config error; files without the head hash as
     before it existed, and a pre-head train_config.json compares equal."""
     from dflash.checkpoint.config_changes import config_changes
+    from dflash.run.config import added_later_keys
     from dflash.data import TokenizerInfo
     from dflash.run.config import config_hash, load_config
     from dflash.run.resolve import filled
@@ -251,7 +252,7 @@ def test_the_run_adds_the_head_from_the_loss_and_keeps_old_hashes():
     assert config_hash(filled(base, info)) == config_hash(filled(explicit, info)) != config_hash(filled(on, info))
     old = {"loss": {"label": "data", "kl_weight": 0.0}, "drafter": {"num_layers": 1}}
     now = {"loss": {**old["loss"], "confidence": "top1"}, "drafter": {"num_layers": 1, "confidence_head": False}}
-    assert config_changes(old, now) == []
+    assert config_changes(old, now, added_later_keys()) == []
 
 
 # -- it learns ------------------------------------------------------------------------------------

@@ -227,9 +227,10 @@ def test_a_checkpoint_saved_before_the_new_terms_resumes_without_a_reported_chan
     """Invariant: a train_config.json written before tv_weight/conf_weight existed compares equal to
     today's config with both at 0 (what that code trained), and switching one on is named."""
     from dflash.checkpoint.config_changes import config_changes
+    from dflash.run.config import added_later_keys
 
     old = {"loss": {"label": "data", "kl_weight": 0.0}, "run": {"steps": 4}}
     same = {"loss": {"label": "data", "kl_weight": 0.0, "tv_weight": 0.0, "conf_weight": 0.0}, "run": {"steps": 4}}
-    assert config_changes(old, same) == []
+    assert config_changes(old, same, added_later_keys()) == []
     on = {**same, "loss": {**same["loss"], "tv_weight": 0.9}}
-    assert config_changes(old, on) == ["loss.tv_weight 0.0 -> 0.9 (loss)"]
+    assert config_changes(old, on, added_later_keys()) == ["loss.tv_weight 0.0 -> 0.9 (loss)"]
