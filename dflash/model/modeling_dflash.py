@@ -359,8 +359,13 @@ class DFlashDraftModel(PreTrainedModel):
             if layer.layer_type not in masks:
                 masks[layer.layer_type] = mask_for(layer.layer_type)
             x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type], cache, i)
-        out = self.norm(x)
+        out = self.output(x)
         return BaseModelOutput(last_hidden_state=out) if return_dict else out
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output ``[..., H]`` to the hidden states the LM head reads: ``norm``
+        (a subclass in a file of its own may map them further before every reader)."""
+        return self.norm(x)
 
 
     def _features(self, hidden_states) -> torch.Tensor:
