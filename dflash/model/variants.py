@@ -76,6 +76,15 @@ stop_token_ids=None)` decodes with the passes. vLLM speculators 0.9 loads these 
 into its `XPressDraftModel` (the project's `docs/interop.md` gives the lines).
 """
 
+_RESBLOCK_NOTE = """
+## ResBlock
+
+`output_block.linear` is a Medusa-style residual block, `h + SiLU(linear(h))`, applied to the
+drafter's post-norm hidden states before the target's LM head; `modeling_resblock.py` (beside
+`modeling_dflash.py`) defines the class. z-lab's `dflash_generate` and `drafter.spec_generate` decode
+with it through `AutoModel`; vLLM speculators and SpecForge have no such class.
+"""
+
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         name="dflash", title="DFlash", architecture="DFlashDraftModel", fused_head=True,
@@ -103,6 +112,12 @@ VARIANTS: tuple[Variant, ...] = (
         export_keys=(("xpress_rank", "xpress_rank"), ("xpress_mlp_ratio", "xpress_mlp_ratio"),
                      ("num_jacobi_passes", "jacobi_passes")),
         card_note=_XPRESS_NOTE,
+    ),
+    Variant(
+        name="resblock", title="DFlash+ResBlock", architecture="DFlashResBlockDraftModel", fused_head=True,
+        about="the DFlash backbone with a Medusa-style residual SiLU block before the shared LM head "
+              "(Cai et al. 2024, Medusa; dflash.model.resblock)",
+        module="dflash.model.resblock", remote_code="modeling_resblock.py", card_note=_RESBLOCK_NOTE,
     ),
 )
 """Every variant, in the order they were added (the config hash depends on the order)."""
