@@ -40,6 +40,7 @@ from dflash.observe.config import MonitorSection
 from dflash.tables import PositiveInt, Table, added_later, keys_added_later
 from dflash.train.config import TrainSection
 from dflash.train.loss import LossConfig
+
 MAX_STEPS = 10 ** 8 - 1
 """The most ``run.steps`` may be (99,999,999): checkpoint directories are named ``step_%08d`` and
 ordered by name (:func:`dflash.checkpoint.list_checkpoints`), so a ninth digit would sort step
