@@ -18,8 +18,8 @@ and the tau panel the held-out evaluations that did not happen (:func:`evaluatio
 ones (red crosses along its bottom) and one a stop cut short (a dark red cross).
 
 A resumed segment that redoes steps is drawn as its own line over the earlier one. Default
-output: ``RUN_DIR/plot.png``. ``dflash.run`` writes it at the end of every run when matplotlib is
-importable (``pip install matplotlib``, or the ``plot`` extra of this package).
+output: ``RUN_DIR/plot.png``. ``dflash.run`` writes it at the end of every run (matplotlib is a
+dependency of this package; where it is missing, the run's summary says in one line how to draw it).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _check_owner("dflash", Path(__file__).parent.parent)  # under another distributi
 
 EXIT_CODES = {0: "the PNG was written",
               2: "no metrics.jsonl or no train record in RUN_DIR, or matplotlib is not installed"}
-INSTALL_HINT = "pip install matplotlib (or pip install 'dflash-csp[plot]')"
+INSTALL_HINT = "pip install matplotlib"
 
 
 class PlotUnavailable(RuntimeError):

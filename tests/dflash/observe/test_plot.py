@@ -181,3 +181,12 @@ def test_cli_writes_the_named_file(tmp_path, capsys):
     assert main([str(tmp_path / "run"), "-o", str(tmp_path / "x" / "curves.png"), "--dpi", "40"]) == 0
     assert (tmp_path / "x" / "curves.png").stat().st_size > 0
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'x' / 'curves.png'}"
+
+
+def test_the_plain_install_brings_matplotlib():
+    """Regression: ``pip install -e .`` then ``dflash.run`` (the README's first command) wrote no
+    plot.png, since matplotlib came only with the test extra. Invariant: it is a core dependency."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]
+    assert any(d.replace(" ", "").startswith("matplotlib>=") for d in project["dependencies"])
