@@ -364,4 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from dflash.import_noise import quiet_import_noise
+
+    quiet_import_noise()  # loading the GGUF model imports torchao through transformers (dflash.import_noise)
     sys.exit(main())

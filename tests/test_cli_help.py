@@ -65,7 +65,8 @@ def test_eval_help_explains_its_output_columns(monkeypatch):
 @pytest.mark.parametrize("module", CLIS)
 def test_help_answers_without_importing_torch(module):
     """Regression: ``dflash.eval``, ``dflash.export`` and ``dflash.logs`` imported torch (2-3 s)
-    before printing --help. Invariant: every command line's --help prints without torch."""
+    before printing --help. Invariant: every command line's --help prints without torch, and
+    prints nothing on stderr (no torchao or torch import-time lines)."""
     import subprocess
     import sys
 
@@ -75,3 +76,4 @@ def test_help_answers_without_importing_torch(module):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "usage: " in proc.stdout and proc.stdout.strip().endswith("TORCH False"), proc.stdout[-300:]
+    assert proc.stderr == "", proc.stderr  # nothing else: no import-time lines of other packages

@@ -5,7 +5,7 @@
 
 Three panels: (1) tokens/s of the serial loop and the pipelines, with each stage alone as the bound;
 (2) pipeline tokens/s against the capacity of the target -> drafter channels; (3) step times of the
-checkpoint run, the steps that overlap a background save marked. Needs matplotlib (the ``plot`` extra).
+checkpoint run, the steps that overlap a background save marked. Needs matplotlib (a dependency of this package).
 ``--results-md`` also rewrites the generated results section of that markdown file.
 """
 

@@ -113,10 +113,11 @@ def _dq(s: str) -> str:
 
 
 def to_dot(spec: GraphSpec, summary: Summary | None = None) -> str:
-    """The graph as Graphviz DOT text (left to right). ``summary`` adds measured numbers."""
+    """The graph as Graphviz DOT text, top to bottom (a stage per rank, as :mod:`csp.observe.svg` draws
+    it: a long pipeline stays narrow). ``summary`` adds measured numbers."""
     chans, procs, bottleneck = _index(summary)
     caps = {c.name: c for c in spec.channel}
-    out = ["digraph csp {", '  rankdir=LR; fontname="Helvetica";',
+    out = ["digraph csp {", '  rankdir=TB; fontname="Helvetica";',
            '  node [shape=box, style="rounded,filled", fillcolor="#f5f5f5", fontname="Helvetica"];',
            '  edge [fontname="Helvetica", fontsize=10];']
     if summary is not None:
@@ -145,11 +146,11 @@ def _mq(s: str) -> str:
 
 
 def to_mermaid(spec: GraphSpec, summary: Summary | None = None) -> str:
-    """The graph as a Mermaid flowchart (renders in GitHub markdown inside a ```mermaid block)."""
+    """The graph as a Mermaid flowchart, top to bottom (renders in GitHub markdown inside a ```mermaid block)."""
     chans, procs, bottleneck = _index(summary)
     caps = {c.name: c for c in spec.channel}
     ids = {p.name: f"p{i}" for i, p in enumerate(spec.process)}
-    out = ["flowchart LR"]
+    out = ["flowchart TB"]
     if summary is not None:
         out.insert(0, f"%% {summary.verdict.text}")
     for p in spec.process:

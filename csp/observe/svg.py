@@ -1,10 +1,9 @@
 """Draw a graph file as SVG in pure Python: no Graphviz needed (``python -m csp.graph G.toml -o g.svg``).
 
-Layout: processes are boxes in layers, left to right. The layers are networkx's topological
-generations of the graph's condensation (a cycle shares one layer), so every channel points
-right except those that close a cycle, which are routed below the picture. Within a layer, boxes
-are ordered by the mean position of their writers (the barycenter heuristic, two sweeps), which
-keeps fan-out/fan-in edges from crossing in pipelines.
+Layout (:mod:`csp.observe.layout`): processes are boxes in rows, top to bottom, a row per stage (its
+longest path from the sources), so a pipeline of six stages is six rows, not one row six stages
+wide; a channel that closes a cycle runs up a lane right of the picture. Each channel's label is
+a box of its own on its arrow, under its writer, clear of every process box and every other label.
 
 Drawing: a box lists the process name, kind, replicas and devices (the lines of
 :func:`csp.observe.draw._node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
@@ -28,6 +27,7 @@ from xml.sax.saxutils import escape
 
 from csp.graph import GraphSpec
 from csp.observe.backpressure import ChannelSummary, ProcessSummary, Summary
+from csp.observe.layout import Layout, layout
 
 FONT = 12.0  # px
 CW = FONT * 0.6  # px per character (monospace)
@@ -42,41 +42,26 @@ def _w(lines: list[str]) -> float:
     return max((len(s) for s in lines), default=0) * CW + 2 * PAD
 
 
-def _layers(nodes: list[str], edges: list[tuple[str, str]]) -> dict[str, int]:
-    """Layer index per node: topological generations of the condensation (networkx)."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    g.add_nodes_from(nodes)
-    g.add_edges_from(edges)
-    cond = nx.condensation(g)
-    layer: dict[str, int] = {}
-    for i, gen in enumerate(nx.topological_generations(cond)):
-        for scc in gen:
-            for n in cond.nodes[scc]["members"]:
-                layer[n] = i
-    return layer
-
-
-def _order(layers: dict[str, int], nodes: list[str], edges: list[tuple[str, str]]) -> list[list[str]]:
-    """Nodes per layer, ordered by the barycenter of their neighbours in the previous layer."""
-    cols: list[list[str]] = [[] for _ in range(max(layers.values(), default=-1) + 1)]
-    for n in nodes:  # file order first: stable for ties
-        cols[layers[n]].append(n)
-    for _ in range(2):
-        for i in range(1, len(cols)):
-            pos = {n: k for k, n in enumerate(cols[i - 1])}
-            here = {n: k for k, n in enumerate(cols[i])}
-            bary = {}
-            for n in cols[i]:
-                ps = [pos[w] for w, r in edges if r == n and w in pos]
-                bary[n] = sum(ps) / len(ps) if ps else float(here[n])
-            cols[i].sort(key=bary.__getitem__)
-    return cols
-
-
 def _fill_color(frac: float) -> str:
     return "#2ca02c" if frac < 0.5 else "#ff7f0e" if frac < 0.85 else RED
+
+
+def measure(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]]) -> Layout:
+    """Where every box, label and arrow of the picture goes (:func:`csp.observe.layout.layout`; the
+    arguments are :func:`render_svg`'s), before the title: the title's lines add to the height."""
+    size: dict[str, tuple[float, float]] = {}
+    for n, spec in nodes.items():
+        if spec.get("point"):
+            size[n] = (10.0, 10.0)
+            continue
+        rows = spec.get("replica_rows") or []
+        h = (len(spec["lines"]) + len(rows)) * LH + 2 * PAD + (4.0 if rows else 0.0)
+        row_w = _row_w(rows)
+        stack = 8.0 if spec.get("replicas", 1) > 1 else 0.0
+        size[n] = (max(_w(spec["lines"]), row_w, 14 * CW + 2 * PAD) + stack, h + stack)
+    label_size = [(_w(e["lines"]), len(e["lines"]) * LH + 2 * PAD + (10 if e.get("fill") is not None else 0))
+                  for e in edges]
+    return layout(size, [(e["src"], e["dst"]) for e in edges], label_size, margin=MARGIN)
 
 
 def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], title: str | None = None) -> str:
@@ -91,102 +76,24 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
         edges: ``{"src", "dst", "lines": [str], "fill": float | None, "red": bool}`` in draw order.
         title: a line (wrapped to the picture's width) above the graph, or None.
     """
-    names = list(nodes)
-    pairs = [(e["src"], e["dst"]) for e in edges]
-    layer = _layers(names, pairs)
-    cols = _order(layer, names, pairs)
-
-    size: dict[str, tuple[float, float]] = {}
-    for n, spec in nodes.items():
-        if spec.get("point"):
-            size[n] = (10.0, 10.0)
-            continue
-        rows = spec.get("replica_rows") or []
-        h = (len(spec["lines"]) + len(rows)) * LH + 2 * PAD + (4.0 if rows else 0.0)
-        row_w = _row_w(rows)
-        stack = 8.0 if spec.get("replicas", 1) > 1 else 0.0
-        size[n] = (max(_w(spec["lines"]), row_w, 14 * CW + 2 * PAD) + stack, h + stack)
-    label_size = [(_w(e["lines"]), len(e["lines"]) * LH + 2 * PAD + (10 if e.get("fill") is not None else 0))
-                  for e in edges]
-
-    # columns: width of the widest box, then a gap wide enough for the widest label leaving it
-    x, xs, gaps = MARGIN, [], []
-    for i, col in enumerate(cols):
-        xs.append(x)
-        width = max(size[n][0] for n in col)
-        out = [label_size[k][0] for k, e in enumerate(edges) if layer[e["src"]] == i and layer[e["dst"]] > i]
-        loops = [label_size[k][0] + 80 for k, e in enumerate(edges) if layer[e["src"]] == layer[e["dst"]] == i]
-        gap = max([80.0] + [w + 40 for w in out] + loops)
-        gaps.append(gap)
-        x += width + gap
-    total_w = x - gaps[-1] + MARGIN if cols else 2 * MARGIN
-
-    head: list[str] = []
-    if title:
-        head = textwrap.wrap(title, max(int((total_w - 2 * MARGIN) / (CW * 1.1)), 40))
-    top = MARGIN + len(head) * LH * 1.1 + (10 if head else 0)
-    col_h = [sum(size[n][1] for n in col) + 30 * (len(col) - 1) for col in cols]
-    body_h = max(col_h, default=0)
-    pos: dict[str, tuple[float, float]] = {}  # top-left corner
-    for i, col in enumerate(cols):
-        y = top + (body_h - col_h[i]) / 2
-        width = max(size[n][0] for n in col)
-        for n in col:
-            pos[n] = (xs[i] + (width - size[n][0]) / 2, y)
-            y += size[n][1] + 30
+    placed = measure(nodes, edges)
+    total_w = placed.width
+    head = textwrap.wrap(title, max(int((total_w - 2 * MARGIN) / (CW * 1.1)), 40)) if title else []
+    shift = len(head) * LH * 1.1 + 10 if head else 0.0  # the title's lines, above the graph
+    total_w = max(total_w, 2 * MARGIN + max((len(line) for line in head), default=0) * CW * 1.1)
 
     parts: list[str] = []
-    back_y = top + body_h + 30
-    label_boxes: list[tuple[float, float, float, float]] = []
-    out_count: dict[str, int] = {}
-    in_count: dict[str, int] = {}
-    for e in edges:
-        out_count[e["src"]] = out_count.get(e["src"], 0) + 1
-        in_count[e["dst"]] = in_count.get(e["dst"], 0) + 1
-    out_seen: dict[str, int] = {}
-    in_seen: dict[str, int] = {}
-    for k, e in enumerate(edges):
-        s, d = e["src"], e["dst"]
-        (sx, sy), (sw, sh) = pos[s], size[s]
-        (dx, dy), (dw, dh) = pos[d], size[d]
-        i_out, i_in = out_seen.get(s, 0), in_seen.get(d, 0)
-        out_seen[s], in_seen[d] = i_out + 1, i_in + 1
-        y1 = sy + sh * (i_out + 1) / (out_count[s] + 1)
-        y2 = dy + dh * (i_in + 1) / (in_count[d] + 1)
+    for e, route in zip(edges, placed.routes):  # every arrow first: labels and boxes go over them
         color = RED if e.get("red") else GREY
         width = 2.5 if e.get("red") else 1.4
-        if layer[d] > layer[s]:
-            x1, x2 = sx + sw, dx
-            mx = (x1 + x2) / 2
-            path = f"M{x1:.1f},{y1:.1f} C{mx:.1f},{y1:.1f} {mx:.1f},{y2:.1f} {x2 - 6:.1f},{y2:.1f}"
-            lx, ly = mx, (y1 + y2) / 2
-            arrow = (x2, y2, 0.0)
-        elif layer[d] == layer[s]:  # a cycle inside one layer: a loop out to the right of the column
-            x1, x2 = sx + sw, dx + dw
-            y1, y2 = sy + sh / 2, dy + dh / 2
-            bulge = max(x1, x2) + 60
-            path = f"M{x1:.1f},{y1:.1f} C{bulge:.1f},{y1:.1f} {bulge:.1f},{y2:.1f} {x2 + 6:.1f},{y2:.1f}"
-            lx, ly = bulge + label_size[k][0] / 2 - 10, (y1 + y2) / 2 + label_size[k][1] / 2
-            arrow = (x2, y2, 180.0)
-        else:  # closes a cycle back to an earlier layer: under the picture, right to left
-            x1, x2 = sx + sw / 2, dx + dw / 2
-            path = (f"M{x1:.1f},{sy + sh:.1f} C{x1:.1f},{back_y:.1f} {x2:.1f},{back_y:.1f} "
-                    f"{x2:.1f},{dy + dh + 6:.1f}")
-            lx, ly = (x1 + x2) / 2, back_y - 10
-            arrow = (x2, dy + dh, -90.0)
-            back_y += label_size[k][1] + 10
-        parts.append(f'<path d="{path}" fill="none" stroke="{color}" stroke-width="{width}"/>')
-        ax, ay, rot = arrow
+        parts.append(f'<path d="{route.d}" fill="none" stroke="{color}" stroke-width="{width}"/>')
+        ax, ay, rot = route.tip
         parts.append(f'<path d="M0,0 L-9,-4.5 L-9,4.5 Z" fill="{color}" '
                      f'transform="translate({ax:.1f},{ay:.1f}) rotate({rot:.0f})"/>')
-        lw, lh = label_size[k]
-        bx, by = lx - lw / 2, ly - lh - 3  # above the arrow, which stays visible
-        while any(bx < x2_ and bx + lw > x1_ and by < y2_ and by + lh > y1_
-                  for x1_, y1_, x2_, y2_ in label_boxes):  # stacked labels in one gap: move up
-            by -= 4
-        label_boxes.append((bx, by, bx + lw, by + lh))
+    for e, box in zip(edges, placed.labels):
+        bx, by, lw, lh = box.x, box.y, box.w, box.h
         parts.append(f'<rect x="{bx:.1f}" y="{by:.1f}" width="{lw:.1f}" height="{lh:.1f}" rx="4" '
-                     f'fill="white" fill-opacity="0.85"{f" stroke={chr(34)}{RED}{chr(34)}" if e.get("red") else ""}/>')
+                     f'fill="white" stroke="{RED if e.get("red") else "#cccccc"}" stroke-width="0.8"/>')
         parts += _text(e["lines"], bx + PAD, by + PAD, bold_first=True)
         if e.get("fill") is not None:
             frac = min(max(e["fill"], 0.0), 1.0)
@@ -197,7 +104,8 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
                          f'height="6" fill="{_fill_color(frac)}"/>')
 
     for n, spec in nodes.items():
-        (x0, y0), (w, h) = pos[n], size[n]
+        box = placed.boxes[n]
+        x0, y0, w, h = box.x, box.y, box.w, box.h
         if spec.get("point"):
             parts.append(f'<circle cx="{x0 + 5:.1f}" cy="{y0 + 5:.1f}" r="4" fill="{GREY}"/>')
             continue
@@ -221,9 +129,7 @@ def render_svg(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]], ti
         parts += _text(spec["lines"], x0 + PAD, y0 + PAD, bold_first=True)
         parts += _replica_rows(spec.get("replica_rows") or [], x0 + PAD, y0 + PAD + len(spec["lines"]) * LH + 4)
 
-    total_h = back_y + MARGIN if any(layer[e["dst"]] <= layer[e["src"]] for e in edges) else top + body_h + MARGIN
-    shift = max(0.0, top - min((b[1] for b in label_boxes), default=top))  # labels above the top row
-    total_h += shift
+    total_h = placed.height + shift
     title_svg = _text(head, MARGIN, MARGIN, bold_first=False, weight="bold", size=FONT * 1.1) if head else []
     return "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w:.0f}" height="{total_h:.0f}" '
@@ -278,6 +184,13 @@ def _text(lines: list[str], x: float, y: float, *, bold_first: bool, weight: str
 def graph_svg(spec: GraphSpec, summary: Summary | None, node_lines: Callable[..., list[str]],
               edge_lines: Callable[..., list[str]], edge_pairs: Callable[..., Any]) -> str:
     """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.observe.draw` for the line builders and pairs)."""
+    return render_svg(*graph_parts(spec, summary, node_lines, edge_lines, edge_pairs))
+
+
+def graph_parts(spec: GraphSpec, summary: Summary | None, node_lines: Callable[..., list[str]],
+                edge_lines: Callable[..., list[str]], edge_pairs: Callable[..., Any]
+                ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], str | None]:
+    """``(nodes, edges, title)`` of a :class:`csp.GraphSpec`, as :func:`render_svg` and :func:`measure` take them."""
     chans: dict[str, ChannelSummary] = {c.name: c for c in summary.channels} if summary else {}
     procs: dict[str, ProcessSummary] = {p.name: p for p in summary.processes} if summary else {}
     verdict = summary.verdict if summary else None
@@ -308,7 +221,7 @@ def graph_svg(spec: GraphSpec, summary: Summary | None, node_lines: Callable[...
         edges.append({"src": ends[0], "dst": ends[1], "lines": edge_lines(name, c.capacity, c.ordered, st),
                       "fill": (st.fill_avg / c.capacity if st is not None and c.capacity else None),
                       "red": verdict is not None and verdict.channel == name})
-    return render_svg(nodes, edges, verdict.text if verdict else None)
+    return nodes, edges, verdict.text if verdict else None
 
 
-__all__ = ["graph_svg", "render_svg"]
+__all__ = ["graph_parts", "graph_svg", "measure", "render_svg"]

@@ -36,8 +36,8 @@ class MonitorSection(Table):
     """A window whose loss exceeds the median of the last 20 windows by spike_k robust standard
     deviations (1.4826 x MAD) is flagged as a spike (the rule of python -m dflash.logs)."""
     plot: bool = True
-    """At the end of the run write RUN_DIR/plot.png (python -m dflash.plot) when matplotlib is
-    importable; without it one line says how to get it."""
+    """At the end of the run write RUN_DIR/plot.png (python -m dflash.plot); where matplotlib is not
+    importable, the summary's plot line says how to draw it."""
 
 
 def check_monitor(monitor: MonitorSection) -> None:

@@ -2,20 +2,24 @@
 
 Reads ``RUN_DIR/metrics.jsonl`` (every segment: a resumed run continues the same file) and draws,
 against the training step, six panels: loss, per-position accuracy (one line per block position),
-accepted length (``tau_sim`` = simulated tokens per verify step = accepted + 1, and the
-accepted-only ``accepted_sim``; in logs older than that convention ``tau_sim`` alone, the accepted
-length), learning rate, gradient
-norm, and tokens/s (overall, target, drafter). Every panel marks:
+tau (``tau_sim``: simulated tokens per verify step on the training batches, and the held-out tau
+measured by real decoding, ``heldout`` records; its y-axis fits those values, never far below 1,
+and a right-hand scale reads the accepted length, tau - 1; in logs older than that convention
+``tau_sim`` alone, the accepted length), learning rate, gradient norm, and tokens/s (overall,
+target, drafter). Every panel marks:
 
 * skipped steps (red ticks along the bottom; a ``skip`` record each),
 * checkpoints (grey dotted lines; red when the checkpoint was not healthy),
 * resumes (green dashed lines, labelled with the step resumed from),
 * logging gaps (a shaded band between the two windows around the gap, :func:`dflash.observe.logs.find_gaps`),
-* loss spikes flagged by the monitor (orange dots on the loss panel).
+* loss spikes flagged by the monitor (orange dots on the loss panel),
+
+and the tau panel the held-out evaluations that did not happen (:func:`evaluation_gaps`): skipped
+ones (red crosses along its bottom) and one a stop cut short (a dark red cross).
 
 A resumed segment that redoes steps is drawn as its own line over the earlier one. Default
-output: ``RUN_DIR/plot.png``. ``dflash.run`` writes it at the end of every run when matplotlib is
-importable (``pip install matplotlib``, or the ``plot`` extra of this package).
+output: ``RUN_DIR/plot.png``. ``dflash.run`` writes it at the end of every run (matplotlib is a
+dependency of this package; where it is missing, the run's summary says in one line how to draw it).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ _check_owner("dflash", Path(__file__).parent.parent)  # under another distributi
 
 EXIT_CODES = {0: "the PNG was written",
               2: "no metrics.jsonl or no train record in RUN_DIR, or matplotlib is not installed"}
-INSTALL_HINT = "pip install matplotlib (or pip install 'dflash-csp[plot]')"
+INSTALL_HINT = "pip install matplotlib"
 
 
 class PlotUnavailable(RuntimeError):
@@ -158,22 +162,33 @@ def make_figure(records: list[Mapping[str, Any]], name: str = "run") -> Any:
     ax.set_title("accuracy per block position")
 
     ax = axes[2]
-    if any("accepted_sim" in r for r in train):  # tau_sim = tokens per verify step, accepted_sim = tau - 1
-        got = lines(ax, "tau_sim", "tau (tokens / verify step)", colors[0], lw=1.6)
-        got |= lines(ax, "accepted_sim", "accepted (drafts accepted / step)", colors[1], lw=1.4)
+    tokens = any("accepted_sim" in r for r in train)  # tau_sim = tokens per verify step = accepted_sim + 1
+    if tokens:
+        simulated = lines(ax, "tau_sim", "tau, simulated on training batches", colors[0], lw=1.6)
     else:  # logs written before tau meant tokens per step: their tau_sim is the accepted length
-        got = lines(ax, "tau_sim", "accepted (tau_sim of an older log)", colors[1], lw=1.4)
+        simulated = lines(ax, "tau_sim", "accepted (tau_sim of an older log)", colors[1], lw=1.4)
     held = [r for r in records if r.get("kind") == "heldout" and _finite(r.get("tau"))]
+    sampled = [r for r in held if _finite(r.get("sampled_tau"))]
     if held:  # measured by real decoding on held-out prompts ([eval]): the figure dflash.eval gives
         ax.plot([r["step"] for r in held], [r["tau"] for r in held], "o-", color=colors[2], lw=1.4, ms=4,
                 label="held-out tau, measured (draft-and-verify)")
-        sampled = [r for r in held if _finite(r.get("sampled_tau"))]
         if sampled:
             ax.plot([r["step"] for r in sampled], [r["sampled_tau"] for r in sampled], "s--", color=colors[5],
                     lw=1.0, ms=3, label="held-out tau, sampled")
-        got = True
-    ax.set_title(("tau: simulated on training batches, measured held out" if held else "accepted length (simulated)")
-                 if got else "accepted length: not in the log")
+    _mark_evaluations(ax, records)
+    values = ([y for s in segs for y in _series(s, "tau_sim")[1]] + [r["tau"] for r in held]
+              + [r["sampled_tau"] for r in sampled])
+    if values:
+        ax.set_ylim(*tau_limits(values, floor=0.0 if simulated and not tokens else 1.0))
+    if tokens:  # the accepted length is the same curve one lower: a second scale, not a second line
+        right = ax.secondary_yaxis("right", functions=(_minus_one, _plus_one))
+        right.set_ylabel("accepted = tau - 1 (drafts / verify step)", fontsize=8)
+        ax.set_ylabel("tau (tokens / verify step)", fontsize=8)
+    if held:
+        ax.set_title("tau: simulated on training batches, measured held out" if simulated else "tau, measured held out")
+    else:
+        ax.set_title(("tau (simulated)" if tokens else "accepted length (simulated)") if simulated
+                     else "accepted length: not in the log")
 
     ax = axes[3]
     lines(ax, "lr", "lr", colors[3], lw=1.4)
@@ -209,6 +224,65 @@ def make_figure(records: list[Mapping[str, Any]], name: str = "run") -> Any:
     for ax in axes[3:]:
         ax.set_xlabel("training step")
     return fig
+
+
+def tau_limits(values: list[float], floor: float = 1.0) -> tuple[float, float]:
+    """The tau panel's y-limits (bottom, top) for the plotted ``values`` (tokens per verify step):
+    their range with a margin of 10% of it (at least 0.05 tokens) each side, but the bottom at most a
+    quarter margin under ``floor``, which no value of that kind goes below (tau >= 1 by definition: the
+    target's own token; 0 for an older log's accepted length). A value under ``floor`` stays visible."""
+    lo, hi = min(values), max(values)
+    pad = max(0.1 * (hi - lo), 0.05)
+    bottom = lo - pad if lo < floor else max(lo - pad, floor - pad / 4)
+    return bottom, hi + pad
+
+
+def _minus_one(x: Any) -> Any:
+    return x - 1
+
+
+def _plus_one(x: Any) -> Any:
+    return x + 1
+
+
+def evaluation_gaps(records: list[Mapping[str, Any]]) -> tuple[list[int], list[int]]:
+    """The held-out evaluations a run did not finish: ``(skipped, cut_short)``, training steps.
+
+    ``skipped``: snapshots the evaluator passed over (busy, or over ``[eval].max_busy``), which a
+    ``heldout`` record counts (its ``skipped``) without their steps; they are placed evenly between
+    that evaluation and the one before it in the same process (or the step the process started
+    from), which is where they were when snapshots come every ``[eval].every`` steps and the later
+    evaluation is one of those (every evaluation but the final weights'). ``cut_short``: the step an
+    ``end`` record names ``unevaluated`` (a stop ended or prevented its evaluation).
+    """
+    skipped: list[int] = []
+    cut: list[int] = []
+    prev = 0
+    for r in records:
+        kind = r.get("kind")
+        if kind == "start":
+            prev = r["step"] if _finite(r.get("step")) else 0
+        elif kind == "heldout" and _finite(r.get("step")):
+            n, step = r.get("skipped"), r["step"]
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                skipped += [round(prev + (step - prev) * k / (n + 1)) for k in range(1, n + 1)]
+            prev = step
+        elif kind == "end" and _finite(r.get("unevaluated")):
+            cut.append(r["unevaluated"])
+    return skipped, cut
+
+
+def _mark_evaluations(ax: Any, records: list[Mapping[str, Any]]) -> None:
+    """Skipped and cut-short held-out evaluations (:func:`evaluation_gaps`) as crosses along the
+    bottom of the tau panel, each kind with its legend entry."""
+    skipped, cut = evaluation_gaps(records)
+    bottom = ax.get_xaxis_transform()  # x in steps, y in axes fraction: independent of the tau scale
+    if skipped:
+        ax.plot(skipped, [0.05] * len(skipped), ls="none", marker="x", ms=8, mew=2, color="#d62728",
+                transform=bottom, label=f"held-out evaluation skipped ({len(skipped)})")
+    if cut:
+        ax.plot(cut, [0.05] * len(cut), ls="none", marker="X", ms=10, mew=0.5, color="#7f0000",
+                transform=bottom, label=f"held-out evaluation cut short by a stop (step {', '.join(map(str, cut))})")
 
 
 def _cmap(cmap: Any, j: int, n: int) -> Any:
@@ -275,9 +349,10 @@ def _mark_events(axes: Any, records: list[Mapping[str, Any]], find_gaps: Any) ->
 
 def build_parser():
     p = make_parser("python -m dflash.plot", "Plot a dflash run's training curves (from metrics.jsonl) as a PNG.",
-                    details="Panels: loss, accuracy per block position, accepted length (tau = tokens per "
-                            "verify step, and accepted-only),\nlearning rate, gradient norm, tokens/s; "
-                            "marked: skipped steps, checkpoints, resumes, logging gaps, loss spikes.",
+                    details="Panels: loss, accuracy per block position, tau (tokens per verify step: simulated, "
+                            "and measured held out;\naccepted = tau - 1 on the right), learning rate, gradient "
+                            "norm, tokens/s; marked: skipped steps,\ncheckpoints, resumes, logging gaps, loss "
+                            "spikes, skipped or cut-short held-out evaluations.",
                     exit_codes=EXIT_CODES,
                     examples=["python -m dflash.plot runs/dflash-tiny",
                               "python -m dflash.plot runs/dflash-tiny -o /tmp/curves.png"])
@@ -302,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["PlotUnavailable", "main", "make_figure", "plot_run"]
+__all__ = ["PlotUnavailable", "evaluation_gaps", "main", "make_figure", "plot_run", "tau_limits"]
 
 if __name__ == "__main__":
     sys.exit(main())

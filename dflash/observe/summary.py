@@ -240,7 +240,8 @@ def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps:
                argv: Sequence[str] = (), seconds: float | None = None, stopped_by: str | None = None,
                error: str | None = None, data_source: str | None = None, plot: bool = True,
                wandb_ran: bool = True, logger: logging.Logger | None = None, budget: str | None = None) -> str:
-    """Plot the curves (when ``plot`` and matplotlib is importable), print the closing summary on
+    """Plot the curves to ``RUN_DIR/plot.png`` when ``plot`` (without matplotlib, the summary's plot
+    line says where it would be and how to draw it), print the closing summary on
     the run's console and log it to run.log (INFO for a finished run, WARNING otherwise). Never
     raises: a summary must not change how a run exits. Returns the summary text."""
     logger = logger or logging.getLogger("dflash.run")
@@ -252,7 +253,8 @@ def report_end(run_dir: str | Path, *, status: str, exit_code: int, total_steps:
         try:
             note = str(plot_run(run_dir))
         except PlotUnavailable:
-            note = f"not drawn: {INSTALL_HINT}, then python -m dflash.plot {shlex.quote(str(run_dir))}"
+            note = (f"{run_dir / 'plot.png'} not drawn (matplotlib is not importable): {INSTALL_HINT}, "
+                    f"then python -m dflash.plot {shlex.quote(str(run_dir))}")
         except Exception as exc:  # noqa: BLE001 - no train record yet, an unreadable log, ...
             note = f"not drawn: {exc}"
     try:

@@ -39,9 +39,12 @@ def tokenizer(smollm2_dir):
 def test_import_writes_a_plain_checked_llama_directory(smollm2_dir):
     """Invariant: the import writes an ordinary Hugging Face directory (no GGUF quantization note, the
     tied head left to the embedding, bf16 weights, a config and a tokenizer config both transformers
-    lines read alike) and passes its own greedy check, saying so."""
-    out, stdout = smollm2_dir
+    lines read alike) and passes its own greedy check, saying so. Its terminal carries none of the
+    lines torchao and torch log while transformers imports them (dflash.import_noise)."""
+    out, stdout, stderr = smollm2_dir
     assert "check passed" in stdout and "greedy-decodes the same 32 tokens" in stdout, stdout
+    noise = ("Failed to load", "is an Enum subclass and is now natively supported", "Detected no triton")
+    assert not [line for line in stderr.splitlines() if any(n in line for n in noise)], stderr
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],

@@ -78,7 +78,7 @@ def test_dot_nodes_and_edges(graph_file):
 def test_mermaid_text(graph_file):
     mmd = to_mermaid(load_for_drawing(graph_file))
     lines = mmd.splitlines()
-    assert lines[0] == "flowchart LR"
+    assert lines[0] == "flowchart TB"  # a stage per row: a long pipeline stays narrow
     assert '  p1["work<br/>t.work<br/>3 replicas, cuda:0..2"]' in lines
     assert '  p0 -->|"batches [cap 4]"| p1' in lines
     assert '  p1 -->|"out [cap 2, ordered]"| p2' in lines and '  p1 -->|"out [cap 2, ordered]"| p3' in lines
@@ -282,3 +282,14 @@ def test_unknown_output_suffix_is_a_usage_error(graph_file, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main([str(graph_file), "-o", str(tmp_path / "g.txt")])
     assert exc.value.code == 2
+
+
+def test_the_default_graph_draws_narrow_enough_to_read(tmp_path, monkeypatch):
+    """Regression: ``python -m csp.graph examples/dflash-tiny.toml -o graph.png`` drew the six
+    stages in one row, 3,412 px wide (5,446 with --run). Invariant: its SVG, which the PNG renders
+    at twice the size, is at most 800 px wide, and taller than wide (a stage per row)."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    graph = Path(__file__).resolve().parents[3] / "examples" / "dflash-tiny.toml"
+    assert main([str(graph), "-o", str(tmp_path / "g.svg")]) == 0
+    width, height, _ = _svg_geometry((tmp_path / "g.svg").read_text())
+    assert width <= 800 and height > width, (width, height)

@@ -348,3 +348,19 @@ def test_transformers_progress_bars_are_off_when_piped_only(monkeypatch):
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+
+
+def test_without_matplotlib_the_plot_line_says_where_and_how(tmp_path, ckpt, monkeypatch):
+    """Invariant: a run never fails for lack of matplotlib; its summary's plot line names the file
+    it would have written and the two commands that write it (install, then dflash.plot)."""
+    import sys
+
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(2)])
+    monkeypatch.setattr(runlog, "_console", runlog.make_console(io.StringIO()))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    text = report_end(run, status="completed", exit_code=0, total_steps=2)
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("plot "))
+    assert f"{run / 'plot.png'} not drawn (matplotlib is not importable)" in line
+    assert "pip install matplotlib, then python -m dflash.plot " + str(run) in line
+    assert not (run / "plot.png").exists()
