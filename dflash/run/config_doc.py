@@ -63,12 +63,25 @@ def _field_docs(struct: type) -> dict[str, str]:
 
 
 def _type_name(struct: type, name: str) -> str:
-    """The field's annotation as written in the source (``Literal["a", "b"]``, ``PositiveInt``)."""
+    """The field's annotation as written in the source (``Literal["a", "b"]``, ``PositiveInt``),
+    less the ``added_later(...)`` mark (:mod:`dflash.tables`), which says nothing about the values."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(struct)))
     for node in tree.body[0].body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
-            return ast.unparse(node.annotation)
+            return ast.unparse(_without_mark(node.annotation))
     return "?"
+
+
+def _without_mark(annotation: ast.expr) -> ast.expr:
+    """``Annotated[T, ..., added_later(...)]`` as ``Annotated[T, ...]`` (as ``T`` when nothing is left)."""
+    if not (isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name)
+            and annotation.value.id == "Annotated" and isinstance(annotation.slice, ast.Tuple)):
+        return annotation
+    kept = [e for e in annotation.slice.elts
+            if not (isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "added_later")]
+    if len(kept) == 1:
+        return kept[0]
+    return ast.Subscript(value=annotation.value, slice=ast.Tuple(elts=kept, ctx=ast.Load()), ctx=ast.Load())
 
 
 def _default(field: msgspec.structs.FieldInfo) -> str:
@@ -91,7 +104,8 @@ def render() -> str:
              "(`tests/dflash/run/test_config_doc.py` fails when this page and the code disagree). Unknown keys "
              "and wrong types are refused with their path before anything runs; `--set table.key=value` "
              "overrides one key for one run (values are TOML). A relative path in the file is relative to the "
-             "file's directory; given with `--set`, to the current one.", ""]
+             "file's directory; given with `--set`, to the current one. `PositiveInt` is an integer >= 1, "
+             "`NonNegInt` one >= 0, `NonNegFloat` a number >= 0 (`dflash/tables.py`).", ""]
     for header, struct, owner in TABLES:
         docs = _field_docs(struct)
         summary = " ".join((inspect.getdoc(struct) or "").split("\n\n", 1)[0].split())
