@@ -104,7 +104,8 @@ def phase_data(args: argparse.Namespace) -> int:
     for name, step in steps.items():
         print(f"{name} rc={step.wait()} {tail(args.scratch / f'regen-{name}.log', 1)}")
     for name in passes:
-        carry.gzip_to(args.scratch / f"regen-{name}.jsonl", args.out / f"regen-{name}.jsonl.gz")
+        if (args.scratch / f"regen-{name}.jsonl").is_file():  # a pass stopped before its first chunk wrote none
+            carry.gzip_to(args.scratch / f"regen-{name}.jsonl", args.out / f"regen-{name}.jsonl.gz")
         (args.out / f"regen-{name}.log").write_text(tail(args.scratch / f"regen-{name}.log", 3, drop="%") + "\n")
     copy(args.scratch / "prompts.jsonl", args.out / "prompts.jsonl")
     return 0
