@@ -1,4 +1,4 @@
-"""One results file from one ``SUITE=fastest`` run of ``benchmarks/h200/perf.sh``: ``OUT/perf.json``
+"""One results file from one run of ``python -m benchmarks.h200.suite fastest``: ``OUT/perf.json``
 (the stages alone, ``benchmarks/h200/perf.py``), ``OUT/h200-bf16.json`` and ``OUT/h200-fp8.json``
 (``benchmarks/h200/bench.py`` with the bf16 target and with the fp8, varlen, compiled one) side by
 side, with the goals, written to ``OUT/h200.json``::
@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks.h200.report import fmt_value, command_line, matched_mfu, ok, summarize
 
-SUITE = "SUITE=fastest bash benchmarks/h200/perf.sh OUT"
+SUITE = "python -m benchmarks.h200.suite fastest OUT"
 # goal -> (what it is, op, bound); values are computed by goals()
 GOALS = {
     "target_bf16_mfu": ("bf16 target alone, MFU (bf16 peak)", ">=", 0.72),

@@ -1,4 +1,4 @@
-"""Write the config of SpecForge 0.2's offline DFlash run that ``benchmarks/peers/run.sh`` starts:
+"""Write the config of SpecForge 0.2's offline DFlash run that ``python -m benchmarks.peers.run`` starts:
 the cache and drafter shape of ``benchmarks/peers/cache.py``, SpecForge's own recipe otherwise.
 
 * ``model``: the target (its embedding and LM head, frozen) and ``draft_model_config`` =

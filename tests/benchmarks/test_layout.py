@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-ROOMS = {"h200", "micro", "decode", "quality", "plan", "peers", "real_target", "results"}
+ROOMS = {"h200", "micro", "decode", "quality", "plan", "peers", "real_target", "recipe", "results"}
 
 
 def _private_uses(path: Path) -> list[str]:

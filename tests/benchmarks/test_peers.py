@@ -5,11 +5,11 @@
   (``--dry-run``, the same ``save_pretrained``) becomes a drafter directory with the same tensors,
   which ``dflash.eval`` decodes;
 * SpecForge's own reader and normaliser read its cache as the target's hidden states, its config
-  resolution accepts the run ``benchmarks/peers/run.sh`` starts, and a checkpoint of its drafter,
+  resolution accepts the run ``python -m benchmarks.peers.run`` starts, and a checkpoint of its drafter,
   exported by its own ``to_hf``, becomes a drafter directory with the same tensors;
 * a public-layout directory (what SpecForge's ``to_hf`` export writes) converts with the same tensors.
 
-Both trainers need CUDA; they run in ``benchmarks/peers/run.sh``.
+Both trainers need CUDA; they run in ``python -m benchmarks.peers.run``.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def test_specforge_reads_its_cache_accepts_the_runs_config_and_its_export_conver
     assert torch.equal(got["hidden_states"][0], feats[:, :3].flatten(1))  # the drafter's layers, no last one
     assert 0 < int(got["loss_mask"].sum()) < ids.shape[0]
 
-    # its checkpoint -> its own HF export (specforge.export.to_hf, as run.sh calls it) -> a drafter directory
+    # its checkpoint -> its own HF export (specforge.export.to_hf, as benchmarks.peers.run calls it) -> a drafter directory
     forge("-c", FORGE_CHECKPOINT, str(cache / "draft_config.json"), str(run), str(tmp_path / "theirs.safetensors"))
     forge("-m", "specforge.export.to_hf", "--checkpoint", str(run), "--draft-config", str(cache / "draft_config.json"),
           "--output-dir", str(tmp_path / "hf"), "--embedding-source", str(TARGET))
