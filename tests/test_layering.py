@@ -192,6 +192,18 @@ def test_every_package_says_what_it_owns():
     assert thin == []
 
 
+def test_the_package_docstring_numbers_the_floors_as_enforced():
+    """Invariant: the floors ``dflash/__init__.py`` lists (``N. ...`` items naming rooms) are the
+    floors this file enforces, every room named once, so a reader of the package learns the rule
+    that is checked."""
+    import re
+
+    doc = ast.get_docstring(ast.parse((ROOT / "dflash" / "__init__.py").read_text(encoding="utf-8")))
+    items = re.findall(r"^(\d+)\. (.*?)(?=^\d+\. |^\S|\Z)", doc, flags=re.M | re.S)
+    said = {name: int(floor) for floor, text in items for name in re.findall(r"`(dflash(?:\.\w+)?)`", text)}
+    assert said == {room: floor for room, floor in FLOORS.items() if room != "dflash"}
+
+
 @pytest.mark.parametrize("module", FRESH)
 def test_module_imports_alone_in_a_fresh_interpreter(module):
     """Invariant: the module imports by itself (no hidden dependency on an import order), and
