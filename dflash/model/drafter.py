@@ -48,8 +48,8 @@ from dflash.model.xpress import XPressRefiner
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
 
-__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config",
-           "rope_theta_of"]  # the config's names are re-exported: the model and its config go together
+__all__ = ["DFLASH2_FIELDS", "XPRESS_FIELDS", "DFlashDrafter", "DrafterConfig", "RMSNorm", "apply_rope",
+           "resolve_drafter_config", "rope_theta_of"]  # the config's names are re-exported: the model and its config go together
 
 
 class RMSNorm(nn.Module):
@@ -66,11 +66,15 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [B, h, N, d]``, ``cos/sin [B, 1, N, d]`` (fp32, cast to x's dtype)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x [B, h, N, d]``, ``cos/sin [B, 1, N, d]`` (fp32, cast to x's dtype); the
+    rotation every drafter attention applies, in training and in the decoders of :mod:`dflash.eval`."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+_rope = apply_rope  # the former private name, for a caller not yet moved to apply_rope
 
 
 _compiled_flex = None
@@ -109,7 +113,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.d)).transpose(1, 2)
         k = self.k_norm(self.k_proj(kv_in).view(B, -1, self.nkv, self.d)).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, -1, self.nkv, self.d).transpose(1, 2)
-        q, k = _rope(q, *rope_q), _rope(k, *rope_k)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         scale = 1.0 / math.sqrt(self.d)
         if isinstance(mask, torch.Tensor):
             rep = self.nh // self.nkv  # explicit GQA repeat keeps SDPA on its fused masked kernels
