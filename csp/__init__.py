@@ -6,7 +6,7 @@ way, from the top of this list to the bottom, never back (``tests/test_layering.
 
 * entry points: ``python -m csp.run`` (:mod:`csp.run`), ``python -m csp.inspect``
   (:mod:`csp.inspect`), ``python -m csp.graph`` (draws a graph file);
-* :mod:`csp.dist`: ranks and channels across processes and hosts (torchrun);
+* :mod:`csp.distributed`: ranks and channels across processes and hosts (torchrun);
 * :mod:`csp.runtime`: the engine that runs a graph (threads bound to devices and streams, one
   event loop) and its deadlock watch;
 * :mod:`csp.observe`: stats log, trace, backpressure, what-if, drawing;

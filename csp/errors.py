@@ -28,8 +28,8 @@ class                   also a                 raised by
 ``NotAProcess``         ``TypeError``          ``csp.register``: not a ``csp.Process`` subclass
 ``PinnedPoolError``     ``ValueError``         ``csp.cuda.handoff.PinnedPool``: ``max_bytes`` or a request too big
 ``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
-``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
-``DistConfigError``     ``ValueError``         ``csp.dist``: an argument out of range (``peer_timeout_s < 0``)
+``DistError``           ``RuntimeError``       ``csp.distributed``: no distributed run / process group / NCCL group
+``DistConfigError``     ``ValueError``         ``csp.distributed``: an argument out of range (``peer_timeout_s < 0``)
 ``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``, ``whatif.predict``: unknown process
 ``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
 ``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
@@ -41,7 +41,7 @@ What stays a builtin, and why (``tests/csp/test_errors.py`` walks every ``raise`
 this list):
 
 - ``StopIteration``/``StopAsyncIteration`` (iterating a receiver) and ``AttributeError`` (the
-  module ``__getattr__`` of ``csp.dist``): Python protocols, which only work with the builtin.
+  module ``__getattr__`` of ``csp.distributed``): Python protocols, which only work with the builtin.
 - ``NotImplementedError`` from ``Process.run`` when a subclass does not define it: Python's own
   signal for a method a subclass must provide.
 - ``SystemExit`` from the command-line entry points and the import guard, and
@@ -51,7 +51,7 @@ this list):
   :class:`ProcessFailed`, the original as ``__cause__``), and errors of the system and library
   calls csp makes on the caller's behalf: ``OSError`` writing a stats or trace file or reading a
   graph file, ``subprocess.CalledProcessError`` when ``dot`` rejects its input, a
-  ``torch.distributed`` error when a lane's peer dies (``csp.dist.wire``), an unpicklable item on
+  ``torch.distributed`` error when a lane's peer dies (``csp.distributed.wire``), an unpicklable item on
   a cross-rank channel.
 """
 
@@ -185,12 +185,12 @@ class PinnedPoolTimeout(CspError, TimeoutError):
 
 
 class DistError(CspError, RuntimeError):
-    """A ``csp.dist`` call cannot work in this run: no distributed run, no process group for the
+    """A ``csp.distributed`` call cannot work in this run: no distributed run, no process group for the
     process, or a CUDA tensor to send without an NCCL group."""
 
 
 class DistConfigError(CspError, ValueError):
-    """A ``csp.dist`` argument is out of range (a negative ``peer_timeout_s``); the message says
+    """A ``csp.distributed`` argument is out of range (a negative ``peer_timeout_s``); the message says
     which values it takes."""
 
 

@@ -13,7 +13,7 @@ floor  rooms
 3      ``csp.graph``
 4      ``csp.observe`` (stats log, trace, backpressure, what-if, drawing)
 5      ``csp.runtime``
-6      ``csp.dist``
+6      ``csp.distributed``
 7      the entry points: ``csp`` (the public surface), ``csp.run``, ``csp.inspect``, ``csp.graph.__main__``
 =====  ==========================================================================================
 
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CSP_FLOORS = {
     "csp.errors": 0, "csp._guard": 0, "csp.cli": 1,
-    "csp.cuda": 1, "csp.core": 2, "csp.graph": 3, "csp.observe": 4, "csp.runtime": 5, "csp.dist": 6,
+    "csp.cuda": 1, "csp.core": 2, "csp.graph": 3, "csp.observe": 4, "csp.runtime": 5, "csp.distributed": 6,
     "csp": 7, "csp.run": 7, "csp.inspect": 7, "csp.graph.__main__": 7,
 }
 
@@ -70,14 +70,15 @@ FLOORS = {
 
 # Modules imported alone in a fresh interpreter (no hidden dependency on import order): every
 # package __init__, the leaves, and one module per room that pulls in most of its room.
-FRESH = ("csp", "csp.core", "csp.cuda", "csp.observe", "csp.runtime", "csp.runtime.engine", "csp.graph", "csp.dist",
-         "csp.observe.backpressure", "csp.observe.stats_reader", "csp.dist.bridge",
-         "csp.dist.crossing", "dflash", "dflash.errors", "dflash.messages", "dflash.records", "dflash.seeding",
-         "dflash.data", "dflash.data.prompts", "dflash.model", "dflash.model.target", "dflash.model.drafter",
-         "dflash.model.layer_ids", "dflash.checkpoint", "dflash.checkpoint.model_files", "dflash.train",
-         "dflash.train.step", "dflash.observe", "dflash.observe.summary", "dflash.eval", "dflash.eval.cli",
-         "dflash.eval.decode", "dflash.run", "dflash.run.cli", "dflash.run.stages", "dflash.run.validate", "dflash.export",
-         "dflash.export.write", "dflash.train.config", "dflash.checkpoint.config", "dflash.observe.config")
+FRESH = ("csp", "csp.core", "csp.cuda", "csp.observe", "csp.runtime", "csp.runtime.engine", "csp.graph",
+         "csp.distributed", "csp.observe.backpressure", "csp.observe.stats_reader", "csp.distributed.bridge",
+         "csp.distributed.crossing", "dflash", "dflash.errors", "dflash.messages", "dflash.records",
+         "dflash.seeding", "dflash.data", "dflash.data.prompts", "dflash.model", "dflash.model.target",
+         "dflash.model.drafter", "dflash.model.layer_ids", "dflash.checkpoint", "dflash.checkpoint.model_files",
+         "dflash.train", "dflash.train.step", "dflash.observe", "dflash.observe.summary", "dflash.eval",
+         "dflash.eval.cli", "dflash.eval.decode", "dflash.run", "dflash.run.cli", "dflash.run.stages",
+         "dflash.run.validate", "dflash.export", "dflash.export.write", "dflash.train.config",
+         "dflash.checkpoint.config", "dflash.observe.config")
 
 
 def _module_name(path: Path) -> str:
