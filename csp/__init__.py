@@ -5,12 +5,13 @@ private. The package is in rooms, each of whose ``__init__`` says what it owns; 
 way, from the top of this list to the bottom, never back (``tests/test_layering.py``):
 
 * entry points: ``python -m csp.run`` (:mod:`csp.run`), ``python -m csp.inspect``
-  (:mod:`csp.inspect`), ``python -m csp.graph`` (draws a graph file);
+  (:mod:`csp.inspect`);
 * :mod:`csp.distributed`: ranks and channels across processes and hosts (torchrun);
 * :mod:`csp.runtime`: the engine that runs a graph (threads bound to devices and streams, one
   event loop) and its deadlock watch;
-* :mod:`csp.observe`: stats log, trace, backpressure, what-if, drawing;
-* :mod:`csp.graph`: the TOML schema, loading with overrides, validation, the built graph;
+* :mod:`csp.graph`: the TOML schema, loading with overrides, validation, the built graph, and its
+  drawing (``python -m csp.graph``);
+* :mod:`csp.observe`: stats log, trace, backpressure, what-if;
 * :mod:`csp.core`: channels, processes, statistics records, the ``kind`` registry;
 * :mod:`csp.cuda`: the tensor walker and the event-ordered CUDA hand-off;
 * the leaves: :mod:`csp.errors` (the error family), :mod:`csp.cli` (the conventions every

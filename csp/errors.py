@@ -34,7 +34,7 @@ class                   also a                 raised by
 ``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
 ``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
 ``StatsNotFound``       ``FileNotFoundError``  reading a directory that has no stats log
-``DotNotFound``         ``RuntimeError``       ``csp.observe.draw``: Graphviz's ``dot`` is not on PATH
+``DotNotFound``         ``RuntimeError``       ``csp.graph.draw``: Graphviz's ``dot`` is not on PATH
 ======================  =====================  =============================================================
 
 What stays a builtin, and why (``tests/csp/test_errors.py`` walks every ``raise`` in csp and checks

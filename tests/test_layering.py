@@ -10,11 +10,11 @@ floor  rooms
 0      the leaves: ``csp.errors``, ``csp._guard`` (another distribution named csp)
 1      ``csp.cli`` (what every command line shares), ``csp.cuda`` (the tensor walker, the hand-off)
 2      ``csp.core`` (channels, processes, statistics records, the registry)
-3      ``csp.graph``
-4      ``csp.observe`` (stats log, trace, backpressure, what-if, drawing)
+3      ``csp.observe`` (stats log, trace, backpressure, what-if: reads no graph file)
+4      ``csp.graph`` (graph files: schema, loading, validation, drawing; ``python -m csp.graph``)
 5      ``csp.runtime``
 6      ``csp.distributed``
-7      the entry points: ``csp`` (the public surface), ``csp.run``, ``csp.inspect``, ``csp.graph.__main__``
+7      the entry points: ``csp`` (the public surface), ``csp.run``, ``csp.inspect``
 =====  ==========================================================================================
 
 and of ``dflash``:
@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CSP_FLOORS = {
     "csp.errors": 0, "csp._guard": 0, "csp.cli": 1,
-    "csp.cuda": 1, "csp.core": 2, "csp.graph": 3, "csp.observe": 4, "csp.runtime": 5, "csp.distributed": 6,
-    "csp": 7, "csp.run": 7, "csp.inspect": 7, "csp.graph.__main__": 7,
+    "csp.cuda": 1, "csp.core": 2, "csp.observe": 3, "csp.graph": 4, "csp.runtime": 5, "csp.distributed": 6,
+    "csp": 7, "csp.run": 7, "csp.inspect": 7,
 }
 
 FLOORS = {

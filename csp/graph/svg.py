@@ -7,7 +7,7 @@ are ordered by the mean position of their writers (the barycenter heuristic, two
 keeps fan-out/fan-in edges from crossing in pipelines.
 
 Drawing: a box lists the process name, kind, replicas and devices (the lines of
-:func:`csp.observe.draw._node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
+:func:`csp.graph.draw._node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
 badge, its replicas listed one per row inside it (``target[3]  cuda:3``), so many replicas make
 the box taller, not the picture wider (a 6-replica target once drew one long device line). A
 channel is an arrow labelled with its name, capacity and ``ordered``; a fan-out or fan-in draws
@@ -26,7 +26,7 @@ import textwrap
 from typing import Any, Callable
 from xml.sax.saxutils import escape
 
-from csp.graph import GraphSpec
+from csp.graph.schema import GraphSpec
 from csp.observe.backpressure import ChannelSummary, ProcessSummary, Summary
 
 FONT = 12.0  # px
@@ -277,7 +277,7 @@ def _text(lines: list[str], x: float, y: float, *, bold_first: bool, weight: str
 
 def graph_svg(spec: GraphSpec, summary: Summary | None, node_lines: Callable[..., list[str]],
               edge_lines: Callable[..., list[str]], edge_pairs: Callable[..., Any]) -> str:
-    """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.observe.draw` for the line builders and pairs)."""
+    """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.graph.draw` for the line builders and pairs)."""
     chans: dict[str, ChannelSummary] = {c.name: c for c in summary.channels} if summary else {}
     procs: dict[str, ProcessSummary] = {p.name: p for p in summary.processes} if summary else {}
     verdict = summary.verdict if summary else None
