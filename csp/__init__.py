@@ -93,7 +93,8 @@ __all__ = [
     "item_nbytes",
 ]
 
-# --- processes, graphs, runtime (process.py, registry.py, graph/, runtime.py) ---
+# --- processes, graphs, runtime (process.py, ports.py, registry.py, graph/, runtime/) ---
+from csp.core.ports import NoPorts  # noqa: E402
 from csp.core.process import Context, Process  # noqa: E402
 from csp.core.registry import Registry, register, registry  # noqa: E402
 from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, RuntimeSpec, TraceSpec, load_spec  # noqa: E402
@@ -104,6 +105,7 @@ __all__ += [
     "Context",
     "Graph",
     "GraphSpec",
+    "NoPorts",
     "Process",
     "ProcessSpec",
     "Registry",
