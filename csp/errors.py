@@ -26,6 +26,7 @@ class                   also a                 raised by
 ``NoEventLoop``         ``RuntimeError``       ``asend``/``areceive`` outside an asyncio event loop
 ``RegistryError``       ``ValueError``         ``csp.register``: an invalid kind, or one already taken
 ``NotAProcess``         ``TypeError``          ``csp.register``: not a ``csp.Process`` subclass
+``PortTypeError``       ``TypeError``          ``csp.Process[In, Out]``: a port not ``Receiver[T]``/``Sender[T]``
 ``PinnedPoolError``     ``ValueError``         ``csp.cuda.handoff.PinnedPool``: ``max_bytes`` or a request too big
 ``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
 ``DistError``           ``RuntimeError``       ``csp.distributed``: no distributed run / process group / NCCL group
@@ -175,6 +176,13 @@ class NotAProcess(CspError, TypeError):
     """``csp.register`` was given something that is not a :class:`csp.Process` subclass."""
 
 
+class PortTypeError(CspError, TypeError):
+    """A process class's typed ports (``csp.Process[Inputs, Outputs]``) cannot be read: a port that
+    is not a ``Receiver[T]`` (inputs) or ``Sender[T]`` (outputs), a port type the module lacks at
+    run time, or port tables set beside the typed ports. Raised when the class is defined; the
+    message names the class and the port."""
+
+
 class PinnedPoolError(CspError, ValueError):
     """A ``csp.cuda.handoff.PinnedPool`` size is out of range (``max_bytes`` too small, or a request
     larger than ``max_bytes``)."""
@@ -232,6 +240,7 @@ __all__ = [
     "PeerGone",
     "PinnedPoolError",
     "PinnedPoolTimeout",
+    "PortTypeError",
     "ProcessFailed",
     "ProcessStuck",
     "RegistryError",

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, NotRequired, Required, TypedDict, get_args, get_origin, get_type_hints
 
 from csp.core.channel import Receiver, Sender
+from csp.errors import PortTypeError
 
 __all__ = ["NoPorts", "port_table"]
 
@@ -41,15 +42,15 @@ def port_table(ports: type, end: type[Receiver[Any]] | type[Sender[Any]], owner:
     ``NotRequired[...]`` marks an optional port, a bare ``end`` an item type of ``object``.
 
     Raises:
-        TypeError: a field is not an ``end``, or names a type the module of ``ports`` does not
-            have at run time (imported only under ``TYPE_CHECKING``). ``owner`` (the process
-            class) is named in the message.
+        PortTypeError (a TypeError): a field is not an ``end``, or names a type the module of
+            ``ports`` does not have at run time (imported only under ``TYPE_CHECKING``). ``owner``
+            (the process class) is named in the message.
     """
     try:
         hints = get_type_hints(ports, include_extras=True)
     except NameError as exc:
-        raise TypeError(f"{owner}: the port types of {ports.__qualname__} must be importable at run time "
-                        f"(not only under TYPE_CHECKING): {exc}") from None
+        raise PortTypeError(f"{owner}: the port types of {ports.__qualname__} must be importable at run "
+                            f"time (not only under TYPE_CHECKING): {exc}") from None
     table: dict[str, Any] = {}
     optional = set(getattr(ports, "__optional_keys__", ()))
     for name, hint in hints.items():
@@ -59,8 +60,8 @@ def port_table(ports: type, end: type[Receiver[Any]] | type[Sender[Any]], owner:
             (hint,) = get_args(hint)
         origin = get_origin(hint) or hint
         if not (isinstance(origin, type) and issubclass(origin, end)):
-            raise TypeError(f"{owner}: port {name!r} of {ports.__qualname__} must be a "
-                            f"{end.__name__}[item type], got {hint!r}")
+            raise PortTypeError(f"{owner}: port {name!r} of {ports.__qualname__} must be a "
+                                f"{end.__name__}[item type], got {hint!r}")
         args = get_args(hint)
         table[name] = args[0] if args else object
     return table, optional

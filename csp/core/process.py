@@ -41,6 +41,7 @@ import msgspec
 
 from csp.core.channel import Receiver, Sender
 from csp.core.ports import port_table
+from csp.errors import PortTypeError
 
 if TYPE_CHECKING:  # torch is imported only by processes that use a device
     import torch
@@ -133,7 +134,7 @@ class Process(Generic[InPorts, OutPorts]):
     Type parameters: the ``TypedDict`` of its input ports and that of its output ports
     (``Process[UpperIn, UpperOut]``, :mod:`csp.core.ports`). They type ``run``'s arguments for a type
     checker and, read when the class is defined, set the three port tables below, so the ports
-    are declared once; a class that gives them must not set the tables too (TypeError).
+    are declared once; a class that gives them must not set the tables too (PortTypeError).
 
     Class attributes:
         inputs: port name -> item type received on that port (``object``/``Any`` accepts all).
@@ -199,7 +200,7 @@ def _declare_ports(cls: type[Process[Any, Any]], inputs: type, outputs: type) ->
     name = f"{cls.__module__}.{cls.__qualname__}"
     tables = sorted(t for t in ("inputs", "outputs", "optional") if t in cls.__dict__)
     if tables:
-        raise TypeError(f"{name}: its ports are typed by Process[{inputs.__qualname__}, {outputs.__qualname__}]; "
+        raise PortTypeError(f"{name}: its ports are typed by Process[{inputs.__qualname__}, {outputs.__qualname__}]; "
                         f"drop {', '.join(tables)} (the tables are read from those)")
     cls.inputs, optional_in = port_table(inputs, Receiver, name)
     cls.outputs, optional_out = port_table(outputs, Sender, name)

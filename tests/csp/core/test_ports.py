@@ -83,8 +83,9 @@ def test_a_subclass_keeps_the_typed_tables_and_an_untyped_process_its_own():
 
 
 def test_typed_ports_and_hand_written_tables_together_are_refused():
-    """Invariant: the ports are declared once; a class with both is a TypeError naming it."""
-    with pytest.raises(TypeError, match=r"Twice: its ports are typed by Process\[RelayIn, RelayOut\]; drop inputs"):
+    """Invariant: the ports are declared once; a class with both is a PortTypeError (a TypeError)
+    naming it."""
+    with pytest.raises(csp.PortTypeError, match=r"Twice: .* typed by Process\[RelayIn, RelayOut\]; drop inputs"):
         class Twice(csp.Process[RelayIn, RelayOut]):
             inputs = {"inp": Base}
 
@@ -93,7 +94,7 @@ def test_a_port_that_is_not_the_right_end_is_refused():
     class Backwards(TypedDict):
         inp: csp.Sender[int]
 
-    with pytest.raises(TypeError, match=r"port 'inp' of .*Backwards must be a Receiver\[item type\]"):
+    with pytest.raises(csp.PortTypeError, match=r"port 'inp' of .*Backwards must be a Receiver\[item type\]"):
         class Wrong(csp.Process[Backwards, csp.NoPorts]):
             pass
 
@@ -102,7 +103,7 @@ def test_a_port_type_missing_at_run_time_is_named():
     class Unresolved(TypedDict):
         inp: csp.Receiver[NotImportedHere]  # noqa: F821
 
-    with pytest.raises(TypeError, match="must be importable at run time"):
+    with pytest.raises(csp.PortTypeError, match="must be importable at run time"):
         class Late(csp.Process[Unresolved, csp.NoPorts]):
             pass
 
