@@ -15,7 +15,8 @@ way, from the top of this list to the bottom, never back (``tests/test_layering.
 * :mod:`csp.core`: channels, processes, statistics records, the ``kind`` registry;
 * :mod:`csp.cuda`: the tensor walker and the event-ordered CUDA hand-off;
 * the leaves: :mod:`csp.errors` (the error family), :mod:`csp.cli` (the conventions every
-  command line shares).
+  command line shares), :mod:`csp._guard` (refuses to run mixed with another distribution's
+  ``csp`` or ``dflash``).
 
 csp imports nothing of dflash.
 """

@@ -205,6 +205,48 @@ def test_the_package_docstring_numbers_the_floors_as_enforced():
     assert said == {room: floor for room, floor in FLOORS.items() if room != "dflash"}
 
 
+PACKAGES = sorted(_module_name(p) for top in ("csp", "dflash") for p in (ROOT / top).rglob("__init__.py"))
+
+
+def unnamed_modules(package: str) -> list[str]:
+    """The modules of ``package`` (its ``.py`` files and sub-packages) that its ``__init__``
+    docstring does not name, as a file (``chat.py``, ``stages/``), a dotted name
+    (``dflash.data.chat``) or, for ``__main__.py``, its command (``python -m dflash.run``)."""
+    import re
+
+    folder = ROOT.joinpath(*package.split("."))
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+    missing = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".py" and path.name != "__init__.py":
+            name, forms = path.stem, [rf"(?<![\w.]){re.escape(path.name)}\b"]
+        elif path.is_dir() and (path / "__init__.py").exists():
+            name, forms = path.name, [rf"(?<![\w.]){re.escape(path.name)}/"]
+        else:
+            continue
+        forms.append(rf"\b{re.escape(package)}\.{re.escape(name)}\b")
+        if name == "__main__":
+            forms.append(rf"python -m {re.escape(package)}\b")
+        if not any(re.search(form, doc) for form in forms):
+            missing.append(name)
+    return missing
+
+
+# The checkpoint room's docstring is rewritten with that room's variant refactor, which names
+# config_changes.py and health.py; strict, so this mark goes when it does.
+_CHECKPOINT_PENDING = pytest.mark.xfail(strict=True, reason="dflash.checkpoint names neither config_changes.py "
+                                        "nor health.py yet")
+
+
+@pytest.mark.parametrize("package", [pytest.param(p, marks=_CHECKPOINT_PENDING) if p == "dflash.checkpoint" else p
+                                     for p in PACKAGES])
+def test_every_room_names_its_modules(package):
+    """Invariant: a package's ``__init__`` docstring names every module in it (one line each: what
+    it is for), so a reader finds a room's parts, private and entry modules included, from the
+    room's own page; a new module is added to that list with its file."""
+    assert unnamed_modules(package) == []
+
+
 @pytest.mark.parametrize("module", FRESH)
 def test_module_imports_alone_in_a_fresh_interpreter(module):
     """Invariant: the module imports by itself (no hidden dependency on an import order), and

@@ -1,12 +1,17 @@
 """csp across processes and hosts on torch.distributed (torchrun).
 
-``torchrun --nproc-per-node N -m csp.run GRAPH.toml`` runs each rank's share of the graph
-(:mod:`csp.distributed.placement`); channels whose ends live on different ranks are carried by
-:mod:`csp.distributed.bridge` over gloo (CPU tensors, control) and NCCL (CUDA tensors) with
-credit-based flow control; a failure on any rank stops every rank (:mod:`csp.distributed.control`).
-See docs/distributed.md.
+``torchrun --nproc-per-node N -m csp.run GRAPH.toml`` runs each rank's share of the graph; channels
+whose ends live on different ranks are carried over gloo (CPU tensors, control) and NCCL (CUDA
+tensors) with credit-based flow control; a failure on any rank stops every rank. See
+docs/distributed.md. Importing this package does not import torch; :func:`run` does. Modules::
 
-Importing this package does not import torch; :func:`run` does.
+    placement.py   which rank runs which replica, which channels cross ranks, their links
+    wire.py        lanes between two ranks: a framed control message, then one send per tensor
+    crossing.py    one crossing channel on one rank: outbox and inbox halves, pump and feeder
+                   threads, the DistSender / DistReceiver ends its processes hold
+    bridge.py      Hub: the credits, lanes and failure handling of every crossing channel
+    control.py     the run-wide abort key and the peers' heartbeats in the torch.distributed store
+    launch.py      run(): a rank's share of the graph under torchrun; hard_exit(), process_group()
 """
 
 from csp.distributed.placement import ChannelPlan, Link, Placement, place
