@@ -5,16 +5,18 @@ private. The package is in rooms, each of whose ``__init__`` says what it owns; 
 way, from the top of this list to the bottom, never back (``tests/test_layering.py``):
 
 * entry points: ``python -m csp.run`` (:mod:`csp.run`), ``python -m csp.inspect``
-  (:mod:`csp.inspect`), ``python -m csp.graph`` (draws a graph file);
-* :mod:`csp.dist`: ranks and channels across processes and hosts (torchrun);
+  (:mod:`csp.inspect`);
+* :mod:`csp.distributed`: ranks and channels across processes and hosts (torchrun);
 * :mod:`csp.runtime`: the engine that runs a graph (threads bound to devices and streams, one
   event loop) and its deadlock watch;
-* :mod:`csp.observe`: stats log, trace, backpressure, what-if, drawing;
-* :mod:`csp.graph`: the TOML schema, loading with overrides, validation, the built graph;
+* :mod:`csp.graph`: the TOML schema, loading with overrides, validation, the built graph, and its
+  drawing (``python -m csp.graph``);
+* :mod:`csp.observe`: stats log, trace, backpressure, what-if;
 * :mod:`csp.core`: channels, processes, statistics records, the ``kind`` registry;
 * :mod:`csp.cuda`: the tensor walker and the event-ordered CUDA hand-off;
 * the leaves: :mod:`csp.errors` (the error family), :mod:`csp.cli` (the conventions every
-  command line shares).
+  command line shares), :mod:`csp._guard` (refuses to run mixed with another distribution's
+  ``csp`` or ``dflash``).
 
 csp imports nothing of dflash.
 """
@@ -46,6 +48,7 @@ from csp.errors import (
     PeerGone,
     PinnedPoolError,
     PinnedPoolTimeout,
+    PortTypeError,
     ProcessFailed,
     ProcessStuck,
     RegistryError,
@@ -76,6 +79,7 @@ __all__ = [
     "PeerGone",
     "PinnedPoolError",
     "PinnedPoolTimeout",
+    "PortTypeError",
     "ProcessFailed",
     "ProcessStatistics",
     "ProcessStuck",
@@ -92,7 +96,8 @@ __all__ = [
     "item_nbytes",
 ]
 
-# --- processes, graphs, runtime (process.py, registry.py, graph/, runtime.py) ---
+# --- processes, graphs, runtime (process.py, ports.py, registry.py, graph/, runtime/) ---
+from csp.core.ports import NoPorts  # noqa: E402
 from csp.core.process import Context, Process  # noqa: E402
 from csp.core.registry import Registry, register, registry  # noqa: E402
 from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, RuntimeSpec, TraceSpec, load_spec  # noqa: E402
@@ -103,6 +108,7 @@ __all__ += [
     "Context",
     "Graph",
     "GraphSpec",
+    "NoPorts",
     "Process",
     "ProcessSpec",
     "Registry",

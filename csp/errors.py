@@ -26,22 +26,23 @@ class                   also a                 raised by
 ``NoEventLoop``         ``RuntimeError``       ``asend``/``areceive`` outside an asyncio event loop
 ``RegistryError``       ``ValueError``         ``csp.register``: an invalid kind, or one already taken
 ``NotAProcess``         ``TypeError``          ``csp.register``: not a ``csp.Process`` subclass
+``PortTypeError``       ``TypeError``          ``csp.Process[In, Out]``: a port not ``Receiver[T]``/``Sender[T]``
 ``PinnedPoolError``     ``ValueError``         ``csp.cuda.handoff.PinnedPool``: ``max_bytes`` or a request too big
 ``PinnedPoolTimeout``   ``TimeoutError``       ``PinnedPool.take``: no buffer came back in time
-``DistError``           ``RuntimeError``       ``csp.dist``: no distributed run / process group / NCCL group
-``DistConfigError``     ``ValueError``         ``csp.dist``: an argument out of range (``peer_timeout_s < 0``)
+``DistError``           ``RuntimeError``       ``csp.distributed``: no distributed run / process group / NCCL group
+``DistConfigError``     ``ValueError``         ``csp.distributed``: an argument out of range (``peer_timeout_s < 0``)
 ``UnknownProcess``      ``KeyError``           ``Placement.ranks_of``, ``whatif.predict``: unknown process
 ``RuntimeReused``       ``RuntimeError``       ``Runtime.run`` called a second time
 ``StatsFormatError``    ``ValueError``         reading a malformed ``stats.jsonl`` line
 ``StatsNotFound``       ``FileNotFoundError``  reading a directory that has no stats log
-``DotNotFound``         ``RuntimeError``       ``csp.observe.draw``: Graphviz's ``dot`` is not on PATH
+``DotNotFound``         ``RuntimeError``       ``csp.graph.draw``: Graphviz's ``dot`` is not on PATH
 ======================  =====================  =============================================================
 
 What stays a builtin, and why (``tests/csp/test_errors.py`` walks every ``raise`` in csp and checks
 this list):
 
 - ``StopIteration``/``StopAsyncIteration`` (iterating a receiver) and ``AttributeError`` (the
-  module ``__getattr__`` of ``csp.dist``): Python protocols, which only work with the builtin.
+  module ``__getattr__`` of ``csp.distributed``): Python protocols, which only work with the builtin.
 - ``NotImplementedError`` from ``Process.run`` when a subclass does not define it: Python's own
   signal for a method a subclass must provide.
 - ``SystemExit`` from the command-line entry points and the import guard, and
@@ -51,7 +52,7 @@ this list):
   :class:`ProcessFailed`, the original as ``__cause__``), and errors of the system and library
   calls csp makes on the caller's behalf: ``OSError`` writing a stats or trace file or reading a
   graph file, ``subprocess.CalledProcessError`` when ``dot`` rejects its input, a
-  ``torch.distributed`` error when a lane's peer dies (``csp.dist.wire``), an unpicklable item on
+  ``torch.distributed`` error when a lane's peer dies (``csp.distributed.wire``), an unpicklable item on
   a cross-rank channel.
 """
 
@@ -175,6 +176,13 @@ class NotAProcess(CspError, TypeError):
     """``csp.register`` was given something that is not a :class:`csp.Process` subclass."""
 
 
+class PortTypeError(CspError, TypeError):
+    """A process class's typed ports (``csp.Process[Inputs, Outputs]``) cannot be read: a port that
+    is not a ``Receiver[T]`` (inputs) or ``Sender[T]`` (outputs), a port type the module lacks at
+    run time, or port tables set beside the typed ports. Raised when the class is defined; the
+    message names the class and the port."""
+
+
 class PinnedPoolError(CspError, ValueError):
     """A ``csp.cuda.handoff.PinnedPool`` size is out of range (``max_bytes`` too small, or a request
     larger than ``max_bytes``)."""
@@ -185,12 +193,12 @@ class PinnedPoolTimeout(CspError, TimeoutError):
 
 
 class DistError(CspError, RuntimeError):
-    """A ``csp.dist`` call cannot work in this run: no distributed run, no process group for the
+    """A ``csp.distributed`` call cannot work in this run: no distributed run, no process group for the
     process, or a CUDA tensor to send without an NCCL group."""
 
 
 class DistConfigError(CspError, ValueError):
-    """A ``csp.dist`` argument is out of range (a negative ``peer_timeout_s``); the message says
+    """A ``csp.distributed`` argument is out of range (a negative ``peer_timeout_s``); the message says
     which values it takes."""
 
 
@@ -232,6 +240,7 @@ __all__ = [
     "PeerGone",
     "PinnedPoolError",
     "PinnedPoolTimeout",
+    "PortTypeError",
     "ProcessFailed",
     "ProcessStuck",
     "RegistryError",

@@ -90,10 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}{dflash_hint(exc, args.graph)}", file=sys.stderr)
         return EXIT_BAD_GRAPH
     run_dir = None if args.no_run_dir else (args.run_dir or Path("runs") / args.graph.stem)
-    from csp.dist import launched
+    from csp.distributed import launched
 
     if launched():  # under torchrun: run this rank's share (docs/distributed.md)
-        from csp.dist.launch import cli
+        from csp.distributed.launch import cli
 
         return cli(graph, run_dir)
     runtime = Runtime(graph, run_dir=run_dir)
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if code == EXIT_STUCK:  # a thread still runs native code: shutdown could abort (SIGABRT, 134), not exit 3
-        from csp.dist import hard_exit
+        from csp.distributed import hard_exit
 
         hard_exit(code)
     sys.exit(code)

@@ -14,7 +14,7 @@ CLIS = ["dflash.run", "dflash.eval", "dflash.export", "dflash.logs", "dflash.plo
 # entry module runs the code of another)
 MAIN_OF = {"dflash.run": "dflash.run.cli", "dflash.eval": "dflash.eval.cli", "dflash.logs": "dflash.observe.logs",
            "dflash.plot": "dflash.observe.plot",
-           "dflash.plan": "dflash.plan.cli", "csp.graph": "csp.observe.draw"}
+           "dflash.plan": "dflash.plan.cli", "csp.graph": "csp.graph.draw"}
 
 
 class _Captured(Exception):

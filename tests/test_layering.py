@@ -10,11 +10,11 @@ floor  rooms
 0      the leaves: ``csp.errors``, ``csp._guard`` (another distribution named csp)
 1      ``csp.cli`` (what every command line shares), ``csp.cuda`` (the tensor walker, the hand-off)
 2      ``csp.core`` (channels, processes, statistics records, the registry)
-3      ``csp.graph``
-4      ``csp.observe`` (stats log, trace, backpressure, what-if, drawing)
+3      ``csp.observe`` (stats log, trace, backpressure, what-if: reads no graph file)
+4      ``csp.graph`` (graph files: schema, loading, validation, drawing; ``python -m csp.graph``)
 5      ``csp.runtime``
-6      ``csp.dist``
-7      the entry points: ``csp`` (the public surface), ``csp.run``, ``csp.inspect``, ``csp.graph.__main__``
+6      ``csp.distributed``
+7      the entry points: ``csp`` (the public surface), ``csp.run``, ``csp.inspect``
 =====  ==========================================================================================
 
 and of ``dflash``:
@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CSP_FLOORS = {
     "csp.errors": 0, "csp._guard": 0, "csp.cli": 1,
-    "csp.cuda": 1, "csp.core": 2, "csp.graph": 3, "csp.observe": 4, "csp.runtime": 5, "csp.dist": 6,
-    "csp": 7, "csp.run": 7, "csp.inspect": 7, "csp.graph.__main__": 7,
+    "csp.cuda": 1, "csp.core": 2, "csp.observe": 3, "csp.graph": 4, "csp.runtime": 5, "csp.distributed": 6,
+    "csp": 7, "csp.run": 7, "csp.inspect": 7,
 }
 
 FLOORS = {
@@ -70,14 +70,15 @@ FLOORS = {
 
 # Modules imported alone in a fresh interpreter (no hidden dependency on import order): every
 # package __init__, the leaves, and one module per room that pulls in most of its room.
-FRESH = ("csp", "csp.core", "csp.cuda", "csp.observe", "csp.runtime", "csp.runtime.engine", "csp.graph", "csp.dist",
-         "csp.observe.backpressure", "csp.observe.stats_reader", "csp.dist.bridge",
-         "csp.dist.crossing", "dflash", "dflash.errors", "dflash.messages", "dflash.records", "dflash.seeding",
-         "dflash.data", "dflash.data.prompts", "dflash.model", "dflash.model.target", "dflash.model.drafter",
-         "dflash.model.layer_ids", "dflash.checkpoint", "dflash.checkpoint.model_files", "dflash.train",
-         "dflash.train.step", "dflash.observe", "dflash.observe.summary", "dflash.eval", "dflash.eval.cli",
-         "dflash.eval.decode", "dflash.run", "dflash.run.cli", "dflash.run.stages", "dflash.run.validate", "dflash.export",
-         "dflash.export.write", "dflash.train.config", "dflash.checkpoint.config", "dflash.observe.config")
+FRESH = ("csp", "csp.core", "csp.cuda", "csp.observe", "csp.runtime", "csp.runtime.engine", "csp.graph",
+         "csp.distributed", "csp.observe.backpressure", "csp.observe.stats_reader", "csp.distributed.bridge",
+         "csp.distributed.crossing", "dflash", "dflash.errors", "dflash.messages", "dflash.records",
+         "dflash.seeding", "dflash.data", "dflash.data.prompts", "dflash.model", "dflash.model.target",
+         "dflash.model.drafter", "dflash.model.layer_ids", "dflash.checkpoint", "dflash.checkpoint.model_files",
+         "dflash.train", "dflash.train.step", "dflash.observe", "dflash.observe.summary", "dflash.eval",
+         "dflash.eval.cli", "dflash.eval.decode", "dflash.run", "dflash.run.cli", "dflash.run.stages",
+         "dflash.run.validate", "dflash.export", "dflash.export.write", "dflash.train.config",
+         "dflash.checkpoint.config", "dflash.observe.config")
 
 
 def _module_name(path: Path) -> str:
@@ -190,6 +191,53 @@ def test_every_package_says_what_it_owns():
     thin = sorted(m for m, p in MODULES.items() if p.name == "__init__.py"
                   and len(ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "") < 200)
     assert thin == []
+
+
+def test_the_package_docstring_numbers_the_floors_as_enforced():
+    """Invariant: the floors ``dflash/__init__.py`` lists (``N. ...`` items naming rooms) are the
+    floors this file enforces, every room named once, so a reader of the package learns the rule
+    that is checked."""
+    import re
+
+    doc = ast.get_docstring(ast.parse((ROOT / "dflash" / "__init__.py").read_text(encoding="utf-8")))
+    items = re.findall(r"^(\d+)\. (.*?)(?=^\d+\. |^\S|\Z)", doc, flags=re.M | re.S)
+    said = {name: int(floor) for floor, text in items for name in re.findall(r"`(dflash(?:\.\w+)?)`", text)}
+    assert said == {room: floor for room, floor in FLOORS.items() if room != "dflash"}
+
+
+PACKAGES = sorted(_module_name(p) for top in ("csp", "dflash") for p in (ROOT / top).rglob("__init__.py"))
+
+
+def unnamed_modules(package: str) -> list[str]:
+    """The modules of ``package`` (its ``.py`` files and sub-packages) that its ``__init__``
+    docstring does not name, as a file (``chat.py``, ``stages/``), a dotted name
+    (``dflash.data.chat``) or, for ``__main__.py``, its command (``python -m dflash.run``)."""
+    import re
+
+    folder = ROOT.joinpath(*package.split("."))
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))) or ""
+    missing = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".py" and path.name != "__init__.py":
+            name, forms = path.stem, [rf"(?<![\w.]){re.escape(path.name)}\b"]
+        elif path.is_dir() and (path / "__init__.py").exists():
+            name, forms = path.name, [rf"(?<![\w.]){re.escape(path.name)}/"]
+        else:
+            continue
+        forms.append(rf"\b{re.escape(package)}\.{re.escape(name)}\b")
+        if name == "__main__":
+            forms.append(rf"python -m {re.escape(package)}\b")
+        if not any(re.search(form, doc) for form in forms):
+            missing.append(name)
+    return missing
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_room_names_its_modules(package):
+    """Invariant: a package's ``__init__`` docstring names every module in it (one line each: what
+    it is for), so a reader finds a room's parts, private and entry modules included, from the
+    room's own page; a new module is added to that list with its file."""
+    assert unnamed_modules(package) == []
 
 
 @pytest.mark.parametrize("module", FRESH)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import csp  # noqa: E402
-from csp.dist import launch  # noqa: E402
+from csp.distributed import launch  # noqa: E402
 
 RESULT: dict = {}
 

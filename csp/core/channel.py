@@ -49,7 +49,7 @@ T = TypeVar("T")
 def channel_state(
     item_type: Any = object, capacity: int | None = None, name: str = "", ordered: bool = False
 ) -> ChannelState:
-    """The shared state of a new channel, without ends: the hook for custom ends (``csp.dist``).
+    """The shared state of a new channel, without ends: the hook for custom ends (``csp.distributed``).
 
     Build ends on it with ``Sender(state)`` and ``Receiver(state)`` (or subclasses of them); the
     state counts one open end of each kind, so make exactly one of each and ``clone()`` for more.

@@ -1,25 +1,31 @@
 """The Process base class and the Context each process replica runs with.
 
-A process is a class with typed ports and a ``run`` method::
+A process is a class with typed ports and a ``run`` method. The ports are two ``TypedDict``s of
+channel ends (:mod:`csp.core.ports`), given as the type parameters of ``Process``::
+
+    class UpperIn(TypedDict):
+        text: csp.Receiver[str]                 # port name: Receiver[item type]
+
+    class UpperOut(TypedDict):
+        out: csp.Sender[str]
 
     @csp.register("examples.upper")
-    class Upper(csp.Process):
+    class Upper(csp.Process[UpperIn, UpperOut]):
         class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             factor: int = 1                     # decoded from [process.options]
 
-        inputs = {"text": str}                  # port name -> item type
-        outputs = {"out": str}
-
-        def run(self, inputs, outputs):         # blocking -> its own thread
+        def run(self, inputs: UpperIn, outputs: UpperOut) -> None:   # blocking -> its own thread
             for text in inputs["text"]:
                 outputs["out"].send(text.upper() * self.options.factor)
 
-``async def run`` makes it an anyio task instead (``setup``/``teardown`` may then be ``async``
-too). ``inputs``/``outputs`` map port names to :class:`csp.Receiver` / :class:`csp.Sender` ends;
-the runtime closes them all when ``run`` returns or raises. An ``EndOfStream`` escaping ``run``
-counts as a normal return (the input ran dry). Do not override ``__init__``: put initialisation
-that needs the device or the run directory in ``setup()``, which runs in the process's own
-thread with its device and stream current.
+``csp.NoPorts`` is the side of a source without inputs, or of a sink without outputs. An untyped
+process may instead set the port tables itself (``inputs = {"text": str}``, ``outputs = {"out":
+str}``) and subclass plain ``csp.Process``. ``async def run`` makes it an anyio task instead
+(``setup``/``teardown`` may then be ``async`` too). ``inputs``/``outputs`` map port names to
+:class:`csp.Receiver` / :class:`csp.Sender` ends; the runtime closes them all when ``run`` returns
+or raises. An ``EndOfStream`` escaping ``run`` counts as a normal return (the input ran dry). Do
+not override ``__init__``: put initialisation that needs the device or the run directory in
+``setup()``, which runs in the process's own thread with its device and stream current.
 """
 
 from __future__ import annotations
@@ -27,17 +33,26 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Generic, TypeVar, get_args, get_origin, is_typeddict
 
 import msgspec
+
+from csp.core.channel import Receiver, Sender
+from csp.core.ports import port_table
+from csp.errors import PortTypeError
 
 if TYPE_CHECKING:  # torch is imported only by processes that use a device
     import torch
 
 NULL_SPAN: ContextManager[None] = contextlib.nullcontext()
 """The shared no-op span returned by :meth:`Context.span` when tracing is off."""
+
+InPorts = TypeVar("InPorts", bound=Mapping[str, object])
+"""A process's input ports: a ``TypedDict`` of ``Receiver[item type]`` (``Any`` when untyped)."""
+OutPorts = TypeVar("OutPorts", bound=Mapping[str, object])
+"""A process's output ports: a ``TypedDict`` of ``Sender[item type]`` (``Any`` when untyped)."""
 
 
 class Context:
@@ -113,16 +128,22 @@ class Context:
         return f"Context({self.qualname}, device={self.device})"
 
 
-class Process:
+class Process(Generic[InPorts, OutPorts]):
     """Base class of every process kind.
+
+    Type parameters: the ``TypedDict`` of its input ports and that of its output ports
+    (``Process[UpperIn, UpperOut]``, :mod:`csp.core.ports`). They type ``run``'s arguments for a type
+    checker and, read when the class is defined, set the three port tables below, so the ports
+    are declared once; a class that gives them must not set the tables too (PortTypeError).
 
     Class attributes:
         inputs: port name -> item type received on that port (``object``/``Any`` accepts all).
         outputs: port name -> item type sent on that port.
         optional: names of ports (inputs or outputs) a graph may leave unconnected; ``run`` then
-            finds no entry for them in ``inputs`` / ``outputs``. For a port that adds a feature
-            (a side output of snapshots, a second input of occasional results) without making
-            every graph wire it. Default: none, every declared port must be connected.
+            finds no entry for them in ``inputs`` / ``outputs`` (typed: ``NotRequired[...]``). For
+            a port that adds a feature (a side output of snapshots, a second input of occasional
+            results) without making every graph wire it. Default: none, every declared port must
+            be connected.
         Options: a msgspec Struct decoded from the graph's ``[process.options]`` table (unknown
             keys rejected). The default accepts no keys.
         sends_first: True if ``run`` sends before its first receive, so the process can start a
@@ -148,6 +169,13 @@ class Process:
     sends_first: ClassVar[bool] = False
     seq_origin: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            ports = get_args(base)
+            if get_origin(base) is Process and all(is_typeddict(p) for p in ports):
+                _declare_ports(cls, *ports)
+
     def __init__(self, options: Any = None, ctx: Context | None = None) -> None:
         self.options = options if options is not None else type(self).Options()
         self.ctx = ctx if ctx is not None else Context(type(self).__name__)
@@ -155,7 +183,7 @@ class Process:
     def setup(self) -> None:
         """Optional; runs before ``run`` in the process's own thread/task, device current."""
 
-    def run(self, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+    def run(self, inputs: InPorts, outputs: OutPorts) -> None | Awaitable[None]:
         """Consume ``inputs`` (port -> Receiver), produce on ``outputs`` (port -> Sender).
 
         Blocking here means the runtime gives the process its own thread; define
@@ -167,9 +195,21 @@ class Process:
         """Optional; always called once ``run`` (or a failed ``setup``) has finished."""
 
 
+def _declare_ports(cls: type[Process[Any, Any]], inputs: type, outputs: type) -> None:
+    """Set ``cls``'s port tables from its port ``TypedDict``s (see :class:`Process`)."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    tables = sorted(t for t in ("inputs", "outputs", "optional") if t in cls.__dict__)
+    if tables:
+        raise PortTypeError(f"{name}: its ports are typed by Process[{inputs.__qualname__}, {outputs.__qualname__}]; "
+                        f"drop {', '.join(tables)} (the tables are read from those)")
+    cls.inputs, optional_in = port_table(inputs, Receiver, name)
+    cls.outputs, optional_out = port_table(outputs, Sender, name)
+    cls.optional = frozenset(optional_in | optional_out)
+
+
 def is_async(cls: type[Process]) -> bool:
     """True if ``cls.run`` is a coroutine function (the process runs as an anyio task)."""
     return inspect.iscoroutinefunction(cls.run)
 
 
-__all__ = ["Context", "NULL_SPAN", "Process", "is_async"]
+__all__ = ["Context", "InPorts", "NULL_SPAN", "OutPorts", "Process", "is_async"]

@@ -1,4 +1,4 @@
-"""Graphs of processes and channels: the TOML schema, loading with overrides, and validation.
+"""Graphs of processes and channels: the TOML schema, loading with overrides, validation, drawing.
 
 A graph file (see ``docs/architecture.md``)::
 
@@ -22,7 +22,10 @@ A graph file (see ``docs/architecture.md``)::
 wiring before anything starts. Every problem is a :class:`csp.GraphError` naming the file, the
 msgspec path (``$.process[2].options``) or the node.
 
-Modules, each importable alone (the public names are re-exported here)::
+It imports the core (the process protocol, the registry) and, for a drawing annotated with a run's
+measurements, :mod:`csp.observe`; the runtime and the entry points import it. Modules, each
+importable alone (the public names are re-exported here; the drawing's are not, so importing the
+graph loads no drawing code)::
 
     schema.py      GraphSpec, ChannelSpec, ProcessSpec, TraceSpec, RuntimeSpec: the TOML tables
     load.py        load_spec(), apply_override(): TOML + --set overrides -> a GraphSpec
@@ -32,6 +35,10 @@ Modules, each importable alone (the public names are re-exported here)::
     validation.py  ports, channels, types, devices and topology checked before a run
     port_types.py  compatible(): may a sender's item type reach a receiver's port?
     devices.py     check_device(): "cpu" / "cuda:N" exists on this machine
+    draw.py        python -m csp.graph: DOT / Mermaid / SVG of a graph file, optionally with a run's numbers
+    layout.py      layout(): where each box, arrow and label of a drawing goes (a row per stage)
+    svg.py         graph_svg(): the SVG drawn in pure Python from that layout (no Graphviz)
+    __main__.py    runs draw.py's command line
 """
 
 from csp.graph.builder import Graph

@@ -1,5 +1,5 @@
-"""``python -m csp.graph GRAPH.toml -o graph.svg``: draw a graph file (see :mod:`csp.observe.draw`)."""
+"""``python -m csp.graph GRAPH.toml -o graph.svg``: draw a graph file (see :mod:`csp.graph.draw`)."""
 
-from csp.observe.draw import main
+from csp.graph.draw import main
 
 raise SystemExit(main())

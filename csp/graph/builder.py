@@ -93,7 +93,7 @@ class Graph:
         """Add a process of class ``cls`` (a :class:`csp.Process` subclass).
 
         ``options`` is an instance of ``cls.Options``, a dict decoded into it, or None (defaults).
-        ``ranks`` places replica ``i`` on rank ``ranks[i]`` under ``csp.dist`` (ignored otherwise).
+        ``ranks`` places replica ``i`` on rank ``ranks[i]`` under ``csp.distributed`` (ignored otherwise).
 
         Raises:
             GraphError: duplicate name, bad replicas, both ``device`` and ``devices`` given,

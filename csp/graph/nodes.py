@@ -18,7 +18,7 @@ class ProcessNode(msgspec.Struct, kw_only=True):
     inputs: dict[str, str] = {}
     outputs: dict[str, str] = {}
     index: int = 0  # position in the file, for error paths
-    ranks: list[int] | None = None  # csp.dist placement, one rank per replica
+    ranks: list[int] | None = None  # csp.distributed placement, one rank per replica
 
     @property
     def kind(self) -> str:
@@ -31,7 +31,7 @@ class ChannelNode(msgspec.Struct, kw_only=True):
     name: str
     capacity: int
     ordered: bool = False
-    rank_local: bool = False  # csp.dist: one copy of the channel per rank
+    rank_local: bool = False  # csp.distributed: one copy of the channel per rank
 
 
 __all__ = ["ChannelNode", "ProcessNode"]

@@ -31,7 +31,7 @@ class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             (any number of its replicas) and one port may send to it: it restores one seq stream,
             so its seqs must also trace back to one origin upstream (one source with one replica,
             or a process declaring ``seq_origin = True``; ``csp.graph.validation.seq_origins``).
-        rank_local: under torch.distributed (``csp.dist``), every rank gets its own copy of this
+        rank_local: under torch.distributed (``csp.distributed``), every rank gets its own copy of this
             channel: items never leave the rank they were sent on. Ignored in a single process.
     """
 
@@ -55,7 +55,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         inputs: port name -> channel name.
         outputs: port name -> channel name.
         options: decoded by the kind's ``Options`` Struct (unknown keys rejected).
-        ranks: under torch.distributed (``csp.dist``), the rank of each replica (one per replica);
+        ranks: under torch.distributed (``csp.distributed``), the rank of each replica (one per replica);
             omitted = the default placement (docs/distributed.md). Ignored in a single process.
     """
 
@@ -96,7 +96,7 @@ class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             inside a channel call (a blocked send or receive) with no item moving anywhere for
             this many seconds, in s; 0 turns the check off. A process computing, sleeping or
             polling outside channel calls is not waiting, so it never counts towards a deadlock.
-            Checked only when one runtime runs the whole graph (not per rank under ``csp.dist``,
+            Checked only when one runtime runs the whole graph (not per rank under ``csp.distributed``,
             where a peer on another rank may be busy).
     """
 

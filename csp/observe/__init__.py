@@ -1,13 +1,15 @@
-"""Watching a run: statistics logs, traces, the backpressure verdict, what-if, and pictures.
+"""Watching a run: statistics logs, traces, the backpressure verdict and what-if.
 
-Owns the writers a runtime drives (:mod:`~csp.observe.statslog`: ``stats.jsonl``;
-:mod:`~csp.observe.trace`: a Chrome/Perfetto trace), and everything that reads what they wrote:
-:mod:`~csp.observe.stats_reader` (parse, incl. a live, growing log), :mod:`~csp.observe.backpressure`
-(fill, blocked and waiting fractions, the bottleneck rule), :mod:`~csp.observe.whatif` (the rate
-with one more replica), :mod:`~csp.observe.draw`, :mod:`~csp.observe.layout` and
-:mod:`~csp.observe.svg` (a graph file laid out and drawn, optionally annotated with a run's
-measurements), :mod:`~csp.observe.units` (human-readable rates).
-Observability never blocks a process: writers sample, readers only read files. It imports the
-core's statistics records and the graph; the commands ``python -m csp.inspect`` and
-``python -m csp.graph`` sit above it. This ``__init__`` imports nothing.
+Owns the writers a runtime drives and everything that reads what they wrote. Observability never
+blocks a process: writers sample, readers only read files. It imports only the core's statistics
+records and :mod:`csp.errors`, never the graph (a run's file describes its graph), so the graph
+room can draw a graph annotated with these measurements; the runtime, ``python -m csp.inspect``
+and ``python -m csp.graph`` sit above it. This ``__init__`` imports nothing. Modules:
+
+    statslog.py      StatsWriter: periodic statistics snapshots -> ``RUN_DIR/csp/stats.jsonl``
+    trace.py         Tracer: a Chrome/Perfetto trace (process spans, channel fill counters)
+    stats_reader.py  StatsReader, read_stats(): ``stats.jsonl`` back into records, a live log too
+    backpressure.py  fill, blocked and waiting fractions per channel and process; the bottleneck rule
+    whatif.py        per-stage service rates; the rate with one more replica
+    units.py         human-readable rates and counts (37K items/s, 1.2 GB/s)
 """

@@ -22,12 +22,11 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import msgspec
 
 from csp.core.stats import ChannelStatistics, ProcessStatistics
-from csp.graph import Graph
 from csp.observe.trace import Tracer
 
 log = logging.getLogger("csp.observe.statslog")
@@ -47,7 +46,19 @@ def unwritable(path: Path, exc: BaseException | None, what: str) -> str:
     return f"cannot write {path} ({cause}; {free}); {what}"
 
 
-def graph_header(graph: Graph) -> dict[str, Any]:
+class GraphShape(Protocol):
+    """What the header reads of a graph (a :class:`csp.Graph` is one): its channels (``name``,
+    ``capacity``, ``ordered``) and processes (``name``, ``replicas``, ``inputs``, ``outputs``) by
+    name. Observing needs no graph file, so this room does not import :mod:`csp.graph`."""
+
+    @property
+    def channels(self) -> Mapping[str, Any]: ...
+
+    @property
+    def processes(self) -> Mapping[str, Any]: ...
+
+
+def graph_header(graph: GraphShape) -> dict[str, Any]:
     """The ``graph`` object of the header line for a :class:`csp.Graph`."""
     return {
         "channels": [{"name": c.name, "capacity": c.capacity, "ordered": c.ordered}
@@ -70,7 +81,7 @@ class StatsWriter:
         tracer: a :class:`csp.observe.trace.Tracer` to receive ``fill <channel>`` counters, or None.
     """
 
-    def __init__(self, path: Path, graph: Graph, channels: ChannelsFn, processes: ProcessesFn,
+    def __init__(self, path: Path, graph: GraphShape, channels: ChannelsFn, processes: ProcessesFn,
                  interval_s: float, tracer: Tracer | None = None) -> None:
         self.path = path
         self._channels = channels
@@ -148,4 +159,4 @@ class StatsWriter:
                 pass
 
 
-__all__ = ["StatsWriter", "graph_header", "unwritable"]
+__all__ = ["GraphShape", "StatsWriter", "graph_header", "unwritable"]

@@ -152,10 +152,10 @@ class Runtime:
             replaces ``graph.trace``.
         join_timeout_s: after a failure or abort, how long to wait for process threads to stop
             (seconds; None: :data:`JOIN_TIMEOUT_S`, 10 s).
-        instances: run only these ``(process name, replica)`` instances (``csp.dist`` runs each
+        instances: run only these ``(process name, replica)`` instances (``csp.distributed`` runs each
             rank's share of the graph this way); None runs every instance.
         channel_factory: ``f(item_type=, capacity=, name=, ordered=) -> (Sender, Receiver)`` used
-            instead of :func:`csp.core.channel` to build each channel (``csp.dist`` builds cross-rank
+            instead of :func:`csp.core.channel` to build each channel (``csp.distributed`` builds cross-rank
             channels with it); None uses :func:`csp.core.channel`.
         deadlock_timeout_s: seconds of "every live process waits on a channel, nothing moves"
             before the run stops as deadlocked (:mod:`csp.runtime.deadlock`); 0 = off; None follows

@@ -10,6 +10,10 @@
 * :mod:`dflash.checkpoint.resume`: which checkpoint a run continues from, verified; one lineage
   per directory; what a config change does.
 * :mod:`dflash.checkpoint.model_files`: the drafter part of a checkpoint (weights and configs).
+* :mod:`dflash.checkpoint.config_changes`: what differs between a checkpoint's training config and
+  the run's, and what each difference does (the lines of a resume's report).
+* :mod:`dflash.checkpoint.health`: every checkpoint's health and the one ``resume = "auto"`` picks
+  (what ``python -m dflash.logs`` prints).
 
 Every public name of format, writer, files and resume is importable from here (model_files is
 not re-exported: it imports the models, and the reports that read a run directory need none).

@@ -10,13 +10,21 @@ Typical use (what the ``prefetch`` stage does)::
     sampler.load_state_dict(saved)                    # optional: resume exactly
     for batch in sampler: ...                         # dflash.messages.Batch, forever
 
-Modules: ``config`` (DataConfig), ``sources`` (file formats, skip reasons), ``tokenizer``
-(offline loading, TokenizerInfo), ``chat`` (template rendering + loss mask), ``tokenize``
-(parallel tokenization + cache), ``cache`` (on-disk entries), ``dataset`` (TokenizedDataset,
-DataSummary), ``batching`` (strategies, statistics), ``sampler`` (Sampler, collate), ``prompts``
-(decode prompts built as training builds contexts; not re-exported here). Imports: the leaf
-modules (:mod:`dflash.errors`, :mod:`dflash.messages`), tokenizers and numpy; no model, so data
-can be prepared and tested without torch models.
+Imports: the leaf modules (:mod:`dflash.errors`, :mod:`dflash.messages`), tokenizers and numpy;
+no model, so data can be prepared and tested without torch models. Modules::
+
+    config.py                DataConfig, the [data] table; the data path's error type
+    sources.py               conversation sources and file formats (ShareGPT, JSON/JSONL, prompt/completion),
+                             with the reasons a conversation is skipped
+    tokenizer.py             offline tokenizer loading and TokenizerInfo, the facts dflash needs of it
+    chat.py                  a conversation -> token ids + assistant loss mask, through the chat template
+    tokenize.py              load_dataset(): tokenize a source once, in parallel, and cache it
+    cache.py                 the on-disk cache entries of tokenized datasets
+    dataset.py               TokenizedDataset (flat token arrays, the holdout split) and DataSummary
+    batching.py              batching strategies: an epoch's batch plan, and its padding statistics
+    sampler.py               Sampler: the endless, resumable stream of batches; collate
+    prompts.py               decode prompts built as training builds contexts (not re-exported here)
+    build_tiny_tokenizer.py  rebuilds the committed builtin:tiny tokenizer from a slice of ShareGPT
 """
 
 from dflash.data.batching import BatchingStats, PlannedBatch, plan_stats

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.model.attention import decode_layout
-from dflash.model.drafter import DFlashDrafter, _rope
+from dflash.model.drafter import DFlashDrafter, apply_rope
 from dflash.model.target import SharedHead
 from dflash.model.variants import variant_of
 
@@ -140,7 +140,7 @@ class DrafterContextCache:
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             k = a.k_norm(a.k_proj(ctx).view(1, t, a.nkv, a.d)).transpose(1, 2)
-            self.keys[i][:, :, self.cached:end] = _rope(k, cos, sin)
+            self.keys[i][:, :, self.cached:end] = apply_rope(k, cos, sin)
             self.values[i][:, :, self.cached:end] = a.v_proj(ctx).view(1, t, a.nkv, a.d).transpose(1, 2)
         self.cached = end
 
@@ -174,9 +174,9 @@ class CachedDrafterProposer(DrafterContextCache):
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = _rope(a.q_norm(a.q_proj(h).view(1, bs, a.nh, a.d)).transpose(1, 2), cos, sin)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(1, bs, a.nh, a.d)).transpose(1, 2), cos, sin)
             kb = a.k_norm(a.k_proj(h).view(1, bs, a.nkv, a.d)).transpose(1, 2)
-            self.keys[i][:, :, c:c + bs] = _rope(kb, cos, sin)       # scratch after the context
+            self.keys[i][:, :, c:c + bs] = apply_rope(kb, cos, sin)       # scratch after the context
             self.values[i][:, :, c:c + bs] = a.v_proj(h).view(1, bs, a.nkv, a.d).transpose(1, 2)
             out = F.scaled_dot_product_attention(q, self.keys[i][:, :, :c + bs],
                                                  self.values[i][:, :, :c + bs],

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from dflash.eval.decode import DrafterContextCache
 from dflash.model.attention import decode_layout
-from dflash.model.drafter import DFlashDrafter, _rope
+from dflash.model.drafter import DFlashDrafter, apply_rope
 from dflash.model.target import SharedHead
 from dflash.model.variants import variant_of
 
@@ -138,8 +138,8 @@ class CachedSelectorProposer(_Walk, DrafterContextCache):
     def _attend(self, a, i: int, h: torch.Tensor, rope) -> torch.Tensor:
         """Layer ``i``'s attention of the block ``h [1, bs, H]`` over the cached context and itself."""
         n = h.shape[1]
-        q = _rope(a.q_norm(a.q_proj(h).view(1, n, a.nh, a.d)).transpose(1, 2), *rope)
-        kb = _rope(a.k_norm(a.k_proj(h).view(1, n, a.nkv, a.d)).transpose(1, 2), *rope)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(1, n, a.nh, a.d)).transpose(1, 2), *rope)
+        kb = apply_rope(a.k_norm(a.k_proj(h).view(1, n, a.nkv, a.d)).transpose(1, 2), *rope)
         vb = a.v_proj(h).view(1, n, a.nkv, a.d).transpose(1, 2)
         c = self.cached  # the block's keys/values are scratch just after the cached context
         self.keys[i][:, :, c:c + n], self.values[i][:, :, c:c + n] = kb, vb

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from dflash.eval.cuda_graph import GraphedStep, weights_signature
 from dflash.eval.proposers import DrafterContextCache
-from dflash.model.drafter import DFlashDrafter, _rope
+from dflash.model.drafter import DFlashDrafter, apply_rope
 from dflash.model.target import SharedHead
 from dflash.model.variants import variant_of
 
@@ -121,7 +121,7 @@ class StaticDrafter(DrafterContextCache):
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             k = a.k_norm(a.k_proj(ctx).view(1, bs, a.nkv, a.d)).transpose(1, 2)
-            self.keys[i].index_copy_(2, self.cpos[0], _rope(k, *rope_c))
+            self.keys[i].index_copy_(2, self.cpos[0], apply_rope(k, *rope_c))
             self.values[i].index_copy_(2, self.cpos[0], a.v_proj(ctx).view(1, bs, a.nkv, a.d).transpose(1, 2))
         x = self.head.embed(self.block).to(d.fc.weight.dtype)                # [1, bs, H]
         rope_q = d._rope_table(self.qpos)
@@ -148,8 +148,8 @@ class StaticDrafter(DrafterContextCache):
         The query heads of one key head are packed into the query length (equal head counts for
         SDPA, so any backend that takes a mask runs it)."""
         bs, g = self.bs, a.nh // a.nkv
-        q = _rope(a.q_norm(a.q_proj(h).view(1, bs, a.nh, a.d)).transpose(1, 2), *rope)
-        k = _rope(a.k_norm(a.k_proj(h).view(1, bs, a.nkv, a.d)).transpose(1, 2), *rope)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(1, bs, a.nh, a.d)).transpose(1, 2), *rope)
+        k = apply_rope(a.k_norm(a.k_proj(h).view(1, bs, a.nkv, a.d)).transpose(1, 2), *rope)
         self.keys[i].index_copy_(2, self.qpos[0], k)
         self.values[i].index_copy_(2, self.qpos[0], a.v_proj(h).view(1, bs, a.nkv, a.d).transpose(1, 2))
         out = F.scaled_dot_product_attention(q.reshape(1, a.nkv, g * bs, a.d), self.keys[i], self.values[i],

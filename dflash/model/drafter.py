@@ -42,7 +42,7 @@ from dflash.model.variants import variant_of
 
 _check_owner("dflash", __file__.rsplit("/", 2)[0])  # eval/export under another 'dflash' (csp._guard)
 
-__all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "resolve_drafter_config", "rope_theta_of",
+__all__ = ["DFlashDrafter", "DrafterConfig", "RMSNorm", "apply_rope", "resolve_drafter_config", "rope_theta_of",
            "variant_parts"]  # the config's names are re-exported: the model and its config go together
 
 
@@ -60,8 +60,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x [B, h, N, d]``, ``cos/sin [B, 1, N, d]`` (fp32, cast to x's dtype)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x [B, h, N, d]``, ``cos/sin [B, 1, N, d]`` (fp32, cast to x's dtype); the
+    rotation every drafter attention applies, in training and in the decoders of :mod:`dflash.eval`."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.d)).transpose(1, 2)
         k = self.k_norm(self.k_proj(kv_in).view(B, -1, self.nkv, self.d)).transpose(1, 2)
         v = self.v_proj(kv_in).view(B, -1, self.nkv, self.d).transpose(1, 2)
-        q, k = _rope(q, *rope_q), _rope(k, *rope_k)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         scale = 1.0 / math.sqrt(self.d)
         if isinstance(mask, torch.Tensor):
             rep = self.nh // self.nkv  # explicit GQA repeat keeps SDPA on its fused masked kernels

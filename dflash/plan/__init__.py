@@ -27,7 +27,13 @@ The model (each term a number the plan prints or a stated default):
 
 Throughput = the minimum of these bounds over the layout (:mod:`dflash.plan.model`); its argmin is
 the layout's ``bound``. The model's own check, printed first: the run's layout predicted (lowest
-stage capacity) against its measured tok/s.
+stage capacity) against its measured tok/s. Modules::
+
+    __main__.py   python -m dflash.plan: runs cli.py
+    cli.py        the command: read the run, rank the layouts, write the best one as a graph file
+    measure.py    the model's inputs from a finished run directory (csp/stats.jsonl, metrics.jsonl)
+    model.py      the layout model: predicted tok/s of every layout worth considering for N GPUs
+    write.py      a layout as a graph file (the run's config.toml, replicas placed) and its torchrun line
 """
 
 from dflash.plan.model import Inputs, Layout, colocated, layouts

@@ -17,7 +17,7 @@ try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    from csp.dist import hard_exit
+    from csp.distributed import hard_exit
     from csp.runtime.engine import EXIT_STUCK
     from dflash.run.cli import main
 except KeyboardInterrupt:

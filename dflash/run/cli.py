@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import csp
-import csp.dist
+import csp.distributed
 from dflash.checkpoint import CheckpointError
 from dflash.checkpoint.files import device_of
 from dflash.errors import ConfigError, DiskFullError
@@ -119,7 +119,7 @@ def _main(argv: list[str] | None) -> int:
         cfg = load_config(args.graph, args.overrides)
         resume = args.resume or cfg.run.resume
         resolved, tok = load_and_resolve(cfg)
-        warnings = validate(resolved, launched=csp.dist.launched(), resume=resume)
+        warnings = validate(resolved, launched=csp.distributed.launched(), resume=resume)
         import dflash.run.stages  # noqa: F401  (registers the dflash.* process kinds)
 
         graph = csp.Graph.from_spec(resolved.cfg)
@@ -181,8 +181,8 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
              cfg.run.steps, run_dir)
     t0 = time.time()
     status, code = "failed", 1
-    if csp.dist.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
-        result, runtime = csp.dist.run(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
+    if csp.distributed.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
+        result, runtime = csp.distributed.run(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
         status, code = result.status, result.exit_code
         app.metrics.write(EndRecord(status=status, exit_code=code, rank=result.rank, seconds=time.time() - t0,
                                     step=app.last_step, unevaluated=app.progress.unevaluated))
@@ -191,7 +191,7 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
             _summary(cfg, args, run_dir, status, code, None, result.error, time.time() - t0)
         if result.error is not None:
             print(f"rank {result.rank}: error: {result.error}", file=sys.stderr)
-            csp.dist.hard_exit(code)
+            csp.distributed.hard_exit(code)
         return code
     runtime = csp.Runtime(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
     stopped_by, error = None, None

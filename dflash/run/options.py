@@ -46,7 +46,7 @@ class PrefetchOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TargetStageOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.model.target`` needs (built by :func:`dflash.run.resolve.resolve`).
+    """What ``dflash.target`` needs (built by :func:`dflash.run.resolve.resolve`).
 
     Attributes:
         target: the ``[target]`` table (``vocab_size`` filled from the tokenizer for a preset).
@@ -78,7 +78,7 @@ class PostprocessOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``dflash.model.drafter`` needs (built by :func:`dflash.run.resolve.resolve`).
+    """What ``dflash.drafter`` needs (built by :func:`dflash.run.resolve.resolve`).
 
     Attributes:
         drafter: the resolved drafter config (every dimension set, ``target_layer_ids`` chosen).

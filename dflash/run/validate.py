@@ -49,7 +49,7 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
 
     Args:
         resolved: the output of :func:`dflash.run.resolve.resolve`.
-        launched: this process runs under torchrun (:func:`csp.dist.launched`).
+        launched: this process runs under torchrun (:func:`csp.distributed.launched`).
         resume: ``--resume`` or ``[run].resume`` ("auto", "none" or a checkpoint path).
 
     Returns:

@@ -2,7 +2,7 @@
 
 Layout: under ``torchrun ... -m dflash.run`` the drafter process gets ``replicas = N`` with one
 replica per rank (``ranks = [...]`` in the graph file, or the default placement ``replica i ->
-rank i``). :mod:`csp.dist` creates, on every rank and before any process starts, a process group
+rank i``). :mod:`csp.distributed` creates, on every rank and before any process starts, a process group
 over the ranks of each process whose replicas span several ranks; :func:`wrap` puts the drafter
 in ``DistributedDataParallel`` over that group, so gradients are averaged across the drafter
 replicas (all-reduce in backward) and every replica applies the same AdamW update.
@@ -43,7 +43,7 @@ __all__ = ["barrier", "group", "is_writer", "load_rank_state", "rank_state_path"
 def group(ctx: csp.Context) -> Any | None:
     """The process group over the ranks running replicas of ``ctx.name``, or None when the run is
     not distributed or all replicas share one rank."""
-    from csp.dist import current
+    from csp.distributed import current
 
     run = current()
     if run is None:

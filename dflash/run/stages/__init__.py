@@ -3,13 +3,20 @@
 ``dflash.prefetch -> dflash.target (replicas) -> dflash.postprocess -> dflash.drafter -> dflash.monitor``,
 and beside it ``dflash.drafter -> dflash.evaluator -> dflash.monitor`` (held-out tau while training).
 
-One module per kind (``dflash.drafter`` lives in ``trainer.py``), each with the frozen options
-struct it reads (built by :func:`dflash.run.resolve.resolve`; no stage reads the graph file). Importing
-this package registers the kinds with csp's registry. The stages are glue: the work they do is
-in :mod:`dflash.data` (the sampler), :mod:`dflash.model` (the target forward, the features),
+Each kind reads the frozen options struct built for it by :func:`dflash.run.resolve.resolve` (no
+stage reads the graph file) and declares its ports as typed ``TypedDict``s. Importing this package
+registers the kinds with csp's registry. The stages are glue: the work they do is in
+:mod:`dflash.data` (the sampler), :mod:`dflash.model` (the target forward, the features),
 :mod:`dflash.train` (the step), :mod:`dflash.eval` (the held-out decode) and :mod:`dflash.observe`
-(the metrics); they are handed the run's
-:class:`dflash.run.app.RunApp` as ``ctx.app``.
+(the metrics); they are handed the run's :class:`dflash.run.app.RunApp` as ``ctx.app``. Modules::
+
+    prefetch.py     dflash.prefetch: batches from the sampler, anchors sampled, pinned for a GPU
+    target.py       dflash.target: a frozen target replica per device; the captured hidden states
+    postprocess.py  dflash.postprocess: hidden states -> the drafter's input on the drafter's device
+    trainer.py      dflash.drafter: trains the drafter; checkpoints, weight snapshots, the time budget
+    monitor.py      dflash.monitor: step-indexed metrics to metrics.jsonl, wandb and the display
+    evaluator.py    dflash.evaluator: held-out tau of the drafter's snapshots while it trains
+    heldout.py      the evaluator's decode, in the training process or in a child process
 """
 
 from dflash.run.stages.evaluator import EvaluatorStage

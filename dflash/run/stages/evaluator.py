@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 
@@ -39,19 +40,24 @@ from dflash.run.app import RunApp
 from dflash.run.options import EvaluatorOptions
 from dflash.run.step_gate import process_lock
 
-__all__ = ["EvaluatorStage"]
+__all__ = ["EvaluatorStage", "EvaluatorStageInputs", "EvaluatorStageOutputs"]
 
 log = logging.getLogger("dflash.evaluator")
 
 
+class EvaluatorStageInputs(TypedDict):
+    snapshots: csp.Receiver[DrafterSnapshot]
+
+
+class EvaluatorStageOutputs(TypedDict):
+    metrics: csp.Sender[HeldoutTau]
+
+
 @csp.register("dflash.evaluator")
-class EvaluatorStage(csp.Process):
+class EvaluatorStage(csp.Process[EvaluatorStageInputs, EvaluatorStageOutputs]):
     """Input ``snapshots``: :class:`DrafterSnapshot`; output ``metrics``: one :class:`HeldoutTau`
     per evaluated snapshot (the monitor's input, beside the drafter's step metrics). Reads
     :class:`~dflash.run.options.EvaluatorOptions`."""
-
-    inputs = {"snapshots": DrafterSnapshot}
-    outputs = {"metrics": HeldoutTau}
 
     def setup(self) -> None:
         from dflash.run.stages.heldout import HeldoutDecoder, HeldoutProcess, own_threads, threads_are_per_thread
@@ -99,7 +105,7 @@ class EvaluatorStage(csp.Process):
         if close is not None:  # the child process, when eval.isolate
             close()
 
-    def run(self, inputs, outputs) -> None:
+    def run(self, inputs: EvaluatorStageInputs, outputs: EvaluatorStageOutputs) -> None:
         out = outputs["metrics"]
         cap = self.opts.eval.max_busy
         start, busy, skipped = time.perf_counter(), 0.0, 0

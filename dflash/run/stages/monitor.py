@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TypedDict
 
 import msgspec
 
@@ -17,8 +18,12 @@ from dflash.run.app import RunApp
 log = logging.getLogger("dflash.monitor")
 
 
+class MonitorStageInputs(TypedDict):
+    metrics: csp.Receiver[StepMetrics | HeldoutTau]
+
+
 @csp.register("dflash.monitor")
-class MonitorStage(csp.Process):
+class MonitorStage(csp.Process[MonitorStageInputs, csp.NoPorts]):
     """Sink stage. Input ``metrics``: :class:`StepMetrics`, one per drafter step, and, where the
     graph has an in-training evaluator, its :class:`HeldoutTau` results (a ``heldout`` record each,
     wandb ``heldout/*`` at the snapshot's step, a line in the log).
@@ -32,9 +37,6 @@ class MonitorStage(csp.Process):
     is flagged in the record and the log. Reads :class:`~dflash.run.options.MonitorOptions`, the app's metrics
     writer, run directory and resume state.
     """
-
-    inputs = {"metrics": StepMetrics | HeldoutTau}
-    outputs: dict = {}
 
     def setup(self) -> None:
         from dflash.observe.display import make_display
@@ -50,7 +52,7 @@ class MonitorStage(csp.Process):
                                     run_name=o.run_name)
         self.losses: list[float] = []
 
-    def run(self, inputs, outputs) -> None:
+    def run(self, inputs: MonitorStageInputs, outputs: csp.NoPorts) -> None:
         for m in inputs["metrics"]:
             if isinstance(m, HeldoutTau):
                 self._heldout(m)

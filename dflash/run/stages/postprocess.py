@@ -9,6 +9,8 @@ added here unless ``[train].postprocess_side = "target"`` added it in the target
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 import csp
@@ -18,13 +20,18 @@ from dflash.run.options import PostprocessOptions
 from dflash.train.sentinel import FiniteSentinel
 
 
+class PostprocessStageInputs(TypedDict):
+    hidden: csp.Receiver[TargetOutput]
+
+
+class PostprocessStageOutputs(TypedDict):
+    features: csp.Sender[DrafterInput]
+
+
 @csp.register("dflash.postprocess")
-class PostprocessStage(csp.Process):
+class PostprocessStage(csp.Process[PostprocessStageInputs, PostprocessStageOutputs]):
     """Input ``hidden``: :class:`TargetOutput`; output ``features``: :class:`DrafterInput` on this
     process's device (bind it to the drafter's device). Reads :class:`~dflash.run.options.PostprocessOptions`."""
-
-    inputs = {"hidden": TargetOutput}
-    outputs = {"features": DrafterInput}
 
     def setup(self) -> None:
         self.app: RunApp = self.ctx.app
@@ -39,7 +46,7 @@ class PostprocessStage(csp.Process):
             out = csp.cuda.handoff.to_device(out, self.device, via_host=self.opts.host_staging)
             return self.features.at_drafter(out)
 
-    def run(self, inputs, outputs) -> None:
+    def run(self, inputs: PostprocessStageInputs, outputs: PostprocessStageOutputs) -> None:
         out_ch = outputs["features"]
         for out in inputs["hidden"]:
             item = self.process(out)

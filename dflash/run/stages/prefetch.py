@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import msgspec
 import torch
 
@@ -20,8 +22,12 @@ def anchor_generator(seed: int, batch_id: int) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(seed, batch_id, salt=ANCHORS))
 
 
+class PrefetchStageOutputs(TypedDict):
+    batches: csp.Sender[Batch]
+
+
 @csp.register("dflash.prefetch")
-class PrefetchStage(csp.Process):
+class PrefetchStage(csp.Process[csp.NoPorts, PrefetchStageOutputs]):
     """Source stage: pulls ``steps_to_run`` batches from the sampler and sends them on ``batches``.
 
     Anchors (``Batch.anchors``, ``[B, A]`` int64, -1 = empty slot) are drawn here on the CPU, off the
@@ -32,15 +38,12 @@ class PrefetchStage(csp.Process):
     Reads :class:`~dflash.run.options.PrefetchOptions` and the app's sampler.
     """
 
-    inputs: dict = {}
-    outputs = {"batches": Batch}
-
     def setup(self) -> None:
         self.app: RunApp = self.ctx.app
         self.opts: PrefetchOptions = self.app.resolved.prefetch
         self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=self.opts.check_channels)
 
-    def run(self, inputs, outputs) -> None:
+    def run(self, inputs: csp.NoPorts, outputs: PrefetchStageOutputs) -> None:
         o, out, sampler = self.opts, outputs["batches"], self.app.sampler
         for seq in range(self.app.steps_to_run * o.drafters):
             ended = self.ctx.stopping() or self.app.budget_reached.is_set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TypedDict
 
 import torch
 
@@ -15,8 +16,16 @@ from dflash.run.step_gate import StepGate
 from dflash.train.sentinel import FiniteSentinel
 
 
+class TargetStageInputs(TypedDict):
+    batches: csp.Receiver[Batch]
+
+
+class TargetStageOutputs(TypedDict):
+    hidden: csp.Sender[TargetOutput]
+
+
 @csp.register("dflash.target")
-class TargetStage(csp.Process):
+class TargetStage(csp.Process[TargetStageInputs, TargetStageOutputs]):
     """Runs the frozen target over each batch and sends its hidden states.
 
     Input ``batches``: :class:`Batch` (host memory, pinned on GPU runs). Output ``hidden``:
@@ -25,9 +34,6 @@ class TargetStage(csp.Process):
     The output channel is normally ``ordered``: the item is sent with ``seq = batch.seq`` so the
     fan-in restores the batch order whatever replica finishes first. Reads :class:`~dflash.run.options.TargetStageOptions`.
     """
-
-    inputs = {"batches": Batch}
-    outputs = {"hidden": TargetOutput}
 
     def setup(self) -> None:
         self.app: RunApp = self.ctx.app
@@ -56,7 +62,7 @@ class TargetStage(csp.Process):
             target_s=time.perf_counter() - t0,
         )
 
-    def run(self, inputs, outputs) -> None:
+    def run(self, inputs: TargetStageInputs, outputs: TargetStageOutputs) -> None:
         out = outputs["hidden"]
         for batch in inputs["batches"]:
             item = self.forward(batch)

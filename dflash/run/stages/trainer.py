@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NotRequired, TypedDict
 
 import torch
 
@@ -50,21 +51,26 @@ from dflash.train.state import (
 )
 from dflash.train.step import train_step
 
-__all__ = ["DrafterStage"]
+__all__ = ["DrafterStage", "DrafterStageInputs", "DrafterStageOutputs"]
 
 log = logging.getLogger("dflash.drafter")
 
 
+class DrafterStageInputs(TypedDict):
+    features: csp.Receiver[DrafterInput]
+
+
+class DrafterStageOutputs(TypedDict):
+    metrics: csp.Sender[StepMetrics]
+    snapshots: NotRequired[csp.Sender[DrafterSnapshot]]  # wired only where the graph has an evaluator
+
+
 @csp.register("dflash.drafter")
-class DrafterStage(csp.Process):
+class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
     """Trains the DFlash drafter. Input ``features``: :class:`DrafterInput`; output ``metrics``:
     one :class:`StepMetrics` per step (skipped steps included); optional output ``snapshots``:
     :class:`DrafterSnapshot` for the in-training evaluator. Reads :class:`~dflash.run.options.DrafterStageOptions`,
     the app's run directory, metrics writer and resume state."""
-
-    inputs = {"features": DrafterInput}
-    outputs = {"metrics": StepMetrics, "snapshots": DrafterSnapshot}
-    optional = frozenset({"snapshots"})
 
     def setup(self) -> None:
         from dflash.model.drafter import DFlashDrafter
@@ -107,7 +113,7 @@ class DrafterStage(csp.Process):
             self.budget_logged = 0
             log.info("time budget %g s: the schedule's end follows the measured step rate", o.time_budget_s)
 
-    def run(self, inputs, outputs) -> None:
+    def run(self, inputs: DrafterStageInputs, outputs: DrafterStageOutputs) -> None:
         metrics = outputs["metrics"]
         every, total = self.opts.checkpoint_every, self.opts.total_steps
         eval_every, dropped, sent = self.opts.eval_every, 0, -1

@@ -279,7 +279,7 @@ def test_abort_drops_buffered_items():
         recv.receive_nowait()
 
 
-# ---- custom ends (the hook csp.dist builds on) --------------------------------------------------
+# ---- custom ends (the hook csp.distributed builds on) --------------------------------------------------
 def test_channel_state_carries_custom_ends():
     from csp.core.channel import channel_state
 

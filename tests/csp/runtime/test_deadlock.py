@@ -135,7 +135,7 @@ def test_busy_or_polling_stage_is_not_a_deadlock(poll):
 
 def test_graph_file_runtime_table_and_partial_runtimes(tmp_path):
     """Invariant: [runtime].deadlock_timeout_s reaches the runtime from a graph file, bad values
-    are a GraphError naming the path, and a runtime that runs only part of the graph (csp.dist's
+    are a GraphError naming the path, and a runtime that runs only part of the graph (csp.distributed's
     share of a rank) never judges a deadlock: a peer it cannot see may be busy."""
     f = tmp_path / "g.toml"
     f.write_text("[runtime]\ndeadlock_timeout_s = 2.5\n")

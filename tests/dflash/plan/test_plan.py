@@ -141,7 +141,7 @@ def test_cli_writes_a_graph_that_loads_and_places(tiny_run, tmp_path, capsys):
     world size of the printed torchrun command; a bad run dir or bad numbers exit 2."""
     import csp
     import dflash.run.stages  # noqa: F401  (registers the dflash.* kinds)
-    from csp.dist.placement import place
+    from csp.distributed.placement import place
     from dflash.run.config import load_config
 
     out = tmp_path / "plan.toml"

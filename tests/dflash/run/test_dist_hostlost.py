@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from csp.dist.control import PEER_TIMEOUT_S
+from csp.distributed.control import PEER_TIMEOUT_S
 from tests.dflash.run.test_dist import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(560)]
 ROOT = Path(__file__).resolve().parents[3]
 STEPS = 60
 # How long the survivors may take: the heartbeat timeout (a rank silent that long is reported lost
-# even when no socket error ever arrives), the abort's linger (csp.dist.control.Control.linger, 5 s)
+# even when no socket error ever arrives), the abort's linger (csp.distributed.control.Control.linger, 5 s)
 # and torchrun's agent tearing down. On the loopback the kill closes the sockets, so it is sooner.
 STOP_BOUND_S = PEER_TIMEOUT_S + 5 + 25
 

@@ -20,10 +20,10 @@ from torch import nn
 import csp
 
 try:
-    from tests.csp.dist.test_dist import _ok, launch_ranks
+    from tests.csp.distributed.test_dist import _ok, launch_ranks
 except ImportError:  # run as a script by a rank
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-    from tests.csp.dist.test_dist import _ok, launch_ranks
+    from tests.csp.distributed.test_dist import _ok, launch_ranks
 
 pytestmark = pytest.mark.distributed
 STEPS = 6
@@ -133,7 +133,7 @@ def graph_for(scenario: str, ckpt: str) -> csp.Graph:
 
 
 def child(scenario: str, out_dir: Path, ckpt: str) -> None:
-    from csp.dist import launch
+    from csp.distributed import launch
 
     result, _ = launch.run(graph_for(scenario, ckpt), timeout_s=30)
     record = {"result": msgspec.structs.asdict(result), "results": RESULTS}

@@ -1,5 +1,5 @@
 """Where the parts of a graph picture go: process boxes in rows, top to bottom, and each channel's
-route and label box. Units: pixels of the SVG (:mod:`csp.observe.svg` draws what this places;
+route and label box. Units: pixels of the SVG (:mod:`csp.graph.svg` draws what this places;
 ``python -m csp.graph -o g.png`` renders that SVG at twice the scale).
 
 Rows. A process's row is its longest path from the graph's sources, once each cycle is broken

@@ -1,4 +1,4 @@
-"""Peer liveness on the control plane (csp.dist.control): a rank whose heartbeat stops is
+"""Peer liveness on the control plane (csp.distributed.control): a rank whose heartbeat stops is
 reported lost, by name, within a bounded time, and a rank that keeps beating is not."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from csp.dist.control import Control
+from csp.distributed.control import Control
 
 
 def _watch(control: Control) -> tuple[threading.Event, list[tuple[int, str]]]:
@@ -63,7 +63,7 @@ def test_peer_timeout_zero_turns_the_heartbeat_off_and_negative_is_refused():
         assert not fired.wait(0.5)
     finally:
         quiet.stop()
-    assert not store.check(["csp.dist/beat/0"])
+    assert not store.check(["csp.distributed/beat/0"])
     with pytest.raises(ValueError, match=r"peer_timeout_s must be >= 0 seconds \(0 = no heartbeat\), got -1"):
         Control(store, 0, 2, peer_timeout_s=-1)
 

@@ -18,7 +18,7 @@ than ``channel``, ``process``, ``trace`` and ``plugins`` are ignored, while thos
 strict schema (a typo in ``[[channel]]`` is still an error). Plugins are not imported: drawing needs
 no process class.
 
-SVG is drawn in pure Python (:mod:`csp.observe.svg`: a layered layout from networkx, SVG written here), so
+SVG is drawn in pure Python (:mod:`csp.graph.svg`: a layered layout from networkx, SVG written here), so
 ``-o graph.svg`` works after ``pip install``; Graphviz's ``dot`` is used instead when it is on PATH
 (``--engine dot`` to insist, ``--engine python`` to skip it). PNG and PDF come from ``dot``, or from
 the Python SVG through cairosvg when that is importable (``pip install cairosvg``); with neither,
@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Sequence
 
 from csp.errors import DotNotFound, GraphError
-from csp.graph import GraphSpec, ProcessSpec, load_spec
+from csp.graph.load import load_spec
+from csp.graph.schema import GraphSpec, ProcessSpec
 from csp.observe.backpressure import ChannelSummary, ProcessSummary, Summary
 
-DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.observe.svg, + cairosvg)
+DOT_FORMATS = {"svg", "png", "pdf"}  # rendered by the `dot` program (or csp.graph.svg, + cairosvg)
 EXIT_CODES = {0: "the file was written (or DOT/Mermaid printed)",
               1: "PNG/PDF asked for, but neither Graphviz's dot nor cairosvg is installed (the SVG was "
                  "written instead), or dot failed",
@@ -113,7 +114,7 @@ def _dq(s: str) -> str:
 
 
 def to_dot(spec: GraphSpec, summary: Summary | None = None) -> str:
-    """The graph as Graphviz DOT text, top to bottom (a stage per rank, as :mod:`csp.observe.svg` draws
+    """The graph as Graphviz DOT text, top to bottom (a stage per rank, as :mod:`csp.graph.svg` draws
     it: a long pipeline stays narrow). ``summary`` adds measured numbers."""
     chans, procs, bottleneck = _index(summary)
     caps = {c.name: c for c in spec.channel}
@@ -215,7 +216,7 @@ def build_parser():
                         help="override the format implied by the output suffix")
     parser.add_argument("--engine", choices=["auto", "dot", "python"], default="auto",
                         help="who draws SVG/PNG/PDF: auto = Graphviz's dot when on PATH, else pure Python; "
-                             "dot = Graphviz only; python = csp.observe.svg (+ cairosvg for PNG/PDF)")
+                             "dot = Graphviz only; python = csp.graph.svg (+ cairosvg for PNG/PDF)")
     parser.add_argument("--run", metavar="RUN_DIR", help="a run directory: annotate with its measured statistics")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a graph value, as for dflash.run (repeatable)")
@@ -223,9 +224,9 @@ def build_parser():
 
 
 def render_python(spec: GraphSpec, summary: Summary | None, fmt: str) -> bytes:
-    """SVG (or PNG/PDF through cairosvg) drawn by :mod:`csp.observe.svg`. Raises ImportError for PNG/PDF
+    """SVG (or PNG/PDF through cairosvg) drawn by :mod:`csp.graph.svg`. Raises ImportError for PNG/PDF
     without cairosvg."""
-    from csp.observe.svg import graph_svg
+    from csp.graph.svg import graph_svg
 
     svg = graph_svg(spec, summary, _node_lines, _edge_lines, _edges)
     if fmt == "svg":

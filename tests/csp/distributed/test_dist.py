@@ -1,6 +1,6 @@
-"""csp.dist on CPU with gloo: graphs placed on 2-3 local ranks (subprocesses, loopback only).
+"""csp.distributed on CPU with gloo: graphs placed on 2-3 local ranks (subprocesses, loopback only).
 
-Each test launches this file as a script once per rank (``python tests/csp/dist/test_dist.py SCENARIO
+Each test launches this file as a script once per rank (``python tests/csp/distributed/test_dist.py SCENARIO
 OUT_DIR``) with the torchrun environment variables set by hand; every rank writes
 ``OUT_DIR/rank<r>.json`` and the test checks them. Every launch is bounded by a timeout.
 """
@@ -131,7 +131,7 @@ def graph_for(scenario: str) -> csp.Graph:
 
 
 def child(scenario: str, out_dir: Path) -> None:
-    from csp.dist import launch
+    from csp.distributed import launch
 
     result, rt = launch.run(graph_for(scenario), timeout_s=30)
     stats = {k: msgspec.structs.asdict(v) for k, v in rt.statistics()["channels"].items()}

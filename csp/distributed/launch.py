@@ -5,13 +5,13 @@
 1. join the job: ``torch.distributed`` from the torchrun environment (``RANK``, ``WORLD_SIZE``,
    ``MASTER_ADDR``, ``MASTER_PORT``), default group ``gloo`` (``cpu:gloo,cuda:nccl`` when CUDA
    is there); an already initialised default group is used as it is;
-2. place the graph (:func:`csp.dist.placement.place`); every rank computes the same placement;
+2. place the graph (:func:`csp.distributed.placement.place`); every rank computes the same placement;
 3. create the process groups: a world gloo group (final barrier), per lane a 2-rank gloo group
    (and an NCCL one when the graph uses CUDA), and per process whose replicas span several
    ranks a group over those ranks (:func:`process_group`; DDP for data-parallel replicas);
 4. run a :class:`csp.Runtime` over this rank's instances only, its crossing channels built by
-   :class:`csp.dist.bridge.Hub`; a watcher thread follows the abort key and the other ranks'
-   heartbeats (:mod:`csp.dist.control`): a rank silent for ``peer_timeout_s`` is reported lost;
+   :class:`csp.distributed.bridge.Hub`; a watcher thread follows the abort key and the other ranks'
+   heartbeats (:mod:`csp.distributed.control`): a rank silent for ``peer_timeout_s`` is reported lost;
 5. on success wait for the lanes to close (every rank done with every link), barrier, destroy
    the groups. On failure return at once with the first failure's rank and message: call
    :func:`hard_exit` then, as lane threads may still be blocked in gloo/NCCL receives.
@@ -33,17 +33,17 @@ from typing import Any, Callable
 
 import msgspec
 
-from csp.dist.bridge import Hub
-from csp.dist.control import PEER_TIMEOUT_S, Control
-from csp.dist.placement import Placement, place
-from csp.dist.wire import LaneReader, LaneWriter
+from csp.distributed.bridge import Hub
+from csp.distributed.control import PEER_TIMEOUT_S, Control
+from csp.distributed.placement import Placement, place
+from csp.distributed.wire import LaneReader, LaneWriter
 from csp.errors import DistError, ProcessFailed, ProcessStuck
 from csp.graph import Graph
 from csp.runtime.engine import EXIT_FAILED, Runtime
 
 __all__ = ["DistResult", "DistRun", "current", "hard_exit", "launched", "process_group", "run"]
 
-log = logging.getLogger("csp.dist")
+log = logging.getLogger("csp.distributed")
 _current: "DistRun | None" = None
 
 
@@ -105,7 +105,7 @@ def process_group(name: str) -> Any:
     """
     run_ = _current
     if run_ is None:
-        raise DistError("csp.dist.process_group() needs a distributed run (torchrun ... -m csp.run)")
+        raise DistError("csp.distributed.process_group() needs a distributed run (torchrun ... -m csp.run)")
     if name not in run_.groups:
         raise DistError(f"process {name!r} has all its replicas on one rank: it has no process "
                            "group (place its replicas on several ranks with ranks = [...])")
@@ -153,7 +153,7 @@ def run(graph: Graph, *, run_dir: Path | str | None = None, app: Any = None, tra
         timeout_s: torch.distributed timeout of the groups (rendezvous, barrier, a tensor transfer
             that started); waiting for the next item is not bounded by it.
         peer_timeout_s: seconds without another rank's heartbeat before the run fails naming
-            that rank (:data:`csp.dist.control.PEER_TIMEOUT_S`, 60 s; 0 = off).
+            that rank (:data:`csp.distributed.control.PEER_TIMEOUT_S`, 60 s; 0 = off).
 
     Returns:
         ``(DistResult, Runtime)``; on status "failed" call :func:`hard_exit` when done reporting.

@@ -1,4 +1,4 @@
-"""csp.observe.layout: where a graph picture's boxes, labels and arrows go, checked on the layout's
+"""csp.graph.layout: where a graph picture's boxes, labels and arrows go, checked on the layout's
 own geometry (no rendering): the default dflash graph fits a readable width, no label lies on a
 box or on another label, a channel that skips rows passes beside their boxes, cycles go up a lane."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from csp.observe.backpressure import ChannelSummary, ProcessSummary, ReplicaSummary, Summary, Verdict
-from csp.observe.draw import _edge_lines, _edges, _node_lines, load_for_drawing
-from csp.observe.layout import Box, back_edges, layers, layout
-from csp.observe.svg import graph_parts, measure
+from csp.graph.draw import _edge_lines, _edges, _node_lines, load_for_drawing
+from csp.graph.layout import Box, back_edges, layers, layout
+from csp.graph.svg import graph_parts, measure
 
 ROOT = Path(__file__).resolve().parents[3]
-PNG_SCALE = 2.0  # python -m csp.graph -o g.png renders the SVG at twice its size (csp.observe.draw)
+PNG_SCALE = 2.0  # python -m csp.graph -o g.png renders the SVG at twice its size (csp.graph.draw)
 
 
 def _busiest(spec) -> Summary:

@@ -1,4 +1,4 @@
-"""csp.observe.draw (``python -m csp.graph``): DOT and Mermaid text, run annotations, SVG via Graphviz or
+"""csp.graph.draw (``python -m csp.graph``): DOT and Mermaid text, run annotations, SVG via Graphviz or
 a clear fallback when Graphviz's `dot` is missing. No test needs the `dot` binary except the one
 marked to skip without it."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from csp.observe.backpressure import read_stats, summarize
-from csp.observe.draw import load_for_drawing, main, to_dot, to_mermaid
+from csp.graph.draw import load_for_drawing, main, to_dot, to_mermaid
 
 FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "runs"
 
@@ -116,7 +116,7 @@ def test_cli_writes_dot_and_mermaid(graph_file, tmp_path, capsys):
 
 
 def _svg_geometry(svg: str):
-    """(width, height, texts as (x, y, text)) of an SVG written by csp.observe.svg, in picture coordinates."""
+    """(width, height, texts as (x, y, text)) of an SVG written by csp.graph.svg, in picture coordinates."""
     import xml.etree.ElementTree as ET
 
     root = ET.fromstring(svg)  # well-formed XML, or this raises
@@ -141,7 +141,7 @@ def test_svg_without_graphviz_is_drawn_in_python(graph_file, tmp_path, monkeypat
     """Regression: ``-o graph.svg`` failed without Graphviz's dot, which pip cannot
     install. Invariant: without dot the SVG is drawn in pure Python, well-formed, with every
     process and channel labelled and every label inside the picture."""
-    from csp.observe.svg import CW
+    from csp.graph.svg import CW
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert main([str(graph_file), "-o", str(tmp_path / "g.svg")]) == 0
@@ -176,8 +176,8 @@ def test_head_of_line_channel_is_drawn_red():
     import msgspec
 
     from csp.observe.backpressure import Verdict
-    from csp.observe.draw import _edge_lines, _edges, _node_lines
-    from csp.observe.svg import RED, graph_svg
+    from csp.graph.draw import _edge_lines, _edges, _node_lines
+    from csp.graph.svg import RED, graph_svg
 
     spec = load_for_drawing_text(GRAPH)
     summary = summarize(read_stats(FIXTURES / "pipeline"))
@@ -209,7 +209,7 @@ def test_six_replicas_read_well(tmp_path, monkeypatch, devices):
     tall (all devices on one line). Invariant: one stacked box with a x6 badge whose replicas are
     listed one per row inside it, so the picture is about as wide as with one replica and under 8
     times as wide as tall; no process boxes overlap; every label lies inside the picture."""
-    from csp.observe.svg import CW
+    from csp.graph.svg import CW
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     graph = Path(__file__).resolve().parents[3] / "examples" / "qwen3-8b-h200x8-6to1.toml"

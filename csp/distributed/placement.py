@@ -7,7 +7,7 @@ Rule (docs/distributed.md):
   0, and a process with ``replicas == world_size`` gets one replica per rank.
 
 A channel *crosses ranks* when its senders and receivers are not all on one rank (and it is not
-``rank_local``); :mod:`csp.dist.bridge` then carries it over *links*, one per (sending rank,
+``rank_local``); :mod:`csp.distributed.bridge` then carries it over *links*, one per (sending rank,
 receiving rank) pair. A ``rank_local`` channel is an independent in-process channel on every rank.
 """
 

@@ -1,8 +1,8 @@
 """Cross-rank channels: local Sender/Receiver ends on each rank, bridge threads, credits.
 
-On every rank a crossing channel (see :mod:`csp.dist.placement`) has two local halves
-(:class:`csp.dist.crossing.CrossChannel`, with the :class:`DistSender`/:class:`DistReceiver` ends of
-:mod:`csp.dist.crossing`; the :class:`Hub` here holds the credits, lanes and failure handling):
+On every rank a crossing channel (see :mod:`csp.distributed.placement`) has two local halves
+(:class:`csp.distributed.crossing.CrossChannel`, with the :class:`DistSender`/:class:`DistReceiver` ends of
+:mod:`csp.distributed.crossing`; the :class:`Hub` here holds the credits, lanes and failure handling):
 
 * the **outbox**: a rendezvous channel (capacity 0). The rank's producers hold
   :class:`DistSender` clones of it. A *pump* thread takes an item out only while some link of the
@@ -34,13 +34,13 @@ import queue
 import threading
 from typing import Any, Callable
 
-from csp.dist.crossing import CrossChannel, DistReceiver, DistSender
-from csp.dist.placement import Link, Placement
-from csp.dist.wire import CLOSE, CREDIT, EOS, GONE, ITEM, LaneReader, LaneWriter
+from csp.distributed.crossing import CrossChannel, DistReceiver, DistSender
+from csp.distributed.placement import Link, Placement
+from csp.distributed.wire import CLOSE, CREDIT, EOS, GONE, ITEM, LaneReader, LaneWriter
 
 __all__ = ["DistReceiver", "DistSender", "Hub"]
 
-log = logging.getLogger("csp.dist")
+log = logging.getLogger("csp.distributed")
 _STOP = ("stop", -1, None, None)  # queue sentinel: leave the loop (abort)
 
 
@@ -95,7 +95,7 @@ class Hub:
         for peer, (writer, reader) in self.lanes.items():
             for target, kind in ((self._write, "write"), (self._read, "read")):
                 t = threading.Thread(target=target, args=(peer, writer if kind == "write" else reader),
-                                     name=f"csp.dist.lane-{kind}[{peer}]", daemon=True)
+                                     name=f"csp.distributed.lane-{kind}[{peer}]", daemon=True)
                 t.start()
                 self.threads.append(t)
         for peer in self.lanes:

@@ -1,8 +1,8 @@
 """One crossing channel on one rank: its outbox and inbox halves, pump and feeder threads, and the
 :class:`DistSender`/:class:`DistReceiver` ends its producers and consumers hold.
 
-The protocol (credits, end of stream, gone links) is described in :mod:`csp.dist.bridge`, whose
-:class:`~csp.dist.bridge.Hub` owns the lanes and credits these halves use.
+The protocol (credits, end of stream, gone links) is described in :mod:`csp.distributed.bridge`, whose
+:class:`~csp.distributed.bridge.Hub` owns the lanes and credits these halves use.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from typing import Any, Protocol
 
 from csp.core.channel import ChannelState, ItemCheck, Receiver, Sender, channel_state
 from csp.core.stats import ChannelStatistics
-from csp.dist.placement import Link
-from csp.dist.wire import GONE, ITEM
+from csp.distributed.placement import Link
+from csp.distributed.wire import GONE, ITEM
 from csp.errors import ChannelAborted, ChannelClosed, EndOfStream, PeerGone
 
 __all__ = ["CrossChannel", "DistReceiver", "DistSender", "Hub"]
 
 
 class Hub(Protocol):
-    """What a crossing channel needs of its rank's hub (:class:`csp.dist.bridge.Hub` is the one):
+    """What a crossing channel needs of its rank's hub (:class:`csp.distributed.bridge.Hub` is the one):
     declared here so the bridge imports the crossing halves and never the other way round."""
 
     rank: int
@@ -148,10 +148,10 @@ class CrossChannel:
         """Start the pump (if this rank sends) and one feeder per remote incoming link."""
         threads = []
         if self.out_links:
-            threads.append(threading.Thread(target=self._pump, name=f"csp.dist.pump[{self.name}]", daemon=True))
+            threads.append(threading.Thread(target=self._pump, name=f"csp.distributed.pump[{self.name}]", daemon=True))
         for lk, end in self.feeds:
             threads.append(threading.Thread(target=self._feed, args=(lk, end), daemon=True,
-                                            name=f"csp.dist.feed[{self.name}<-{lk.src}]"))
+                                            name=f"csp.distributed.feed[{self.name}<-{lk.src}]"))
         for t in threads:
             t.start()
         return threads
@@ -177,7 +177,7 @@ class CrossChannel:
         except (ChannelAborted, ChannelClosed):
             pass
         except BaseException as exc:  # a bug or a dead lane: stop the run, naming this rank
-            hub.fail(f"csp.dist pump of channel {self.name!r} failed: {exc!r}")
+            hub.fail(f"csp.distributed pump of channel {self.name!r} failed: {exc!r}")
         finally:
             self.pump_end.close()  # producers still sending now get PeerGone
             for lk in self.out_links:
@@ -200,7 +200,7 @@ class CrossChannel:
         except (ChannelAborted, ChannelClosed):
             pass
         except BaseException as exc:
-            hub.fail(f"csp.dist feeder of channel {self.name!r} from rank {link.src} failed: {exc!r}")
+            hub.fail(f"csp.distributed feeder of channel {self.name!r} from rank {link.src} failed: {exc!r}")
         finally:
             end.close()
 

@@ -1,12 +1,12 @@
 """Draw a graph file as SVG in pure Python: no Graphviz needed (``python -m csp.graph G.toml -o g.svg``).
 
-Layout (:mod:`csp.observe.layout`): processes are boxes in rows, top to bottom, a row per stage (its
+Layout (:mod:`csp.graph.layout`): processes are boxes in rows, top to bottom, a row per stage (its
 longest path from the sources), so a pipeline of six stages is six rows, not one row six stages
 wide; a channel that closes a cycle runs up a lane right of the picture. Each channel's label is
 a box of its own on its arrow, under its writer, clear of every process box and every other label.
 
 Drawing: a box lists the process name, kind, replicas and devices (the lines of
-:func:`csp.observe.draw._node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
+:func:`csp.graph.draw._node_lines`); a process with replicas is drawn as a stack of cards with a ``xN``
 badge, its replicas listed one per row inside it (``target[3]  cuda:3``), so many replicas make
 the box taller, not the picture wider (a 6-replica target once drew one long device line). A
 channel is an arrow labelled with its name, capacity and ``ordered``; a fan-out or fan-in draws
@@ -25,9 +25,9 @@ import textwrap
 from typing import Any, Callable
 from xml.sax.saxutils import escape
 
-from csp.graph import GraphSpec
+from csp.graph.schema import GraphSpec
 from csp.observe.backpressure import ChannelSummary, ProcessSummary, Summary
-from csp.observe.layout import Layout, layout
+from csp.graph.layout import Layout, layout
 
 FONT = 12.0  # px
 CW = FONT * 0.6  # px per character (monospace)
@@ -47,7 +47,7 @@ def _fill_color(frac: float) -> str:
 
 
 def measure(nodes: dict[str, dict[str, Any]], edges: list[dict[str, Any]]) -> Layout:
-    """Where every box, label and arrow of the picture goes (:func:`csp.observe.layout.layout`; the
+    """Where every box, label and arrow of the picture goes (:func:`csp.graph.layout.layout`; the
     arguments are :func:`render_svg`'s), before the title: the title's lines add to the height."""
     size: dict[str, tuple[float, float]] = {}
     for n, spec in nodes.items():
@@ -183,7 +183,7 @@ def _text(lines: list[str], x: float, y: float, *, bold_first: bool, weight: str
 
 def graph_svg(spec: GraphSpec, summary: Summary | None, node_lines: Callable[..., list[str]],
               edge_lines: Callable[..., list[str]], edge_pairs: Callable[..., Any]) -> str:
-    """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.observe.draw` for the line builders and pairs)."""
+    """SVG of a :class:`csp.GraphSpec` (see :mod:`csp.graph.draw` for the line builders and pairs)."""
     return render_svg(*graph_parts(spec, summary, node_lines, edge_lines, edge_pairs))
 
 

@@ -1,14 +1,14 @@
 """The control plane: one abort key in the torch.distributed store, watched by every rank.
 
-The first rank to fail writes ``csp.dist/abort = "<rank>\\n<message>"`` with ``compare_set``, so
+The first rank to fail writes ``csp.distributed/abort = "<rank>\\n<message>"`` with ``compare_set``, so
 the first failure wins and later ones (consequences) are not reported as the cause. A watcher
 thread on every rank polls the key (``store.check``, every ``interval_s``) and calls back with
 the failing rank and its message; the launcher then aborts the local runtime and bridges. Each
-rank that saw the key bumps ``csp.dist/acks``; before exiting after a failure a rank waits (a
+rank that saw the key bumps ``csp.distributed/acks``; before exiting after a failure a rank waits (a
 bounded time) until every other rank has seen it, so that the rank hosting the store (rank 0
 outside torchrun) does not take the message down with it.
 
-Peer liveness: the watcher also bumps ``csp.dist/beat/<rank>`` about once a second and reads
+Peer liveness: the watcher also bumps ``csp.distributed/beat/<rank>`` about once a second and reads
 every other rank's counter. A rank whose counter has not moved for ``peer_timeout_s`` seconds
 (:data:`PEER_TIMEOUT_S`, 60 s by default) is reported as lost, by the rank that noticed:
 ``"rank 1 stopped answering: no heartbeat for 60 s (its host lost?)"``. A dead process on a live
@@ -41,9 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Control"]
 
-ABORT_KEY = "csp.dist/abort"
-ACK_KEY = "csp.dist/acks"
-BEAT_KEY = "csp.dist/beat/{}"
+ABORT_KEY = "csp.distributed/abort"
+ACK_KEY = "csp.distributed/acks"
+BEAT_KEY = "csp.distributed/beat/{}"
 PEER_TIMEOUT_S = 60.0
 """Default seconds without a heartbeat before a rank is reported lost (module doc; 0 = off)."""
 PEER_PROBE_S = 2.5
@@ -162,7 +162,7 @@ class Control:
                     on_abort(rank, message)
                 return
 
-        self._thread = threading.Thread(target=loop, name="csp.dist.watch", daemon=True)
+        self._thread = threading.Thread(target=loop, name="csp.distributed.watch", daemon=True)
         self._thread.start()
 
     def linger(self, timeout_s: float = 5.0) -> bool:
