@@ -100,6 +100,7 @@ __all__ = [
 from csp.core.ports import NoPorts  # noqa: E402
 from csp.core.process import Context, Process  # noqa: E402
 from csp.core.registry import Registry, register, registry  # noqa: E402
+from csp.core.strict import Strict  # noqa: E402
 from csp.graph import ChannelSpec, Graph, GraphSpec, ProcessSpec, RuntimeSpec, TraceSpec, load_spec  # noqa: E402
 from csp.runtime.engine import RunResult, Runtime  # noqa: E402
 
@@ -115,6 +116,7 @@ __all__ += [
     "RunResult",
     "Runtime",
     "RuntimeSpec",
+    "Strict",
     "TraceSpec",
     "load_spec",
     "register",

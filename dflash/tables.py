@@ -27,6 +27,8 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from csp.core.strict import Strict
+
 __all__ = ["AddedLater", "NonNegFloat", "NonNegInt", "PositiveInt", "Table", "added_later", "keys_added_later"]
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -36,18 +38,9 @@ NonNegFloat = Annotated[float, Meta(ge=0.0)]
 _MARK = "added_later"
 
 
-class _TableMeta(msgspec.StructMeta):
-    """Makes every field of a :class:`Table` subclass keyword-only (msgspec's ``kw_only`` applies
-    to the fields of the class that sets it, so the base alone cannot)."""
-
-    def __new__(mcls, name, bases, namespace, **kwargs):
-        kwargs.setdefault("kw_only", True)
-        return super().__new__(mcls, name, bases, namespace, **kwargs)
-
-
-class Table(msgspec.Struct, metaclass=_TableMeta, forbid_unknown_fields=True):
+class Table(Strict):
     """A table of the graph file: unknown keys are refused (``Object contains unknown field `lr_peak`
-    - at `$.train```) and every field is keyword-only."""
+    - at `$.train```) and every field is keyword-only (:class:`csp.Strict`)."""
 
 
 class AddedLater(NamedTuple):

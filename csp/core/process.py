@@ -11,7 +11,7 @@ channel ends (:mod:`csp.core.ports`), given as the type parameters of ``Process`
 
     @csp.register("examples.upper")
     class Upper(csp.Process[UpperIn, UpperOut]):
-        class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+        class Options(csp.Strict):
             factor: int = 1                     # decoded from [process.options]
 
         def run(self, inputs: UpperIn, outputs: UpperOut) -> None:   # blocking -> its own thread
@@ -37,10 +37,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Generic, TypeVar, get_args, get_origin, is_typeddict
 
-import msgspec
-
 from csp.core.channel import Receiver, Sender
 from csp.core.ports import port_table
+from csp.core.strict import Strict
 from csp.errors import PortTypeError
 
 if TYPE_CHECKING:  # torch is imported only by processes that use a device
@@ -144,8 +143,8 @@ class Process(Generic[InPorts, OutPorts]):
             a port that adds a feature (a side output of snapshots, a second input of occasional
             results) without making every graph wire it. Default: none, every declared port must
             be connected.
-        Options: a msgspec Struct decoded from the graph's ``[process.options]`` table (unknown
-            keys rejected). The default accepts no keys.
+        Options: a :class:`csp.Strict` subclass (a msgspec Struct) decoded from the graph's
+            ``[process.options]`` table (unknown keys rejected). The default accepts no keys.
         sends_first: True if ``run`` sends before its first receive, so the process can start a
             cycle of channels on its own (a producer waiting for acknowledgements). Graph
             validation rejects a cycle that neither a source (a process without inputs) nor such
@@ -160,8 +159,8 @@ class Process(Generic[InPorts, OutPorts]):
     (:class:`Context`).
     """
 
-    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-        """No options."""
+    class Options(Strict):
+        """No options (a kind's own ``Options`` subclasses :class:`csp.Strict` too)."""
 
     inputs: ClassVar[dict[str, Any]] = {}
     outputs: ClassVar[dict[str, Any]] = {}

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from csp.core.strict import Strict
+
 Name = Annotated[str, Meta(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_.\-]*$")]
 
 MAX_REPLICAS = 4096
@@ -21,7 +23,7 @@ under torchrun), and a value beyond that is a typo, refused at load rather than 
 the threads start."""
 
 
-class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ChannelSpec(Strict):
     """One ``[[channel]]``: a bounded, typed channel.
 
     Attributes:
@@ -41,7 +43,7 @@ class ChannelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rank_local: bool = False
 
 
-class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ProcessSpec(Strict):
     """One ``[[process]]``: a process kind, its replicas, devices and port wiring.
 
     Attributes:
@@ -70,7 +72,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ranks: list[Annotated[int, Meta(ge=0)]] | None = None
 
 
-class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TraceSpec(Strict):
     """``[trace]``: observability knobs.
 
     Attributes:
@@ -88,7 +90,7 @@ class TraceSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_events: Annotated[int, Meta(ge=0)] = 1_000_000
 
 
-class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class RuntimeSpec(Strict):
     """``[runtime]``: how the runtime supervises a run.
 
     Attributes:
@@ -103,7 +105,7 @@ class RuntimeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     deadlock_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
 
 
-class GraphSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class GraphSpec(Strict):
     """A whole graph file. Applications subclass it to add their own tables.
 
     Attributes:

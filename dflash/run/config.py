@@ -88,7 +88,7 @@ class RunSection(Table):
                              "-2**63 .. 2**64 - 1")
 
 
-class DFlashFile(csp.GraphSpec, forbid_unknown_fields=True, kw_only=True):
+class DFlashFile(csp.GraphSpec):
     """A whole DFlash graph file (``python -m dflash.run GRAPH.toml``)."""
 
     run: RunSection

@@ -81,7 +81,7 @@ def tokenize(text: str, lowercase: bool = True) -> list[str]:
 class ReadLines(csp.Process):
     """Source: lines of ``path`` (UTF-8), or ``generate`` sentences when ``path`` is empty."""
 
-    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    class Options(csp.Strict):
         path: str = ""  # text file to read; empty = generate
         generate: Annotated[int, msgspec.Meta(ge=0)] = 1000  # generated lines (when path is empty)
         seed: int = 0
@@ -108,7 +108,7 @@ class ReadLines(csp.Process):
 class Tokenize(csp.Process):
     """Line -> Tokens, keeping ``seq`` so the ordered channel can restore line order."""
 
-    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    class Options(csp.Strict):
         lowercase: bool = True
         sleep_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
         """Extra service time per line, in s (a stand-in for a slow stage that releases the GIL,
@@ -129,7 +129,7 @@ class Tokenize(csp.Process):
 class Count(csp.Process):
     """Tokens -> Counts over ``batch`` consecutive lines (an async process)."""
 
-    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    class Options(csp.Strict):
         batch: Annotated[int, msgspec.Meta(ge=1)] = 32  # lines per Counts item
         sleep_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
         """Extra service time per line, in s (``anyio.sleep``; as tokenize's). 0 = none."""
@@ -159,7 +159,7 @@ class Count(csp.Process):
 class Merge(csp.Process):
     """Sink: total word counts; writes ``RUN_DIR/textpipe/top_words.json`` when there is a run dir."""
 
-    class Options(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    class Options(csp.Strict):
         top: int = 10
 
     inputs = {"counts": Counts}
