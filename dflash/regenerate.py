@@ -12,7 +12,9 @@ overrides work as in ``dflash.run``). Each conversation keeps its system and use
 ``--max-turns`` assistant turns; the rest of the conversation is cut); assistant
 turn ``k`` is replaced by the target's answer to the conversation so far (user turns plus the
 answers already regenerated), generated in rounds: round ``k`` answers turn ``k`` of every
-conversation of a chunk in left-padded batches (``transformers``' ``generate`` with a KV cache).
+conversation of a chunk (:mod:`dflash.model.answers`: ``transformers``' ``generate`` over
+left-padded batches, or with ``--engine continuous`` its continuous batching, which schedules every
+answer of the round into one running batch; on a GPU give it a large ``--chunk``).
 Generation stops at the tokenizer's end-of-turn token or at ``--max-new-tokens``.
 
 Output lines: ``{"messages": [...], "source_index": i, "finished": bool}``; ``source_index`` is the
@@ -159,31 +161,6 @@ def done_indices(path: Path) -> set[int]:
     return out
 
 
-def _answer(model, tok, contexts: list[list[int]], args, eos: list[int], device) -> list[tuple[list[int], bool]]:
-    """Generate one answer per context (token ids): ``[(answer ids without eos, finished)]``."""
-    import torch
-
-    width = max(len(c) for c in contexts)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, c in enumerate(contexts):                        # left padding: answers start aligned
-        ids[i, width - len(c):] = torch.tensor(c)
-        mask[i, width - len(c):] = 1
-    sample = args.temperature > 0
-    kwargs = {"do_sample": sample, "temperature": args.temperature, "top_p": args.top_p} if sample else {
-        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    with torch.no_grad():
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                             pad_token_id=pad, **kwargs)
-    answers = []
-    for row in out[:, width:].tolist():
-        cut = next((j for j, t in enumerate(row) if t in eos), None)
-        answers.append((row if cut is None else row[:cut], cut is not None))
-    return answers
-
-
 def regenerate(conversations: list, source_index: list[int], model, tok, args, out_path: Path,
                skipped: Counter, device, progress: bool = True) -> int:
     """Regenerate ``conversations`` (module docstring); append finished ones to ``out_path``.
@@ -199,8 +176,11 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
         TimeElapsedColumn,
     )
 
+    from dflash.model import answers as target_answers
+
     eos = [t for t in {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
            if isinstance(t, int) and t >= 0 and t != tok.unk_token_id]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     written = 0
     columns = (TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with open(out_path, "a", encoding="utf-8") as f, \
@@ -238,19 +218,19 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                             todo.append((s, ids))
                 if not todo:
                     break
-                todo.sort(key=lambda x: len(x[1]))         # similar lengths share a batch
-                for b in range(0, len(todo), args.batch_size):
-                    part = todo[b: b + args.batch_size]
-                    for (s, _), (ans, fin) in zip(part, _answer(model, tok, [x[1] for x in part], args, eos, device)):
-                        text = tok.decode(ans, skip_special_tokens=True)
-                        s["rest"].pop(0)
-                        if not text.strip():
-                            skipped["empty_response"] += 1
-                            s["alive"], s["answered"] = False, -1
-                            continue
-                        s["messages"].append({"role": "assistant", "content": text})
-                        s["finished"] &= fin
-                        s["answered"] += 1
+                answers = target_answers.answer(model, [ids for _, ids in todo], max_new_tokens=args.max_new_tokens, eos=eos,
+                                                pad=pad, temperature=args.temperature, top_p=args.top_p,
+                                                batch_size=args.batch_size, engine=args.engine)
+                for (s, _), (ans, fin) in zip(todo, answers):
+                    text = tok.decode(ans, skip_special_tokens=True)
+                    s["rest"].pop(0)
+                    if not text.strip():
+                        skipped["empty_response"] += 1
+                        s["alive"], s["answered"] = False, -1
+                        continue
+                    s["messages"].append({"role": "assistant", "content": text})
+                    s["finished"] &= fin
+                    s["answered"] += 1
             for s, i in zip(state, source_index[start: start + args.chunk]):
                 if s["answered"] == 0:
                     skipped["no_user_turn"] += 1
@@ -290,7 +270,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int, default=1_000_000,
                    help="answer at most N assistant turns per conversation; the rest of it is cut "
                         "(default: all)")
-    p.add_argument("--batch-size", type=int, default=32, help="answers per generate call (default 32)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="answers per generate call with --engine generate (default 32)")
+    p.add_argument("--engine", choices=("generate", "continuous"), default="generate",
+                   help="generate: left-padded batches (default); continuous: transformers' continuous "
+                        "batching (a paged KV cache, answers scheduled as others finish; transformers >= 5; "
+                        "for a GPU, with a large --chunk)")
     p.add_argument("--chunk", type=int, default=64,
                    help="conversations per resumable unit: written together, lost together on a kill (default 64)")
     p.add_argument("--num-conversations", type=int, default=None,
@@ -333,7 +318,10 @@ def _main(args: argparse.Namespace, locks: list) -> int:
 
     quiet_progress_bars_when_piped()  # no "Loading weights" tqdm bar in a log file
     out = Path(args.out)
+    from dflash.model.answers import check_engine
+
     try:
+        check_engine(args.engine)  # before any work: the continuous engine needs transformers 5
         cfg = load_config(args.graph, args.overrides)
         limit = args.num_conversations or cfg.data.max_samples
         records = read_source(cfg.data.source, cfg.data.format, limit)

@@ -2,13 +2,14 @@
 # Step 2: the target's own answers to ShareGPT prompts (its first 16,000 conversations' user turns,
 # carried as .whl/sharegpt-16k.jsonl.gz), two passes side by side for REGEN_S seconds: greedy, and
 # sampled (T = 0.8, top-p 0.95) for more varied contexts; labels stay the target's argmax in training.
-# SIGINT at the cap keeps every finished chunk. -> R/regen-all.jsonl
-#   REGEN_S=180 bash benchmarks/real_target/data.sh OUT
+# SIGINT at the cap keeps every finished chunk. ENGINE: dflash.regenerate's --engine (engines.sh
+# measures both). -> R/regen-all.jsonl
+#   REGEN_S=180 ENGINE=generate bash benchmarks/real_target/data.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
 RG=("${ON_R[@]}" --set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
-    --batch-size ${BATCH:-512} --chunk ${BATCH:-512})
+    --engine ${ENGINE:-generate} --batch-size ${BATCH:-512} --chunk ${CHUNK:-${BATCH:-512}})
 T0=$(date +%s)
 timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-greedy.jsonl" "${RG[@]}" > "$OUT/regen-greedy.log" 2>&1 &
 timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-sampled.jsonl" "${RG[@]}" \

@@ -65,7 +65,9 @@ def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeyp
     continues where it stopped: every conversation is written exactly once, and what was written
     before the interruption is kept unchanged."""
     src, out = _source(tmp_path), tmp_path / "out.jsonl"
-    real, calls = regen._answer, []
+    from dflash.model import answers
+
+    real, calls = answers.answer, []
 
     def flaky(*a, **kw):
         calls.append(1)
@@ -73,13 +75,13 @@ def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeyp
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(regen, "_answer", flaky)
+    monkeypatch.setattr(answers, "answer", flaky)
     assert regen.main(_args(src, out)) == 130
     first = out.read_text()
     assert len(_lines(out)) == 2            # the first chunk (2 conversations) was kept
     with open(out, "a") as f:
         f.write('{"messages": [{"role": "user", "con\n')  # a cut write, then a newline (echo, editor)
-    monkeypatch.setattr(regen, "_answer", real)
+    monkeypatch.setattr(answers, "answer", real)
     assert regen.main(_args(src, out)) == 0
     rows = _lines(out)
     idx = [r["source_index"] for r in rows]
@@ -187,3 +189,15 @@ def test_the_meta_file_is_replaced_atomically(tmp_path, monkeypatch):
         regen.write_meta(meta, {"settings": {"version": 2}})
     assert meta.read_text() == before and json.loads(before)["settings"] == {"version": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == [meta.name]
+
+
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="the continuous engine needs transformers >= 5")
+def test_the_continuous_engine_writes_what_the_padded_one_writes(tmp_path, capsys):
+    """Invariant: greedy, in fp32 on a CPU, ``--engine continuous`` (transformers' continuous
+    batching) writes the same conversations as ``--engine generate``, multi-turn and all."""
+    src = _source(tmp_path)
+    a, b = tmp_path / "generate.jsonl", tmp_path / "continuous.jsonl"
+    assert regen.main(_args(src, a, "--engine", "generate")) == 0
+    assert regen.main(_args(src, b, "--engine", "continuous")) == 0
+    assert _lines(a) == _lines(b) and len(_lines(a)) == 6

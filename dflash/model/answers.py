@@ -1,0 +1,105 @@
+"""The target's answers to many contexts at once: what ``python -m dflash.regenerate`` asks of it.
+
+Two engines, both transformers' own:
+
+* ``"generate"``: ``model.generate`` over left-padded batches of ``batch_size`` contexts, sorted by
+  length so that similar lengths share a batch. A batch decodes until its longest answer ends: a
+  row that finished early still rides along (padding), and the KV cache grows by concatenation.
+* ``"continuous"``: transformers' continuous batching (``model.generate_batch``, transformers >= 5):
+  a paged KV cache, and requests scheduled into the running batch as others finish, so no step is
+  spent on a finished answer and no context is padded. It is the serving engines' way of keeping
+  a GPU busy with many answers of unequal length; on a CPU it is slower than ``"generate"``.
+
+Greedy answers are the target's argmax either way; batching changes the order of floating-point
+sums, so in bf16 on a GPU an answer may part from another engine's (or batch size's) where two
+logits tie to rounding, as it would between any two batch sizes; in fp32 on a CPU they are
+token-identical (tested). Sampled answers come from the same distribution, not the same draws.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = ["ENGINES", "Engine", "answer", "check_engine"]
+
+Engine = Literal["generate", "continuous"]
+ENGINES: tuple[Engine, ...] = ("generate", "continuous")
+
+
+def check_engine(engine: str) -> None:
+    """Raise ValueError (one line, what to do) when ``engine`` cannot run with the installed
+    transformers: ``"continuous"`` needs transformers 5 (4.x's ``generate_batch`` returns another
+    shape and is experimental)."""
+    import transformers
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r} is not one of {list(ENGINES)}")
+    if engine == "continuous" and int(transformers.__version__.split(".")[0]) < 5:
+        raise ValueError(f"the continuous engine needs transformers >= 5 (installed: {transformers.__version__}); "
+                         "use --engine generate or upgrade transformers")
+
+
+@torch.no_grad()
+def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[int], pad: int,
+           temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 32,
+           engine: Engine = "generate") -> list[tuple[list[int], bool]]:
+    """One answer per context: ``[(answer token ids without the end token, finished)]`` in the
+    order of ``contexts``; ``finished`` is False when the answer reached ``max_new_tokens``.
+
+    Args:
+        model: a transformers causal LM (the target, in eval mode, on its device).
+        contexts: token ids of each prompt (chat template applied), each non-empty.
+        eos: the token ids that end an answer; pad: the id left padding uses (``"generate"``).
+        temperature: 0 = greedy; otherwise sampled at this temperature with ``top_p``.
+        batch_size: contexts per ``generate`` call (``"generate"`` only; the continuous engine
+            schedules by its cache's room).
+
+    Raises:
+        ValueError: ``engine`` cannot run here (:func:`check_engine`).
+    """
+    check_engine(engine)
+    if not contexts:
+        return []
+    sample = temperature > 0
+    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p} if sample else
+                {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
+    rows = _continuous(model, contexts, max_new_tokens, eos, pad, sampling) if engine == "continuous" else \
+        _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size)
+    out = []
+    for row in rows:
+        cut = next((j for j, t in enumerate(row) if t in eos), None)
+        out.append((row if cut is None else row[:cut], cut is not None))
+    return out
+
+
+def _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size) -> list[list[int]]:
+    """``model.generate`` over length-sorted, left-padded batches; the new tokens of each context."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))  # similar lengths share a batch
+    rows: list[list[int]] = [[] for _ in contexts]
+    for b in range(0, len(order), batch_size):
+        part = order[b: b + batch_size]
+        width = max(len(contexts[i]) for i in part)
+        ids = torch.full((len(part), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(part):                      # left padding: answers start aligned
+            ids[r, width - len(contexts[i]):] = torch.tensor(contexts[i])
+            mask[r, width - len(contexts[i]):] = 1
+        new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=pad, **sampling)[:, width:].tolist()
+        for r, i in enumerate(part):
+            rows[i] = new[r]
+    return rows
+
+
+def _continuous(model, contexts, max_new_tokens, eos, pad, sampling) -> list[list[int]]:
+    """transformers' continuous batching over every context at once; the new tokens of each."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
+    results = model.generate_batch(inputs=[list(c) for c in contexts], generation_config=config)
+    # request ids are "req_<index of the input>"
+    by_index = {int(key.rsplit("_", 1)[1]): out for key, out in results.items()}
+    return [list(by_index[i].generated_tokens) for i in range(len(contexts))]
