@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jacobi-passes", type=int, default=None, metavar="K",
                    help="an XPress drafter's Jacobi passes at most (0: the backbone's argmax; default the "
                         "checkpoint's [drafter].jacobi_passes)")
+    p.add_argument("--tree-budget", type=int, default=0, metavar="B",
+                   help="also score every block under tree verification with B draft tokens, teacher-forced "
+                        "(the B most probable prefixes of the drafter's per-position marginals; default 0: off)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                    help=f"prompt tokens kept, the last ones (default {DEFAULT_MAX_PROMPT_TOKENS}; for the run's "
                         "held-out conversations its [eval].max_prompt_tokens)")

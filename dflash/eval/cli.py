@@ -139,6 +139,8 @@ def _main(argv: list[str] | None) -> int:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.tree_budget < 0:
+        p.error("--tree-budget must be >= 0 (0: no tree figure)")
     if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1 or args.top_k < 0:
         p.error("--temperature must be a finite number >= 0, --top-p in (0, 1], --top-k >= 0")
     if args.temperature == 0 and (args.top_p != 1 or args.top_k != 0):
@@ -277,7 +279,7 @@ def _main(argv: list[str] | None) -> int:
         res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
                        next_turn=next_turn, speed=not args.no_speedup, cuda_graphs=args.cuda_graphs,
-                       progress=ProgressLines(say) if not args.quiet else None)
+                       tree_budget=args.tree_budget, progress=ProgressLines(say) if not args.quiet else None)
     except DataError as exc:  # a chat template that cannot render a later turn
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2

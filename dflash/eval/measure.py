@@ -17,7 +17,6 @@ and is scored by the same passes over the teacher-forced blocks.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,15 +31,17 @@ from dflash.eval.decode import (
     speculative_decode,
 )
 from dflash.eval.progress import EvalProgress
-from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SelectorFigures, SpeedResult
-from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
+from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedResult
+from dflash.eval.selector import block_figures, is_dflash2, selector_figures, selector_proposer
 from dflash.eval.static_drafter import static_proposer
+from dflash.eval.tree import tree_accepted
 from dflash.eval.xpress import is_xpress, xpress_block_hits, xpress_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead, Target
 from dflash.train.acceptance import (
     accuracy_per_position,
+    per_position_list,
     simulated_accepted_length,
     streak_lengths,
     tau_from_accepted,
@@ -196,13 +197,14 @@ class _Decoded:
     streaks: torch.Tensor | None = None
     s_vis: torch.Tensor | None = None
     extra: tuple | None = None
+    tree: torch.Tensor | None = None    # [anchors] accepted under a tree (tree_budget > 0)
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
-             speed: bool = False, cuda_graphs: bool = False,
+             speed: bool = False, cuda_graphs: bool = False, tree_budget: int = 0,
              progress: Callable[[EvalProgress], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
@@ -225,6 +227,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         cuda_graphs: every decode here (both timed kinds, the sampled one) runs the target's
             steps through :mod:`dflash.eval.static_target`, and a full-attention DFlash or DFlash2
             drafter's through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
+        tree_budget: > 0: also score every anchor's block under a tree of that many draft tokens
+            (teacher-forced, :mod:`dflash.eval.tree`), ``EvalResult.tree_tau``.
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
@@ -277,12 +281,15 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     if progress is not None:
         progress(EvalProgress.at("score", 0, len(prompts), t_start, len(decoded), 0, []))
     for d in decoded:  # teacher-forced scoring, after every timed decode
-        _score(d, target, drafter, head, dflash2)
+        _score(d, target, drafter, head, dflash2, tree_budget)
     cats = categories or ["all"] * len(prompts)
     res = _summary(decoded, drafter, dflash2)
     res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
     res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
     res.cuda_graphs = cuda_graphs
+    if tree_budget:
+        res.tree_budget = tree_budget
+        res.tree_tau = tau_from_accepted(float(torch.cat([d.tree for d in decoded]).float().mean()))
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None
@@ -292,20 +299,21 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     return res
 
 
-def _score(d: _Decoded, target, drafter, head, dflash2: bool) -> None:
+def _score(d: _Decoded, target, drafter, head, dflash2: bool, tree_budget: int = 0) -> None:
     """Teacher-forced figures of one decode's text: a block at every anchor after the prompt."""
     tokens, n = d.tokens, d.prompt_len
     region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
+    hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
     if dflash2:  # scored by the walk it drafts with; the backbone's top-1 and the top-K beside it
-        hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
         correct, top1, in_k = block_figures(drafter, head, hidden, tokens[region], labels)
         d.extra = (top1, in_k, valid)
     elif is_xpress(drafter):  # scored by its Jacobi drafts, the drafts it decodes with
-        hidden, labels, valid = _teacher_forced_blocks(target, drafter, head, tokens, region)
         before = tokens[(region - 1).clamp(min=0)]
         correct = xpress_block_hits(drafter, head, hidden, before, tokens[region], labels)
     else:
-        correct, valid = teacher_forced(target, drafter, head, tokens, region)
+        correct = head.logits(hidden[:, 1:]).argmax(-1) == labels
+    if tree_budget:  # the backbone's marginals as a tree (dflash.eval.tree)
+        d.tree = tree_accepted(head.logits(hidden[:, 1:]), labels, valid, tree_budget)
     d.correct, d.valid = correct, valid
     d.streaks = streak_lengths(correct, valid)
     d.s_vis = d.streaks[torch.tensor(d.visited, device=tokens.device) - n]
@@ -335,10 +343,10 @@ def _summary(decoded: list[_Decoded], drafter, dflash2: bool) -> EvalResult:
         tau_sim=tau_from_accepted(sim), accepted_sim=sim,
         streak_visited=sum(all_vis) / max(len(all_vis), 1),
         streak_all=float(torch.cat([d.streaks for d in decoded]).float().mean()),
-        acc_per_pos=_scored(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
+        acc_per_pos=per_position_list(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
         block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size,
         per_prompt=[d.result for d in decoded],
-        selector=_selector_figures(drafter, [d.extra for d in decoded],
+        selector=selector_figures(drafter, [d.extra for d in decoded],
                                    torch.cat([d.correct for d in decoded])) if dflash2 else None,
         jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None)
 
@@ -364,31 +372,3 @@ def _speed(decoded: list[_Decoded]) -> SpeedResult:
     alone = sum(d.target_seconds for d in decoded)
     return SpeedResult(new_tokens=tokens, dflash_seconds=spec, target_seconds=alone,
                        dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)
-
-
-def _selector_figures(drafter: DFlashDrafter, extra, correct: torch.Tensor) -> SelectorFigures:
-    """recall@K, oracle top-K tau and the backbone top-1's tau over every teacher-forced block, and
-    where the walk loses its tokens per position (``correct [A, bs-1]``: the walk's hits)."""
-    top1, in_k, valid = (torch.cat(x) for x in zip(*extra))
-    hit = correct & valid
-    before = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(1).bool()  # right up to j-1
-    reached = before & valid
-    reached_k = reached & in_k
-
-    def rate(num: torch.Tensor, den: torch.Tensor) -> list[float | None]:
-        n, d = num.sum(0).float(), den.sum(0).float()
-        return [None if int(b) == 0 else float(a / b) for a, b in zip(n, d)]
-
-    return SelectorFigures(
-        reached_in_k_per_pos=rate(reached_k, reached),
-        reached_pick_per_pos=rate(reached_k & hit, reached_k),
-        top_k=drafter.cfg.selector_top_k,
-        recall=float((in_k & valid).sum() / valid.sum().clamp(min=1)),
-        oracle_tau=tau_from_accepted(float(streak_lengths(in_k, valid).float().mean())),
-        backbone_tau=tau_from_accepted(float(streak_lengths(top1, valid).float().mean())),
-        backbone_acc_per_pos=_scored(accuracy_per_position(top1, valid)))
-
-
-def _scored(acc: torch.Tensor) -> list[float | None]:
-    """Per-position accuracies as a list, None where no anchor reached the position (NaN)."""
-    return [None if math.isnan(a) else a for a in acc.tolist()]

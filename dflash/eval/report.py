@@ -159,6 +159,9 @@ class EvalResult(msgspec.Struct, kw_only=True):
             figures above are those of the selector's walk, the tokens it drafts); None for DFlash.
         jacobi_passes: an XPress drafter's Jacobi passes at most (its figures above are those of
             the passes' drafts); None for the other variants.
+        tree_budget, tree_tau: with ``--tree-budget B``: tokens per verify step at every anchor
+            under a tree of ``B`` draft tokens built from the backbone's per-position marginals,
+            teacher-forced (:mod:`dflash.eval.tree`); None when not asked for.
         prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
         heldout: the prompts were the run's held-out conversations (``--data`` = the run's source).
         max_new_tokens: tokens each decode generated (``--max-new-tokens``); None in results saved
@@ -192,6 +195,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
     seconds: float | None = None
     selector: SelectorFigures | None = None
     jacobi_passes: int | None = None
+    tree_budget: int | None = None
+    tree_tau: float | None = None
     n_per_pos: list[int] = msgspec.field(default_factory=list)
     prompt_set: str = ""
     heldout: bool = False
@@ -252,6 +257,8 @@ def format_result(res: EvalResult) -> str:
             ("teacher-forced streak @ visited anchors", res.streak_visited + 1, res.streak_visited),
             ("teacher-forced streak @ all anchors", res.streak_all + 1, res.streak_all),
             ("simulated tau_sim (per-position accuracy)", res.tau_sim, res.accepted_sim)]
+    if res.tree_tau is not None:
+        rows.append((f"teacher-forced tree of {res.tree_budget} @ all anchors", res.tree_tau, res.tree_tau - 1))
     if res.sampled_tau is not None:
         knobs = f"T={res.temperature:g}" + (f", top-p {res.top_p:g}" if res.top_p < 1 else "") + (
             f", top-k {res.top_k}" if res.top_k else "")

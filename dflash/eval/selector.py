@@ -36,12 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from dflash.eval.decode import DrafterContextCache
+from dflash.eval.report import SelectorFigures
 from dflash.model.attention import decode_layout
 from dflash.model.drafter import DFlashDrafter, apply_rope
 from dflash.model.target import SharedHead
 from dflash.model.variants import variant_of
+from dflash.train.acceptance import accuracy_per_position, per_position_list, streak_lengths, tau_from_accepted
 
-__all__ = ["CachedSelectorProposer", "SelectorProposer", "block_figures", "is_dflash2", "selector_proposer"]
+__all__ = ["CachedSelectorProposer", "SelectorProposer", "block_figures", "is_dflash2", "selector_figures",
+           "selector_proposer"]
 
 
 def is_dflash2(drafter: DFlashDrafter) -> bool:
@@ -174,3 +177,27 @@ def block_figures(drafter: DFlashDrafter, head: SharedHead, hidden: torch.Tensor
     unary, cand = sel.candidates(logits)
     path, _ = sel.walk(slots, unary, cand, anchor_ids)
     return path == labels, logits.argmax(-1) == labels, (cand == labels[..., None]).any(-1)
+
+
+def selector_figures(drafter: DFlashDrafter, extra, correct: torch.Tensor) -> SelectorFigures:
+    """recall@K, oracle top-K tau and the backbone top-1's tau over every teacher-forced block, and
+    where the walk loses its tokens per position (``correct [A, bs-1]``: the walk's hits; ``extra``:
+    one ``(top1, in_k, valid)`` of :func:`block_figures` per decode)."""
+    top1, in_k, valid = (torch.cat(x) for x in zip(*extra))
+    hit = correct & valid
+    before = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1]], dim=1).cumprod(1).bool()  # right up to j-1
+    reached = before & valid
+    reached_k = reached & in_k
+
+    def rate(num: torch.Tensor, den: torch.Tensor) -> list[float | None]:
+        n, d = num.sum(0).float(), den.sum(0).float()
+        return [None if int(b) == 0 else float(a / b) for a, b in zip(n, d)]
+
+    return SelectorFigures(
+        reached_in_k_per_pos=rate(reached_k, reached),
+        reached_pick_per_pos=rate(reached_k & hit, reached_k),
+        top_k=drafter.cfg.selector_top_k,
+        recall=float((in_k & valid).sum() / valid.sum().clamp(min=1)),
+        oracle_tau=tau_from_accepted(float(streak_lengths(in_k, valid).float().mean())),
+        backbone_tau=tau_from_accepted(float(streak_lengths(top1, valid).float().mean())),
+        backbone_acc_per_pos=per_position_list(accuracy_per_position(top1, valid)))

@@ -26,7 +26,8 @@ import math
 
 import torch
 
-__all__ = ["accuracy_per_position", "streak_lengths", "simulated_accepted_length", "tau_from_accepted"]
+__all__ = ["accuracy_per_position", "per_position_list", "streak_lengths", "simulated_accepted_length",
+           "tau_from_accepted"]
 
 
 def tau_from_accepted(accepted: float) -> float:
@@ -58,3 +59,9 @@ def streak_lengths(correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``[M]`` leading-correct count per block; an invalid slot ends the streak."""
     ok = (correct & valid).long()
     return torch.cumprod(ok, dim=1).sum(1)
+
+
+def per_position_list(acc: torch.Tensor) -> list[float | None]:
+    """Per-position accuracies ``[bs-1]`` as a list, None where no anchor reached the position
+    (NaN in :func:`accuracy_per_position`): what a report serialises."""
+    return [None if math.isnan(a) else a for a in acc.tolist()]

@@ -208,14 +208,14 @@ def test_where_the_walk_loses_its_tokens_per_position():
     among those the share the walk picks; counted by hand on three blocks."""
     from types import SimpleNamespace
 
-    from dflash.eval.measure import _selector_figures
+    from dflash.eval.selector import selector_figures
 
     T, F = True, False
     hit = torch.tensor([[T, T, F], [T, F, F], [F, F, F]])
     in_k = torch.tensor([[T, T, T], [T, T, F], [F, T, T]])
     valid = torch.tensor([[T, T, T], [T, T, T], [T, T, F]])
     top1 = torch.zeros_like(hit)
-    fig = _selector_figures(SimpleNamespace(cfg=SimpleNamespace(selector_top_k=4)), [(top1, in_k, valid)], hit)
+    fig = selector_figures(SimpleNamespace(cfg=SimpleNamespace(selector_top_k=4)), [(top1, in_k, valid)], hit)
     # position 1: all 3 reached, 2 with the label in the top-K, both picked
     # position 2: blocks 0 and 1 reached, both in the top-K, block 0 picked
     # position 3: block 0 reached, in the top-K, not picked
