@@ -35,10 +35,12 @@ from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedRe
 from dflash.eval.selector import block_figures, is_dflash2, selector_figures, selector_proposer
 from dflash.eval.static_drafter import static_proposer
 from dflash.eval.tree import tree_accepted
+from dflash.eval.tree_decode import tree_decode
 from dflash.eval.xpress import is_xpress, xpress_block_hits, xpress_proposer
 from dflash.model.attention import training_layout
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import SharedHead, Target
+from dflash.model.variants import variant_of
 from dflash.train.acceptance import (
     accuracy_per_position,
     per_position_list,
@@ -198,6 +200,8 @@ class _Decoded:
     s_vis: torch.Tensor | None = None
     extra: tuple | None = None
     tree: torch.Tensor | None = None    # [anchors] accepted under a tree (tree_budget > 0)
+    tree_m: list[int] = field(default_factory=list)  # accepted per step of the tree decode
+    tree_seconds: float = 0.0
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
@@ -228,7 +232,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             steps through :mod:`dflash.eval.static_target`, and a full-attention DFlash or DFlash2
             drafter's through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
         tree_budget: > 0: also score every anchor's block under a tree of that many draft tokens
-            (teacher-forced, :mod:`dflash.eval.tree`), ``EvalResult.tree_tau``.
+            (teacher-forced, :mod:`dflash.eval.tree`: ``EvalResult.tree_tau_tf``) and, for a
+            variant that drafts the backbone's top-1, decode each prompt again with tree
+            verification (:mod:`dflash.eval.tree_decode`: ``tree_tau``, timed).
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
@@ -264,6 +270,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                 t0 = _clock(prompt.device)
                 greedy_decode(target, prompt, max_new_tokens, cuda_graphs=cuda_graphs)
                 d.target_seconds = _clock(prompt.device) - t0
+            if tree_budget and variant_of(drafter.cfg.variant).drafts_with == "top1":
+                t0 = _clock(prompt.device)
+                d.tree_m = tree_decode(target, CachedDrafterProposer(drafter, head), prompt, max_new_tokens, bs,
+                                       tree_budget, should_stop=should_stop)[1]
+                d.tree_seconds = _clock(prompt.device) - t0
             if gen is not None:  # the generator's stream runs through the prompts in order
                 t0 = _clock(prompt.device)
                 d.sampled_m = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
@@ -289,7 +300,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     res.cuda_graphs = cuda_graphs
     if tree_budget:
         res.tree_budget = tree_budget
-        res.tree_tau = tau_from_accepted(float(torch.cat([d.tree for d in decoded]).float().mean()))
+        res.tree_tau_tf = tau_from_accepted(float(torch.cat([d.tree for d in decoded]).float().mean()))
+        tree_m = [m for d in decoded for m in d.tree_m]
+        if tree_m:
+            res.tree_tau = tau_from_accepted(sum(tree_m) / len(tree_m))
+            res.tree_seconds = sum(d.tree_seconds for d in decoded)
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None

@@ -159,9 +159,13 @@ class EvalResult(msgspec.Struct, kw_only=True):
             figures above are those of the selector's walk, the tokens it drafts); None for DFlash.
         jacobi_passes: an XPress drafter's Jacobi passes at most (its figures above are those of
             the passes' drafts); None for the other variants.
-        tree_budget, tree_tau: with ``--tree-budget B``: tokens per verify step at every anchor
-            under a tree of ``B`` draft tokens built from the backbone's per-position marginals,
-            teacher-forced (:mod:`dflash.eval.tree`); None when not asked for.
+        tree_budget: ``--tree-budget B``: draft tokens per tree (None when not asked for).
+        tree_tau: measured tokens per verify step of the greedy tree-verified decode of every
+            prompt (:mod:`dflash.eval.tree_decode`; trees of ``B`` draft tokens from the backbone's
+            per-position marginals), over all its steps; None for a variant that drafts otherwise
+            (DFlash2's walk, XPress's passes) or when not asked for. ``tree_seconds``: its wall time.
+        tree_tau_tf: the same tree, teacher-forced at every anchor of the chain decode's text
+            (:mod:`dflash.eval.tree`; for every variant, from its backbone).
         prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
         heldout: the prompts were the run's held-out conversations (``--data`` = the run's source).
         max_new_tokens: tokens each decode generated (``--max-new-tokens``); None in results saved
@@ -197,6 +201,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
     jacobi_passes: int | None = None
     tree_budget: int | None = None
     tree_tau: float | None = None
+    tree_seconds: float | None = None
+    tree_tau_tf: float | None = None
     n_per_pos: list[int] = msgspec.field(default_factory=list)
     prompt_set: str = ""
     heldout: bool = False
@@ -258,7 +264,9 @@ def format_result(res: EvalResult) -> str:
             ("teacher-forced streak @ all anchors", res.streak_all + 1, res.streak_all),
             ("simulated tau_sim (per-position accuracy)", res.tau_sim, res.accepted_sim)]
     if res.tree_tau is not None:
-        rows.append((f"teacher-forced tree of {res.tree_budget} @ all anchors", res.tree_tau, res.tree_tau - 1))
+        rows.insert(1, (f"measured: tree-verified decode ({res.tree_budget} nodes)", res.tree_tau, res.tree_tau - 1))
+    if res.tree_tau_tf is not None:
+        rows.append((f"teacher-forced tree of {res.tree_budget} @ all anchors", res.tree_tau_tf, res.tree_tau_tf - 1))
     if res.sampled_tau is not None:
         knobs = f"T={res.temperature:g}" + (f", top-p {res.top_p:g}" if res.top_p < 1 else "") + (
             f", top-k {res.top_k}" if res.top_k else "")
@@ -344,6 +352,9 @@ def format_speed(res: EvalResult) -> str:
         lines.append(f"measured speedup {s.speedup:.2f}x: draft-and-verify {s.dflash_tok_s:.1f} tok/s vs the "
                      f"target alone {s.target_tok_s:.1f} tok/s (greedy, batch 1, {s.new_tokens} tokens each, "
                      f"{res.dtype}{', CUDA graphs' if res.cuda_graphs else ''}, warmed up, synchronised)")
+        if res.tree_seconds:
+            lines.append(f"tree-verified decode ({res.tree_budget} nodes): {s.new_tokens / res.tree_seconds:.1f} tok/s, "
+                         f"{s.target_seconds / res.tree_seconds:.2f}x the target alone (dynamic KV cache)")
     p = res.projection
     if p is not None:
         lines.append(f"projected speedup {p.speedup:.2f}x on an 8B-class target at this tau (a projection, "

@@ -23,7 +23,7 @@ import heapq
 
 import torch
 
-__all__ = ["tree_accepted"]
+__all__ = ["best_first", "tree_accepted"]
 
 
 @torch.no_grad()
@@ -56,25 +56,44 @@ def tree_accepted(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
                         dtype=torch.long)
 
 
-def _accepted(logp: list[list[float]], ids: list[list[int]], labels: list[int], budget: int, limit: int) -> int:
-    """One block: prefixes popped best-first until ``budget`` are in the tree.
+def best_first(logp: list[list[float]], ids: list[list[int]], budget: int) -> list[tuple[int, int, int]]:
+    """The tree of one block: its ``budget`` most probable prefixes, most probable first.
+
+    Args:
+        logp, ids: per drafted position, the log-probabilities (descending) and token ids of its
+            top-k tokens (``k <= budget`` is enough: no prefix beyond rank ``budget`` can be chosen).
+        budget: draft tokens in the tree.
+
+    Returns:
+        One ``(parent, position, token)`` per node, in the order taken: ``parent`` is the index of
+        the node it extends (-1: the block's anchor), ``position`` its depth (0: the first drafted
+        position). Every parent comes before its children.
 
     A heap entry is a prefix: (minus its log-probability, position, rank of its last token at that
-    position, its parent's log-probability, whether the parent is the label prefix). Popping one
-    pushes its next sibling (the next rank at the same position, same parent) and its best child
-    (rank 0 at the next position); neither is more probable than it, so prefixes come out in order.
+    position, the parent's log-probability, the parent's node index). Taking one pushes its next
+    sibling (the next rank at the same position, same parent) and its best child (rank 0 at the next
+    position); neither is more probable than it, so prefixes are taken in order of probability.
     """
     depth, width = len(logp), len(logp[0]) if logp else 0
-    heap = [(-logp[0][0], 0, 0, 0.0, True)] if depth and width else []
-    accepted = taken = 0
-    while heap and taken < budget:
-        neg, pos, rank, parent, parent_on_label = heapq.heappop(heap)
-        taken += 1
-        on_label = parent_on_label and ids[pos][rank] == labels[pos]
-        if on_label and pos < limit:
-            accepted = max(accepted, pos + 1)
+    heap = [(-logp[0][0], 0, 0, 0.0, -1)] if depth and width else []
+    nodes: list[tuple[int, int, int]] = []
+    while heap and len(nodes) < budget:
+        neg, pos, rank, parent_lp, parent = heapq.heappop(heap)
+        nodes.append((parent, pos, ids[pos][rank]))
         if rank + 1 < width:
-            heapq.heappush(heap, (-(parent + logp[pos][rank + 1]), pos, rank + 1, parent, parent_on_label))
+            heapq.heappush(heap, (-(parent_lp + logp[pos][rank + 1]), pos, rank + 1, parent_lp, parent))
         if pos + 1 < depth:
-            heapq.heappush(heap, (neg - logp[pos + 1][0], pos + 1, 0, -neg, on_label))
+            heapq.heappush(heap, (neg - logp[pos + 1][0], pos + 1, 0, -neg, len(nodes) - 1))
+    return nodes
+
+
+def _accepted(logp: list[list[float]], ids: list[list[int]], labels: list[int], budget: int, limit: int) -> int:
+    """One block: the longest label prefix, within ``limit`` valid positions, among its tree's paths."""
+    on_label: list[bool] = []
+    accepted = 0
+    for parent, pos, token in best_first(logp, ids, budget):
+        on = (parent < 0 or on_label[parent]) and token == labels[pos]
+        on_label.append(on)
+        if on and pos < limit:
+            accepted = max(accepted, pos + 1)
     return accepted

@@ -70,11 +70,71 @@ def test_dflash_eval_reports_the_tree_figure_and_it_grows_with_the_budget(tmp_pa
     for budget in (1, 4, 64):
         assert eval_main([*base, "--tree-budget", str(budget), "--json"]) == 0
         res = json.loads(capsys.readouterr().out)
-        assert res["tree_budget"] == budget
-        taus.append(res["tree_tau"])
+        assert res["tree_budget"] == budget and res["tree_seconds"] > 0
+        assert 1.0 <= res["tree_tau"] <= res["block_size"]
+        taus.append(res["tree_tau_tf"])
     assert 1.0 <= taus[0] <= 2.0 and taus[0] <= taus[1] <= taus[2] <= res["block_size"]
     assert eval_main([*base, "--tree-budget", "4"]) == 0
-    assert "teacher-forced tree of 4 @ all anchors" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "teacher-forced tree of 4 @ all anchors" in out and "measured: tree-verified decode (4 nodes)" in out
     with pytest.raises(SystemExit) as stop:  # argparse's error: usage, then the one line
         eval_main([*base, "--tree-budget", "-1"])
     assert stop.value.code == 2 and "--tree-budget must be >= 0" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny target and a DFlash drafter briefly fit to its greedy continuations, so that trees
+    are accepted in part (a random drafter is accepted almost never)."""
+    from dflash.messages import LossInput
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.target import TargetConfig, load_target
+    from dflash.train.anchors import sample_anchors
+    from dflash.train.loss import LossConfig
+    from dflash.train.objective import compute_loss
+
+    target = load_target(TargetConfig(preset="tiny", seed=11, vocab_size=64), "cpu", num_draft_layers=2)
+    head = target.shared_head()
+    d = DFlashDrafter(DrafterConfig(num_layers=1, block_size=4, mask_token_id=63).resolve(
+        target.hf_config, target.layer_ids), seed=2)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        ids = torch.randint(0, 63, (4, 40), generator=g)
+        pos = torch.arange(40)[None].expand(4, 40)
+        doc, lm = torch.zeros(4, 40, dtype=torch.int32), torch.ones(4, 40, dtype=torch.bool)
+        with torch.no_grad():
+            feats, final = target(ids, pos, doc)
+        x = LossInput(features=feats, input_ids=ids, loss_mask=lm, doc_ids=doc, position_ids=pos,
+                      anchors=sample_anchors(lm, doc, 16, 4, g), final_hidden=final)
+        compute_loss(d, head, x, LossConfig(label="target_argmax", weighting="none")).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return target, head, d.eval()
+
+
+@pytest.mark.parametrize("budget", [1, 3, 12])
+def test_tree_decoding_is_the_targets_greedy_text_and_accepts_what_the_tree_figure_says(tiny, budget):
+    """Invariant: greedy tree-verified decoding returns the target's own greedy text, with the
+    recomputing and the cached drafter alike; at every anchor it verified, its accepted length
+    equals the teacher-forced tree figure of the same budget on that text."""
+    from dflash.eval.decode import greedy_decode
+    from dflash.eval.measure import _teacher_forced_blocks
+    from dflash.eval.proposers import CachedDrafterProposer, DrafterProposer
+    from dflash.eval.tree_decode import tree_decode
+
+    target, head, d = tiny
+    seen = 0
+    for seed in range(3):
+        prompt = torch.randint(0, 63, (7,), generator=torch.Generator().manual_seed(seed))
+        want = greedy_decode(target, prompt, 24)
+        out, acc, anchors = tree_decode(target, CachedDrafterProposer(d, head), prompt, 24, 4, budget)
+        again, acc2, _ = tree_decode(target, DrafterProposer(d, head), prompt, 24, 4, budget)
+        assert torch.equal(out, want) and torch.equal(again, want) and acc == acc2
+        with torch.no_grad():
+            hidden, labels, valid = _teacher_forced_blocks(target, d, head, out, torch.tensor(anchors))
+            figure = tree_accepted(head.logits(hidden[:, 1:]), labels, valid, budget)
+        # the last step may draft fewer positions than the block holds (the end of the text)
+        assert acc[:-1] == figure.tolist()[:-1]
+        seen += sum(acc)
+    assert seen > 0  # trees were accepted in part: the paths beyond the first node were exercised

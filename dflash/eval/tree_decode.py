@@ -1,0 +1,131 @@
+"""Greedy draft-and-verify with a tree: many drafted paths verified in one target forward.
+
+One step (the chain's, :mod:`dflash.eval.decode`, with a tree in place of the block):
+
+1. The drafter's logits for the block after the anchor give each drafted position's marginals;
+   the tree is their ``budget`` most probable prefixes (:func:`dflash.eval.tree.best_first`).
+2. The target runs once over ``[anchor, node_1 .. node_B]``: a node sits at position
+   ``anchor + 1 + depth`` and attends to the cached context, the anchor, its ancestors and itself
+   (a 4-D attention mask; transformers passes a 4-D mask to the attention as it is given).
+3. From the anchor, follow the child whose token is the target's argmax at the current node, as
+   long as one exists: its ``m`` nodes are accepted, then the bonus token (the argmax at the last).
+4. The cache keeps the context, the anchor and the accepted path in order (the other nodes' keys
+   and values are dropped), and the target's features of those rows join the drafter's context.
+
+Greedy output equals plain greedy decoding whatever the tree (tested), so tau is measured, not
+simulated; at every anchor the accepted length equals the teacher-forced tree figure of
+:mod:`dflash.eval.tree` for the same budget (tested). Sampled tree verification is not built.
+Source of the idea: DDTree (Ringel & Romano 2025) and SGLang's tree verify for DFlash, which build
+and verify trees from a block drafter's per-position distributions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dflash.eval.decode import CachedTarget, DecodeStopped, _check_inputs
+from dflash.eval.tree import best_first
+from dflash.model.target import Target
+
+__all__ = ["tree_decode"]
+
+
+@torch.no_grad()
+def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: int, block_size: int,
+                budget: int, *, should_stop: Callable[[], bool] | None = None
+                ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Greedy tree-verified decoding (module docstring).
+
+    Args:
+        target: the target (a transformers Llama or Qwen3 model: a 4-D mask and a dynamic cache).
+        proposer: a drafter proposer with ``logits(tokens [n], features [1, n-1, k*H]) -> [bs-1, V]``
+            (:class:`~dflash.eval.proposers.DrafterProposer`, ``CachedDrafterProposer``).
+        prompt: ``[n]`` int64 on the target's device.
+        block_size: the drafter's block size (depth of the tree + 1).
+        budget: draft tokens per tree (>= 1).
+        should_stop: asked before each verify step, as :func:`~dflash.eval.decode.speculative_decode`.
+
+    Returns:
+        ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``.
+
+    Raises:
+        ValueError: an empty prompt, ``budget < 1``, or a proposer without ``logits``.
+        DecodeStopped: ``should_stop()`` returned True.
+    """
+    _check_inputs(prompt, 0.0, 1.0, 0)
+    if budget < 1:
+        raise ValueError(f"a tree holds at least one draft token, got budget {budget}")
+    if not hasattr(proposer, "logits"):
+        raise ValueError(f"{type(proposer).__name__} has no logits(): a tree is built from the drafter's "
+                         "per-position distributions (use a drafter proposer)")
+    n0, dev = prompt.shape[0], prompt.device
+    end = n0 + max_new_tokens
+    run = CachedTarget(target, end + block_size + budget)
+    tokens = torch.empty(end + block_size, dtype=torch.long, device=dev)
+    tokens[:n0] = prompt
+    f, logits = run(prompt, 0, last_only=True)                               # prefill
+    feats = torch.empty(1, end + block_size, f.shape[-1], dtype=f.dtype, device=f.device)
+    feats[:, :n0] = f
+    tokens[n0] = logits[0].argmax()
+    n = n0 + 1                                                               # tokens[n-1]: the anchor
+    accepted, anchors = [], []
+    while n < end:
+        if should_stop is not None and should_stop():
+            raise DecodeStopped(f"stopped after {len(accepted)} verify steps")
+        depth = min(block_size - 1, end - n)
+        lp, ix = torch.log_softmax(proposer.logits(tokens[:n], feats[:, :n - 1])[:depth].float(), -1).topk(
+            min(budget, target.hf_config.vocab_size), dim=-1)
+        nodes = best_first(lp.tolist(), ix.tolist(), budget)
+        parent = [p for p, _, _ in nodes]
+        ids = torch.tensor([tokens[n - 1].item()] + [t for _, _, t in nodes], device=dev)
+        pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
+        f, logits = _verify(run, ids, pos, _tree_mask(parent, n - 1, dev))
+        g = logits.argmax(-1).tolist()                                       # one host read per step
+        path, row = [], 0                                                    # row 0: the anchor
+        while True:
+            child = next((i for i, p in enumerate(parent) if p == row - 1 and nodes[i][2] == g[row]), None)
+            if child is None:
+                break
+            path.append(child + 1)
+            row = child + 1
+        m = len(path)
+        rows = torch.tensor([0] + path, device=dev)
+        tokens[n:n + m] = ids[rows[1:]]
+        tokens[n + m] = g[row]
+        feats[:, n - 1:n + m] = f[:, rows]
+        _keep_rows(run.cache, n - 1, rows)
+        accepted.append(m)
+        anchors.append(n - 1)
+        n += m + 1
+    return tokens[:end], accepted, anchors
+
+
+def _tree_mask(parent: list[int], context: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[1, 1, 1 + B, context + 1 + B]``: every row sees the context; row 0 (the anchor) itself;
+    node ``i``'s row (``i + 1``) the anchor, its ancestors and itself."""
+    B = len(parent)
+    block = torch.zeros(1 + B, 1 + B, dtype=torch.bool)
+    block[:, 0] = True
+    for i, p in enumerate(parent):
+        block[i + 1, i + 1] = True
+        if p >= 0:
+            block[i + 1] |= block[p + 1]
+    ctx = torch.ones(1 + B, context, dtype=torch.bool)
+    return torch.cat([ctx, block], dim=1)[None, None].to(device)
+
+
+def _verify(run: CachedTarget, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    """The target's cached forward over the tree: ``(features [1, 1+B, k*H], logits [1+B, V])``."""
+    out = run.base(input_ids=ids[None], position_ids=positions, attention_mask=mask, **run.kwargs)
+    return run.target.collect(), run.lm_head(out.last_hidden_state[0])
+
+
+def _keep_rows(cache, start: int, rows: torch.Tensor) -> None:
+    """Keep the first ``start`` cached positions, then this step's ``rows`` (anchor and accepted
+    path, in order), in every layer of a transformers ``DynamicCache``."""
+    for layer in cache.layers:
+        keep = torch.cat([torch.arange(start, device=rows.device), rows + start])
+        layer.keys = layer.keys.index_select(2, keep)
+        layer.values = layer.values.index_select(2, keep)
