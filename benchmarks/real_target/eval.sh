@@ -5,7 +5,8 @@
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
 #      equal to transformers' generate);
 #   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy, with the measured
-#      speedup over the target alone; the held-out conversations greedy and at T = 1;
+#      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
+#      tree verification of TREE draft tokens (measured and teacher-forced; default 32);
 #   3. the export (python -m dflash.export).
 #   ZLAB_DFLASH_PATH=... bash benchmarks/real_target/eval.sh OUT
 set -uo pipefail
@@ -26,7 +27,7 @@ for set in ${SETS_TO_RUN:-mtbench humaneval}; do
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
 timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "$R/regen-all.jsonl" --num-prompts 32 --max-new-tokens 128 \
-  --temperature 1.0 --device cuda --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
+  --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
 echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"
 timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
   --dtype bfloat16 --out "$OUT/profile" > "$OUT/profile.log" 2>&1
