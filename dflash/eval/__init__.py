@@ -14,6 +14,8 @@ Imports: :mod:`dflash.model`, :mod:`dflash.data` (prompts built as training buil
     proposers.py       what drafts a block in draft-and-verify: the proposer protocols, the drafter's
     selector.py        DFlash2's proposer: blocks drafted by the candidate selector's walk
     xpress.py          XPress's proposer: the backbone drafts, the refiner resolves the block
+    tree.py            tree verification teacher-forced: the B most probable prefixes of a block's marginals
+    tree_decode.py     greedy decoding with a tree verified in one target forward (a tree attention mask)
     static_target.py   the target's decode step at a fixed shape, replayed as a CUDA graph
     static_drafter.py  the drafter's step at a fixed shape over a fixed-capacity cache, as a CUDA graph
     cuda_graph.py      one decode step replayed as a CUDA graph, or run eagerly where it cannot be
