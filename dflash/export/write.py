@@ -46,13 +46,14 @@ def model_card(cfg: DrafterConfig, dtype: torch.dtype, about: ExportInfo | None 
     target = about.target if about is not None else None
     name = f"`{target.name_or_path}`" if target is not None else "its target"
     spec = variant_of(cfg.variant)
+    where = where if str(where) == "DIR" else Path(where).absolute()  # runs from any directory, as the target's path
     return f"""---
 library_name: transformers
 tags: [dflash, speculative-decoding, drafter]
 ---
 # {spec.title} drafter for {name}
 
-A DFlash block drafter ({cfg.num_layers} layers, hidden size {cfg.hidden_size}, block size {cfg.block_size},
+A {spec.title} block drafter ({cfg.num_layers} layer{"s" if cfg.num_layers != 1 else ""}, hidden size {cfg.hidden_size}, block size {cfg.block_size},
 mask token {cfg.mask_token_id}) conditioned on target layers {list(cfg.target_layer_ids)} of
 {_target_text(target, cfg)}; weights in {str(dtype).removeprefix("torch.")}. It has no embedding and no LM head:
 it uses the target's. Trained with dflash-csp.
@@ -132,6 +133,8 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
+if device == "cpu":
+    torch.set_num_threads(1)  # batch-1 decoding of a small model: more threads contend (often several times slower)
 drafter = AutoModel.from_pretrained({str(where)!r}, trust_remote_code=True, dtype=dtype).to(device)
 target = AutoModelForCausalLM.from_pretrained({path!r}, dtype=dtype).to(device){note}
 tok = AutoTokenizer.from_pretrained({path!r})

@@ -60,7 +60,8 @@ class DrafterConfig(Table):
             drafter) | "dflash2" (z-lab's DFlash2: adds a grouped dynamic causal convolution
             around every sublayer and a candidate selector, :mod:`dflash.model.dflash2`) | "xpress"
             (XPress: the DFlash backbone and a causal low-rank refiner head resolved by parallel
-            Jacobi passes, :mod:`dflash.model.xpress`). Each variant's entry names the fields
+            Jacobi passes, :mod:`dflash.model.xpress`) | "resblock" (the DFlash backbone and a
+            Medusa-style residual block before the LM head, :mod:`dflash.model.resblock`). Each variant's entry names the fields
             only it reads: the next four are DFlash2's, the three after them XPress's; their
             defaults are the published checkpoints' values.
         conv_kernel_size: convolution taps (in block tokens, the current one included).

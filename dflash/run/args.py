@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dflash.run`` parser (see ``python -m dflash.run --help``)."""
     p = make_parser(
         "python -m dflash.run", "Train a DFlash drafter: run the graph file's "
-        "prefetch -> target -> postprocess -> drafter -> monitor pipeline.",
+        "prefetch -> target -> postprocess -> drafter -> monitor pipeline (and the held-out evaluator "
+        "beside it).",
         details="Reads and validates GRAPH, tokenizes the data (cached), resumes from a checkpoint if asked, "
                 "trains,\nand prints a closing summary (steps, loss, tau, throughput, checkpoint, next "
                 "commands). Everything\ngoes to RUN_DIR/run.log and RUN_DIR/metrics.jsonl ([run].out_dir). "

@@ -35,7 +35,7 @@ from dflash.errors import ConfigError
 from dflash.eval.config import EVALUATOR_KIND, EvalSection
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import TargetConfig
-from dflash.model.variants import VARIANT_NAMES, VARIANTS
+from dflash.model.variants import VARIANT_NAMES, VARIANTS, variant_of
 from dflash.observe.config import MonitorSection
 from dflash.tables import PositiveInt, Table, added_later, keys_added_later
 from dflash.train.config import TrainSection
@@ -158,6 +158,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> DFlashF
         if _OLD_NUM_ANCHORS in str(exc):
             raise ConfigError(f"{path}: drafter.num_anchors is a training-sampling setting and has moved to "
                               "[train]: rename it to train.num_anchors (--set train.num_anchors=N)") from exc
+        if "$.drafter.variant" in str(exc):  # msgspec names the bad value, not the good ones
+            raise ConfigError(f"{exc}; drafter.variant is one of {', '.join(VARIANT_NAMES)} "
+                              "(dflash.model.variants)") from exc
         raise ConfigError(str(exc)) from exc
     cfg = _named(cfg, Path(path))
     check_paths(cfg)
@@ -181,6 +184,24 @@ def tables(spec: type[msgspec.Struct] = DFlashFile) -> dict[str, type[Table]]:
     for field in msgspec.inspect.type_info(spec).fields:
         if isinstance(field.type, msgspec.inspect.StructType) and issubclass(field.type.cls, Table):
             out[field.encode_name] = field.type.cls
+    return out
+
+
+def unread_variant_keys(cfg: DFlashFile) -> list[str]:
+    """One warning per key another variant owns (:mod:`dflash.model.variants`) that this file sets
+    away from its default: the run's variant never reads it, so it changes nothing."""
+    spec = variant_of(cfg.drafter.variant)
+    out = []
+    for other in VARIANTS:
+        if other is spec:
+            continue
+        for table, keys in (("drafter", other.drafter_fields), ("loss", other.loss_fields)):
+            struct = getattr(cfg, table)
+            defaults = dict(zip(struct.__struct_fields__, struct.__struct_defaults__))
+            for key in keys:
+                if not spec.reads(key) and getattr(struct, key) != defaults[key]:
+                    out.append(f"{table}.{key} = {getattr(struct, key)!r} is read by drafter.variant = "
+                               f"\"{other.name}\" only; this run's variant is \"{spec.name}\", so it changes nothing")
     return out
 
 

@@ -93,8 +93,12 @@ def _default(field: msgspec.structs.FieldInfo) -> str:
     return "none (leave it out)" if value is None else f"`{msgspec.json.encode(value).decode()}`"
 
 
+_ROLE = re.compile(r":(?:data|mod|class|func|meth|attr|exc):`~?([^`]+)`")
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A docstring as one table cell: Sphinx roles as plain code (``:mod:`x``` -> ```x```)."""
+    return _ROLE.sub(r"`\1`", text).replace("|", "\\|").replace("\n", " ")
 
 
 def render() -> str:

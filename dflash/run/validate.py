@@ -33,7 +33,7 @@ from dflash.eval.config import EVALUATOR_KIND, check_eval
 from dflash.model.drafter_config import DrafterConfig, check_drafter_devices
 from dflash.model.target_config import check_target_devices
 from dflash.observe.config import check_monitor
-from dflash.run.config import DFlashFile
+from dflash.run.config import DFlashFile, unread_variant_keys
 from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas, one_line
 from dflash.train.config import check_train, lr_warnings
 
@@ -79,7 +79,8 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
         check_architecture(candidate, resolved.drafter)
         check_optimizer(candidate, cfg.train.optimizer)
     check_run_dir(cfg.run.out_dir)
-    return lr_warnings(cfg.train) + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last)
+    return (lr_warnings(cfg.train) + unread_variant_keys(cfg)
+            + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last))
 
 
 def devices_of(cfg: DFlashFile, kind: str) -> list[str]:

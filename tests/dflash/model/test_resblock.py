@@ -118,7 +118,8 @@ def test_a_resblock_run_trains_exports_and_decodes_through_automodel(tmp_path, c
     assert cfg["architectures"] == ["DFlashResBlockDraftModel"]
     assert cfg["auto_map"] == {"AutoModel": "modeling_resblock.DFlashResBlockDraftModel"}
     assert (out / "modeling_resblock.py").is_file() and (out / "modeling_dflash.py").is_file()
-    assert "## ResBlock" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "## ResBlock" in card and "A DFlash+ResBlock block drafter (" in card
     weights = load_file(str(out / "model.safetensors"))
     assert weights["output_block.linear.weight"].abs().sum() > 0  # trained away from its zero start
 

@@ -63,3 +63,19 @@ def test_every_late_added_key_marks_a_value_its_field_accepts():
         for key, before in found.get(name, {}).items():
             required = {"run": {"out_dir": "x", "steps": 1}}.get(name, {})
             assert getattr(msgspec.convert({**required, key: before}, table), key) == before, f"{name}.{key}"
+
+
+def test_an_unknown_variant_names_the_known_ones_and_another_variants_key_is_a_warning():
+    """A misspelt variant is one line listing the declared names; a key only another variant reads,
+    set away from its default, is named in a warning (it changes nothing in this run), and not when
+    the run's variant reads it."""
+    from dflash.errors import ConfigError
+    from dflash.run.config import load_config, unread_variant_keys
+    from tests.dflash.run.test_run_e2e import GRAPH
+
+    with pytest.raises(ConfigError, match="drafter.variant is one of dflash, dflash2, xpress, resblock"):
+        load_config(GRAPH, ['drafter.variant="dflash3"'])
+    warned = unread_variant_keys(load_config(GRAPH, ["drafter.selector_top_k=8", "loss.xpress_base_weight=0.5"]))
+    assert len(warned) == 2 and 'read by drafter.variant = "dflash2" only' in warned[0] and "xpress" in warned[1]
+    assert unread_variant_keys(load_config(GRAPH, ['drafter.variant="dflash2"', "drafter.selector_top_k=8"])) == []
+    assert unread_variant_keys(load_config(GRAPH)) == []
