@@ -46,6 +46,11 @@ STATUS_TEXT = {
 FINISHED = ("completed", "nothing to do")  # statuses with nothing left to resume
 
 
+def _count(n: Any, noun: str) -> str:
+    """``"1 step"``, ``"3 steps"``, ``"0 steps"`` (``n`` not a count: as it is, plural)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _num(x: Any, fmt: str = ".4g") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) and math.isfinite(x) else str(x)
 
@@ -164,7 +169,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     if budget:
         row("time budget", budget)
     if train:
-        row("last window", f"step {last.get('step')} ({last.get('window', '?')} steps): loss "
+        row("last window", f"step {last.get('step')} ({_count(last.get('window', '?'), 'step')}): loss "
                            f"{_num(last.get('loss'))}" + (f", {_tau_text(last)}" if _tau_text(last) else ""))
         rates = [r["tok_s"] for r in train if isinstance(r.get("tok_s"), (int, float)) and math.isfinite(r["tok_s"])]
         if rates:
@@ -173,14 +178,14 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
             parts = ", ".join(filter(None, [f"target {_si(sum(tgt) / len(tgt))}" if tgt else "",
                                             f"drafter {_si(sum(dft) / len(dft))}" if dft else ""]))
             row("throughput", f"{_si(sum(rates) / len(rates))} tok/s ({parts + '; ' if parts else ''}"
-                              f"mean of this run's {len(rates)} windows)")
+                              f"mean of this run's {_count(len(rates), 'window')})")
     held = [r for r in seg if isinstance(r, HeldoutRecord)]
     if held:  # real draft-and-verify on held-out prompts ([eval]); the last one is the final weights'
         h = held[-1]
         best = max(held, key=lambda r: r.tau if isinstance(r.tau, (int, float)) else -1.0)
         sampled = f", sampled {_num(h.sampled_tau)}" if isinstance(h.sampled_tau, (int, float)) else ""
         row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.over()}"
-                        f"{sampled}); best {_num(best.tau)} at step {best.step}; {len(held)} evaluations")
+                        f"{sampled}); best {_num(best.tau)} at step {best.step}; {_count(len(held), 'evaluation')}")
     unevaluated = end.get("unevaluated")
     if isinstance(unevaluated, int):  # a stop cut the held-out evaluation of these weights short
         src = f"--data {shlex.quote(data_source)}" if data_source else "--prompts FILE.jsonl"
@@ -189,7 +194,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         row("unevaluated", f"step {unevaluated}: the stop came before its held-out evaluation finished; a resume "
                            f"does not redo it{measure}")
     total_skipped = last.get("skipped_total")
-    skipped = f"{len(skips)} steps in this run"
+    skipped = f"{_count(len(skips), 'step')} in this run"
     if isinstance(total_skipped, int) and total_skipped != len(skips):
         skipped += f", {total_skipped} in total"
     if skips:

@@ -131,8 +131,8 @@ def test_failed_run_gives_the_error_and_only_this_segments_numbers(tmp_path, ckp
     assert "  error        process drafter[0] failed: RuntimeError: boom" in text
     assert "  steps        6/10 (this run: 5..6)" in text
     assert "  last window  step 6 (2 steps): loss None" in text
-    assert "  skipped      1 steps in this run, 2 in total (last: step 6, non-finite grad)" in text
-    assert "mean of this run's 1 windows" in text
+    assert "  skipped      1 step in this run, 2 in total (last: step 6, non-finite grad)" in text
+    assert "mean of this run's 1 window)" in text
 
 
 def test_nothing_to_do_names_the_checkpoint_and_offers_no_resume(tmp_path, ckpt):
