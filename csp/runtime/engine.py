@@ -81,6 +81,8 @@ from csp.observe.trace import FlowTap, Tracer
 from csp.runtime.deadlock import DeadlockWatch
 
 log = logging.getLogger("csp.runtime")
+DRAIN_REPORT_S = 10.0
+"""Seconds between the lines that say what a graceful stop still waits for."""
 stack_log = logging.getLogger("csp.runtime.stack")  # stacks of stuck threads (long, multi-line)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_STUCK, EXIT_DEADLOCK, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
@@ -526,6 +528,16 @@ class Runtime:
         self._signals_installed = True
         return {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
 
+    def _report_drain(self, since: float) -> None:
+        """One line naming the processes a graceful stop still waits for, then again every
+        :data:`DRAIN_REPORT_S` until none is left (a loop callback; it dies with the loop)."""
+        running = [w.qualname for w in self._workers if w.state in ("setup", "running")]
+        if not running or self._shutting_down or self._loop is None or self._loop.is_closed():
+            return
+        log.warning("draining: %s still running, %.0f s after the stop (Ctrl-C again aborts)",
+                    ", ".join(running), perf_counter() - since)
+        self._loop.call_later(DRAIN_REPORT_S, self._report_drain, since)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Outside the loop this runs in the main thread between bytecodes, possibly inside channel
         # code holding a lock: only set flags or defer to the loop, never touch channels here.
@@ -536,6 +548,9 @@ class Runtime:
                         "press Ctrl-C (or send SIGTERM) again to abort", name)
             self._stopped_by = name
             self.request_stop()
+            if self._loop is not None:  # while it drains, say every DRAIN_REPORT_S what is still running
+                self._loop.call_soon_threadsafe(self._loop.call_later, DRAIN_REPORT_S, self._report_drain,
+                                                perf_counter())
         else:
             running = [w.qualname for w in self._workers if w.state in ("setup", "running")]
             self._stopped_by = name

@@ -5,6 +5,7 @@ behind, contexts and process statistics. Ordering uses events, never sleeps."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -431,6 +432,33 @@ def test_sigint_drains_then_restores_handler():
     assert (result.status, result.exit_code) == ("stopped", 130)
     assert sorted(h.received) == list(range(len(h.sent))) and len(h.sent) >= 4
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_long_drain_says_what_it_waits_for(monkeypatch, caplog):
+    """A graceful stop that takes a while is never silent: every DRAIN_REPORT_S a line names the
+    processes still running, until the drain ends (then no more lines)."""
+    import csp.runtime.engine as engine
+
+    monkeypatch.setattr(engine, "DRAIN_REPORT_S", 0.2)
+    h = Harness()
+    rt = csp.Runtime(pipeline(sink={"wait_release": True}), app=h)
+
+    def driver():
+        assert h.full.wait(20)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert wait_for(lambda: sum("draining:" in r.getMessage() for r in caplog.records) >= 2)
+        h.release.set()
+
+    caplog.set_level(logging.WARNING, logger="csp.runtime")
+    t = in_thread(driver)
+    result = rt.run()
+    t.join(10)
+    assert (result.status, result.exit_code) == ("stopped", 130)
+    lines = [r.getMessage() for r in caplog.records if "draining:" in r.getMessage()]
+    assert "sink" in lines[0] and "still running" in lines[0] and "Ctrl-C again aborts" in lines[0]
+    after = len(lines)
+    time.sleep(0.6)
+    assert sum("draining:" in r.getMessage() for r in caplog.records) == after  # none once drained
 
 
 def test_second_sigint_aborts():
