@@ -19,13 +19,15 @@ TOLERANCE = 0.2  # sleep-bound stages: oversleeping on a loaded machine is measu
 
 
 def _run_text_pipeline(run_dir: Path, tokenize_replicas: int):
-    """The shipped text pipeline with sleep-bound stages: tokenize 10 ms per line (so 100 lines/s
-    per replica), count 4 ms per line (about 250 lines/s), read and merge almost free."""
+    """The shipped text pipeline with sleep-bound stages: tokenize 20 ms per line (so 50 lines/s
+    per replica), count 8 ms per line (about 125 lines/s), read and merge almost free. Sleeps this
+    long keep a loaded machine's oversleep (a millisecond or so per call) small beside them, so the
+    bottleneck does not flip from tokenize to count on a busy CPU (it did with 10 and 4 ms)."""
     import examples.textpipe  # noqa: F401  (registers the textpipe.* kinds)
 
     spec = csp.load_spec(ROOT / "examples" / "text_pipeline.toml", overrides=[
-        "process.read.options.generate=400", f"process.tokenize.replicas={tokenize_replicas}",
-        "process.tokenize.options.sleep_s=0.01", "process.count.options.sleep_s=0.004",
+        "process.read.options.generate=300", f"process.tokenize.replicas={tokenize_replicas}",
+        "process.tokenize.options.sleep_s=0.02", "process.count.options.sleep_s=0.008",
         "trace.perfetto=false", "trace.flows=false"])
     result = csp.Runtime(csp.Graph.from_spec(spec), run_dir=run_dir).run()
     assert result.status == "completed"
