@@ -100,6 +100,10 @@ def _continuous(model, contexts, max_new_tokens, eos, pad, sampling) -> list[lis
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, **sampling)
     results = model.generate_batch(inputs=[list(c) for c in contexts], generation_config=config)
-    # request ids are "req_<index of the input>"
-    by_index = {int(key.rsplit("_", 1)[1]): out for key, out in results.items()}
-    return [list(by_index[i].generated_tokens) for i in range(len(contexts))]
+    # matched by prompt: identical contexts get identical greedy answers, and each is used once
+    by_prompt: dict[tuple[int, ...], list] = {}
+    for out in results.values():
+        if getattr(out, "error", None):
+            raise RuntimeError(f"continuous batching failed on request {out.request_id}: {out.error}")
+        by_prompt.setdefault(tuple(out.prompt_ids), []).append(out)
+    return [list(by_prompt[tuple(c)].pop(0).generated_tokens) for c in contexts]
