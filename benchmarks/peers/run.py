@@ -289,12 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The peers recipe's parser: cache, train, eval, or all."""
     p = cli.recipe_parser(PROG, __doc__, [f"{PROG} all OUT", f"{PROG} train OUT --peers ours speculators --pilot-s 60",
                                           f"{PROG} eval OUT --checkpoint runs/other/checkpoints/step_00001000"])
-    s = argparse.ArgumentParser(add_help=False)
-    s.add_argument("out", type=Path, help="where the results go (OUT)")
-    s.add_argument("--scratch", type=Path, default=Path("/tmp/peers"),
-                   help="working directory (caches, runs, drafters)")
-    s.add_argument("--graph", default="examples/sharegpt-target-h200.toml",
-                   help="the graph whose data, target and drafter shape every trainer shares")
+    s = cli.phase_arguments("/tmp/peers", "working directory (caches, runs, drafters)",
+                            "the graph whose data, target and drafter shape every trainer shares")
     cli.add_set(s, "the graph wherever it is read (cache, our run, conversions)")
     s.add_argument("--peers", nargs="+", choices=("ours", "speculators", "specforge"),
                    default=["ours", "speculators", "specforge"], help="who trains")

@@ -140,11 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{PROG} all OUT",
         f"{PROG} all OUT --rows dflash dflash2 dspark_head tv fp8 dflash_eqtime --steps 2500 --train-s 375",
         f"{PROG} train OUT --rows dflash dflash2 --block-size 8   # then: {PROG} eval OUT --rows ..."])
-    shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("out", type=Path, help="where the results go (OUT)")
-    shared.add_argument("--scratch", type=Path, default=Path("/tmp/frontier"),
-                        help="working directory the two phases share (runs, cache, prompts)")
-    shared.add_argument("--graph", default="examples/sharegpt-target-h200.toml", help="the graph every row trains")
+    shared = cli.phase_arguments("/tmp/frontier", "working directory the two phases share (runs, cache, prompts)",
+                                 "the graph every row trains")
     shared.add_argument("--rows", nargs="+", type=row_name, default=["dflash", "dflash2", "dspark_head", "tv"],
                         help="the rows, by name (see above)")
     shared.add_argument("--steps", type=int, default=5000, help="steps of every row (the schedule ends there)")

@@ -283,11 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{PROG} train OUT --data-dir D --steps 7500 --train-s 470 --set drafter.compile=true",
         f"{PROG} evalcost OUT --data-dir D --eval-every 200 --cap-s 95 --set eval.isolate=true --order 200 0",
         f"{PROG} evalsets OUT --checkpoint C"])
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("out", type=Path, help="where the phase's results go (OUT)")
-    common.add_argument("--scratch", type=Path, default=Path("/tmp/headline"),
-                        help="working directory kept between the phases' device calls (runs, caches)")
-    common.add_argument("--graph", default="examples/sharegpt-target-h200.toml", help="the graph every run trains")
+    common = cli.phase_arguments("/tmp/headline", "working directory kept between the phases' device calls (runs, caches)")
     common.add_argument("--num-prompts", type=int, default=32, help="held-out prompts each dflash.eval decodes")
     common.add_argument("--new-tokens", type=int, default=256, help="tokens each held-out prompt decodes")
     sub = p.add_subparsers(dest="phase", required=True, metavar="PHASE")

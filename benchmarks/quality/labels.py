@@ -158,11 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{PROG} extend OUT --conversations 16000",
         f"{PROG} long OUT --conversations 16000 --long 12000 --train-s 410",
         f"{PROG} variant OUT --variant dflash --block-size 16"])
-    shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("out", type=Path, help="where the results go (OUT)")
-    shared.add_argument("--scratch", type=Path, default=Path("/tmp/quality"),
-                        help="working directory the phases share (runs, cache, regenerated data)")
-    shared.add_argument("--graph", default="examples/sharegpt-target-h200.toml", help="the graph every run trains")
+    shared = cli.phase_arguments("/tmp/quality", "working directory the phases share (runs, cache, regenerated data)")
     shared.add_argument("--steps", type=int, default=3000, help="steps of every run but the long one")
     shared.add_argument("--conversations", type=int, default=8000,
                         help="the first N ShareGPT conversations (data.max_samples; regenerated up to N)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Callable
 
 EXIT_CODES = {
@@ -101,3 +102,15 @@ def nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} must be >= 0")
     return value
+
+
+def phase_arguments(scratch: str, scratch_help: str, graph_help: str = "the graph every run trains"
+                    ) -> argparse.ArgumentParser:
+    """The arguments every phase of a recipe takes, as a parent parser: ``OUT`` (where the results
+    go), ``--scratch`` (the working directory the phases share; default ``scratch``) and ``--graph``
+    (default the H200 ShareGPT graph)."""
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("out", type=Path, help="where the results go (OUT)")
+    shared.add_argument("--scratch", type=Path, default=Path(scratch), help=scratch_help)
+    shared.add_argument("--graph", default="examples/sharegpt-target-h200.toml", help=graph_help)
+    return shared
