@@ -11,6 +11,7 @@ continuation, lives with the greedy decode it runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -111,13 +112,17 @@ class DrafterContextCache:
         """Make every layer's buffer hold at least ``need`` positions (keeps the cached ones)."""
         if self.keys and need <= self.keys[0].shape[2]:
             return
-        cap = max(need, 2 * self.keys[0].shape[2] if self.keys else self.capacity)
-        dtype, grow = self.drafter.fc.weight.dtype, bool(self.keys)
+        self._grow_to(max(need, 2 * self.keys[0].shape[2] if self.keys else self.capacity), device)
+
+    def _grow_to(self, cap: int, device: torch.device, alloc: Callable[..., torch.Tensor] = torch.empty) -> None:
+        """Every layer's key and value buffers ``[1, kv heads, cap, head dim]``, made with ``alloc``
+        (``torch.empty`` or ``torch.zeros``), the ``cached`` positions copied over."""
+        dtype = self.drafter.fc.weight.dtype
         for i, layer in enumerate(self.drafter.layers):
             a = layer.self_attn
-            k = torch.empty(1, a.nkv, cap, a.d, device=device, dtype=dtype)
-            v = torch.empty_like(k)
-            if grow:
+            k = alloc(1, a.nkv, cap, a.d, device=device, dtype=dtype)
+            v = alloc(1, a.nkv, cap, a.d, device=device, dtype=dtype)
+            if i < len(self.keys):
                 k[:, :, : self.cached] = self.keys[i][:, :, : self.cached]
                 v[:, :, : self.cached] = self.values[i][:, :, : self.cached]
                 self.keys[i], self.values[i] = k, v

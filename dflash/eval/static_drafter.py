@@ -79,18 +79,7 @@ class StaticDrafter(DrafterContextCache):
             return
         cap = max(need, MIN_CAPACITY, 2 * self.keys[0].shape[2] if self.keys else 0)
         cap = 1 << (cap - 1).bit_length()
-        dtype = self.drafter.fc.weight.dtype
-        for i, layer in enumerate(self.drafter.layers):
-            a = layer.self_attn
-            k = torch.zeros(1, a.nkv, cap, a.d, device=device, dtype=dtype)
-            v = torch.zeros_like(k)
-            if i < len(self.keys):
-                k[:, :, : self.cached] = self.keys[i][:, :, : self.cached]
-                v[:, :, : self.cached] = self.values[i][:, :, : self.cached]
-                self.keys[i], self.values[i] = k, v
-            else:
-                self.keys.append(k)
-                self.values.append(v)
+        self._grow_to(cap, device, torch.zeros)
         self.slots = torch.arange(cap, device=device)
         if hasattr(self, "step"):
             self.step.reset()
