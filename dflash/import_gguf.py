@@ -34,13 +34,19 @@ Supported: GGUFs of the ``llama`` and ``qwen3`` architectures (what dflash train
 the file. Needs the ``gguf`` and ``accelerate`` packages (transformers' GGUF loader requires both):
 ``pip install -e '.[gguf]'``. transformers 4.x converts a byte-level BPE GGUF tokenizer of a
 ``llama`` file as if it were SentencePiece (it adds ``<|im_start|>`` before every text and takes it
-for eos): the tokenizer check refuses that conversion in one line; import with transformers 5.x, and
-the directory then loads under 4.x too.
+for eos), and 5.17 still takes ``<|im_start|>`` for eos (5.25 converts SmolLM2's correctly): the
+tokenizer check refuses such a conversion in one line. Import with a transformers that converts the
+file correctly (the directory then loads under 4.x too), or give ``--tokenizer DIR``: the model's own
+``tokenizer.json`` and ``tokenizer_config.json`` (a Hugging Face model directory, or those two files
+of an import made elsewhere) are used instead of the conversion, after the same check plus one more:
+every token of the file's vocabulary (``tokenizer.ggml.tokens``) must have the same id there. If that
+directory holds no chat template, the file's is taken.
 
 Exit codes: 0 imported and checked; 1 the check failed (the saved directory decodes differently:
 a bug, nothing is written) or an unexpected error; 2 bad input (no such file, not a GGUF file, an
 unsupported architecture, a missing package, ``-o`` a file or a non-empty directory without
-``--force``, a tokenizer conversion the check refuses); 130 interrupted.
+``--force``, a tokenizer conversion the check refuses, a ``--tokenizer`` directory that is missing or
+disagrees with the file); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from pathlib import Path
 from csp.cli import make_parser, positive_int
 
 __all__ = ["CHECK_PROMPT", "PACKAGES", "SUPPORTED_ARCHITECTURES", "ImportRefused", "build_parser",
-           "gguf_metadata", "main", "package_file"]
+           "check_tokenizer", "check_vocabulary", "gguf_metadata", "gguf_vocabulary", "main", "package_file"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 """``general.architecture`` values imported (dflash's target families)."""
@@ -93,7 +99,8 @@ def build_parser():
                        "a tokenizer\n       conversion that disagrees with the file",
                     130: "interrupted (Ctrl-C): -o is left as it was"},
         examples=["python -m dflash.import_gguf --from-package smollm2 -o models/smollm2-135m-instruct",
-                  "python -m dflash.import_gguf model.Q4_K_M.gguf -o models/my-target --dtype float32"])
+                  "python -m dflash.import_gguf model.Q4_K_M.gguf -o models/my-target --dtype float32",
+                  "python -m dflash.import_gguf model.gguf -o models/my-target --tokenizer path/to/hf-model"])
     p.add_argument("file", nargs="?", help="the .gguf file (or give --from-package)")
     p.add_argument("--from-package", choices=sorted(PACKAGES), default=None,
                    help="take the GGUF shipped by an installed package: smollm2 = SmolLM2-135M-Instruct "
@@ -104,6 +111,10 @@ def build_parser():
     p.add_argument("--check-tokens", type=positive_int, default=32, metavar="N",
                    help="greedy tokens the saved directory must reproduce")
     p.add_argument("--force", action="store_true", help="write into a non-empty output directory")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="use the tokenizer in DIR (tokenizer.json, tokenizer_config.json) instead of converting "
+                        "the file's; checked against the file's vocabulary and special tokens. For a transformers "
+                        "version that converts the file's tokenizer wrongly")
     return p
 
 
@@ -155,6 +166,50 @@ def gguf_metadata(path: Path) -> dict:
     return out
 
 
+def gguf_vocabulary(path: Path) -> list[str]:
+    """The file's vocabulary, ``tokenizer.ggml.tokens`` (token strings in id order; empty if absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        return []
+    return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+
+def check_vocabulary(tok, tokens: list[str], where: str) -> None:
+    """Every token of the file's vocabulary has the same id in ``tok`` (a tokenizer given with
+    ``--tokenizer``), so the weights' embedding rows mean the same tokens.
+
+    Raises:
+        ImportRefused: the file states no vocabulary, or ``tok`` differs (the first differing id named).
+    """
+    if not tokens:
+        raise ImportRefused(f"the GGUF file states no vocabulary (tokenizer.ggml.tokens), so --tokenizer {where} "
+                            "cannot be checked against it; import without --tokenizer")
+    got = tok.convert_ids_to_tokens(list(range(len(tokens))))
+    for i, (want, have) in enumerate(zip(tokens, got)):
+        if want != have:
+            raise ImportRefused(f"--tokenizer {where} is not this model's tokenizer: id {i} is {have!r} there and "
+                                f"{want!r} in the GGUF file; give the directory of the model the file was made from")
+
+
+def _given_tokenizer(where: str, src: Path, meta: dict):
+    """``--tokenizer DIR`` loaded and checked against the file (vocabulary, special tokens); the
+    file's chat template where DIR has none."""
+    from transformers import AutoTokenizer
+
+    d = Path(where)
+    if not (d / "tokenizer.json").is_file() or not (d / "tokenizer_config.json").is_file():
+        raise ImportRefused(f"--tokenizer {where}: no tokenizer.json and tokenizer_config.json there; give a "
+                            "directory holding both (a Hugging Face model directory)")
+    tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    check_vocabulary(tok, gguf_vocabulary(src), where)
+    check_tokenizer(tok, meta)
+    if not tok.chat_template and meta.get("tokenizer.chat_template"):
+        tok.chat_template = meta["tokenizer.chat_template"]
+    return tok
+
+
 def _check_output(out: Path, force: bool) -> None:
     if str(out) == "":
         raise ImportRefused("-o is an empty path; give an output directory, e.g. -o models/NAME")
@@ -187,8 +242,9 @@ def check_tokenizer(tok, meta: dict) -> None:
                         f"says add_bos_token = {bool(meta.get('tokenizer.ggml.add_bos_token', False))}")
     if problems:
         raise ImportRefused(f"transformers {transformers.__version__} converts this file's tokenizer wrongly "
-                            f"({'; '.join(problems)}); import with transformers >= 5 (the directory it "
-                            "writes loads under 4.x too)")
+                            f"({'; '.join(problems)}); import with a transformers that converts it correctly "
+                            "(5.25 does for SmolLM2; the directory it writes loads under 4.x too), or give "
+                            "--tokenizer DIR with the model's own tokenizer files")
 
 
 def _write_tokenizer(tok, out: Path, max_length: int) -> None:
@@ -291,8 +347,11 @@ def _import(args, src: Path, meta: dict) -> int:
     dtype = getattr(torch, args.dtype)
     out = Path(args.out)
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    check_tokenizer(tok, meta)
+    if args.tokenizer is not None:
+        tok = _given_tokenizer(args.tokenizer, src, meta)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        check_tokenizer(tok, meta)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
     cfg = model.config
     print(f"dflash.import_gguf: {src.name}: {cfg.model_type}, {cfg.num_hidden_layers} layers, hidden "

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash import import_gguf
-from dflash.import_gguf import ImportRefused, check_tokenizer, main
+from dflash.import_gguf import ImportRefused, check_tokenizer, check_vocabulary, gguf_vocabulary, main
 
 
 def _refused(capsys, argv) -> str:
@@ -102,4 +102,40 @@ def test_tokenizer_check_refuses_transformers_4x_conversion_of_smollm2():
         check_tokenizer(bad, META)
     msg = str(info.value)
     assert "eos is '<|im_start|>' (1), the file says '<|im_end|>' (2)" in msg
-    assert "adds '<|im_start|>' before every text" in msg and "import with transformers >= 5" in msg
+    assert "adds '<|im_start|>' before every text" in msg and "or give --tokenizer DIR" in msg
+
+
+def test_the_files_vocabulary_is_read_in_id_order(tmp_path):
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed: pip install -e '.[gguf]'")
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_token_list(["<s>", "</s>", "héllo", "Ġworld"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf_vocabulary(tmp_path / "v.gguf") == ["<s>", "</s>", "héllo", "Ġworld"]
+    _tiny_gguf(tmp_path / "none.gguf", "llama")
+    assert gguf_vocabulary(tmp_path / "none.gguf") == []
+
+
+def test_a_given_tokenizer_must_hold_the_files_vocabulary_id_for_id():
+    """Invariant: ``--tokenizer DIR`` replaces the conversion only when every token of the file has
+    the same id there (else the embedding rows would mean other tokens); the first differing id is named."""
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"]
+    same = SimpleNamespace(convert_ids_to_tokens=lambda ids: [tokens[i] for i in ids])
+    check_vocabulary(same, tokens, "tok/")
+    swapped = SimpleNamespace(convert_ids_to_tokens=lambda ids: [["<|endoftext|>", "<|im_end|>", "<|im_start|>", "a"][i]
+                                                               for i in ids])
+    with pytest.raises(ImportRefused, match=r"id 1 is '<\|im_end\|>' there and '<\|im_start\|>' in the GGUF file"):
+        check_vocabulary(swapped, tokens, "tok/")
+    with pytest.raises(ImportRefused, match="states no vocabulary"):
+        check_vocabulary(same, [], "tok/")
+
+
+def test_a_tokenizer_directory_without_its_files_is_one_line(tmp_path, capsys):
+    _tiny_gguf(tmp_path / "m.gguf", "llama")
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate not installed: pip install -e '.[gguf]'")
+    err = _refused(capsys, [str(tmp_path / "m.gguf"), "-o", str(tmp_path / "out"), "--tokenizer", str(tmp_path)])
+    assert "no tokenizer.json and tokenizer_config.json there" in err
+    assert not (tmp_path / "out").exists()
