@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint's [drafter].jacobi_passes)")
     p.add_argument("--tree-budget", type=int, default=0, metavar="B",
                    help="also score every block under tree verification with B draft tokens, teacher-forced "
-                        "(the B most probable prefixes of the drafter's per-position marginals; default 0: off)")
+                        "(the B most probable prefixes of the drafter's per-position marginals; DFlash2: its "
+                        "backbone's), and decode every prompt again tree-verified (measured; not for XPress; "
+                        "default 0: off)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                    help=f"prompt tokens kept, the last ones (default {DEFAULT_MAX_PROMPT_TOKENS}; for the run's "
                         "held-out conversations its [eval].max_prompt_tokens)")

@@ -49,7 +49,8 @@ from dflash.train.acceptance import (
     tau_from_accepted,
 )
 
-__all__ = ["DecodedTau", "decode_tau", "evaluate", "greedy_labels", "proposer_factory", "teacher_forced"]
+__all__ = ["DecodedTau", "decode_tau", "evaluate", "greedy_labels", "proposer_factory", "teacher_forced",
+           "tree_proposer_factory"]
 
 
 @torch.no_grad()
@@ -204,6 +205,19 @@ class _Decoded:
     tree_seconds: float = 0.0
 
 
+def tree_proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object] | None:
+    """A new proposer per tree-verified decode, or None where none is built. Its tree is the
+    backbone's marginals either way: a top-1 drafter's own (the cached drafter); a DFlash2
+    drafter's backbone, whose marginals are also where its selector takes its top-K candidates
+    from (the selector's walk is not part of the tree). XPress (its refiner passes) has none."""
+    how = variant_of(drafter.cfg.variant).drafts_with
+    if how == "top1":
+        return lambda: CachedDrafterProposer(drafter, head)
+    if how == "selector":
+        return lambda: selector_proposer(drafter, head)
+    return None
+
+
 def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, categories: list[str] | None = None,
@@ -232,9 +246,10 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             steps through :mod:`dflash.eval.static_target`, and a full-attention DFlash or DFlash2
             drafter's through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
         tree_budget: > 0: also score every anchor's block under a tree of that many draft tokens
-            (teacher-forced, :mod:`dflash.eval.tree`: ``EvalResult.tree_tau_tf``) and, for a
-            variant that drafts the backbone's top-1, decode each prompt again with tree
-            verification (:mod:`dflash.eval.tree_decode`: ``tree_tau``, timed).
+            (teacher-forced, :mod:`dflash.eval.tree`: ``EvalResult.tree_tau_tf``) and decode
+            each prompt again with tree verification (:mod:`dflash.eval.tree_decode`:
+            ``tree_tau``, timed) where :func:`tree_proposer_factory` has a proposer for the
+            variant.
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
@@ -249,6 +264,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     bs = drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
     proposer = proposer_factory(drafter, head, cuda_graphs)
+    tree_proposer = tree_proposer_factory(drafter, head) if tree_budget else None
     t_start = time.perf_counter()
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
@@ -270,9 +286,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                 t0 = _clock(prompt.device)
                 greedy_decode(target, prompt, max_new_tokens, cuda_graphs=cuda_graphs)
                 d.target_seconds = _clock(prompt.device) - t0
-            if tree_budget and variant_of(drafter.cfg.variant).drafts_with == "top1":
+            if tree_budget and tree_proposer is not None:
                 t0 = _clock(prompt.device)
-                d.tree_m = tree_decode(target, CachedDrafterProposer(drafter, head), prompt, max_new_tokens, bs,
+                d.tree_m = tree_decode(target, tree_proposer(), prompt, max_new_tokens, bs,
                                        tree_budget, should_stop=should_stop)[1]
                 d.tree_seconds = _clock(prompt.device) - t0
             if gen is not None:  # the generator's stream runs through the prompts in order

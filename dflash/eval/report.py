@@ -162,8 +162,9 @@ class EvalResult(msgspec.Struct, kw_only=True):
         tree_budget: ``--tree-budget B``: draft tokens per tree (None when not asked for).
         tree_tau: measured tokens per verify step of the greedy tree-verified decode of every
             prompt (:mod:`dflash.eval.tree_decode`; trees of ``B`` draft tokens from the backbone's
-            per-position marginals), over all its steps; None for a variant that drafts otherwise
-            (DFlash2's walk, XPress's passes) or when not asked for. ``tree_seconds``: its wall time.
+            per-position marginals; for DFlash2 its backbone's, not the selector's walk), over all
+            its steps; None for XPress (no tree proposer for its passes) or when not asked for.
+            ``tree_seconds``: its wall time.
         tree_tau_tf: the same tree, teacher-forced at every anchor of the chain decode's text
             (:mod:`dflash.eval.tree`; for every variant, from its backbone).
         prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
@@ -264,7 +265,9 @@ def format_result(res: EvalResult) -> str:
             ("teacher-forced streak @ all anchors", res.streak_all + 1, res.streak_all),
             ("simulated tau_sim (per-position accuracy)", res.tau_sim, res.accepted_sim)]
     if res.tree_tau is not None:
-        rows.insert(1, (f"measured: tree-verified decode ({res.tree_budget} nodes)", res.tree_tau, res.tree_tau - 1))
+        name = (f"measured: tree decode ({res.tree_budget} nodes, backbone)" if res.selector is not None
+                else f"measured: tree-verified decode ({res.tree_budget} nodes)")
+        rows.insert(1, (name, res.tree_tau, res.tree_tau - 1))
     if res.tree_tau_tf is not None:
         rows.append((f"teacher-forced tree of {res.tree_budget} @ all anchors", res.tree_tau_tf, res.tree_tau_tf - 1))
     if res.sampled_tau is not None:

@@ -66,6 +66,13 @@ class _Walk:
         raise NotImplementedError
 
     @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The backbone's logits ``[bs-1, V]`` (head dtype) for the block's slots: the marginals
+        the selector picks its top-K candidates from. What a tree of drafts is built from
+        (:func:`dflash.eval.tree_decode.tree_decode`); the walk itself is :meth:`propose`."""
+        return self.head.logits(self.slots(tokens, features)[0])
+
+    @torch.no_grad()
     def propose(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """``tokens [n]`` (last = anchor), ``features [1, n-1, k*H]`` -> ``[bs-1]`` drafted ids."""
         slots = self.slots(tokens, features)

@@ -82,10 +82,9 @@ def test_dflash_eval_reports_the_tree_figure_and_it_grows_with_the_budget(tmp_pa
     assert stop.value.code == 2 and "--tree-budget must be >= 0" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A tiny target and a DFlash drafter briefly fit to its greedy continuations, so that trees
-    are accepted in part (a random drafter is accepted almost never)."""
+def _fit(variant: str):
+    """A tiny target and a drafter of ``variant`` briefly fit to its greedy continuations, so that
+    trees are accepted in part (a random drafter is accepted almost never)."""
     from dflash.messages import LossInput
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.model.target import TargetConfig, load_target
@@ -95,7 +94,7 @@ def tiny():
 
     target = load_target(TargetConfig(preset="tiny", seed=11, vocab_size=64), "cpu", num_draft_layers=2)
     head = target.shared_head()
-    d = DFlashDrafter(DrafterConfig(num_layers=1, block_size=4, mask_token_id=63).resolve(
+    d = DFlashDrafter(DrafterConfig(variant=variant, num_layers=1, block_size=4, mask_token_id=63).resolve(
         target.hf_config, target.layer_ids), seed=2)
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
@@ -111,6 +110,11 @@ def tiny():
         opt.step()
         opt.zero_grad()
     return target, head, d.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _fit("dflash")
 
 
 @pytest.mark.parametrize("budget", [1, 3, 12])
@@ -138,3 +142,39 @@ def test_tree_decoding_is_the_targets_greedy_text_and_accepts_what_the_tree_figu
         assert acc[:-1] == figure.tolist()[:-1]
         seen += sum(acc)
     assert seen > 0  # trees were accepted in part: the paths beyond the first node were exercised
+
+
+def test_a_dflash2_tree_is_its_backbones_and_decodes_the_targets_greedy_text():
+    """Invariant: a DFlash2 drafter's tree (its backbone's marginals, where the selector takes its
+    candidates from) decodes the target's greedy text through both selector proposers, and at every
+    anchor accepts what the teacher-forced tree figure of its backbone says."""
+    from dflash.eval.decode import greedy_decode
+    from dflash.eval.measure import _teacher_forced_blocks, tree_proposer_factory
+    from dflash.eval.selector import SelectorProposer
+    from dflash.eval.tree_decode import tree_decode
+
+    target, head, d = _fit("dflash2")
+    seen = 0
+    for seed in range(3):
+        prompt = torch.randint(0, 63, (7,), generator=torch.Generator().manual_seed(seed))
+        want = greedy_decode(target, prompt, 24)
+        out, acc, anchors = tree_decode(target, tree_proposer_factory(d, head)(), prompt, 24, 4, 6)
+        again, acc2, _ = tree_decode(target, SelectorProposer(d, head), prompt, 24, 4, 6)
+        assert torch.equal(out, want) and torch.equal(again, want) and acc == acc2
+        with torch.no_grad():
+            hidden, labels, valid = _teacher_forced_blocks(target, d, head, out, torch.tensor(anchors))
+            figure = tree_accepted(head.logits(hidden[:, 1:]), labels, valid, 6)
+        assert acc[:-1] == figure.tolist()[:-1]
+        seen += sum(acc)
+    assert seen > 0
+
+
+def test_xpress_has_no_tree_proposer():
+    from dflash.eval.measure import tree_proposer_factory
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(preset="tiny", seed=11, vocab_size=64), "cpu", num_draft_layers=2)
+    d = DFlashDrafter(DrafterConfig(variant="xpress", num_layers=1, block_size=4, mask_token_id=63).resolve(
+        target.hf_config, target.layer_ids), seed=2)
+    assert tree_proposer_factory(d, target.shared_head()) is None
