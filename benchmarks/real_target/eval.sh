@@ -23,7 +23,7 @@ timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench
 echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
 for set in ${SETS_TO_RUN:-mtbench humaneval}; do
   timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
-    ${GRAPHS:+--cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
+    ${EAGER:+--no-cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
 timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "$R/regen-all.jsonl" --num-prompts 32 --max-new-tokens 128 \

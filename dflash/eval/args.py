@@ -126,11 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="keep the K most likely tokens for --temperature (0 = off)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed of the sampled decode")
-    p.add_argument("--cuda-graphs", action="store_true",
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run each target step (verify block, greedy token) and each DFlash/DFlash2 drafter "
                    "step at a fixed shape over static KV caches, replayed as one CUDA graph on a GPU (Llama "
                    "and Qwen3 targets; others, or a failed capture, fall back with one log line); the same "
-                   "tokens, recorded in the JSON")
+                   "tokens, recorded in the JSON. Default: on for a CUDA device, off on a CPU (where it runs "
+                   "the same fixed-shape steps eagerly)")
     p.add_argument("--no-speedup", action="store_true",
                    help="skip timing the target alone (the measured speedup); halves the decode time")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")

@@ -134,6 +134,8 @@ def _main(argv: list[str] | None) -> int:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cuda_graphs is None:  # graphs where they pay: a batch-1 decode on a GPU is launch-bound
+        args.cuda_graphs = str(args.device).startswith("cuda")
     asked = args.num_prompts  # None: the default (--data: the run's [eval].prompts or 8; a --prompts set: all)
     if any(v is not None and v < 1 for v in (args.num_prompts, args.max_new_tokens, args.max_prompt_tokens)):
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
@@ -267,6 +269,7 @@ def _main(argv: list[str] | None) -> int:
     if run_eval is not None:
         what += " (the run's [eval] settings; flags override them)"
     threads = f", {torch.get_num_threads()} CPU thread(s)" if torch.device(args.device).type == "cpu" else ""
+    threads += ", CUDA graphs (--no-cuda-graphs: eager)" if args.cuda_graphs and threads == "" else ""
     extra = "; the target alone is timed beside each decode (--no-speedup skips it)" if not args.no_speedup else ""
     extra += f"; sampled at T={args.temperature:g} too" if args.temperature > 0 else ""
     say(f"{what}; {args.device}, {str(target.model.dtype).removeprefix('torch.')}{threads}{extra}")

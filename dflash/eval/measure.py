@@ -132,7 +132,7 @@ def proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool
 def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts: list[torch.Tensor],
                max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, progress: Callable[[EvalProgress], None] | None = None,
-               should_stop: Callable[[], bool] | None = None) -> DecodedTau:
+               should_stop: Callable[[], bool] | None = None, cuda_graphs: bool = False) -> DecodedTau:
     """The measured tau of greedy draft-and-verify over ``prompts`` (each ``[n]`` int64 ids), and
     with ``temperature > 0`` of the sampled decode too (one generator seeded with ``seed``):
     :func:`evaluate` without the teacher-forced scoring, for the in-training evaluator, whose cost
@@ -140,18 +140,19 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
     ``"decode"``), after each sampled one (``"sampled"``) and at the end (:mod:`dflash.eval.progress`).
     ``should_stop`` is asked before every prompt and every verify step
     (:func:`~dflash.eval.decode.speculative_decode`): an evaluation of many long decodes ends
-    within one verify step of a stop request.
+    within one verify step of a stop request. ``cuda_graphs``: as :func:`evaluate`'s.
 
     Raises:
         ValueError: an empty prompt or bad sampling parameters.
         DecodeStopped: ``should_stop()`` returned True; nothing was measured.
     """
-    proposer, bs = proposer_factory(drafter, head), drafter.cfg.block_size
+    proposer, bs = proposer_factory(drafter, head, cuda_graphs), drafter.cfg.block_size
     t_start = time.perf_counter()
     ms, tokens = [], 0
     for i, p in enumerate(prompts):
         _stop_if(should_stop)
-        out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs, should_stop=should_stop)
+        out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs, should_stop=should_stop,
+                                         cuda_graphs=cuda_graphs)
         ms += acc
         tokens += out.shape[0] - p.shape[0]
         if progress is not None:
@@ -163,7 +164,8 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
         for i, p in enumerate(prompts):
             _stop_if(should_stop)
             sm += speculative_decode(target, proposer(), p, max_new_tokens, bs, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, generator=gen, should_stop=should_stop)[1]
+                                     top_p=top_p, top_k=top_k, generator=gen, should_stop=should_stop,
+                                     cuda_graphs=cuda_graphs)[1]
             if progress is not None:
                 progress(EvalProgress.at("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))

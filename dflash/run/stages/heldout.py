@@ -28,6 +28,14 @@ the evaluator's. Under another backend (native, TBB) the count is one pool's for
 the in-process evaluator then leaves it alone and says so, and ``[eval].isolate = true`` is the way
 to give the decode a count of its own. The isolated child sets its count for its whole process.
 
+**CUDA graphs** (``[eval].cuda_graphs``). In the child on a CUDA device the decode replays CUDA
+graphs of the target's and the drafter's fixed-shape steps (:mod:`dflash.eval.static_target`,
+:mod:`dflash.eval.static_drafter`), as ``dflash.eval`` does by default: the same tokens (the
+same weights and prompts gave the same tau, 1.622 over 8 x 128 tokens, eager here and with graphs in
+``dflash.eval``), measured 14x faster per prompt on one H100 against SmolLM2-135M (54 s for 8 x 128
+tokens eager; 7.8 s for 16 x 128 with graphs). The in-process evaluator stays eager: a capture in
+a process whose other threads launch work on the same device is not yet tested on a GPU.
+
 Either way an evaluation asks the run's stop request between verify steps (``should_stop``): a
 long decode would otherwise hold a graceful stop for the whole evaluation (tens of seconds to
 minutes), which is when a user presses Ctrl-C again. The child sees the request through a shared
@@ -102,13 +110,14 @@ class HeldoutDecoder:
         DataError: the run's held-out conversations hold no usable prompt.
     """
 
-    def __init__(self, o: EvaluatorOptions, device: torch.device) -> None:
+    def __init__(self, o: EvaluatorOptions, device: torch.device, graphs: bool = False) -> None:
         from dflash.data.prompts import heldout_prompts
         from dflash.data.tokenizer import load_tokenizer
         from dflash.model.drafter import DFlashDrafter
         from dflash.model.target import for_generation, load_target
 
         self.opts, self.device = o, device
+        self.graphs = graphs and device.type == "cuda"  # CUDA-graph replays (module docstring)
         self.target = load_target(for_generation(o.target), device, o.drafter.num_layers, need_final=True)
         self.head = self.target.shared_head()
         # decodes with sdpa in the target's dtype whatever training uses (flex, float8): the same
@@ -148,6 +157,7 @@ class HeldoutDecoder:
         if say is not None:
             sampled = f", then sampled at T={e.temperature:g}" if e.temperature > 0 else ""
             cpu = f", {torch.get_num_threads()} CPU thread(s)" if self.device.type == "cpu" else ""
+            cpu += ", CUDA graphs" if self.graphs else ""
             say(f"evaluator: step {step}: decoding the held-out conversations, "
                 f"{over_text(len(self.prompts), e.max_new_tokens)}{sampled} ({self.device}{cpu})")
             progress = ProgressLines(say, prefix=f"evaluator: step {step}: ", done_line=False)
@@ -156,7 +166,7 @@ class HeldoutDecoder:
             self.drafter.load_state_dict(weights)
             got = decode_tau(self.target, self.drafter, self.head, self.prompts, e.max_new_tokens,
                              temperature=e.temperature, seed=e.seed, progress=progress,
-                             should_stop=should_stop)
+                             should_stop=should_stop, cuda_graphs=self.graphs)
         return HeldoutTau(step=step, tau=got.tau, accepted=got.accepted, sampled_tau=got.sampled_tau,
                           prompts=len(self.prompts), new_tokens=got.new_tokens, steps=got.steps,
                           seconds=time.perf_counter() - t0, skipped=dropped, time=time.time(),
@@ -179,7 +189,7 @@ def serve(o: EvaluatorOptions, device: str, conn: Any, stop: Any = None) -> None
     try:
         if o.eval.threads:  # this process decodes only: its count is the decode's
             torch.set_num_threads(o.eval.threads)
-        decoder = HeldoutDecoder(o, torch.device(device))
+        decoder = HeldoutDecoder(o, torch.device(device), graphs=o.eval.cuda_graphs)
         conn.send(("ready", torch.get_num_threads()))
         while (msg := conn.recv()) is not None:
             step, weights, dropped = msg

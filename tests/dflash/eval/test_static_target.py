@@ -175,12 +175,31 @@ def test_eval_with_cuda_graphs_measures_the_same_and_says_so(targets):
     plain = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True)
     graphs = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True, cuda_graphs=True)
     assert build_parser().parse_args(["CKPT", "--data", "x", "--cuda-graphs"]).cuda_graphs
+    assert build_parser().parse_args(["CKPT", "--data", "x", "--no-cuda-graphs"]).cuda_graphs is False
+    assert build_parser().parse_args(["CKPT", "--data", "x"]).cuda_graphs is None  # on for CUDA, off on a CPU
     assert not plain.cuda_graphs and graphs.cuda_graphs
     for name in ("tau", "sampled_tau", "acc_per_pos", "per_prompt", "streak_all"):
         assert getattr(graphs, name) == getattr(plain, name), name
     assert graphs.speed.new_tokens == plain.speed.new_tokens == 24
     assert "target steps as CUDA graphs" in format_result(graphs) and "CUDA graphs" in format_speed(graphs)
     assert "CUDA graphs" not in format_result(plain) + format_speed(plain)
+
+
+def test_the_in_training_decode_with_cuda_graphs_measures_the_same(targets):
+    """Invariant: the evaluator's decode (decode_tau, what [eval].cuda_graphs switches) gives the
+    same accepted lengths, greedy and sampled, through the fixed-shape steps as through the dynamic
+    cache, so its tau agrees with dflash.eval's whichever way each ran."""
+    from dflash.eval.measure import decode_tau
+
+    target = targets["qwen3"]
+    head = target.shared_head()
+    cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1).resolve(target.hf_config,
+                                                                                  target.layer_ids)
+    drafter = DFlashDrafter(cfg, seed=4).eval()
+    prompts = [prompt(7), prompt(10, 2)]
+    plain = decode_tau(target, drafter, head, prompts, 14, temperature=1.0)
+    graphs = decode_tau(target, drafter, head, prompts, 14, temperature=1.0, cuda_graphs=True)
+    assert (graphs.tau, graphs.sampled_tau, graphs.steps) == (plain.tau, plain.sampled_tau, plain.steps)
 
 
 def test_an_unsupported_target_falls_back_to_the_dynamic_cache_once_logged(caplog):
