@@ -73,6 +73,9 @@ class RunApp:
             (thread-safe; one process only, which is why torchrun refuses the budget).
         budget_end: the closing summary's line about the budget, set by the drafter stage, or None.
         budget_end_at: ``time.perf_counter()`` when the budget ended training, or None.
+        schedule_end: under ``[run].time_budget_s``, the step where the drafter stage last moved
+            the schedule's end (where the measured step rate meets the deadline), for the display's
+            progress and ETA; None without a budget or before its first estimate.
         progress: how far the stages got (:class:`RunProgress`).
     """
 
@@ -85,6 +88,7 @@ class RunApp:
     budget_reached: threading.Event = field(default_factory=threading.Event)
     budget_end: str | None = None
     budget_end_at: float | None = None
+    schedule_end: int | None = None
     progress: RunProgress = field(default_factory=RunProgress)
 
     def step_of(self, seq: int) -> int:

@@ -80,6 +80,8 @@ class MonitorStage(csp.Process[MonitorStageInputs, csp.NoPorts]):
             self.losses.append(loss)
         self.app.metrics.write(record)
         self.wandb.log(record)
+        if self.app.schedule_end is not None:  # a time budget: the run ends where its schedule does
+            self.display.total_steps = self.app.schedule_end
         self.display.update(record, self.ctx.statistics()["channels"])
 
     def _heldout(self, m: HeldoutTau) -> None:

@@ -153,6 +153,8 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
         prefetch stage (``RunApp.budget_reached``) and for the closing summary (``RunApp.budget_end``)."""
         b = self.budget
         self.optim.schedule.total = b.after_step(self.step)
+        if b.rate is not None:  # the display counts its progress and ETA to this step
+            self.app.schedule_end = b.total
         if b.expired(self.step):
             self.app.budget_end_at = time.perf_counter()
             self.app.budget_end = (f"run.steps reached at {b.elapsed():.1f} s of the {b.seconds:g} s time budget"

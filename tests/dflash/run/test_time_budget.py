@@ -69,6 +69,9 @@ def test_a_budget_ends_the_schedule_and_the_run_as_completed(tmp_path, cache_dir
     assert "time budget 10 s: the schedule's end follows the measured step rate" in text
     assert "stopped at the time budget (10 s): 10 steps (run.steps 40)" in text
     assert "final checkpoint" in text.split("run summary:")[1]
+    # the progress line counts to where the schedule ends, not to run.steps
+    log = (run / "run.log").read_text()
+    assert "step 4/40 10.0%" in log and "step 5/10 50.0%" in log and "step 10/10 100.0%" in log
 
 
 def test_a_budget_longer_than_run_steps_ends_at_run_steps(tmp_path, cache_dir, step_clock, capfd):
