@@ -188,7 +188,7 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
         task = bar.add_task("", total=len(conversations))
         for start in range(0, len(conversations), args.chunk):
             chunk = conversations[start: start + args.chunk]
-            state = []
+            state, turn = [], 0
             for c in chunk:
                 first_user = next((j for j, m in enumerate(c) if m["role"] == "user"), len(c))
                 lead = [m for m in c[:first_user] if m["role"] == "assistant"]
@@ -218,9 +218,12 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                             todo.append((s, ids))
                 if not todo:
                     break
+                t_round = time.perf_counter()
                 answers = target_answers.answer(model, [ids for _, ids in todo], max_new_tokens=args.max_new_tokens, eos=eos,
                                                 pad=pad, temperature=args.temperature, top_p=args.top_p,
                                                 batch_size=args.batch_size, engine=args.engine)
+                turn += 1
+                _say_round(bar.console, start, len(chunk), turn, answers, time.perf_counter() - t_round)
                 for (s, _), (ans, fin) in zip(todo, answers):
                     text = tok.decode(ans, skip_special_tokens=True)
                     s["rest"].pop(0)
@@ -243,6 +246,19 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
             os.fsync(f.fileno())
             bar.advance(task, len(chunk))
     return written
+
+
+def _say_round(console, start: int, size: int, turn: int, answers: list[tuple[list[int], bool]],
+               seconds: float) -> None:
+    """One line per round of answers (a turn of a chunk): how many, their tokens, the tokens per
+    second the engine reached and how many hit ``--max-new-tokens``, so a slow regeneration shows
+    where it stands (terminal or log alike)."""
+    tokens = sum(len(a) for a, _ in answers)
+    cut = sum(not fin for _, fin in answers)
+    console.print(f"dflash.regenerate: conversations {start + 1}-{start + size}, turn {turn}: {len(answers)} "
+                  f"answer{'s' if len(answers) != 1 else ''}, {tokens} tokens in {seconds:.1f} s "
+                  f"({tokens / max(seconds, 1e-9):.0f} tokens/s; {cut} cut at --max-new-tokens)",
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -58,6 +58,10 @@ def test_regenerated_turns_are_the_targets_and_drops_are_counted(tmp_path, capsy
     for reason in ("prompt_too_long 1", "leading_assistant_turns_dropped 1", "malformed_json 1",
                    "no_assistant_turn 1"):
         assert reason in err, err
+    # a line per round of answers (chunk and turn), with the engine's rate: a slow run shows in a log
+    rounds = [line for line in err.splitlines() if ", turn " in line]
+    assert any(line.startswith("dflash.regenerate: conversations 1-2, turn 2: ") for line in rounds), err
+    assert all("tokens/s;" in line and "cut at --max-new-tokens)" in line for line in rounds)
 
 
 def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch, capsys):
