@@ -19,13 +19,17 @@ Rows (each on the same target, drafter, prompts and GPU):
   ``/tmp/zl/pkg``); otherwise the row says why it is missing.
 
 Each row gives tok/s, ms per verify step (a target forward: one token for the target-only rows),
-tau (tokens per verify step), whether every output equals ``hf_generate``'s, tokens before the
-first difference, and the speedup over ``hf_generate``. On a GPU every timed region ends with
-``torch.cuda.synchronize()``; one warm-up decode per decoder is not timed.
+tau (tokens per verify step), whether every output equals the reference row's (``hf_generate``,
+or with ``--decoders`` leaving it out, the first row timed; the JSON's ``reference``), tokens
+before the first difference, and the speedup over the reference. On a GPU every timed region ends
+with ``torch.cuda.synchronize()``; one warm-up decode per decoder is not timed. Each row is
+printed as soon as it is timed (a line with its seconds), the table once every row is: on a large
+target the eager rows take minutes, and ``--decoders greedy_graphs,dflash_graphs,zlab`` times only
+the rows asked for.
 
     python -m benchmarks.decode.speed CHECKPOINT (--data SOURCE | --prompts FILE.jsonl)
         [--num-prompts 16] [--max-new-tokens 256] [--dtypes float32,bfloat16] [--threads 1]
-        [--cuda-graphs] [--out benchmarks/results/decode_speed_h200.json]
+        [--cuda-graphs] [--decoders NAME,...] [--out benchmarks/results/decode_speed_h200.json]
 
 Why bf16 can be slower than fp32 at the shipped 7M target: batch-1 decode there is bound by
 kernel launches, not by weight reads, and bf16 adds kernels. Counted with ``torch.profiler`` on
@@ -50,6 +54,10 @@ import warnings
 from pathlib import Path
 
 import torch
+
+
+ROWS = ("hf_generate", "greedy", "dflash", "greedy_graphs", "dflash_graphs", "zlab")
+"""Every row, in the order timed by default."""
 
 
 def _sync(device: torch.device) -> None:
@@ -195,7 +203,9 @@ def _drafter_steps(drafter) -> str:
     return "eager static forward" + (" (capture failed; see the log)" if run.feats.is_cuda else " (no CUDA)")
 
 
-def _time_rows(decoders, prompts, device, N):
+def _time_rows(decoders, prompts, device, N, say=None):
+    """``{name: row}`` (module docstring), each decoder timed over every prompt after one warm-up;
+    ``say(name, row)`` as each row is timed. The first row is the reference of the others'."""
     rows: dict[str, dict] = {}
     outs: dict[str, list[torch.Tensor]] = {}
     for name, fn in decoders.items():
@@ -212,7 +222,10 @@ def _time_rows(decoders, prompts, device, N):
                 outs[name].append(out[: pr.shape[0] + N].cpu())
         rows[name] = {"tok_s": N * len(prompts) / secs, "ms_per_verify_step": 1e3 * secs / steps,
                       "tau": N * len(prompts) / steps, "seconds": secs, "verify_steps": steps}
-    ref = outs["hf_generate"]
+        if say is not None:
+            say(name, rows[name])
+    first = next(iter(rows))
+    ref = outs[first]
     for name, row in rows.items():
         same = []
         for a, b, pr in zip(outs[name], ref, prompts):
@@ -220,7 +233,9 @@ def _time_rows(decoders, prompts, device, N):
             same.append(int(diff[0, 0]) - pr.shape[0] if len(diff) else N)
         row["outputs_equal"] = sum(s == N for s in same)
         row["tokens_before_first_difference"] = sum(same) / len(same)
-        row["speedup_vs_hf_generate"] = rows["hf_generate"]["seconds"] / row["seconds"]
+        row["speedup_vs_reference"] = rows[first]["seconds"] / row["seconds"]
+        if first == "hf_generate":
+            row["speedup_vs_hf_generate"] = row["speedup_vs_reference"]
     return rows
 
 
@@ -243,10 +258,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16, help="with --random-drafter")
     p.add_argument("--drafter-layers", type=int, default=3, help="with --random-drafter")
     p.add_argument("--mask-token-id", type=int, default=3, help="with --random-drafter")
+    p.add_argument("--decoders", default=None, metavar="NAME,...",
+                   help=f"time only these rows, in this order (of {', '.join(ROWS)}; default all, the graphed "
+                        "ones with --cuda-graphs); the first is the reference of the others")
     p.add_argument("--out", default=None, help="write the result JSON here (e.g. benchmarks/results/decode_speed_h200.json)")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != args.random_drafter:
         p.error("give CHECKPOINT or --random-drafter (one of them)")
+    wanted = None
+    if args.decoders is not None:
+        wanted = [n.strip() for n in args.decoders.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in ROWS]
+        if unknown or not wanted:
+            p.error(f"--decoders {args.decoders!r}: name rows of {', '.join(ROWS)}")
+        if {"greedy_graphs", "dflash_graphs"} & set(wanted):
+            args.cuda_graphs = True
     torch.set_num_threads(args.threads)
     import tempfile
 
@@ -261,7 +287,18 @@ def main(argv: list[str] | None = None) -> int:
             target, drafter, head, tc = _load(args, dtype, device)
             prompts = [torch.tensor(x, device=device) for x in _prompt_ids(args, tc)]
             decoders, skipped = _decoders(args, target, drafter, head, Path(tmp))
-            rows = _time_rows(decoders, prompts, device, args.max_new_tokens)
+            if wanted is not None:
+                skipped = {n: why for n, why in skipped.items() if n in wanted}
+                decoders = {n: decoders[n] for n in wanted if n in decoders}
+            if not decoders:
+                print(f"{dtype:9s} no row to time: " + "; ".join(f"{n}: {w}" for n, w in skipped.items()), flush=True)
+                continue
+
+            def timed(name, r, dtype=dtype):
+                print(f"{dtype:9s} {name:13s} timed: {r['tok_s']:8.1f} tok/s {r['ms_per_verify_step']:7.2f} ms/step "
+                      f"tau {r['tau']:.3f} ({r['seconds']:.1f} s)", flush=True)
+
+            rows = _time_rows(decoders, prompts, device, args.max_new_tokens, say=timed)
             for name, width in (("greedy_graphs", 1), ("dflash_graphs", drafter.cfg.block_size)):
                 if name in rows:
                     rows[name]["target_steps"] = _target_steps(target, width)
@@ -269,11 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows["dflash_graphs"]["drafter_steps"] = _drafter_steps(drafter)
             res.update(target=tc.path or tc.preset, block_size=drafter.cfg.block_size,
                        drafter_layers=drafter.cfg.num_layers, prompts=len(prompts))
-            res["by_dtype"][dtype] = {"rows": rows, "skipped": skipped}
+            first = next(iter(rows))
+            res["by_dtype"][dtype] = {"rows": rows, "skipped": skipped, "reference": first}
             for name, r in rows.items():
                 print(f"{dtype:9s} {name:13s} {r['tok_s']:8.1f} tok/s {r['ms_per_verify_step']:7.2f} ms/step "
                       f"tau {r['tau']:.3f} equal {r['outputs_equal']}/{len(prompts)} "
-                      f"speedup {r['speedup_vs_hf_generate']:.2f}x"
+                      f"speedup {r['speedup_vs_reference']:.2f}x"
+                      + ("" if first == "hf_generate" else f" vs {first}")
                       + (f" [target: {r['target_steps']}]" if "target_steps" in r else "")
                       + (f" [drafter: {r['drafter_steps']}]" if "drafter_steps" in r else ""), flush=True)
             for name, why in skipped.items():

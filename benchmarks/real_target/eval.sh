@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 4: the last checkpoint of R/run measured. Each line is capped (CAP_S) so the call ends in time.
 #   0. the GPU tests of the CUDA-graph decode path (capture, replay equal to the eager step);
-#   1. this project's decoder (eager, and with --cuda-graphs) beside z-lab's dflash_generate on the
+#   1. this project's decoder (CUDA graphs; its eager rows take minutes on a 30-layer target) beside z-lab's dflash_generate on the
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
 #      equal to transformers' generate);
 #   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy, with the measured
@@ -19,7 +19,7 @@ cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null
 timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
   tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"
 timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
-  --max-new-tokens 128 --dtypes bfloat16 --cuda-graphs --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
+  --max-new-tokens 128 --dtypes bfloat16 --decoders hf_generate,greedy_graphs,dflash_graphs,zlab --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
 echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
 for set in ${SETS_TO_RUN:-mtbench humaneval}; do
   timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \

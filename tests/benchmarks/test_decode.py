@@ -55,6 +55,31 @@ def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path, graphs)
     assert res["command"].startswith("python -m benchmarks.decode.speed")
 
 
+def test_decode_speed_times_only_the_rows_asked_for_and_says_each_as_it_goes(tmp_path, capsys):
+    """``--decoders``: only those rows, in that order, the first the reference of the others' outputs
+    and speedup; each row is printed when timed, before the table. An unknown name is a usage error."""
+    from benchmarks.decode.speed import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "How do I sort a list?"}\n')
+    out = tmp_path / "speed.json"
+    base = ["--random-drafter", "--prompts", str(prompts), "--num-prompts", "1", "--max-new-tokens", "8",
+            "--dtypes", "float32", "--device", "cpu"]
+    assert main([*base, "--decoders", "greedy_graphs,dflash", "--out", str(out)]) == 0
+    block = json.loads(out.read_text())["by_dtype"]["float32"]
+    assert list(block["rows"]) == ["greedy_graphs", "dflash"] and block["reference"] == "greedy_graphs"
+    assert block["rows"]["dflash"]["outputs_equal"] == 1 and block["skipped"] == {}
+    assert block["rows"]["greedy_graphs"]["speedup_vs_reference"] == 1.0
+    lines = capsys.readouterr().out.splitlines()
+    timed = [i for i, line in enumerate(lines) if " timed: " in line]
+    table = [i for i, line in enumerate(lines) if " equal 1/1 " in line]
+    assert len(timed) == 2 and len(table) == 2 and max(timed) < min(table)
+    assert "vs greedy_graphs" in lines[table[1]]
+    with pytest.raises(SystemExit) as stop:
+        main([*base, "--decoders", "greedy,nope"])
+    assert stop.value.code == 2 and "name rows of hf_generate" in capsys.readouterr().err
+
+
 def test_second_stage_timing_reports_each_variant_and_its_share(tmp_path):
     """Invariant: every variant gets the backbone's time; DFlash2's walk and XPress's passes get
     theirs and their share of a verify step, second / (verify + backbone + second)."""
