@@ -32,6 +32,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from csp._guard import check as _check_owner
 from dflash.model.attention import BlockLayout, flex_block_mask, sdpa_mask
@@ -308,8 +309,12 @@ class DFlashDrafter(nn.Module):
         rope_q = self._rope_table(qpos)
         rope_k = self._rope_table(torch.cat([layout.ctx_positions, qpos], dim=1))
         masks = masks if masks is not None else self.build_masks(layout)
+        recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
+            if recompute:  # only x is kept; the layer runs again in the backward ([drafter].activation_checkpointing)
+                x = checkpoint(layer, x, ctx, rope_q, rope_k, masks[layer.layer_type], use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_k, masks[layer.layer_type])
         return self.output(x).view(B, A, bs, H)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:

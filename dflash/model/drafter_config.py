@@ -46,6 +46,11 @@ class DrafterConfig(Table):
             (Triton, CUDA only; :mod:`dflash.model.drafter_kernels`). Same parameters and
             state-dict keys; equal loss and gradients to bf16 rounding (tested on the GPU).
         compile: ``torch.compile`` each decoder layer in place (same state-dict keys).
+        activation_checkpointing: keep only each decoder layer's input during the forward and
+            recompute the layer in the backward (``torch.utils.checkpoint``, non-reentrant): the
+            layers' activations, which grow with the sequence length times the anchors, are then
+            held one layer at a time, at the cost of a second forward of the layers. The same loss
+            and gradients (tested). For long sequences; training only (decoding never stores them).
         precision: the training matmuls of the drafter's backbone Linears (``fc`` and every
             attention and MLP projection): "bf16" (under autocast on CUDA, fp32 on a CPU) |
             "fp8": torchao's float8 training (``Float8Linear``, dynamic scaling;
@@ -96,6 +101,7 @@ class DrafterConfig(Table):
     num_target_layers: int | None = None
     kernels: Annotated[Literal["torch", "liger"], added_later("torch")] = "torch"
     compile: Annotated[bool, added_later(False)] = False
+    activation_checkpointing: Annotated[bool, added_later(False)] = False
     precision: Annotated[Literal["bf16", "fp8"], added_later("bf16")] = "bf16"
     fp8_recipe: Annotated[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"], added_later("tensorwise")] = "tensorwise"
     variant: Annotated[VariantName, added_later("dflash")] = "dflash"
