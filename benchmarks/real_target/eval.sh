@@ -26,7 +26,7 @@ for set in ${SETS_TO_RUN:-mtbench humaneval}; do
     ${EAGER:+--no-cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
-timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "$R/regen-all.jsonl" --num-prompts 32 --max-new-tokens 128 \
+timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
   --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
 echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"
 timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
