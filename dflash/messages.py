@@ -232,6 +232,8 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
         tau: measured tokens per verify step (accepted + 1) of greedy draft-and-verify, pooled
             over every verify step of every prompt; ``accepted`` = ``tau - 1``.
         sampled_tau: the same for the sampled decode at ``[eval].temperature`` (None when greedy only).
+        tree_tau: the same for the greedy tree-verified decode of ``tree_budget`` draft tokens per
+            tree (``[eval].tree_budget``; None when off, or for a variant without a tree).
         prompts: prompts decoded; new_tokens: tokens generated (greedy); steps: verify steps (greedy).
         max_new_tokens: tokens generated per prompt (``[eval].max_new_tokens``; every decode
             generates exactly this many).
@@ -255,4 +257,6 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
     time: float = 0.0
     max_new_tokens: int | None = None
     temperature: float = 0.0
+    tree_tau: float | None = None
+    tree_budget: int | None = None
     dtype: str | None = None

@@ -190,6 +190,8 @@ class HeldoutRecord(RecordBase, tag="heldout"):
     max_new_tokens: int | None | UnsetType = UNSET
     temperature: Float = UNSET
     dtype: str | None | UnsetType = UNSET
+    tree_tau: Float = UNSET
+    tree_budget: int | None | UnsetType = UNSET
 
     def over(self) -> str:
         """What its tau is over, ``8 prompts x 64 tokens`` (:func:`over_text`). A record older than

@@ -76,6 +76,11 @@ class EvalSection(Table):
     process: its own interpreter, so that the decode and the training thread's launches do not
     wait on each other's interpreter lock, which is what the in-process decode costs on a GPU. It
     costs a second CUDA context and a start-up of a few seconds (dflash.run.stages.heldout)."""
+    tree_budget: NonNegInt = 0
+    """> 0: decode every prompt once more under tree verification of this many draft tokens and
+    log its tau beside the chain's (``tree_tau``; dflash.eval --tree-budget, the same decode; DFlash
+    and DFlash2, whose tree is its backbone's; none for XPress). Greedy, eager; it adds about one
+    chain decode's time to each evaluation. 0: off."""
     cuda_graphs: bool = True
     """With ``isolate`` on a CUDA device: decode through CUDA-graph replays of the target's and the
     drafter's fixed-shape steps, as ``dflash.eval`` does by default (the same tokens; 14x faster

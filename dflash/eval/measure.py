@@ -109,6 +109,7 @@ class DecodedTau:
     new_tokens: int
     steps: int
     sampled_tau: float | None = None
+    tree_tau: float | None = None
 
 
 def proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool = False) -> Callable[[], object]:
@@ -132,7 +133,8 @@ def proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool
 def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts: list[torch.Tensor],
                max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int = 0, progress: Callable[[EvalProgress], None] | None = None,
-               should_stop: Callable[[], bool] | None = None, cuda_graphs: bool = False) -> DecodedTau:
+               should_stop: Callable[[], bool] | None = None, cuda_graphs: bool = False,
+               tree_budget: int = 0) -> DecodedTau:
     """The measured tau of greedy draft-and-verify over ``prompts`` (each ``[n]`` int64 ids), and
     with ``temperature > 0`` of the sampled decode too (one generator seeded with ``seed``):
     :func:`evaluate` without the teacher-forced scoring, for the in-training evaluator, whose cost
@@ -141,6 +143,9 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
     ``should_stop`` is asked before every prompt and every verify step
     (:func:`~dflash.eval.decode.speculative_decode`): an evaluation of many long decodes ends
     within one verify step of a stop request. ``cuda_graphs``: as :func:`evaluate`'s.
+    ``tree_budget > 0``: every prompt decoded once more, greedy, under tree verification of that
+    many draft tokens (:mod:`dflash.eval.tree_decode`; ``tree_tau``) where
+    :func:`tree_proposer_factory` has a proposer for the variant (progress stage ``"tree"``).
 
     Raises:
         ValueError: an empty prompt or bad sampling parameters.
@@ -169,11 +174,21 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
             if progress is not None:
                 progress(EvalProgress.at("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))
+    tree = tree_proposer_factory(drafter, head) if tree_budget else None
+    tree_tau = None
+    if tree is not None:
+        tm = []
+        for i, p in enumerate(prompts):
+            _stop_if(should_stop)
+            tm += tree_decode(target, tree(), p, max_new_tokens, bs, tree_budget, should_stop=should_stop)[1]
+            if progress is not None:
+                progress(EvalProgress.at("tree", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
+        tree_tau = tau_from_accepted(sum(tm) / max(len(tm), 1))
     if progress is not None:
         progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(prompts), tokens, ms))
     mean = sum(ms) / max(len(ms), 1)
     return DecodedTau(tau=tau_from_accepted(mean), accepted=mean, new_tokens=tokens, steps=len(ms),
-                      sampled_tau=sampled)
+                      sampled_tau=sampled, tree_tau=tree_tau)
 
 
 def _stop_if(should_stop: Callable[[], bool] | None) -> None:

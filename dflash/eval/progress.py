@@ -18,7 +18,7 @@ from typing import Literal
 
 __all__ = ["EvalProgress", "ProgressLines", "clock_text"]
 
-Stage = Literal["warmup", "decode", "sampled", "score", "done"]
+Stage = Literal["warmup", "decode", "sampled", "tree", "score", "done"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class EvalProgress:
             alone, timed beside every decode) start; ``"decode"``: prompt ``done`` finished all its
             decodes (greedy draft-and-verify, the target alone when timed, the sampled decode);
             ``"sampled"``: :func:`~dflash.eval.measure.decode_tau`'s sampled pass finished prompt
-            ``done``; ``"score"``: the teacher-forced scoring of every decode starts; ``"done"``.
+            ``done``; ``"tree"``: its tree-verified pass finished prompt ``done``; ``"score"``: the
+            teacher-forced scoring of every decode starts; ``"done"``.
         done: prompts finished in this stage (0 for ``warmup`` and ``score``).
         total: prompts in all.
         decodes: decodes finished so far (a prompt's later turns count one each).
@@ -93,7 +94,7 @@ class ProgressLines:
 
     def __call__(self, p: EvalProgress) -> None:
         now = self.clock()
-        if p.stage in ("decode", "sampled"):
+        if p.stage in ("decode", "sampled", "tree"):
             due = (self._stage != p.stage or p.done in (1, p.total)
                    or self._last is None or now - self._last >= self.every_s)
             self._stage = p.stage
@@ -108,7 +109,7 @@ class ProgressLines:
     @staticmethod
     def decode_line(p: EvalProgress) -> str:
         """``3/8 prompts (5 decodes) | tau 1.231 so far | 0:42 elapsed, ~1:10 left``."""
-        what = "prompts" if p.stage == "decode" else "prompts sampled"
+        what = {"decode": "prompts", "sampled": "prompts sampled", "tree": "prompts tree-verified"}[p.stage]
         turns = f" ({p.decodes} decodes)" if p.stage == "decode" and p.decodes != p.done else ""
         tau = f" | tau {p.tau:.3f} so far" if p.tau is not None and p.stage == "decode" else ""
         left = p.elapsed / p.done * (p.total - p.done) if p.done else None

@@ -210,7 +210,8 @@ class WandbSink:
         and an evaluation finishes after later windows were logged."""
         if self.run is None:
             return
-        data = {f"heldout/{k}": record.get(k) for k in ("step", "tau", "accepted", "sampled_tau", "seconds")}
+        data = {f"heldout/{k}": record.get(k) for k in ("step", "tau", "accepted", "sampled_tau", "tree_tau",
+                                                         "seconds")}
         self.run.log({k: v for k, v in data.items() if isinstance(v, (int, float)) and not math.isnan(v)},
                      step=self.last_step)
 

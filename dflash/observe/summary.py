@@ -184,6 +184,8 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         h = held[-1]
         best = max(held, key=lambda r: r.tau if isinstance(r.tau, (int, float)) else -1.0)
         sampled = f", sampled {_num(h.sampled_tau)}" if isinstance(h.sampled_tau, (int, float)) else ""
+        if isinstance(h.tree_tau, (int, float)):
+            sampled += f", tree of {h.tree_budget} {_num(h.tree_tau)}"
         row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.over()}"
                         f"{sampled}); best {_num(best.tau)} at step {best.step}; {_count(len(held), 'evaluation')}")
     unevaluated = end.get("unevaluated")

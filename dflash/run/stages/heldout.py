@@ -156,6 +156,7 @@ class HeldoutDecoder:
         progress = None
         if say is not None:
             sampled = f", then sampled at T={e.temperature:g}" if e.temperature > 0 else ""
+            sampled += f", then tree-verified ({e.tree_budget} draft tokens)" if e.tree_budget else ""
             cpu = f", {torch.get_num_threads()} CPU thread(s)" if self.device.type == "cpu" else ""
             cpu += ", CUDA graphs" if self.graphs else ""
             say(f"evaluator: step {step}: decoding the held-out conversations, "
@@ -166,11 +167,12 @@ class HeldoutDecoder:
             self.drafter.load_state_dict(weights)
             got = decode_tau(self.target, self.drafter, self.head, self.prompts, e.max_new_tokens,
                              temperature=e.temperature, seed=e.seed, progress=progress,
-                             should_stop=should_stop, cuda_graphs=self.graphs)
+                             should_stop=should_stop, cuda_graphs=self.graphs, tree_budget=e.tree_budget)
         return HeldoutTau(step=step, tau=got.tau, accepted=got.accepted, sampled_tau=got.sampled_tau,
                           prompts=len(self.prompts), new_tokens=got.new_tokens, steps=got.steps,
                           seconds=time.perf_counter() - t0, skipped=dropped, time=time.time(),
                           max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                          tree_tau=got.tree_tau, tree_budget=e.tree_budget or None,
                           dtype=str(self.target.model.dtype).removeprefix("torch."))
 
 

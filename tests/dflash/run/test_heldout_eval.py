@@ -181,14 +181,16 @@ def test_the_run_and_dflash_eval_take_the_same_held_out_measure(tmp_path, cache_
     from dflash.eval.cli import main as eval_main
 
     run = tmp_path / "run"
-    sets = ["eval.every=2", "eval.prompts=2", "eval.max_new_tokens=12", "eval.max_busy=1"]
+    sets = ["eval.every=2", "eval.prompts=2", "eval.max_new_tokens=12", "eval.max_busy=1", "eval.tree_budget=4"]
     assert main(small(run, cache_dir, *sets, steps=4)) == 0
     err = capsys.readouterr().err
     last = records(run, "heldout")[-1]
     assert last["step"] == 4 and last["max_new_tokens"] == 12 and last["dtype"] == "float32"
+    assert last["tree_budget"] == 4 and 1.0 <= last["tree_tau"] <= 8
+    assert f"tree of 4 {last['tree_tau']:.3f}" in err and "then tree-verified (4 draft tokens)" in err
     over = f"({last['prompts']} prompts x 12 tokens"
     assert f"held-out tau {last['tau']:.3f} tokens/verify step {over}; accepted" in err
-    assert f"measured at step 4 {over})" in err  # the closing summary
+    assert f"measured at step 4 {over}, tree of 4 {last['tree_tau']:.4g})" in err  # the closing summary
     assert "evaluator: step 4: 1/" in err  # the final evaluation's progress, on the terminal
     log = (run / "run.log").read_text()
     assert "decoding in the training process with 1 torch CPU thread(s) of its own (eval.threads)" in log
@@ -203,6 +205,8 @@ def test_the_run_and_dflash_eval_take_the_same_held_out_measure(tmp_path, cache_
     assert sum(p["new_tokens"] for p in res["per_prompt"]) == last["new_tokens"]
     assert sum(p["steps"] for p in res["per_prompt"]) == last["steps"]
     assert res["tau"] == pytest.approx(last["tau"], abs=1e-12)
+    assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--json", "--quiet", "--tree-budget", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["tree_tau"] == pytest.approx(last["tree_tau"], abs=1e-12)
     assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--quiet"]) == 0
     assert f"held-out tau {last['tau']:.3f} tokens/verify step {over})" in capsys.readouterr().out
     assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--json", "--quiet", "--max-new-tokens", "5"]) == 0
