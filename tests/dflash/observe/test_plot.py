@@ -128,6 +128,16 @@ def test_tau_axis_fits_the_data_above_one():
     assert tau_limits([0.9, 1.2])[0] < 0.9  # a value under 1 (a broken log) still shows
 
 
+def test_a_tree_figure_is_drawn_with_its_budget_and_fits_the_axis():
+    recs = realistic()
+    held = [r for r in recs if r.get("kind") == "heldout"]
+    for r in held:
+        r.update(tree_tau=r["tau"] + 0.6, tree_budget=32)
+    fig = make_figure(recs)
+    assert "held-out tau, tree of 32" in _labels(fig)
+    assert fig.axes[2].get_ylim()[1] > max(r["tree_tau"] for r in held)
+
+
 def test_skipped_and_cut_short_evaluations_are_marked():
     """Regression: an evaluation the evaluator skipped (busy, or over eval.max_busy) or that a stop
     cut short left no mark, so the held-out curve looked evenly sampled. Invariant: each is a cross
