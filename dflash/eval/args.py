@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-budget", type=int, default=0, metavar="B",
                    help="also score every block under tree verification with B draft tokens, teacher-forced "
                         "(the B most probable prefixes of the drafter's per-position marginals; DFlash2: its "
-                        "backbone's), and decode every prompt again tree-verified (measured; not for XPress; "
-                        "default 0: off)")
+                        "backbone's), and decode every prompt again tree-verified (measured; with --temperature "
+                        "also sampled; not for XPress; default 0: off)")
     p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                    help=f"prompt tokens kept, the last ones (default {DEFAULT_MAX_PROMPT_TOKENS}; for the run's "
                         "held-out conversations its [eval].max_prompt_tokens)")

@@ -219,6 +219,7 @@ class _Decoded:
     extra: tuple | None = None
     tree: torch.Tensor | None = None    # [anchors] accepted under a tree (tree_budget > 0)
     tree_m: list[int] = field(default_factory=list)  # accepted per step of the tree decode
+    sampled_tree_m: list[int] = field(default_factory=list)  # the same, sampled
     tree_seconds: float = 0.0
 
 
@@ -266,7 +267,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             (teacher-forced, :mod:`dflash.eval.tree`: ``EvalResult.tree_tau_tf``) and decode
             each prompt again with tree verification (:mod:`dflash.eval.tree_decode`:
             ``tree_tau``, timed) where :func:`tree_proposer_factory` has a proposer for the
-            variant.
+            variant; with ``temperature > 0`` once more sampled (``sampled_tree_tau``, its own
+            generator seeded with ``seed``).
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
@@ -290,6 +292,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         speculative_decode(target, proposer(), prompts[0], max_new_tokens, bs, cuda_graphs=cuda_graphs)
         greedy_decode(target, prompts[0], max_new_tokens, cuda_graphs=cuda_graphs)
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
+    tree_gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     decoded: list[_Decoded] = []
     for i, first in enumerate(prompts):
         prompt, turn = first, 0
@@ -315,6 +318,10 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                                                  generator=gen, cuda_graphs=cuda_graphs,
                                                  should_stop=should_stop)[1]
                 d.sampled_seconds = _clock(prompt.device) - t0
+                if tree_budget and tree_proposer is not None:  # the sampled tree: a stream of its own
+                    d.sampled_tree_m = tree_decode(target, tree_proposer(), prompt, max_new_tokens, bs, tree_budget,
+                                                   temperature=temperature, top_p=top_p, top_k=top_k,
+                                                   generator=tree_gen, should_stop=should_stop)[1]
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
             turn += 1
@@ -338,6 +345,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         if tree_m:
             res.tree_tau = tau_from_accepted(sum(tree_m) / len(tree_m))
             res.tree_seconds = sum(d.tree_seconds for d in decoded)
+        sampled_tree = [m for d in decoded for m in d.sampled_tree_m]
+        if sampled_tree:
+            res.sampled_tree_tau = tau_from_accepted(sum(sampled_tree) / len(sampled_tree))
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     res.speed = _speed(decoded) if speed else None

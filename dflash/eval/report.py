@@ -164,7 +164,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
             prompt (:mod:`dflash.eval.tree_decode`; trees of ``B`` draft tokens from the backbone's
             per-position marginals; for DFlash2 its backbone's, not the selector's walk), over all
             its steps; None for XPress (no tree proposer for its passes) or when not asked for.
-            ``tree_seconds``: its wall time.
+            ``tree_seconds``: its wall time. ``sampled_tree_tau``: the same tree decode sampled at
+            ``temperature`` (lossless; :mod:`dflash.eval.tree_decode`), None when greedy only.
         tree_tau_tf: the same tree, teacher-forced at every anchor of the chain decode's text
             (:mod:`dflash.eval.tree`; for every variant, from its backbone).
         prompt_set: the evaluation set (``mtbench``, ``humaneval``, a file's stem, ``--data``'s source).
@@ -202,6 +203,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     jacobi_passes: int | None = None
     tree_budget: int | None = None
     tree_tau: float | None = None
+    sampled_tree_tau: float | None = None
     tree_seconds: float | None = None
     tree_tau_tf: float | None = None
     n_per_pos: list[int] = msgspec.field(default_factory=list)
@@ -274,6 +276,9 @@ def format_result(res: EvalResult) -> str:
         knobs = f"T={res.temperature:g}" + (f", top-p {res.top_p:g}" if res.top_p < 1 else "") + (
             f", top-k {res.top_k}" if res.top_k else "")
         rows.insert(1, (f"measured: sampled ({knobs})", res.sampled_tau, res.sampled_accepted))
+    if res.sampled_tree_tau is not None:  # after the sampled chain (and the greedy tree)
+        rows.insert(3, (f"measured: sampled tree ({res.tree_budget} nodes, T={res.temperature:g})",
+                        res.sampled_tree_tau, res.sampled_tree_tau - 1))
     lines = [f"{'':44s}{'tau (tokens/step)':>18s}{'accepted/step':>15s}"]
     lines += [f"{name:44s}{t:>18.3f}{a:>15.3f}" for name, t, a in rows]
     trained = (f", trained at {res.trained_block_size}" if res.trained_block_size not in (None, res.block_size)

@@ -1,4 +1,4 @@
-"""Greedy draft-and-verify with a tree: many drafted paths verified in one target forward.
+"""Draft-and-verify with a tree, greedy or sampled: many drafted paths verified in one target forward.
 
 One step (the chain's, :mod:`dflash.eval.decode`, with a tree in place of the block):
 
@@ -9,12 +9,21 @@ One step (the chain's, :mod:`dflash.eval.decode`, with a tree in place of the bl
    (a 4-D attention mask; transformers passes a 4-D mask to the attention as it is given).
 3. From the anchor, follow the child whose token is the target's argmax at the current node, as
    long as one exists: its ``m`` nodes are accepted, then the bonus token (the argmax at the last).
+   Sampled (``temperature > 0``): at each node on the path draw the next token from the target's
+   processed distribution there (:func:`dflash.eval.decode.sampling_probs`); if a child carries it,
+   accept that child and go on, else it is the bonus token. Every emitted token is a draw from the
+   target's own distribution given the tokens before it, so the output is distributed as the
+   target's sampling (chi-square tested). A node's children are fixed (the best-first tree, not
+   draws from the drafter), so this is the lossless rule for them: with one deterministic draft it
+   is the rejection rule's ``min(1, p/q)`` at ``q`` a point mass; the node accepts with the
+   target's probability of its children's tokens (SpecInfer (Miao et al. 2024) verifies token trees
+   by the same per-node walk, with sampled drafts and their residuals).
 4. The cache keeps the context, the anchor and the accepted path in order (the other nodes' keys
    and values are dropped), and the target's features of those rows join the drafter's context.
 
 Greedy output equals plain greedy decoding whatever the tree (tested), so tau is measured, not
 simulated; at every anchor the accepted length equals the teacher-forced tree figure of
-:mod:`dflash.eval.tree` for the same budget (tested). Sampled tree verification is not built.
+:mod:`dflash.eval.tree` for the same budget (tested).
 Source of the idea: DDTree (Ringel & Romano 2025) and SGLang's tree verify for DFlash, which build
 and verify trees from a block drafter's per-position distributions.
 """
@@ -25,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from dflash.eval.decode import CachedTarget, DecodeStopped, _check_inputs
+from dflash.eval.decode import CachedTarget, DecodeStopped, _check_inputs, sampling_probs
 from dflash.eval.tree import best_first
 from dflash.model.target import Target
 
@@ -34,9 +43,10 @@ __all__ = ["tree_decode"]
 
 @torch.no_grad()
 def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: int, block_size: int,
-                budget: int, *, should_stop: Callable[[], bool] | None = None
+                budget: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None
                 ) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Greedy tree-verified decoding (module docstring).
+    """Tree-verified decoding, greedy or sampled (module docstring).
 
     Args:
         target: the target (a transformers Llama or Qwen3 model: a 4-D mask and a dynamic cache).
@@ -45,16 +55,28 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
         prompt: ``[n]`` int64 on the target's device.
         block_size: the drafter's block size (depth of the tree + 1).
         budget: draft tokens per tree (>= 1).
+        temperature, top_p, top_k: 0 = greedy; else the target's sampling, processed as
+            :func:`~dflash.eval.decode.sampling_probs` (the tree is the same either way).
+        generator: the random stream of the sampled draws (on the target's device).
         should_stop: asked before each verify step, as :func:`~dflash.eval.decode.speculative_decode`.
 
     Returns:
         ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``.
 
     Raises:
-        ValueError: an empty prompt, ``budget < 1``, or a proposer without ``logits``.
+        ValueError: an empty prompt, bad sampling parameters, ``budget < 1``, or a proposer
+            without ``logits``.
         DecodeStopped: ``should_stop()`` returned True.
     """
-    _check_inputs(prompt, 0.0, 1.0, 0)
+    _check_inputs(prompt, temperature, top_p, top_k)
+    sampled = temperature > 0
+
+    def draw(row_logits: torch.Tensor) -> int:
+        """The target's next token at one row: its argmax, or a draw from its processed distribution."""
+        if not sampled:
+            return int(row_logits.argmax())
+        return int(torch.multinomial(sampling_probs(row_logits, temperature, top_p, top_k), 1, generator=generator))
+
     if budget < 1:
         raise ValueError(f"a tree holds at least one draft token, got budget {budget}")
     if not hasattr(proposer, "logits"):
@@ -68,7 +90,7 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
     f, logits = run(prompt, 0, last_only=True)                               # prefill
     feats = torch.empty(1, end + block_size, f.shape[-1], dtype=f.dtype, device=f.device)
     feats[:, :n0] = f
-    tokens[n0] = logits[0].argmax()
+    tokens[n0] = draw(logits[0])
     n = n0 + 1                                                               # tokens[n-1]: the anchor
     accepted, anchors = [], []
     while n < end:
@@ -82,10 +104,11 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
         ids = torch.tensor([tokens[n - 1].item()] + [t for _, _, t in nodes], device=dev)
         pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
         f, logits = _verify(run, ids, pos, _tree_mask(parent, n - 1, dev))
-        g = logits.argmax(-1).tolist()                                       # one host read per step
+        g = logits.argmax(-1).tolist() if not sampled else None             # greedy: one host read per step
         path, row = [], 0                                                    # row 0: the anchor
         while True:
-            child = next((i for i, p in enumerate(parent) if p == row - 1 and nodes[i][2] == g[row]), None)
+            x = g[row] if g is not None else draw(logits[row])               # the target's token after this node
+            child = next((i for i, p in enumerate(parent) if p == row - 1 and nodes[i][2] == x), None)
             if child is None:
                 break
             path.append(child + 1)
@@ -93,7 +116,7 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
         m = len(path)
         rows = torch.tensor([0] + path, device=dev)
         tokens[n:n + m] = ids[rows[1:]]
-        tokens[n + m] = g[row]
+        tokens[n + m] = x
         feats[:, n - 1:n + m] = f[:, rows]
         _keep_rows(run.cache, n - 1, rows)
         accepted.append(m)

@@ -77,6 +77,14 @@ def test_dflash_eval_reports_the_tree_figure_and_it_grows_with_the_budget(tmp_pa
     assert eval_main([*base, "--tree-budget", "4"]) == 0
     out = capsys.readouterr().out
     assert "teacher-forced tree of 4 @ all anchors" in out and "measured: tree-verified decode (4 nodes)" in out
+    assert eval_main([*base, "--tree-budget", "4", "--temperature", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert 1.0 <= res["sampled_tree_tau"] <= res["block_size"] and res["sampled_tau"] is not None
+    assert eval_main([*base, "--tree-budget", "4", "--temperature", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line[:44].strip() for line in lines if line.startswith("measured")]
+    assert names == ["measured: draft-and-verify decode", "measured: sampled (T=1)",
+                     "measured: tree-verified decode (4 nodes)", "measured: sampled tree (4 nodes, T=1)"]
     with pytest.raises(SystemExit) as stop:  # argparse's error: usage, then the one line
         eval_main([*base, "--tree-budget", "-1"])
     assert stop.value.code == 2 and "--tree-budget must be >= 0" in capsys.readouterr().err
@@ -178,3 +186,81 @@ def test_xpress_has_no_tree_proposer():
     d = DFlashDrafter(DrafterConfig(variant="xpress", num_layers=1, block_size=4, mask_token_id=63).resolve(
         target.hf_config, target.layer_ids), seed=2)
     assert tree_proposer_factory(d, target.shared_head()) is None
+
+
+class _Peaked:
+    """Drafter-shaped logits peaked on the target's greedy continuation (a tree that holds it and, at
+    this budget, alternatives at the first position): a sampled walk then accepts 0, 1 or 2 nodes."""
+
+    def __init__(self, target, bs):
+        from dflash.eval.decode import OracleProposer
+
+        self.oracle, self.V = OracleProposer(target, bs), target.hf_config.vocab_size
+
+    def logits(self, tokens, features):
+        greedy = self.oracle.propose(tokens, features)
+        out = torch.zeros(greedy.shape[0], self.V)
+        out[torch.arange(greedy.shape[0]), greedy] = 3.0
+        return out
+
+
+def _tree_counts(target, prompt, cells, budget, runs=600):
+    from dflash.eval.tree_decode import tree_decode
+    from tests.dflash.eval.test_decode_loop import T, TOP_K
+
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(len(cells) + 1)             # the last cell: outside the target's support
+    index = {c: i for i, c in enumerate(cells)}
+    firsts = set()
+    for _ in range(runs):
+        out, acc, _ = tree_decode(target, _Peaked(target, 4), prompt, 3, 4, budget, temperature=T,
+                                  top_k=TOP_K, generator=gen)
+        counts[index.get(tuple(out[prompt.shape[0]:].tolist()), len(cells))] += 1
+        firsts.add(acc[0])
+    return counts, firsts
+
+
+def test_sampled_tree_decoding_is_distributed_as_the_target_samples(tiny, monkeypatch):
+    """Invariant (lossless): the first 3 tokens of sampled tree-verified decoding (one from the
+    prefill, two from a tree step that accepts 0, 1 or 2 nodes) follow the target's own processed
+    distribution, by the chi-square test at 1e-3 that rejects a wrong walk (the most likely token in
+    place of each draw)."""
+    from dflash.eval import tree_decode as td
+    from tests.dflash.eval.test_decode_loop import ALPHA, _chi_square_pvalue, _exact_joint
+
+    target = tiny[0]
+    prompt = torch.randint(0, 63, (6,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        exact = _exact_joint(target, prompt, 3)
+    cells = sorted(exact)
+    probs = torch.tensor([exact[c] for c in cells] + [0.0])
+    counts, firsts = _tree_counts(target, prompt, cells, budget=6)
+    assert firsts == {0, 1, 2}                       # rejection at the root, one node accepted, both
+    good = _chi_square_pvalue(counts, probs)
+    print(f"chi-square p-value: tree walk {good:.3g}", end="; ")
+    assert good > ALPHA
+
+    def most_likely(probs, n, generator=None):  # a wrong draw: p's most likely token, not a draw from p
+        return probs.argmax(-1, keepdim=True)
+
+    with monkeypatch.context() as m:
+        m.setattr(td.torch, "multinomial", most_likely)
+        wrong, _ = _tree_counts(target, prompt, cells, budget=6, runs=200)
+    bad = _chi_square_pvalue(wrong, probs)
+    print(f"argmax in place of a draw {bad:.3g}")
+    assert bad < ALPHA
+
+
+def test_sampled_tree_decoding_is_reproducible_and_refuses_bad_parameters(tiny):
+    from dflash.eval.proposers import CachedDrafterProposer
+    from dflash.eval.tree_decode import tree_decode
+
+    target, head, d = tiny
+    prompt = torch.randint(0, 63, (7,), generator=torch.Generator().manual_seed(3))
+    a = tree_decode(target, CachedDrafterProposer(d, head), prompt, 16, 4, 8, temperature=1.0,
+                    generator=torch.Generator().manual_seed(5))
+    b = tree_decode(target, CachedDrafterProposer(d, head), prompt, 16, 4, 8, temperature=1.0,
+                    generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+    with pytest.raises(ValueError, match="sampling needs"):
+        tree_decode(target, CachedDrafterProposer(d, head), prompt, 16, 4, 8, temperature=-1.0)
