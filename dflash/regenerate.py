@@ -221,7 +221,8 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                 t_round = time.perf_counter()
                 answers = target_answers.answer(model, [ids for _, ids in todo], max_new_tokens=args.max_new_tokens, eos=eos,
                                                 pad=pad, temperature=args.temperature, top_p=args.top_p,
-                                                batch_size=args.batch_size, engine=args.engine)
+                                                batch_size=args.batch_size, engine=args.engine,
+                                                cache=args.cache)
                 turn += 1
                 _say_round(bar.console, start, len(chunk), turn, answers, time.perf_counter() - t_round)
                 for (s, _), (ans, fin) in zip(todo, answers):
@@ -292,6 +293,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="generate: left-padded batches (default); continuous: transformers' continuous "
                         "batching (a paged KV cache, answers scheduled as others finish; transformers >= 5; "
                         "for a GPU, with a large --chunk)")
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                   help="the KV cache of --engine generate: dynamic (grows by concatenation; default) or static "
+                        "(allocated once per batch; transformers compiles the decode step, once per batch shape)")
     p.add_argument("--chunk", type=int, default=64,
                    help="conversations per resumable unit: written together, lost together on a kill (default 64)")
     p.add_argument("--num-conversations", type=int, default=None,

@@ -2,14 +2,16 @@
 # Step 2: the target's own answers to ShareGPT prompts (its first 16,000 conversations' user turns,
 # carried as .whl/sharegpt-16k.jsonl.gz), two passes side by side for REGEN_S seconds: greedy, and
 # sampled (T = 0.8, top-p 0.95) for more varied contexts; labels stay the target's argmax in training.
-# SIGINT at the cap keeps every finished chunk. ENGINE: dflash.regenerate's --engine (engines.sh
-# measures both). -> R/regen-all.jsonl
-#   REGEN_S=180 ENGINE=generate bash benchmarks/real_target/data.sh OUT
+# SIGINT at the cap keeps every finished chunk. ENGINE and CACHE: dflash.regenerate's --engine and
+# --cache (engines.sh and regen_probe.py measure them). -> R/regen-all.jsonl, and each pass gzip'd
+# into OUT: carried back as .regen/ in a later session (env.sh unpacks it), regeneration resumes
+# after the conversations already answered, so the data grows from session to session.
+#   REGEN_S=180 ENGINE=generate CACHE=static bash benchmarks/real_target/data.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
 RG=("${ON_R[@]}" --set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
-    --engine ${ENGINE:-generate} --batch-size ${BATCH:-512} --chunk ${CHUNK:-${BATCH:-512}})
+    --engine ${ENGINE:-generate} --cache ${CACHE:-dynamic} --batch-size ${BATCH:-512} --chunk ${CHUNK:-${BATCH:-512}})
 T0=$(date +%s)
 timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-greedy.jsonl" "${RG[@]}" > "$OUT/regen-greedy.log" 2>&1 &
 timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-sampled.jsonl" "${RG[@]}" \
@@ -17,4 +19,5 @@ timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-samp
 wait
 cat "$R"/regen-greedy.jsonl "$R"/regen-sampled.jsonl > "$R/regen-all.jsonl"
 echo "data: $(wc -l < "$R/regen-greedy.jsonl") greedy + $(wc -l < "$R/regen-sampled.jsonl") sampled conversations in $(( $(date +%s) - T0 )) s"
-for f in "$OUT"/regen-*.log; do tail -n 2 "$f"; done
+for f in "$OUT"/regen-*.log; do tail -n 4 "$f"; done
+for p in greedy sampled; do gzip -c "$R/regen-$p.jsonl" > "$OUT/regen-$p.jsonl.gz"; done

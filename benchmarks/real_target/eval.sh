@@ -8,27 +8,32 @@
 #      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
 #      tree verification of TREE draft tokens (measured and teacher-forced; default 32);
 #   3. the export (python -m dflash.export).
-#   ZLAB_DFLASH_PATH=... bash benchmarks/real_target/eval.sh OUT
+# PARTS picks which run (default all: export tests speed mtbench humaneval heldout profile), so that
+# the whole fits in more than one device call.
+#   ZLAB_DFLASH_PATH=... PARTS="export speed mtbench" bash benchmarks/real_target/eval.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
 CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
 T0=$(date +%s)
-python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
-cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null
-timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
-  tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"
-timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
+PARTS=" ${PARTS:-export tests speed mtbench humaneval heldout profile} "
+on() { [[ "$PARTS" == *" $1 "* ]]; }
+on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
+  cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null; }
+on tests && { timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
+  tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"; }
+on speed && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
   --max-new-tokens 128 --dtypes bfloat16 --decoders hf_generate,greedy_graphs,dflash_graphs,zlab --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
-echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
-for set in ${SETS_TO_RUN:-mtbench humaneval}; do
+echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"; }
+for set in mtbench humaneval; do
+  on $set || continue
   timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
     ${EAGER:+--no-cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
-timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
+on heldout && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
   --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
-echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"
-timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
+echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"; }
+on profile && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
   --dtype bfloat16 --out "$OUT/profile" > "$OUT/profile.log" 2>&1
-echo "profile rc=$? ($(( $(date +%s) - T0 )) s)"; head -c 800 "$OUT/profile/profile.json"
+echo "profile rc=$? ($(( $(date +%s) - T0 )) s)"; head -c 800 "$OUT/profile/profile.json"; }

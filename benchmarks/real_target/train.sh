@@ -2,9 +2,7 @@
 # Step 3: the DFlash2 drafter on the regenerated data for TRAIN_S seconds of training
 # (run.time_budget_s: the cosine schedule ends on the wall clock, at most STEPS steps; then the final
 # checkpoint and evaluation); SETS adds --set arguments; DATA the conversations (default the
-# regenerated R/regen-all.jsonl; DATA=$R/sharegpt-16k.jsonl trains on ShareGPT's own 16,000 with the
-# target's argmax as labels: more text than a short regeneration yields, which kept the last two
-# runs' drafters from memorising 1-3K conversations). -> R/run
+# regenerated R/regen-all.jsonl; R/sharegpt-16k.jsonl holds user turns only, its answers "."). -> R/run
 #   STEPS=1500 TRAIN_S=420 bash benchmarks/real_target/train.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"

@@ -4,7 +4,10 @@ Two engines, both transformers' own:
 
 * ``"generate"``: ``model.generate`` over left-padded batches of ``batch_size`` contexts, sorted by
   length so that similar lengths share a batch. A batch decodes until its longest answer ends: a
-  row that finished early still rides along (padding), and the KV cache grows by concatenation.
+  row that finished early still rides along (padding). The KV cache grows by concatenation
+  (``cache="dynamic"``), or is allocated once per batch at its final length (``cache="static"``:
+  transformers then compiles the decode step, and the prompt width is rounded up to a multiple of
+  ``STATIC_WIDTH`` so that few shapes are compiled).
 * ``"continuous"``: transformers' continuous batching (``model.generate_batch``, transformers >= 5):
   a paged KV cache, and requests scheduled into the running batch as others finish, so no step is
   spent on a finished answer and no context is padded. It is the serving engines' way of keeping
@@ -22,10 +25,15 @@ from typing import Literal
 
 import torch
 
-__all__ = ["ENGINES", "Engine", "answer", "check_engine"]
+__all__ = ["CACHES", "ENGINES", "Cache", "Engine", "answer", "check_engine"]
 
 Engine = Literal["generate", "continuous"]
 ENGINES: tuple[Engine, ...] = ("generate", "continuous")
+Cache = Literal["dynamic", "static"]
+CACHES: tuple[Cache, ...] = ("dynamic", "static")
+STATIC_WIDTH = 128
+"""With a static cache, prompt widths are rounded up to a multiple of this many tokens: each width
+is a shape transformers compiles its decode step for."""
 
 
 def check_engine(engine: str) -> None:
@@ -44,7 +52,7 @@ def check_engine(engine: str) -> None:
 @torch.no_grad()
 def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[int], pad: int,
            temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 32,
-           engine: Engine = "generate") -> list[tuple[list[int], bool]]:
+           engine: Engine = "generate", cache: Cache = "dynamic") -> list[tuple[list[int], bool]]:
     """One answer per context: ``[(answer token ids without the end token, finished)]`` in the
     order of ``contexts``; ``finished`` is False when the answer reached ``max_new_tokens``.
 
@@ -55,6 +63,7 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
         temperature: 0 = greedy; otherwise sampled at this temperature with ``top_p``.
         batch_size: contexts per ``generate`` call (``"generate"`` only; the continuous engine
             schedules by its cache's room).
+        cache: ``"dynamic"`` or ``"static"`` KV cache (``"generate"`` only; module docstring).
 
     Raises:
         ValueError: ``engine`` cannot run here (:func:`check_engine`).
@@ -66,7 +75,7 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p} if sample else
                 {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
     rows = _continuous(model, contexts, max_new_tokens, eos, pad, sampling) if engine == "continuous" else \
-        _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size)
+        _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size, cache)
     out = []
     for row in rows:
         cut = next((j for j, t in enumerate(row) if t in eos), None)
@@ -74,21 +83,24 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     return out
 
 
-def _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size) -> list[list[int]]:
+def _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size, cache="dynamic") -> list[list[int]]:
     """``model.generate`` over length-sorted, left-padded batches; the new tokens of each context."""
     device = next(model.parameters()).device
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))  # similar lengths share a batch
     rows: list[list[int]] = [[] for _ in contexts]
     for b in range(0, len(order), batch_size):
         part = order[b: b + batch_size]
         width = max(len(contexts[i]) for i in part)
+        if cache == "static":
+            width = -(-width // STATIC_WIDTH) * STATIC_WIDTH
         ids = torch.full((len(part), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, i in enumerate(part):                      # left padding: answers start aligned
             ids[r, width - len(contexts[i]):] = torch.tensor(contexts[i])
             mask[r, width - len(contexts[i]):] = 1
         new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=pad, **sampling)[:, width:].tolist()
+                             eos_token_id=eos, pad_token_id=pad, **sampling, **extra)[:, width:].tolist()
         for r, i in enumerate(part):
             rows[i] = new[r]
     return rows

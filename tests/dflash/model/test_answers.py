@@ -37,15 +37,16 @@ def _alone(model, context, n, eos):
     return (out if cut is None else out[:cut]), cut is not None
 
 
-@pytest.mark.parametrize("engine", ["generate", pytest.param("continuous", marks=pytest.mark.skipif(
-    TRANSFORMERS_4, reason="the continuous engine needs transformers >= 5"))])
-def test_each_engine_gives_each_context_its_own_greedy_answer_in_order(target, engine):
+@pytest.mark.parametrize("engine,cache", [("generate", "dynamic"), ("generate", "static"), pytest.param(
+    "continuous", "dynamic", marks=pytest.mark.skipif(TRANSFORMERS_4, reason="the continuous engine needs transformers >= 5"))])
+def test_each_engine_gives_each_context_its_own_greedy_answer_in_order(target, engine, cache):
     """Invariant: in fp32 on a CPU, greedy answers are token-identical to the target's unbatched
-    greedy answer to each context, returned in the order of the contexts, whatever the engine and
-    however the contexts were batched (sorted by length, two per batch)."""
+    greedy answer to each context, returned in the order of the contexts, whatever the engine, the
+    KV cache (a static one pads prompts wider) and however the contexts were batched (sorted by
+    length, two per batch)."""
     model, tok, contexts = target
     eos = [tok.eos_token_id]
-    got = answer(model, contexts, max_new_tokens=12, eos=eos, pad=eos[0], batch_size=2, engine=engine)
+    got = answer(model, contexts, max_new_tokens=12, eos=eos, pad=eos[0], batch_size=2, engine=engine, cache=cache)
     assert got == [_alone(model, c, 12, eos) for c in contexts]
     assert answer(model, [], max_new_tokens=12, eos=eos, pad=eos[0], engine=engine) == []
 
