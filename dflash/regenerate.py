@@ -289,10 +289,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "(default: all)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="answers per generate call with --engine generate (default 32)")
-    p.add_argument("--engine", choices=("generate", "continuous"), default="generate",
+    p.add_argument("--engine", choices=("generate", "continuous", "slots"), default="generate",
                    help="generate: left-padded batches (default); continuous: transformers' continuous "
-                        "batching (a paged KV cache, answers scheduled as others finish; transformers >= 5; "
-                        "for a GPU, with a large --chunk)")
+                        "batching (a paged KV cache, answers scheduled as others finish; transformers >= 5); "
+                        "slots: --batch-size rows over a static KV cache, the decode step a CUDA graph, a row "
+                        "refilled as its answer ends (Llama and Qwen3 targets; for a GPU, with a large --chunk)")
     p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                    help="the KV cache of --engine generate: dynamic (grows by concatenation; default) or static "
                         "(allocated once per batch; transformers compiles the decode step, once per batch shape)")
@@ -381,6 +382,14 @@ def _main(args: argparse.Namespace, locks: list) -> int:
         cfg.target.vocab_size = len(tok)
     model = load_target(for_generation(cfg.target), device, cfg.drafter.num_layers,
                         need_final=True).model.eval()
+    if args.engine == "slots":
+        from dflash.model.slots import check_model
+
+        try:  # before any answer: a family the engine does not run is one line
+            check_model(model)
+        except ValueError as e:
+            print(f"dflash.regenerate: {e}", file=sys.stderr)
+            return 2
     print(f"dflash.regenerate: {len(records.conversations)} conversations of {cfg.data.source}, "
           f"{len(done)} already in {out}, {len(todo)} to answer on {device}", file=sys.stderr)
     skipped: Counter[str] = Counter(records.skipped)

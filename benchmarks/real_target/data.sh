@@ -7,6 +7,7 @@
 # into OUT: carried back as .regen/ in a later session (env.sh unpacks it), regeneration resumes
 # after the conversations already answered, so the data grows from session to session.
 #   REGEN_S=180 ENGINE=generate CACHE=static bash benchmarks/real_target/data.sh OUT
+#   REGEN_S=180 ENGINE=slots BATCH=512 CHUNK=4096 bash benchmarks/real_target/data.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh

@@ -2,11 +2,12 @@
 ``dflash.regenerate``'s tokens per second go on a GPU, before a long run picks its settings.
 
     python -m benchmarks.real_target.regen_probe TARGET_DIR PROMPTS.jsonl [--contexts 512]
-        [--max-new-tokens 128] [--settings generate:dynamic:512,generate:static:512] [--json OUT]
+        [--max-new-tokens 128] [--settings generate:dynamic:512,generate:static:512,slots:-:512] [--json OUT]
 
 ``PROMPTS.jsonl`` is ShareGPT-style (``conversations`` of ``from``/``value``, or ``messages``); the
 first user turn of each row, under the target's chat template, is one context (rows whose context
-is longer than ``--max-prompt-tokens`` are skipped). Each setting ``ENGINE:CACHE:BATCH`` answers
+is longer than ``--max-prompt-tokens`` are skipped). Each setting ``ENGINE:CACHE:BATCH`` (the cache
+is ``--engine generate``'s; the others ignore it) answers
 every context greedily, twice: the first pass pays for compiling, the second is the rate reported
 (answer tokens per second, wall clock, synchronised). Answers are compared with the first
 setting's (identical rows; bf16 ties may part them, ``dflash.model.answers``).
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=768)
-    p.add_argument("--settings", default="generate:dynamic:512,generate:static:512")
+    p.add_argument("--settings", default="generate:dynamic:512,generate:static:512,slots:-:512")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             answers = answer(model, contexts, max_new_tokens=args.max_new_tokens, eos=eos, pad=pad,
-                             batch_size=int(batch), engine=engine, cache=cache)
+                             batch_size=int(batch), engine=engine, cache=cache if cache in ("dynamic", "static") else "dynamic")
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

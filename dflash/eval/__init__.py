@@ -18,7 +18,6 @@ Imports: :mod:`dflash.model`, :mod:`dflash.data` (prompts built as training buil
     tree_decode.py     greedy decoding with a tree verified in one target forward (a tree attention mask)
     static_target.py   the target's decode step at a fixed shape, replayed as a CUDA graph
     static_drafter.py  the drafter's step at a fixed shape over a fixed-capacity cache, as a CUDA graph
-    cuda_graph.py      one decode step replayed as a CUDA graph, or run eagerly where it cannot be
     measure.py         decode each prompt for real, score the same text teacher-forced, time the target alone
     progress.py        an evaluation's progress while it runs, for a person waiting on it
     sets.py            the field's evaluation sets (prompts with a category)

@@ -5,7 +5,7 @@ eager step is the host-bound part of a draft-and-verify step: the context projec
 over the block, the LM head, and for DFlash2 the selector's walk, a few hundred small ops.
 :class:`StaticDrafter` computes what :class:`dflash.eval.proposers.CachedDrafterProposer` and
 :class:`dflash.eval.selector.CachedSelectorProposer` compute, in one fixed-shape function of
-static buffers (:class:`dflash.eval.cuda_graph.GraphedStep`):
+static buffers (:class:`dflash.model.cuda_graph.GraphedStep`):
 
 1. The context grows by the features of the tokens accepted since the last step (``t`` rows,
    1 .. bs). The step always projects ``bs`` rows, ``feats [1, bs, k*H]``, into the context cache at
@@ -32,7 +32,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from dflash.eval.cuda_graph import GraphedStep, weights_signature
+from dflash.model.cuda_graph import GraphedStep, weights_signature
 from dflash.eval.proposers import DrafterContextCache
 from dflash.model.drafter import DFlashDrafter, apply_rope
 from dflash.model.target import SharedHead

@@ -24,7 +24,7 @@ The forward is written over the Hugging Face model's own modules (``embed_tokens
 transformers' ``LlamaDecoderLayer``/``Qwen3DecoderLayer``, for those two families only
 (:func:`check_supported`); the features are the captured layers' outputs concatenated as
 :meth:`dflash.model.target.Target.collect` orders them. On a CPU (or when capture fails: one
-warning line, then eager; :mod:`dflash.eval.cuda_graph`) the same forward runs eagerly; that is
+warning line, then eager; :mod:`dflash.model.cuda_graph`) the same forward runs eagerly; that is
 what the CPU tests compare with :class:`dflash.eval.decode.CachedTarget`. Grouped-query attention packs the query heads of one key
 head into the query length (as transformers' ``pack_gqa``), so SDPA sees equal head counts and
 any backend that takes a mask can run it.
@@ -42,15 +42,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from dflash.eval.cuda_graph import GraphedStep, weights_signature
-from dflash.model.target import Target
+from dflash.model.cuda_graph import GraphedStep, weights_signature
+from dflash.model.target import FIXED_ROPE, FIXED_SHAPE_FAMILIES, Target
 
 __all__ = ["StaticTarget", "UnsupportedTarget", "acquire", "check_supported", "pooled", "release"]
 
-FAMILIES = ("llama", "qwen3")
-# rotary types whose frequencies are fixed at build time; "dynamic" and "longrope" recompute them
-# from max(position_ids) on the host side of the forward
-FIXED_ROPE = ("default", "linear", "llama3", "yarn")
+FAMILIES = FIXED_SHAPE_FAMILIES
 MIN_CAPACITY = 256  # capacities are rounded up to a power of two from here, so generations share one
 
 

@@ -22,7 +22,9 @@ built, run and tested without data, a trainer or a run directory. Modules::
     drafter_kernels.py   the drafter on fused kernels (Liger's RMSNorm and SwiGLU) and torch.compile
     drafter_fp8.py       the drafter's backbone matmuls in float8 while it trains
     build_lock.py        one module build at a time per process (transformers builds under global patches)
-    answers.py           the target's answers to many contexts (padded batches, or continuous batching)
+    answers.py           the target's answers to many contexts (padded batches, continuous batching, or slots)
+    slots.py             many answers over one static KV cache, the step a CUDA graph, rows refilled as answers end
+    cuda_graph.py        one fixed-shape step replayed as a CUDA graph, or run eagerly where it cannot be
     modeling_dflash.py   the standalone transformers model shipped with an export (trust_remote_code)
     modeling_resblock.py the "resblock" variant's transformers model, shipped beside modeling_dflash.py
 """

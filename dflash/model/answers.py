@@ -1,6 +1,6 @@
 """The target's answers to many contexts at once: what ``python -m dflash.regenerate`` asks of it.
 
-Two engines, both transformers' own:
+Three engines:
 
 * ``"generate"``: ``model.generate`` over left-padded batches of ``batch_size`` contexts, sorted by
   length so that similar lengths share a batch. A batch decodes until its longest answer ends: a
@@ -12,6 +12,10 @@ Two engines, both transformers' own:
   a paged KV cache, and requests scheduled into the running batch as others finish, so no step is
   spent on a finished answer and no context is padded. It is the serving engines' way of keeping
   a GPU busy with many answers of unequal length; on a CPU it is slower than ``"generate"``.
+* ``"slots"``: this project's :mod:`dflash.model.slots`: ``batch_size`` rows over one static KV
+  cache, the decode step a CUDA graph, a row refilled with the next context when its answer ends
+  (Llama and Qwen3 targets). Written because the two above leave an H100 mostly idle on a small
+  target (measured in that module's docstring).
 
 Greedy answers are the target's argmax either way; batching changes the order of floating-point
 sums, so in bf16 on a GPU an answer may part from another engine's (or batch size's) where two
@@ -27,8 +31,8 @@ import torch
 
 __all__ = ["CACHES", "ENGINES", "Cache", "Engine", "answer", "check_engine"]
 
-Engine = Literal["generate", "continuous"]
-ENGINES: tuple[Engine, ...] = ("generate", "continuous")
+Engine = Literal["generate", "continuous", "slots"]
+ENGINES: tuple[Engine, ...] = ("generate", "continuous", "slots")
 Cache = Literal["dynamic", "static"]
 CACHES: tuple[Cache, ...] = ("dynamic", "static")
 STATIC_WIDTH = 128
@@ -61,21 +65,30 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
         contexts: token ids of each prompt (chat template applied), each non-empty.
         eos: the token ids that end an answer; pad: the id left padding uses (``"generate"``).
         temperature: 0 = greedy; otherwise sampled at this temperature with ``top_p``.
-        batch_size: contexts per ``generate`` call (``"generate"`` only; the continuous engine
-            schedules by its cache's room).
+        batch_size: contexts per ``generate`` call (``"generate"``), rows decoded at once
+            (``"slots"``); the continuous engine schedules by its cache's room.
         cache: ``"dynamic"`` or ``"static"`` KV cache (``"generate"`` only; module docstring).
 
     Raises:
-        ValueError: ``engine`` cannot run here (:func:`check_engine`).
+        ValueError: ``engine`` cannot run here (:func:`check_engine`), or ``"slots"`` does not run
+            this target (:func:`dflash.model.slots.check_model`).
     """
     check_engine(engine)
     if not contexts:
         return []
     sample = temperature > 0
-    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p} if sample else
+    # top_k 0: no top-k cut (transformers' default is 50), so every engine samples one distribution
+    sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if sample else
                 {"do_sample": False, "temperature": None, "top_p": None, "top_k": None})
-    rows = _continuous(model, contexts, max_new_tokens, eos, pad, sampling) if engine == "continuous" else \
-        _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size, cache)
+    if engine == "slots":
+        from dflash.model.slots import decode
+
+        rows = decode(model, contexts, max_new_tokens=max_new_tokens, eos=eos, batch_size=batch_size,
+                      temperature=temperature, top_p=top_p)
+    elif engine == "continuous":
+        rows = _continuous(model, contexts, max_new_tokens, eos, pad, sampling)
+    else:
+        rows = _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size, cache)
     out = []
     for row in rows:
         cut = next((j for j, t in enumerate(row) if t in eos), None)

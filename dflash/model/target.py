@@ -44,6 +44,8 @@ from dflash.model.target_engine import VARLEN, CompiledLayers, check_engine, var
 from dflash.seeding import PARAMS, derive_seed
 
 __all__ = [
+    "FIXED_ROPE",
+    "FIXED_SHAPE_FAMILIES",
     "PRESETS",
     "SharedHead",
     "Target",
@@ -59,6 +61,15 @@ __all__ = [
     "resolve_dtype",
     "resolve_layer_ids",
 ]
+
+
+FIXED_SHAPE_FAMILIES = ("llama", "qwen3")
+"""Target families whose decoder layers this project re-runs op by op at fixed shapes, over a static
+KV cache (:mod:`dflash.eval.static_target`, :mod:`dflash.model.slots`): their layers' order of
+operations is written out there, so a new family is added only with a test against transformers'."""
+FIXED_ROPE = ("default", "linear", "llama3", "yarn")
+"""Rotary types whose frequencies are fixed when the model is built; "dynamic" and "longrope"
+recompute them from the positions on the host side of a forward, which a captured step cannot."""
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -205,3 +205,14 @@ def test_the_continuous_engine_writes_what_the_padded_one_writes(tmp_path, capsy
     assert regen.main(_args(src, a, "--engine", "generate")) == 0
     assert regen.main(_args(src, b, "--engine", "continuous")) == 0
     assert _lines(a) == _lines(b) and len(_lines(a)) == 6
+
+
+def test_the_slots_engine_writes_what_the_padded_one_writes(tmp_path):
+    """Invariant: greedy, in fp32 on a CPU, ``--engine slots`` (a static cache, rows refilled as
+    answers end) writes the same conversations as ``--engine generate``, multi-turn and all, with
+    more answers per round than rows."""
+    src = _source(tmp_path)
+    a, b = tmp_path / "generate.jsonl", tmp_path / "slots.jsonl"
+    assert regen.main(_args(src, a, "--engine", "generate", "--max-new-tokens", "12")) == 0
+    assert regen.main(_args(src, b, "--engine", "slots", "--max-new-tokens", "12", "--chunk", "8")) == 0
+    assert _lines(a) == _lines(b) and len(_lines(a)) == 6

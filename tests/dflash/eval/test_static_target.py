@@ -289,11 +289,11 @@ def test_a_failed_capture_leaves_the_eager_step_with_one_warning(targets, monkey
     p = prompt(2)
     ref(p, 0)
     run(p, 0)
-    with caplog.at_level(logging.WARNING, logger="dflash.eval.cuda_graph"):
+    with caplog.at_level(logging.WARNING, logger="dflash.model.cuda_graph"):
         for start in (9, 10):
             ids = prompt(start, BS)
             _close(run(ids, start)[1], ref(ids, start)[1])
             ref.keep(start + 1)
-    said = [r.getMessage() for r in caplog.records if r.name == "dflash.eval.cuda_graph"]
+    said = [r.getMessage() for r in caplog.records if r.name == "dflash.model.cuda_graph"]
     assert calls == [1] and len(said) == 1 and "\n" not in said[0]
     assert "RuntimeError: operation not permitted when stream is capturing" in said[0] and run.graph is None

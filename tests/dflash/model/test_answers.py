@@ -37,7 +37,7 @@ def _alone(model, context, n, eos):
     return (out if cut is None else out[:cut]), cut is not None
 
 
-@pytest.mark.parametrize("engine,cache", [("generate", "dynamic"), ("generate", "static"), pytest.param(
+@pytest.mark.parametrize("engine,cache", [("generate", "dynamic"), ("generate", "static"), ("slots", "dynamic"), pytest.param(
     "continuous", "dynamic", marks=pytest.mark.skipif(TRANSFORMERS_4, reason="the continuous engine needs transformers >= 5"))])
 def test_each_engine_gives_each_context_its_own_greedy_answer_in_order(target, engine, cache):
     """Invariant: in fp32 on a CPU, greedy answers are token-identical to the target's unbatched

@@ -62,7 +62,7 @@ class GraphedStep:
             except Exception as exc:  # noqa: BLE001 - whatever refused the capture, the eager step works
                 self.graph, self.graphs = None, False
                 why = str(exc).splitlines()[0] if str(exc) else ""
-                log.warning("dflash.eval: CUDA graph capture of %s failed (%s: %s); running it eagerly",
+                log.warning("dflash: CUDA graph capture of %s failed (%s: %s); running it eagerly",
                             self.what, type(exc).__name__, why)
         return self.fn()
 

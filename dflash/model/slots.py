@@ -1,0 +1,240 @@
+"""Many answers at once over a fixed batch of slots: the ``"slots"`` engine of :mod:`dflash.model.answers`.
+
+Measured on an H100 with SmolLM2-135M-Instruct, transformers' ``generate`` over left-padded batches
+of 512 spends about 59 ms per decode step (``benchmarks/results/LOG.md``, "SmolLM2-135M-Instruct a
+third time"): the padding mask sends SDPA to a kernel that needs the key/value heads repeated to the
+query heads' count on every step of every layer, the cache grows by concatenation, and each of the
+~1,000 ops of a step is launched from Python. This engine decodes the same target, same weights
+and the same arithmetic per token, as a serving engine does:
+
+* ``B`` slots share one KV cache ``k, v [layers, B, kv_heads, capacity, head_dim]`` allocated once;
+  slot ``i`` of a row holds that row's position ``i``, and each row attends to its slots ``<=`` its
+  own position, so rows of any lengths decode side by side with no padding and no cropping.
+* the decode step (one token for every row) has fixed shapes and no host reads, so on CUDA it is
+  captured once and replayed as a CUDA graph (:class:`dflash.model.cuda_graph.GraphedStep`); the
+  query heads of one key head are packed into the query length, so SDPA sees equal head counts
+  (as transformers' ``pack_gqa``) and no key/value is repeated;
+* when a row's answer ends (an end token, or ``max_new_tokens``) its slot takes the next context:
+  that context is prefilled eagerly (a causal forward of its tokens, written into the slot's cache)
+  while the other rows keep their state. The host looks at the rows every ``check_every`` steps (one
+  device-to-host copy), so a finished row rides along at most that many steps.
+
+Greedy answers are the target's argmax at every step, token-identical to ``generate``'s in fp32 on a
+CPU (tested); in bf16 on a GPU the kernels sum in another order and a tie to rounding may part two
+engines' answers, as between any two batch sizes. Sampled answers draw from the target's softmax
+at ``temperature``, restricted to the top-``top_p`` nucleus (the smallest set of most probable tokens
+whose probability reaches ``top_p``; Holtzman et al., 2020, "The Curious Case of Neural Text
+Degeneration"), by the exponential race (``argmax p / E``, ``E ~ Exp(1)``), which is a categorical
+draw and runs inside the graph.
+
+Supported targets are those :mod:`dflash.eval.static_target` also re-runs op by op: Llama and Qwen3
+families, full attention, fixed rotary frequencies (:func:`check_model`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from dflash.model.cuda_graph import GraphedStep
+from dflash.model.drafter import apply_rope
+from dflash.model.target import FIXED_ROPE, FIXED_SHAPE_FAMILIES as FAMILIES
+
+__all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "SlotDecoder", "check_model", "choose", "decode"]
+
+CHECK_EVERY = 16
+"""Decode steps between two looks at the rows (one host sync each); a finished row idles at most
+this many steps before its slot is refilled, and the rows freed meanwhile are prefilled together."""
+PREFILL_TOKENS = 65536
+"""Context tokens per eager prefill forward (rows x their longest context): bounds its activations."""
+
+
+def check_model(model) -> None:
+    """Refuse a target this engine does not reproduce.
+
+    Raises:
+        ValueError: one line naming what is unsupported (model type, sliding-window layers, a
+            rotary type that recomputes its frequencies) and what to use instead.
+    """
+    hf = model.config
+    kind = getattr(hf, "model_type", None)
+    hint = "; use --engine generate"
+    if kind not in FAMILIES:
+        raise ValueError(f"the slots engine runs {' and '.join(FAMILIES)} targets; this one is {kind!r}{hint}")
+    types = set(getattr(hf, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        raise ValueError(f"the slots engine runs full-attention layers only; this target has {sorted(types)}{hint}")
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in FIXED_ROPE:
+        raise ValueError(f"the slots engine needs fixed rotary frequencies; rope_type {rope!r} recomputes "
+                         f"them per forward{hint}")
+
+
+def choose(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The next token of each row, ``[n]`` int64, from ``logits [n, V]``: the argmax when
+    ``temperature <= 0``, else one draw from ``softmax(logits / temperature)`` within the top-``top_p``
+    nucleus (module docstring). No host reads: it runs inside a captured step."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        top, order = scores.sort(-1, descending=True)
+        probs = top.softmax(-1)
+        outside = probs.cumsum(-1) - probs >= top_p        # the more probable tokens already reach top_p
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, top.masked_fill(outside, float("-inf")))
+    race = scores.softmax(-1) / torch.empty_like(scores).exponential_()
+    return race.argmax(-1)
+
+
+class SlotDecoder:
+    """``B`` rows decoding side by side over one static KV cache (module docstring).
+
+    Args:
+        model: a Llama or Qwen3 causal LM from transformers, in eval mode (:func:`check_model`).
+        batch: ``B``, rows decoded at once.
+        capacity: cache positions per row: at least the longest context + ``max_new_tokens`` +
+            ``check_every``.
+        max_new_tokens: answer tokens per row at most.
+        temperature: 0 = greedy; otherwise sampled at this temperature within ``top_p``.
+        top_p: nucleus mass kept when sampling (1 = the whole vocabulary).
+        graphs: capture the decode step as a CUDA graph (CUDA only; a CPU runs it eagerly).
+        check_every: decode steps between two looks at the rows.
+    """
+
+    def __init__(self, model, batch: int, capacity: int, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, graphs: bool = True, check_every: int = CHECK_EVERY) -> None:
+        check_model(model)
+        hf, base = model.config, model.model
+        self.base, self.lm_head, self.layers = base, model.get_output_embeddings(), list(base.layers)
+        a = self.layers[0].self_attn
+        self.head_dim, self.heads, self.kv_heads = a.head_dim, hf.num_attention_heads, hf.num_key_value_heads
+        self.batch, self.capacity, self.check_every = batch, capacity, check_every
+        self.temperature, self.top_p = temperature, top_p
+        self.width = max_new_tokens + check_every + 1          # answer tokens a row may hold
+        dev, dtype = base.embed_tokens.weight.device, base.embed_tokens.weight.dtype
+        shape = (len(self.layers), batch, self.kv_heads, capacity, self.head_dim)
+        self.k = torch.zeros(shape, device=dev, dtype=dtype)   # zeros: a masked slot is never NaN
+        self.v = torch.zeros(shape, device=dev, dtype=dtype)
+        self.slots = torch.arange(capacity, device=dev)
+        self.rows = torch.arange(batch, device=dev)
+        self.ids = torch.zeros(batch, dtype=torch.long, device=dev)     # each row's last token
+        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)     # ... and its position
+        self.count = torch.zeros(batch, dtype=torch.long, device=dev)   # answer tokens so far
+        self.answers = torch.zeros(batch, self.width, dtype=torch.long, device=dev)
+        self.step = GraphedStep(self._step, graphs, dev.type == "cuda", f"the {batch}-row answer step")
+
+    def _attend(self, layer, x: torch.Tensor, pos: torch.Tensor):
+        """``q [n, heads, w, d]``, ``k, v [n, kv_heads, w, d]`` of ``x [n, w, H]`` at positions ``pos [n, w]``."""
+        a, (n, w, _), d = layer.self_attn, x.shape, self.head_dim
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(n, w, self.heads, d)
+        k = a.k_proj(h).view(n, w, self.kv_heads, d)
+        if hasattr(a, "q_norm"):                                        # Qwen3: per-head RMSNorm
+            q, k = a.q_norm(q), a.k_norm(k)
+        cos, sin = self.base.rotary_emb(x, pos)
+        cos, sin = cos[:, None], sin[:, None]
+        v = a.v_proj(h).view(n, w, self.kv_heads, d).transpose(1, 2)
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
+
+    def _step(self) -> torch.Tensor:
+        """One token for every row, no host reads: writes each row's key/value at its position and
+        its next token at ``answers[row, count]``; returns the next tokens ``[B]``."""
+        n, d, g = self.batch, self.head_dim, self.heads // self.kv_heads
+        x = self.base.embed_tokens(self.ids[:, None])                   # [B, 1, H]
+        mask = (self.slots[None, :] <= self.pos[:, None])[:, None, None, :]   # [B, 1, 1, capacity]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attend(layer, x, self.pos[:, None])
+            self.k[i][self.rows, :, self.pos] = k[:, :, 0]
+            self.v[i][self.rows, :, self.pos] = v[:, :, 0]
+            q = q.reshape(n, self.kv_heads, g, d)                       # heads h = kv * g + j
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask,
+                                               scale=layer.self_attn.scaling)
+            x = x + layer.self_attn.o_proj(o.reshape(n, 1, self.heads * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        nxt = choose(self.lm_head(self.base.norm(x[:, 0])), self.temperature, self.top_p)
+        self.answers[self.rows, self.count] = nxt
+        return nxt
+
+    def prefill(self, rows: list[int], contexts: list[list[int]]) -> None:
+        """Start ``contexts`` in ``rows``: their caches written from slot 0, their first answer token
+        chosen, their counters reset. Eager, at the contexts' own (right-padded) width."""
+        dev, g = self.ids.device, self.heads // self.kv_heads
+        lens = torch.tensor([len(c) for c in contexts], device=dev)
+        width = int(lens.max())
+        ids = torch.zeros(len(contexts), width, dtype=torch.long)
+        for j, c in enumerate(contexts):                 # right padding: after the real tokens, unseen by them
+            ids[j, :len(c)] = torch.tensor(c)
+        ids, r = ids.to(dev), torch.tensor(rows, device=dev)
+        pos = torch.arange(width, device=dev)[None].expand(len(contexts), width)
+        x = self.base.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attend(layer, x, pos)
+            self.k[i][r, :, :width] = k
+            self.v[i][r, :, :width] = v
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                               is_causal=True, scale=layer.self_attn.scaling)
+            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(len(contexts), width, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(len(contexts), device=dev), lens - 1]     # [n, H]
+        first = choose(self.lm_head(self.base.norm(last)), self.temperature, self.top_p)
+        self.ids[r], self.pos[r], self.count[r] = first, lens, 1
+        self.answers[r, 0] = first
+
+    def advance(self) -> None:
+        """One decode step for every row (a graph replay on CUDA), then each row's next input."""
+        nxt = self.step()
+        self.ids.copy_(nxt)
+        self.pos.add_(1).clamp_(max=self.capacity - 1)                  # idle rows stay in range
+        self.count.add_(1).clamp_(max=self.width - 1)
+
+
+@torch.no_grad()
+def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[int], batch_size: int,
+           temperature: float = 0.0, top_p: float = 1.0, graphs: bool = True,
+           check_every: int = CHECK_EVERY) -> list[list[int]]:
+    """The answer to each context, in order: its tokens up to and including the first of ``eos``,
+    or its first ``max_new_tokens`` tokens when none came.
+
+    Args:
+        model: a Llama or Qwen3 causal LM (transformers), in eval mode, on its device.
+        contexts: token ids of each prompt, each non-empty.
+        batch_size: rows decoded at once (the KV cache holds ``batch_size x (longest context +
+            max_new_tokens + check_every)`` positions per layer).
+
+    Raises:
+        ValueError: the target is not one this engine runs (:func:`check_model`).
+    """
+    if not contexts:
+        return []
+    batch = min(batch_size, len(contexts))
+    capacity = max(map(len, contexts)) + max_new_tokens + check_every + 1
+    run = SlotDecoder(model, batch, capacity, max_new_tokens, temperature, top_p, graphs, check_every)
+    stop = torch.tensor(sorted(set(eos)), device=run.ids.device)
+    columns = torch.arange(run.width, device=run.ids.device)[None]
+    pending, free = deque(sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))), list(range(batch))
+    active: dict[int, int] = {}                          # row -> context index
+    out: list[list[int] | None] = [None] * len(contexts)
+    while pending or active:
+        start = []
+        while free and pending:
+            start.append((free.pop(), pending.popleft()))
+        while start:                                     # longest first: a prefill's rows are of similar width
+            n = max(1, PREFILL_TOKENS // len(contexts[start[0][1]]))
+            part, start = start[:n], start[n:]
+            run.prefill([row for row, _ in part], [contexts[i] for _, i in part])
+            active.update(part)
+        for _ in range(check_every):
+            run.advance()
+        # on the device: each row's first end token among its answer tokens (width: none yet)
+        hit = torch.isin(run.answers, stop) & (columns < run.count[:, None])
+        first = torch.where(hit.any(1), hit.int().argmax(1), run.width).tolist()
+        counts = run.count.tolist()
+        done = [row for row in active if first[row] < max_new_tokens or counts[row] >= max_new_tokens]
+        if done:
+            rows = run.answers[torch.tensor(done, device=run.ids.device)].tolist()
+            for row, got in zip(done, rows):   # an end token past max_new_tokens is cut off, as generate would
+                out[active.pop(row)] = got[: min(first[row] + 1, max_new_tokens)]
+                free.append(row)
+    return out
