@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from dflash.model.cuda_graph import GraphedStep
 from dflash.model.drafter import apply_rope
-from dflash.model.target import FIXED_ROPE, FIXED_SHAPE_FAMILIES as FAMILIES
+from dflash.model.target import FIXED_ROPE
+from dflash.model.target import FIXED_SHAPE_FAMILIES as FAMILIES
 
 __all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "SlotDecoder", "check_model", "choose", "decode"]
 
