@@ -67,6 +67,7 @@ from dflash.eval.measure import evaluate
 from dflash.eval.progress import ProgressLines
 from dflash.eval.projection import project_8b
 from dflash.eval.report import (
+    format_by_length,
     format_categories,
     format_headline,
     format_prompt,
@@ -299,6 +300,8 @@ def _main(argv: list[str] | None) -> int:
     print(format_result(res))
     if chosen:
         print(format_categories(res))
+    if len(res.by_length) > 1:
+        print(format_by_length(res))
     print(format_speed(res))
     return 0
 

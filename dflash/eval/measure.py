@@ -30,6 +30,7 @@ from dflash.eval.decode import (
     greedy_decode,
     speculative_decode,
 )
+from dflash.eval.lengths import LABELS, length_bucket
 from dflash.eval.progress import EvalProgress
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_figures, selector_proposer
@@ -350,6 +351,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             res.sampled_tree_tau = tau_from_accepted(sum(sampled_tree) / len(sampled_tree))
     res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
+    buckets = [length_bucket(d.prompt_len) for d in decoded]
+    res.by_length = [_category(b, [d for d, db in zip(decoded, buckets) if db == b]) for b in LABELS if b in buckets]
     res.speed = _speed(decoded) if speed else None
     if progress is not None:
         progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(decoded),

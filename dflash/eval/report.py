@@ -14,7 +14,7 @@ import msgspec
 from dflash.records import over_text
 
 __all__ = ["CategoryResult", "EvalResult", "Projection", "PromptResult", "SelectorFigures", "SpeedResult", "explain",
-           "format_categories", "format_headline", "format_prompt", "format_result", "format_speed"]
+           "format_by_length", "format_categories", "format_headline", "format_prompt", "format_result", "format_speed"]
 
 
 class PromptResult(msgspec.Struct, kw_only=True):
@@ -173,6 +173,8 @@ class EvalResult(msgspec.Struct, kw_only=True):
         max_new_tokens: tokens each decode generated (``--max-new-tokens``); None in results saved
             before it was recorded.
         categories: one :class:`CategoryResult` per category, in first-seen order.
+        by_length: the same figures per context-length bucket of the decodes' prompts
+            (:mod:`dflash.eval.lengths`), shortest first, the empty buckets left out.
         macro_tau: the mean of the categories' tau (each category weighs the same, as SPEED-Bench
             averages); ``tau`` above pools every verify step instead.
         speed: the measured :class:`SpeedResult` (None when not measured).
@@ -211,6 +213,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
     heldout: bool = False
     max_new_tokens: int | None = None
     categories: list[CategoryResult] = msgspec.field(default_factory=list)
+    by_length: list[CategoryResult] = msgspec.field(default_factory=list)
     speed: SpeedResult | None = None
     projection: Projection | None = None
 
@@ -324,12 +327,29 @@ def format_categories(res: EvalResult) -> str:
     """The per-category table (SPEED-Bench's layout): prompts, decoded turns, tokens, verify steps,
     tau, accepted length, the sampled tau and the measured speedup where present, then the pooled
     row over every category and the mean over categories."""
+    lines = _table(res, "category", f"{res.prompt_set or 'prompts'}: tau = tokens per verify step (accepted + 1)",
+                   res.categories, sum(c.prompts for c in res.categories))
+    if len(res.categories) > 1:
+        lines.append(f"{'mean of categories':<46s}{res.macro_tau:>8.3f}{res.macro_tau - 1:>10.3f}")
+    return "\n".join(lines)
+
+
+def format_by_length(res: EvalResult) -> str:
+    """The same table per context-length bucket (:mod:`dflash.eval.lengths`): whether tau holds as
+    the prompts grow. ``turns`` counts the decodes whose prompt fell in the bucket."""
+    return "\n".join(_table(res, "context", "tau by prompt length in tokens (a later turn's prompt holds "
+                                            "the earlier turns)", res.by_length, len({p.prompt for p in res.per_prompt})))
+
+
+def _table(res: EvalResult, name: str, title: str, groups: list[CategoryResult], prompts: int) -> list[str]:
+    """Rows of ``groups`` under ``title`` and a header, then the pooled row (over ``prompts``
+    prompts) when there are several."""
     sampled = res.sampled_tau is not None
     speed = res.speed is not None
-    head = f"{'category':<14s}{'prompts':>8s}{'turns':>7s}{'tokens':>9s}{'steps':>8s}{'tau':>8s}{'accepted':>10s}"
+    head = f"{name:<14s}{'prompts':>8s}{'turns':>7s}{'tokens':>9s}{'steps':>8s}{'tau':>8s}{'accepted':>10s}"
     head += f"{'sampled tau':>13s}" if sampled else ""
     head += f"{'speedup':>9s}" if speed else ""
-    lines = [f"{res.prompt_set or 'prompts'}: tau = tokens per verify step (accepted + 1)", head]
+    lines = [title, head]
 
     def row(c: CategoryResult) -> str:
         text = (f"{c.category[:13]:<14s}{c.prompts:>8d}{c.decodes:>7d}{c.new_tokens:>9d}{c.steps:>8d}"
@@ -340,16 +360,14 @@ def format_categories(res: EvalResult) -> str:
             text += f"{c.speedup:>8.2f}x" if c.speedup is not None else f"{'-':>9s}"
         return text
 
-    lines += [row(c) for c in res.categories]
-    if len(res.categories) > 1:
-        steps = sum(c.steps for c in res.categories)
+    lines += [row(c) for c in groups]
+    if len(groups) > 1:
         lines.append(row(CategoryResult(
-            category="all (pooled)", prompts=sum(c.prompts for c in res.categories),
-            decodes=sum(c.decodes for c in res.categories), new_tokens=sum(c.new_tokens for c in res.categories),
-            steps=steps, tau=res.tau, mean_accepted=res.mean_accepted, sampled_tau=res.sampled_tau,
-            speedup=None if res.speed is None else res.speed.speedup)))
-        lines.append(f"{'mean of categories':<46s}{res.macro_tau:>8.3f}{res.macro_tau - 1:>10.3f}")
-    return "\n".join(lines)
+            category="all (pooled)", prompts=prompts,
+            decodes=sum(c.decodes for c in groups), new_tokens=sum(c.new_tokens for c in groups),
+            steps=sum(c.steps for c in groups), tau=res.tau, mean_accepted=res.mean_accepted,
+            sampled_tau=res.sampled_tau, speedup=None if res.speed is None else res.speed.speedup)))
+    return lines
 
 
 def format_speed(res: EvalResult) -> str:

@@ -251,3 +251,33 @@ def test_jacobi_passes_is_refused_for_a_drafter_that_is_not_xpress(tiny_run, cap
     assert main([*base, "--jacobi-passes", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "only XPress decodes with Jacobi passes" in err
+
+
+def test_tau_by_prompt_length_puts_each_turn_in_its_bucket_and_pools_to_the_whole(models):  # noqa: F811
+    """Invariant: every decode lands in the bucket of its own prompt's length (a second turn, whose
+    prompt holds the first, may land in a longer one), empty buckets are left out, and the buckets'
+    steps and tokens add up to the whole, their pooled accepted length to the overall one."""
+    from dflash.eval.lengths import LABELS, length_bucket
+    from dflash.eval.measure import evaluate
+    from dflash.eval.report import format_by_length
+
+    assert [length_bucket(n) for n in (1, 1023, 1024, 4095, 4096, 8192, 16384, 32768, 10**6)] == \
+        ["<1K", "<1K", "1K-4K", "1K-4K", "4K-8K", "8K-16K", "16K-32K", ">=32K", ">=32K"]
+    assert LABELS[0] == "<1K" and len(LABELS) == 6
+    target, head, drafter = models
+
+    def next_turn(i, turn, tokens):  # the second turn of prompt 0 crosses 1K tokens
+        return torch.cat([tokens, prompt(9, 1030 - tokens.shape[0])]) if (i, turn) == (0, 0) else None
+
+    res = evaluate(target, drafter, head, [prompt(3, 20), prompt(4, 1100), prompt(5, 30)], max_new_tokens=6,
+                   next_turn=next_turn)
+    short, long = res.by_length
+    assert (short.category, short.prompts, short.decodes) == ("<1K", 2, 2)
+    assert (long.category, long.prompts, long.decodes) == ("1K-4K", 2, 2)
+    assert short.steps + long.steps == sum(r.steps for r in res.per_prompt)
+    assert short.new_tokens + long.new_tokens == 4 * 6
+    pooled = (short.mean_accepted * short.steps + long.mean_accepted * long.steps) / (short.steps + long.steps)
+    assert pooled == pytest.approx(res.mean_accepted)
+    table = format_by_length(res)
+    assert "1K-4K" in table and "all (pooled)" in table
+    assert table.splitlines()[-1].split()[2:4] == ["3", "4"]   # 3 prompts, 4 decoded turns
