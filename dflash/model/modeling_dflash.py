@@ -43,6 +43,7 @@ apply the target's LM head to the output.
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import math
 
@@ -236,6 +237,50 @@ def _output_head(target: nn.Module) -> nn.Module:
     return head if head is not None else target.get_output_embeddings()
 
 
+# -- tree verification: the block's ``budget`` most probable prefixes under the drafter's
+# per-position marginals, verified in one target forward under a tree attention mask (DDTree, Ringel
+# & Romano 2025; SGLang's tree verify for DFlash). The same tree as dflash.eval.tree.best_first
+# (a test holds the two equal); written out here because this file ships alone with an export.
+
+
+def _tree(logits: torch.Tensor, budget: int) -> list[tuple[int, int, int]]:
+    """``logits [S, V]`` of the drafted positions -> one ``(parent, depth, token)`` per node, most
+    probable prefix first (``parent`` -1: the anchor; a parent precedes its children)."""
+    logp, ids = torch.log_softmax(logits.float(), -1).topk(min(budget, logits.shape[-1]), dim=-1)
+    logp, ids = logp.tolist(), ids.tolist()
+    heap, nodes = [(-logp[0][0], 0, 0, 0.0, -1)], []
+    while heap and len(nodes) < budget:
+        neg, d, rank, parent_lp, parent = heapq.heappop(heap)
+        nodes.append((parent, d, ids[d][rank]))
+        if rank + 1 < len(ids[d]):   # the next sibling, then the best child: neither more probable
+            heapq.heappush(heap, (-(parent_lp + logp[d][rank + 1]), d, rank + 1, parent_lp, parent))
+        if d + 1 < len(ids):
+            heapq.heappush(heap, (neg - logp[d + 1][0], d + 1, 0, -neg, len(nodes) - 1))
+    return nodes
+
+
+def _tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive ``[1, 1, 1 + B, context + 1 + B]``: every row sees the context; row 0 (the anchor)
+    itself; node ``i`` (row ``i + 1``) the anchor, its ancestors and itself."""
+    B = len(parent)
+    block = torch.zeros(1 + B, 1 + B, dtype=torch.bool)
+    block[:, 0] = True
+    for i, p in enumerate(parent):
+        block[i + 1, i + 1] = True
+        if p >= 0:
+            block[i + 1] |= block[p + 1]
+    seen = torch.cat([torch.ones(1 + B, context, dtype=torch.bool), block], dim=1)
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[None, None].to(device)
+
+
+def _keep_rows(cache, start: int, rows: torch.Tensor) -> None:
+    """Keep the first ``start`` cached positions, then the tree rows ``rows`` (anchor and accepted
+    path, in order), in every layer of a transformers ``DynamicCache``."""
+    keep = torch.cat([torch.arange(start, device=rows.device), rows + start])
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(2, keep), layer.values.index_select(2, keep)
+
+
 class DFlashDraftModel(PreTrainedModel):
     """The DFlash drafter (no embedding, no LM head: both are the target's).
 
@@ -376,7 +421,7 @@ class DFlashDraftModel(PreTrainedModel):
     @torch.no_grad()
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
                       stop_token_ids: list[int] | None, temperature: float = 0.0, top_p: float = 1.0,
-                      top_k: int = 0) -> torch.LongTensor:
+                      top_k: int = 0, tree_budget: int = 0) -> torch.LongTensor:
         """Decode with ``target`` (a transformers causal LM this drafter was trained for), drafting
         ``block_size - 1`` tokens per target forward; the signature and return of z-lab's
         ``DFlashDraftModel.spec_generate``.
@@ -400,15 +445,27 @@ class DFlashDraftModel(PreTrainedModel):
                 to be lossless.
             top_p: nucleus mass in ``(0, 1]`` (sampling only).
             top_k: keep the ``top_k`` most likely tokens, 0 for all (sampling only).
+            tree_budget: > 0: verify a tree of that many draft tokens per step instead of the
+                chain: the block's most probable prefixes under the drafter's per-position
+                marginals (its backbone's logits, for every variant), one target forward under a
+                tree attention mask, the longest path the target agrees with kept. Greedy, the
+                output is still the target's greedy text; sampled, each node's token is the
+                target's own draw there, followed while a child carries it, so the output keeps
+                the target's distribution. Needs a target that takes a 4-D attention mask and a
+                ``DynamicCache`` with per-layer ``keys``/``values`` (transformers' Llama and
+                Qwen3 models).
 
         Returns:
             ``[1, N + n]`` (long): the prompt then ``n <= max_new_tokens`` new tokens.
 
         Raises:
-            ValueError: ``input_ids`` is not one non-empty row, or the sampling settings are out of
-                range (a non-finite or negative temperature, ``top_p`` outside (0, 1], ``top_k`` < 0).
+            ValueError: ``input_ids`` is not one non-empty row, the sampling settings are out of
+                range (a non-finite or negative temperature, ``top_p`` outside (0, 1], ``top_k`` < 0),
+                or ``tree_budget`` < 0.
         """
         _check_sampling(temperature, top_p, top_k)
+        if tree_budget < 0:
+            raise ValueError(f"tree_budget is the draft tokens per tree (0: the chain), got {tree_budget}")
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
             raise ValueError(f"spec_generate decodes one non-empty sequence: input_ids must be [1, N] with "
                              f"N >= 1, got {list(input_ids.shape)}")
@@ -441,6 +498,16 @@ class DFlashDraftModel(PreTrainedModel):
                 h = full[:, 1:]
                 _crop(d_cache, pos)  # keep the context's keys/values, drop the block's
                 logits = self.compute_logits(h, head)
+                if tree_budget:
+                    got, ctx = self._tree_step(target, t_kw, logits[0], new[-1], pos, tree_budget, pick)
+                    got = got[: max_new_tokens - len(new)]
+                    hit = next((j for j, t in enumerate(got) if t in stops), None)
+                    got = got if hit is None else got[:hit + 1]
+                    ctx = ctx[:, :len(got)]
+                    pos += len(got)
+                    _crop(t_cache, pos)
+                    new += got
+                    continue
                 if hasattr(self, "refine"):  # XPress: Jacobi passes; sampled from the last pass's logits
                     before = torch.tensor([new[-2] if len(new) > 1 else int(input_ids[0, -1])], device=dev)
                     drafted, logits = self.refine(full, logits, before, block[:, 0])
@@ -476,6 +543,32 @@ class DFlashDraftModel(PreTrainedModel):
             new += got
         tail = torch.tensor(new[:max_new_tokens], dtype=input_ids.dtype, device=dev)[None]
         return torch.cat([input_ids, tail], dim=1)
+
+    def _tree_step(self, target: nn.Module, t_kw: dict, logits: torch.Tensor, anchor: int, pos: int,
+                   budget: int, pick) -> tuple[list[int], torch.Tensor]:
+        """One tree-verified step after the anchor token ``anchor`` at position ``pos``: the tree
+        of ``logits [S, V]``, the target's forward over ``[anchor, nodes]``, the walk from the anchor
+        (each row's next token by ``pick``, the child carrying it followed). Returns the accepted
+        tokens then the target's next one, and the target's features ``[1, 1 + m, k*H]`` of the
+        anchor and the accepted nodes; the target's cache keeps exactly those rows after ``pos``."""
+        dev = logits.device
+        nodes = _tree(logits, budget)
+        parent = [p for p, _, _ in nodes]
+        ids = torch.tensor([[anchor] + [t for _, _, t in nodes]], device=dev)
+        positions = torch.tensor([[pos] + [pos + 1 + d for _, d, _ in nodes]], device=dev)
+        mask = _tree_mask(parent, pos, target.get_input_embeddings().weight.dtype, dev)
+        out = target(ids, position_ids=positions, attention_mask=mask, **t_kw)
+        path, row = [], 0                                            # row 0: the anchor
+        while True:
+            x = int(pick(out.logits[0, row]))                        # the target's token after this row
+            child = next((i for i, p in enumerate(parent) if p == row - 1 and nodes[i][2] == x), None)
+            if child is None:
+                break
+            path.append(child + 1)
+            row = child + 1
+        rows = torch.tensor([0] + path, device=dev)
+        _keep_rows(t_kw[_cache_kwarg(target)], pos, rows)
+        return [nodes[r - 1][2] for r in path] + [x], self._features(out.hidden_states)[:, rows]
 
 __all__ = ["DFlashDraftModel"]
 

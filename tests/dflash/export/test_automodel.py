@@ -77,7 +77,7 @@ def test_the_modeling_file_imports_no_dflash_module():
     """Invariant: the shipped modeling file needs torch and transformers only."""
     text = (Path(__file__).resolve().parents[3] / "dflash" / "model" / MODELING_FILE).read_text()
     imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
-    assert imports and all(line.split()[1].split(".")[0] in {"__future__", "inspect", "math", "torch", "transformers"}
+    assert imports and all(line.split()[1].split(".")[0] in {"__future__", "heapq", "inspect", "math", "torch", "transformers"}
                            for line in imports), imports
 
 
