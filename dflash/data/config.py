@@ -65,6 +65,12 @@ class DataConfig(Table):
             tokenizer already runs on every core (``encode_batch``); more processes only help when
             the Python side (template rendering, mask assembly) is the limit, and each costs a
             process start (about 2 s).
+        join: put consecutive conversations (file order) back to back into one document of up to
+            ``max_length`` tokens, each keeping its own chat template and loss mask, so that the
+            target's attention and the drafter's context run across them: long training contexts
+            from short conversations (for drafters that must hold up on long prompts). A
+            conversation longer than ``max_length`` is truncated first, as without joining. The
+            holdout and ``conversations`` count joined documents.
         holdout: conversations held out for evaluation (chosen by ``seed``), never trained on;
             ``python -m dflash.eval`` decodes them. Left out: 64, but never more than a tenth of
             the conversations kept (:func:`dflash.data.dataset.holdout_count`), so a small file
@@ -88,6 +94,7 @@ class DataConfig(Table):
     pack_window: PositiveInt = 32
     cache_dir: str | None = None
     num_workers: PositiveInt | None = None
+    join: bool = False
     holdout: NonNegInt | None = None
     seed: NonNegInt = 0
 

@@ -40,6 +40,8 @@ class DataSummary(msgspec.Struct, kw_only=True):
             a summary cached before it was; so are the three below).
         truncated_cut: median tokens cut from a truncated conversation, in tokens.
         longest: the longest kept conversation before truncation, in tokens.
+        joined_from: with ``data.join``, the conversations kept before they were joined into the
+            ``conversations`` documents (0: not joined).
         whole_at: the data.max_length that keeps :data:`WHOLE_SHARE` of the kept conversations whole
             (their length at that quantile, rounded up to a multiple of 64), in tokens.
         The lengths past ``max_length`` are estimated from characters (:mod:`dflash.data.chat`).
@@ -62,6 +64,7 @@ class DataSummary(msgspec.Struct, kw_only=True):
     truncated_cut: int = 0
     longest: int = 0
     whole_at: int = 0
+    joined_from: int = 0
 
     def to_dict(self) -> dict:
         """JSON-able dict (for logs)."""
@@ -88,7 +91,9 @@ def truncation_text(summary: DataSummary) -> str:
 def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
     """The summary as (label, value) rows, in the order they are shown."""
     rows = [("records read", f"{summary.records_read:,}"),
-            ("conversations kept", f"{summary.conversations:,}"),
+            ("conversations kept", f"{summary.conversations:,}" if not summary.joined_from else
+             f"{summary.joined_from:,}, joined into {summary.conversations:,} documents of up to "
+             f"data.max_length = {summary.max_length:,} tokens (data.join)"),
             ("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}"),
             ("truncated to max_length (kept)", truncation_text(summary))]
     if summary.reasoning_turns:

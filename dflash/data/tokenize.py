@@ -156,6 +156,8 @@ def _key_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[Pat
         "max_samples": cfg.max_samples,
         "min_loss_tokens": 2 * cfg.block_size,
     }
+    if cfg.join:  # only when on: entries cached before the setting existed keep their keys
+        parts["join"] = True
     return path, parts
 
 
@@ -212,6 +214,19 @@ def _length_figures(kept: list, lengths: np.ndarray) -> dict[str, int]:
             "whole_at": -(-whole // 64) * 64}
 
 
+def join_runs(lengths: np.ndarray, max_length: int) -> np.ndarray:
+    """Where each joined document starts: consecutive conversations of ``lengths`` (tokens, each at
+    most ``max_length``) grouped greedily in order while their sum stays within ``max_length``.
+    Returns ``[D + 1]`` int64 indices into the conversations, the last ``len(lengths)``."""
+    starts, total = [0], 0
+    for i, n in enumerate(lengths.tolist()):
+        if total and total + n > max_length:
+            starts.append(i)
+            total = 0
+        total += n
+    return np.asarray(starts + [len(lengths)], np.int64)
+
+
 def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[str, Any], path: Path, entry: Path,
               progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
     records = read_source(cfg.source, cfg.format, cfg.max_samples)
@@ -225,22 +240,25 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
                              first_rows=records.first_skipped, max_length=cfg.max_length,
                              min_loss_tokens=2 * cfg.block_size)
     lengths = np.fromiter((len(e.ids) for e, _ in kept), np.int64, len(kept))
+    figures = _length_figures([e for e, _ in kept], lengths)
+    starts = join_runs(lengths, cfg.max_length) if cfg.join else np.arange(len(kept) + 1)
     offsets = np.zeros(len(kept) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     arrays = {
         "tokens": np.concatenate([e.ids for e, _ in kept]),
         "loss_mask": np.concatenate([e.mask for e, _ in kept]),
-        "offsets": offsets,
-        "source_index": np.asarray([i for _, i in kept], np.int64),
+        "offsets": offsets[starts],      # a joined document spans its conversations' tokens
+        "source_index": np.asarray([kept[i][1] for i in starts[:-1]], np.int64),   # its first one's
     }
     summary = DataSummary(
         source=cfg.source, path=str(path), cache_path=str(entry), from_cache=False,
-        records_read=records.records_read, conversations=len(kept), skipped=dict(sorted(skipped.items())),
+        records_read=records.records_read, conversations=len(starts) - 1, skipped=dict(sorted(skipped.items())),
+        joined_from=len(kept) if cfg.join else 0,
         truncated=sum(e.truncated for e, _ in kept), num_tokens=int(offsets[-1]),
         num_loss_tokens=int(arrays["loss_mask"].sum(dtype=np.int64)),
         reasoning_turns=sum(e.reasoning_turns for e, _ in kept),
         reasoning_dropped=sum(e.reasoning_dropped for e, _ in kept),
-        max_length=cfg.max_length, **_length_figures([e for e, _ in kept], lengths),
+        max_length=cfg.max_length, **figures,
     )
     save_entry(entry, arrays, {"key_parts": parts, "summary": summary.to_dict()})
     return arrays, summary

@@ -318,3 +318,31 @@ def test_the_summary_says_how_much_truncation_cut_and_the_length_that_keeps_most
                          tok, progress=False, quiet=True)
     assert whole.summary.truncated == 0 and dict(summary_rows(whole.summary))["truncated to max_length (kept)"] == "0"
     assert whole.summary.longest == max(exact)  # every segment tokenized: exact
+
+
+def test_joined_conversations_fill_documents_up_to_max_length_and_keep_every_token(tok, tmp_path):
+    """Invariant: with data.join, consecutive conversations (file order) become one document while
+    their total stays within max_length; the tokens and loss masks are the unjoined ones back to
+    back (nothing added, nothing lost), every document fits, no two neighbours would have fitted in
+    one, and the summary says how many conversations made how many documents."""
+    from dflash.data.tokenize import join_runs
+
+    src = tmp_path / "many.jsonl"
+    src.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": "question " * (1 + i % 4) + str(i)},
+        {"role": "assistant", "content": "answer " * (3 + 2 * (i % 5)) + str(i)}]}) + "\n" for i in range(14)))
+    plain = load_dataset(cfg_for(src, tmp_path / "c", max_length=96), tok, progress=False, quiet=True)
+    joined = load_dataset(cfg_for(src, tmp_path / "c", max_length=96, join=True), tok, progress=False, quiet=True)
+    assert joined.key != plain.key and not joined.summary.from_cache
+    assert np.array_equal(joined.tokens, plain.tokens) and np.array_equal(joined.loss_mask, plain.loss_mask)
+    assert 1 < len(joined) < len(plain) == joined.summary.joined_from == 14
+    assert joined.summary.conversations == len(joined) and joined.lengths.sum() == plain.lengths.sum()
+    assert joined.lengths.max() <= 96
+    starts = join_runs(plain.lengths, 96)
+    assert np.array_equal(joined.offsets, plain.offsets[starts])
+    for a, b in zip(starts[:-1], starts[1:-1]):          # the next conversation did not fit
+        assert plain.lengths[a:b].sum() + plain.lengths[b] > 96
+    row = dict(summary_rows(joined.summary))["conversations kept"]
+    assert row.startswith(f"14, joined into {len(joined)} documents") and "data.join" in row
+    assert list(join_runs(np.array([5, 5, 5]), 10)) == [0, 2, 3]
+    assert list(join_runs(np.array([10, 1, 10]), 10)) == [0, 1, 2, 3]
