@@ -19,6 +19,7 @@ Imports: :mod:`dflash.model`, :mod:`dflash.data` (prompts built as training buil
     static_target.py   the target's decode step at a fixed shape, replayed as a CUDA graph
     static_drafter.py  the drafter's step at a fixed shape over a fixed-capacity cache, as a CUDA graph
     measure.py         decode each prompt for real, score the same text teacher-forced, time the target alone
+    pooled.py          the figures of many decodes pooled: overall, per category or length bucket, the speed
     lengths.py         context-length buckets: tau by how long the prompt was
     progress.py        an evaluation's progress while it runs, for a person waiting on it
     sets.py            the field's evaluation sets (prompts with a category)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,9 +31,10 @@ from dflash.eval.decode import (
     speculative_decode,
 )
 from dflash.eval.lengths import LABELS, length_bucket
+from dflash.eval.pooled import Decoded, category, pooled_summary, speed_of
 from dflash.eval.progress import EvalProgress
-from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedResult
-from dflash.eval.selector import block_figures, is_dflash2, selector_figures, selector_proposer
+from dflash.eval.report import EvalResult, PromptResult
+from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
 from dflash.eval.static_drafter import static_proposer
 from dflash.eval.tree import tree_accepted
 from dflash.eval.tree_decode import tree_decode
@@ -44,7 +45,6 @@ from dflash.model.target import SharedHead, Target
 from dflash.model.variants import variant_of
 from dflash.train.acceptance import (
     accuracy_per_position,
-    per_position_list,
     simulated_accepted_length,
     streak_lengths,
     tau_from_accepted,
@@ -198,32 +198,6 @@ def _stop_if(should_stop: Callable[[], bool] | None) -> None:
         raise DecodeStopped("stopped between prompts")
 
 
-@dataclass
-class _Decoded:
-    """One decode (a prompt's turn) and, once scored, its teacher-forced figures."""
-
-    index: int                         # the prompt (its category is the prompt's)
-    turn: int                          # 0: the first user turn
-    prompt_len: int
-    tokens: torch.Tensor               # [prompt_len + max_new_tokens] the greedy decode's output
-    acc_m: list[int]                   # accepted drafts of each verify step
-    visited: list[int]                 # the anchors the decode verified at
-    greedy_seconds: float              # the draft-and-verify greedy decode, synchronised
-    sampled_m: list[int] = field(default_factory=list)
-    sampled_seconds: float = 0.0
-    target_seconds: float | None = None  # the target alone, greedy (speed=True)
-    result: PromptResult | None = None
-    correct: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-    streaks: torch.Tensor | None = None
-    s_vis: torch.Tensor | None = None
-    extra: tuple | None = None
-    tree: torch.Tensor | None = None    # [anchors] accepted under a tree (tree_budget > 0)
-    tree_m: list[int] = field(default_factory=list)  # accepted per step of the tree decode
-    sampled_tree_m: list[int] = field(default_factory=list)  # the same, sampled
-    tree_seconds: float = 0.0
-
-
 def tree_proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object] | None:
     """A new proposer per tree-verified decode, or None where none is built. Its tree is the
     backbone's marginals either way: a top-1 drafter's own (the cached drafter); a DFlash2
@@ -294,7 +268,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         greedy_decode(target, prompts[0], max_new_tokens, cuda_graphs=cuda_graphs)
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     tree_gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
-    decoded: list[_Decoded] = []
+    decoded: list[Decoded] = []
     for i, first in enumerate(prompts):
         prompt, turn = first, 0
         while prompt is not None:
@@ -302,7 +276,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             t0 = _clock(prompt.device)
             tokens, acc_m, visited = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
                                                         cuda_graphs=cuda_graphs, should_stop=should_stop)
-            d = _Decoded(i, turn, prompt.shape[0], tokens, acc_m, visited, _clock(prompt.device) - t0)
+            d = Decoded(i, turn, prompt.shape[0], tokens, acc_m, visited, _clock(prompt.device) - t0)
             if speed:
                 t0 = _clock(prompt.device)
                 greedy_decode(target, prompt, max_new_tokens, cuda_graphs=cuda_graphs)
@@ -335,7 +309,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     for d in decoded:  # teacher-forced scoring, after every timed decode
         _score(d, target, drafter, head, dflash2, tree_budget)
     cats = categories or ["all"] * len(prompts)
-    res = _summary(decoded, drafter, dflash2)
+    res = pooled_summary(decoded, drafter, dflash2)
     res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
     res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
     res.cuda_graphs = cuda_graphs
@@ -349,18 +323,18 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         sampled_tree = [m for d in decoded for m in d.sampled_tree_m]
         if sampled_tree:
             res.sampled_tree_tau = tau_from_accepted(sum(sampled_tree) / len(sampled_tree))
-    res.categories = [_category(name, [d for d in decoded if cats[d.index] == name])
+    res.categories = [category(name, [d for d in decoded if cats[d.index] == name])
                       for name in dict.fromkeys(cats)]
     buckets = [length_bucket(d.prompt_len) for d in decoded]
-    res.by_length = [_category(b, [d for d, db in zip(decoded, buckets) if db == b]) for b in LABELS if b in buckets]
-    res.speed = _speed(decoded) if speed else None
+    res.by_length = [category(b, [d for d, db in zip(decoded, buckets) if db == b]) for b in LABELS if b in buckets]
+    res.speed = speed_of(decoded) if speed else None
     if progress is not None:
         progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(decoded),
                            sum(r.new_tokens for r in res.per_prompt), [m for d in decoded for m in d.acc_m]))
     return res
 
 
-def _score(d: _Decoded, target, drafter, head, dflash2: bool, tree_budget: int = 0) -> None:
+def _score(d: Decoded, target, drafter, head, dflash2: bool, tree_budget: int = 0) -> None:
     """Teacher-forced figures of one decode's text: a block at every anchor after the prompt."""
     tokens, n = d.tokens, d.prompt_len
     region = torch.arange(n, tokens.shape[0], device=tokens.device)     # anchors after prefill
@@ -386,50 +360,3 @@ def _score(d: _Decoded, target, drafter, head, dflash2: bool, tree_budget: int =
         tau_sim=tau_from_accepted(sim), accepted_sim=sim,
         streak_all=float(d.streaks.float().mean()), streak_visited=float(d.s_vis.float().mean()),
         prompt=d.index, turn=d.turn)
-
-
-def _summary(decoded: list[_Decoded], drafter, dflash2: bool) -> EvalResult:
-    """The aggregate over every decode: measured figures pooled over all verify steps."""
-    acc = accuracy_per_position(torch.cat([d.correct for d in decoded]), torch.cat([d.valid for d in decoded]))
-    all_m = [m for d in decoded for m in d.acc_m]
-    all_vis = [s for d in decoded for s in d.s_vis.tolist()]
-    mean_m = sum(all_m) / max(len(all_m), 1)
-    sim = simulated_accepted_length(acc)
-    sampled = [m for d in decoded for m in d.sampled_m]
-    sampled_m = sum(sampled) / len(sampled) if sampled else None
-    return EvalResult(
-        seconds=sum(d.greedy_seconds + d.sampled_seconds for d in decoded),
-        sampled_tau=None if sampled_m is None else tau_from_accepted(sampled_m),
-        sampled_accepted=sampled_m, tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
-        tau_sim=tau_from_accepted(sim), accepted_sim=sim,
-        streak_visited=sum(all_vis) / max(len(all_vis), 1),
-        streak_all=float(torch.cat([d.streaks for d in decoded]).float().mean()),
-        acc_per_pos=per_position_list(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
-        block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size,
-        per_prompt=[d.result for d in decoded],
-        selector=selector_figures(drafter, [d.extra for d in decoded],
-                                   torch.cat([d.correct for d in decoded])) if dflash2 else None,
-        jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None)
-
-
-def _category(name: str, decoded: list[_Decoded]) -> CategoryResult:
-    """Measured figures of one category's decodes (every turn), pooled over their verify steps."""
-    ms = [m for d in decoded for m in d.acc_m]
-    sampled = [m for d in decoded for m in d.sampled_m]
-    mean_m = sum(ms) / max(len(ms), 1)
-    speed = _speed(decoded) if decoded and decoded[0].target_seconds is not None else None
-    return CategoryResult(
-        category=name, prompts=len({d.index for d in decoded}), decodes=len(decoded),
-        new_tokens=sum(d.result.new_tokens for d in decoded), steps=len(ms),
-        tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
-        sampled_tau=tau_from_accepted(sum(sampled) / len(sampled)) if sampled else None,
-        speedup=None if speed is None else speed.speedup)
-
-
-def _speed(decoded: list[_Decoded]) -> SpeedResult:
-    """Wall-clock tokens/s of draft-and-verify and of the target alone over the same decodes."""
-    tokens = sum(d.result.new_tokens for d in decoded)
-    spec = sum(d.greedy_seconds for d in decoded)
-    alone = sum(d.target_seconds for d in decoded)
-    return SpeedResult(new_tokens=tokens, dflash_seconds=spec, target_seconds=alone,
-                       dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)

@@ -1,0 +1,96 @@
+"""The figures of many decodes pooled: over all of them, per category or context-length bucket,
+and the measured speed. :func:`dflash.eval.measure.evaluate` fills one :class:`Decoded` per prompt
+turn (decoded, then scored teacher-forced) and reports what these functions pool; each pools over
+verify steps, not over prompts, so a long decode weighs by its steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedResult
+from dflash.eval.selector import selector_figures
+from dflash.eval.xpress import is_xpress
+from dflash.train.acceptance import (
+    accuracy_per_position,
+    per_position_list,
+    simulated_accepted_length,
+    tau_from_accepted,
+)
+
+__all__ = ["Decoded", "category", "pooled_summary", "speed_of"]
+
+
+@dataclass
+class Decoded:
+    """One decode (a prompt's turn) and, once scored, its teacher-forced figures."""
+
+    index: int                         # the prompt (its category is the prompt's)
+    turn: int                          # 0: the first user turn
+    prompt_len: int
+    tokens: torch.Tensor               # [prompt_len + max_new_tokens] the greedy decode's output
+    acc_m: list[int]                   # accepted drafts of each verify step
+    visited: list[int]                 # the anchors the decode verified at
+    greedy_seconds: float              # the draft-and-verify greedy decode, synchronised
+    sampled_m: list[int] = field(default_factory=list)
+    sampled_seconds: float = 0.0
+    target_seconds: float | None = None  # the target alone, greedy (speed=True)
+    result: PromptResult | None = None
+    correct: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    streaks: torch.Tensor | None = None
+    s_vis: torch.Tensor | None = None
+    extra: tuple | None = None
+    tree: torch.Tensor | None = None    # [anchors] accepted under a tree (tree_budget > 0)
+    tree_m: list[int] = field(default_factory=list)  # accepted per step of the tree decode
+    sampled_tree_m: list[int] = field(default_factory=list)  # the same, sampled
+    tree_seconds: float = 0.0
+
+
+def pooled_summary(decoded: list[Decoded], drafter, dflash2: bool) -> EvalResult:
+    """The aggregate over every decode: measured figures pooled over all verify steps."""
+    acc = accuracy_per_position(torch.cat([d.correct for d in decoded]), torch.cat([d.valid for d in decoded]))
+    all_m = [m for d in decoded for m in d.acc_m]
+    all_vis = [s for d in decoded for s in d.s_vis.tolist()]
+    mean_m = sum(all_m) / max(len(all_m), 1)
+    sim = simulated_accepted_length(acc)
+    sampled = [m for d in decoded for m in d.sampled_m]
+    sampled_m = sum(sampled) / len(sampled) if sampled else None
+    return EvalResult(
+        seconds=sum(d.greedy_seconds + d.sampled_seconds for d in decoded),
+        sampled_tau=None if sampled_m is None else tau_from_accepted(sampled_m),
+        sampled_accepted=sampled_m, tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+        tau_sim=tau_from_accepted(sim), accepted_sim=sim,
+        streak_visited=sum(all_vis) / max(len(all_vis), 1),
+        streak_all=float(torch.cat([d.streaks for d in decoded]).float().mean()),
+        acc_per_pos=per_position_list(acc), n_per_pos=torch.cat([d.valid for d in decoded]).sum(0).tolist(),
+        block_size=drafter.cfg.block_size, trained_block_size=drafter.trained_block_size,
+        per_prompt=[d.result for d in decoded],
+        selector=selector_figures(drafter, [d.extra for d in decoded],
+                                   torch.cat([d.correct for d in decoded])) if dflash2 else None,
+        jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None)
+
+
+def category(name: str, decoded: list[Decoded]) -> CategoryResult:
+    """Measured figures of one category's decodes (every turn), pooled over their verify steps."""
+    ms = [m for d in decoded for m in d.acc_m]
+    sampled = [m for d in decoded for m in d.sampled_m]
+    mean_m = sum(ms) / max(len(ms), 1)
+    speed = speed_of(decoded) if decoded and decoded[0].target_seconds is not None else None
+    return CategoryResult(
+        category=name, prompts=len({d.index for d in decoded}), decodes=len(decoded),
+        new_tokens=sum(d.result.new_tokens for d in decoded), steps=len(ms),
+        tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
+        sampled_tau=tau_from_accepted(sum(sampled) / len(sampled)) if sampled else None,
+        speedup=None if speed is None else speed.speedup)
+
+
+def speed_of(decoded: list[Decoded]) -> SpeedResult:
+    """Wall-clock tokens/s of draft-and-verify and of the target alone over the same decodes."""
+    tokens = sum(d.result.new_tokens for d in decoded)
+    spec = sum(d.greedy_seconds for d in decoded)
+    alone = sum(d.target_seconds for d in decoded)
+    return SpeedResult(new_tokens=tokens, dflash_seconds=spec, target_seconds=alone,
+                       dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)
