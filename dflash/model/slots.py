@@ -210,7 +210,7 @@ def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     if not contexts:
         return []
     batch = min(batch_size, len(contexts))
-    capacity = max(map(len, contexts)) + max_new_tokens + check_every + 1
+    capacity = -(-(max(map(len, contexts)) + max_new_tokens + check_every + 1) // 64) * 64   # aligned rows
     run = SlotDecoder(model, batch, capacity, max_new_tokens, temperature, top_p, graphs, check_every)
     stop = torch.tensor(sorted(set(eos)), device=run.ids.device)
     columns = torch.arange(run.width, device=run.ids.device)[None]
