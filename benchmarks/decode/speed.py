@@ -16,7 +16,11 @@ Rows (each on the same target, drafter, prompts and GPU):
 * ``zlab``: z-lab's ``dflash_generate`` on the drafter exported by :func:`dflash.export.export_drafter`
   and loaded by its ``DFlashDraftModel.from_pretrained``, where its package is importable
   (``import zlab_dflash.model``; the directory holding it from ``ZLAB_DFLASH_PATH``, else
-  ``/tmp/zl/pkg``); otherwise the row says why it is missing.
+  ``/tmp/zl/pkg``); otherwise the row says why it is missing;
+* ``export``, ``export_tree``: the same export loaded as a user loads it
+  (``AutoModel.from_pretrained(..., trust_remote_code=True)``, its shipped ``modeling_dflash.py``)
+  and decoding with its ``spec_generate``: the chain, and the tree of ``--tree-budget`` draft tokens
+  per step (``tree_budget``); their verify steps are the target's calls after the prefill.
 
 Each row gives tok/s, ms per verify step (a target forward: one token for the target-only rows),
 tau (tokens per verify step), whether every output equals the reference row's (``hf_generate``,
@@ -29,7 +33,7 @@ the rows asked for.
 
     python -m benchmarks.decode.speed CHECKPOINT (--data SOURCE | --prompts FILE.jsonl)
         [--num-prompts 16] [--max-new-tokens 256] [--dtypes float32,bfloat16] [--threads 1]
-        [--cuda-graphs] [--decoders NAME,...] [--out benchmarks/results/decode_speed_h200.json]
+        [--cuda-graphs] [--decoders NAME,...] [--tree-budget 32] [--out benchmarks/results/decode_speed_h200.json]
 
 Why bf16 can be slower than fp32 at the shipped 7M target: batch-1 decode there is bound by
 kernel launches, not by weight reads, and bf16 adds kernels. Counted with ``torch.profiler`` on
@@ -56,7 +60,7 @@ from pathlib import Path
 import torch
 
 
-ROWS = ("hf_generate", "greedy", "dflash", "greedy_graphs", "dflash_graphs", "zlab")
+ROWS = ("hf_generate", "greedy", "dflash", "greedy_graphs", "dflash_graphs", "zlab", "export", "export_tree")
 """Every row, in the order timed by default."""
 
 
@@ -150,31 +154,40 @@ def _decoders(args, target, drafter, head, tmp: Path):
         found["greedy_graphs"] = lambda pr: (greedy_decode(target, pr, N, cuda_graphs=True), N)
         found["dflash_graphs"] = lambda pr: spec(pr, graphs=True)
     skipped = {}
+    from dflash.export import export_drafter
+
+    where = tmp / f"export-{target.model.dtype}"
+    export_drafter(drafter, where, dtype=target.model.dtype)
+    calls = [0]
+
+    def count(*_):
+        calls[0] += 1
+
+    target.model.register_forward_pre_hook(count)  # one target call per verify step + prefill
+
+    def counted(decode):
+        """``decode(prompt [1, n]) -> [1, n + N]`` as a row: its tokens and the target calls after the prefill."""
+        def row(pr):
+            before = calls[0]
+            with warnings.catch_warnings():  # the past_key_values= spelling, deprecated in transformers 5.x
+                warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+                out = decode(pr[None])
+            return out[0], calls[0] - before - 1
+        return row
+
     zl, why = _zlab()
     if zl is None:
         skipped["zlab"] = why
     else:
-        from dflash.export import export_drafter
-
-        export_drafter(drafter, tmp / f"export-{target.model.dtype}", dtype=target.model.dtype)
         zmodel = (zl.DFlash2DraftModel if dflash2 else zl.DFlashDraftModel).from_pretrained(
-            str(tmp / f"export-{target.model.dtype}"), dtype=target.model.dtype).to(target.device).eval()
+            str(where), dtype=target.model.dtype).to(target.device).eval()
+        found["zlab"] = counted(lambda ids: zl.dflash_generate(zmodel, target.model, ids, N, None, block_size=bs))
+    from transformers import AutoModel
 
-        calls = [0]
-
-        def count(*_):
-            calls[0] += 1
-
-        target.model.register_forward_pre_hook(count)  # one target call per verify step + prefill
-
-        def zlab(pr):
-            before = calls[0]   # (return_stats would give the steps too, but synchronizes CUDA only)
-            with warnings.catch_warnings():  # its past_key_values= spelling, deprecated in transformers 5.x
-                warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
-                out = zl.dflash_generate(zmodel, target.model, pr[None], N, None, block_size=bs)
-            return out[0], calls[0] - before - 1
-
-        found["zlab"] = zlab
+    ours = AutoModel.from_pretrained(str(where), trust_remote_code=True, dtype=target.model.dtype).to(target.device)
+    found["export"] = counted(lambda ids: ours.spec_generate(target.model, ids, N, None))
+    found["export_tree"] = counted(lambda ids: ours.spec_generate(target.model, ids, N, None,
+                                                                  tree_budget=args.tree_budget))
     return found, skipped
 
 
@@ -261,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decoders", default=None, metavar="NAME,...",
                    help=f"time only these rows, in this order (of {', '.join(ROWS)}; default all, the graphed "
                         "ones with --cuda-graphs); the first is the reference of the others")
+    p.add_argument("--tree-budget", type=int, default=32, help="draft tokens per tree of the export_tree row")
     p.add_argument("--out", default=None, help="write the result JSON here (e.g. benchmarks/results/decode_speed_h200.json)")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != args.random_drafter:
