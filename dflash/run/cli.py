@@ -50,6 +50,7 @@ from dflash.observe import runlog
 from dflash.records import EndRecord
 from dflash.run.args import INTERRUPTED_STARTING, build_parser
 from dflash.run.config import DFlashFile, load_config, to_toml
+from dflash.run.out_of_memory import out_of_memory_advice
 from dflash.run.prepare import prepare
 from dflash.run.resolve import Resolved, load_and_resolve
 from dflash.run.run_dir import (
@@ -204,6 +205,9 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
     except csp.ProcessFailed as exc:
         _error(exc)
         error = str(exc)
+        if (advice := out_of_memory_advice(exc, cfg)) is not None:
+            _error(advice)
+            error = f"{error}; {advice}"
         if isinstance(exc.__cause__, DiskFullError):
             status, code = "disk full", EXIT_DISK_FULL
     except csp.ProcessStuck as exc:  # not a traceback: one line naming it, exit 3 (the stack is in run.log)

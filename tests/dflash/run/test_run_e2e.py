@@ -25,6 +25,7 @@ from dflash.checkpoint import is_healthy, list_checkpoints, read_meta
 from dflash.run.cli import main
 from dflash.run.stages.postprocess import PostprocessStage
 from dflash.run.stages.target import TargetStage
+from dflash.run.stages.trainer import DrafterStage
 
 ROOT = Path(__file__).resolve().parents[3]
 GRAPH = str(ROOT / "examples" / "dflash-tiny.toml")
@@ -171,6 +172,23 @@ class CrashingTarget(TargetStage):
             if seen == 3:
                 raise RuntimeError("injected target failure")
             outputs["hidden"].send(self.forward(batch), seq=batch.seq)
+
+
+def test_a_stage_out_of_gpu_memory_says_which_settings_to_change(tmp_path, cache_dir, capsys, monkeypatch):
+    """Invariant: a stage that runs out of GPU memory stops the run as any crash does (exit 1), then
+    one line names the settings that set that stage's memory, with their values."""
+    def out_of_memory(self, inp):  # the drafter's first step, as a CUDA allocation failure reads
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(DrafterStage, "train_step", out_of_memory)
+    run = tmp_path / "run"
+    code = main(small(run, cache_dir, "data.tokens_per_batch=512", steps=4))
+    assert code == 1
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "ran out of memory" in x)
+    assert line.startswith("error: the GPU ran out of memory in drafter")
+    assert "[drafter].activation_checkpointing = true" in line and "data.tokens_per_batch (now 512)" in line
+    assert "train.num_anchors (now" in line and "data.max_length (now" in line
 
 
 def test_nonfinite_step_is_skipped_counted_and_training_goes_on(tmp_path, cache_dir, monkeypatch):
