@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import msgspec
 from msgspec import Meta
 
-from dflash.tables import NonNegInt, PositiveInt, Table
+from dflash.tables import NonNegInt, PositiveInt, Table, added_later
 
 if TYPE_CHECKING:  # a type only: the reports that read a run directory import this room without the models
     from dflash.model.drafter_config import DrafterConfig
@@ -28,6 +28,11 @@ class CheckpointSection(Table):
     """Save every N steps (0 = only at the end)."""
     keep_last: PositiveInt = 3
     """Keep the newest K complete healthy checkpoints."""
+    keep_best: Annotated[bool, added_later(False, hashed=False)] = True
+    """Also keep the checkpoint of the step whose held-out evaluation measured the best tau so far
+    (``[eval]``), when one was written at that step (make ``eval.every`` a multiple of ``every``): a
+    drafter that overfits small data ends worse than it was, and this is the one to export. At most
+    one checkpoint more on disk."""
 
 
 def checkpoint_bytes(drafter: DrafterConfig) -> int:

@@ -84,6 +84,8 @@ class Checkpointer:
             for ``metrics.jsonl`` after each save attempt.
         lineage: id of the run's lineage, stored in ``meta.json``; retention never deletes a
             checkpoint of another lineage (or of none).
+        protect: asked at each retention: a step whose healthy checkpoint is kept beside the newest
+            ``keep_last`` (the best held-out step, ``[checkpoint].keep_best``), or None.
     """
 
     def __init__(
@@ -94,8 +96,10 @@ class Checkpointer:
         config_hash: str,
         on_event: Callable[[CheckpointRecord], None] | None = None,
         lineage: str | None = None,
+        protect: Callable[[], int | None] | None = None,
     ) -> None:
         self.root = Path(root)
+        self.protect = protect or (lambda: None)
         self.lineage = lineage
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(TMP_PREFIX + "*"):
@@ -346,15 +350,18 @@ class Checkpointer:
         return save_s
 
     def _apply_retention(self) -> None:
-        """Keep the newest ``keep_last`` healthy checkpoints of this lineage and, of its unhealthy
-        ones, at most ``keep_last`` newer than the newest healthy one (for a post-mortem); delete
-        the rest of this lineage. Checkpoints of another lineage are never touched."""
+        """Keep the newest ``keep_last`` healthy checkpoints of this lineage, the healthy one at the
+        step ``protect()`` names and, of its unhealthy ones, at most ``keep_last`` newer than the
+        newest healthy one (for a post-mortem); delete the rest of this lineage. Checkpoints of
+        another lineage are never touched."""
         ours = [(p, m) for p in list_checkpoints(self.root)
                 if (m := read_meta(p)) is not None and m.get("lineage") == self.lineage]
         healthy = [p for p, m in ours if m.get("healthy")]
         newest = healthy[-1].name if healthy else ""
         unhealthy = [p for p, m in ours if not m.get("healthy") and p.name > newest]
+        best = self.protect()
         keep = set(healthy[-self.keep_last:]) | set(unhealthy[-self.keep_last:])
+        keep |= {p for p, m in ours if best is not None and m.get("healthy") and m.get("step") == best}
         for old, _ in ours:
             if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)

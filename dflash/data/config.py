@@ -13,7 +13,7 @@ from dflash.errors import (
     ConfigError,
     DataError,  # noqa: F401 - the data path raises it; dflash.data re-exports it
 )
-from dflash.tables import NonNegInt, PositiveInt, Table
+from dflash.tables import NonNegInt, PositiveInt, Table, added_later
 
 Strategy = Literal["sorted", "random", "bucketed", "packed"]
 Reasoning = Literal["train", "context", "drop"]
@@ -94,7 +94,7 @@ class DataConfig(Table):
     pack_window: PositiveInt = 32
     cache_dir: str | None = None
     num_workers: PositiveInt | None = None
-    join: bool = False
+    join: Annotated[bool, added_later(False)] = False
     holdout: NonNegInt | None = None
     seed: NonNegInt = 0
 

@@ -180,14 +180,19 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
             row("throughput", f"{_si(sum(rates) / len(rates))} tok/s ({parts + '; ' if parts else ''}"
                               f"mean of this run's {_count(len(rates), 'window')})")
     held = [r for r in seg if isinstance(r, HeldoutRecord)]
+    best_kept, best_ckpt, best = False, None, None
     if held:  # real draft-and-verify on held-out prompts ([eval]); the last one is the final weights'
         h = held[-1]
         best = max(held, key=lambda r: r.tau if isinstance(r.tau, (int, float)) else -1.0)
         sampled = f", sampled {_num(h.sampled_tau)}" if isinstance(h.sampled_tau, (int, float)) else ""
         if isinstance(h.tree_tau, (int, float)):
             sampled += f", tree of {h.tree_budget} {_num(h.tree_tau)}"
+        best_ckpt = run_dir / "checkpoints" / f"step_{best.step:08d}" if isinstance(best.step, int) else None
+        best_kept = best_ckpt is not None and best.step != h.step and is_healthy(best_ckpt)
         row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.over()}"
-                        f"{sampled}); best {_num(best.tau)} at step {best.step}; {_count(len(held), 'evaluation')}")
+                        f"{sampled}); best {_num(best.tau)} at step {best.step}"
+                        + (f" (its checkpoint kept: {best_ckpt})" if best_kept else "")
+                        + f"; {_count(len(held), 'evaluation')}")
     unevaluated = end.get("unevaluated")
     if isinstance(unevaluated, int):  # a stop cut the held-out evaluation of these weights short
         src = f"--data {shlex.quote(data_source)}" if data_source else "--prompts FILE.jsonl"
@@ -232,6 +237,9 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         nxt.append((f"python -m dflash.eval {q} {src}", "measured accepted length (draft and verify)"))
         nxt.append((f"python -m dflash.export {q} -o {shlex.quote(str(run_dir / 'export'))}",
                     "the public DFlash Hugging Face layout"))
+    if held and best_kept:
+        nxt.append((f"python -m dflash.export {shlex.quote(str(best_ckpt))} -o {shlex.quote(str(run_dir / 'export-best'))}",
+                    f"the best held-out weights (tau {_num(best.tau)} at step {best.step})"))
     offline = sorted((run_dir / "wandb").glob("offline-run-*")) if wandb_ran and (run_dir / "wandb").is_dir() else []
     if offline:
         nxt.append((f"wandb leet {shlex.quote(str(run_dir / 'wandb'))}", "wandb's offline viewer (terminal)"))

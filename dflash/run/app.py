@@ -51,10 +51,13 @@ class RunProgress:
             None before the first step of this process.
         unevaluated: the newest snapshot step whose held-out evaluation a stop cut short or never
             started (the evaluator stage), None when every evaluation ran.
+        best: ``(step, tau)`` of the best held-out evaluation so far (the evaluator stage), which
+            ``[checkpoint].keep_best`` keeps the checkpoint of; None before the first.
     """
 
     step: int | None = None
     unevaluated: int | None = None
+    best: tuple[int, float] | None = None
 
 
 @dataclass

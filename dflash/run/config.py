@@ -272,4 +272,5 @@ def config_hash(cfg: DFlashFile) -> str:
     raw["channel"] = [c for c in raw.get("channel", []) if c.get("name") not in taps]
     raw.pop("trace", None)
     raw.pop("runtime", None)  # supervision only (the deadlock timeout): not what is trained
+    raw["checkpoint"].pop("keep_best", None)  # which files stay on disk, not what is trained
     return hashlib.sha256(msgspec.json.encode(raw, order="sorted")).hexdigest()[:16]

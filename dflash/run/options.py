@@ -87,7 +87,8 @@ class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
         total_steps: ``[run].steps``, steps in total counting those before a resume (the schedule's end).
         train: ``[train]`` (optimizer, schedule, loss switches, the non-finite streak).
         loss: ``[loss]``.
-        checkpoint_every, keep_last: ``[checkpoint].every`` (0: only at the end) and ``keep_last``.
+        checkpoint_every, keep_last, keep_best: ``[checkpoint].every`` (0: only at the end),
+            ``keep_last`` and ``keep_best``.
         config_hash: :func:`dflash.run.config.config_hash` of the filled file, stored in checkpoints.
         train_config: the filled graph file, written as is into each checkpoint's train_config.json.
         eval_every: ``[eval].every``: a weight snapshot goes to the ``snapshots`` output (when the
@@ -105,6 +106,7 @@ class DrafterStageOptions(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_every: int
     keep_last: int
     config_hash: str
+    keep_best: bool = True
     train_config: DFlashFile
     eval_every: int = 0
     time_budget_s: float | None = None

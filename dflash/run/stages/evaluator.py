@@ -26,6 +26,7 @@ for a decode of minutes. The newest step left unevaluated is kept for the run's 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TypedDict
@@ -126,6 +127,8 @@ class EvaluatorStage(csp.Process[EvaluatorStageInputs, EvaluatorStageOutputs]):
                 continue
             item.skipped += skipped
             busy, skipped = busy + item.seconds, 0
+            if math.isfinite(item.tau) and (progress.best is None or item.tau > progress.best[1]):
+                progress.best = (item.step, item.tau)   # [checkpoint].keep_best keeps its checkpoint
             del snap  # the weights' memory goes before the next snapshot arrives
             out.send(item)
 

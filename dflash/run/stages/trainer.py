@@ -97,6 +97,7 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
             config_hash=o.config_hash,
             on_event=app.metrics.write,
             lineage=resume.lineage,
+            protect=(lambda: app.progress.best[0] if app.progress.best else None) if o.keep_best else None,
         )
         self.ckpt.last_healthy = resume.path
         if self.cuda and parallel.is_writer(self.ctx):

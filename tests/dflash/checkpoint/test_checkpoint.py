@@ -67,6 +67,23 @@ def test_retention_keeps_last_k(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
 
 
+def test_retention_also_keeps_the_protected_step(tmp_path):
+    """Invariant: the healthy checkpoint at the step ``protect()`` names (the best held-out step)
+    survives retention beside the newest ``keep_last``; when it moves, the old one goes."""
+    best = [2]
+    ck = Checkpointer(tmp_path, keep_last=1, config_hash="h", protect=lambda: best[0])
+    for s in (1, 2, 3, 4):
+        _save(ck, s)
+    ck.close()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    best[0] = 5
+    ck = Checkpointer(tmp_path, keep_last=1, config_hash="h", protect=lambda: best[0])
+    for s in (5, 6):
+        _save(ck, s)
+    ck.close()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
+
+
 def test_nonfinite_weights_are_never_written(tmp_path):
     events = []
     ck = Checkpointer(tmp_path, keep_last=3, config_hash="h", on_event=events.append)

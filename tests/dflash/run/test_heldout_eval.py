@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dflash.checkpoint import list_checkpoints
 from dflash.errors import ConfigError
 from dflash.eval.config import EvalSection, check_eval
 from dflash.run.cli import main
@@ -265,3 +266,34 @@ def test_eval_threads_must_be_zero_or_more():
         load_config(GRAPH, ["eval.threads=-1"])
     assert load_config(GRAPH, ["eval.threads=0"]).eval.threads == 0
     assert load_config(GRAPH).eval.threads == 1
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_the_best_held_out_checkpoint_is_kept_and_named(tmp_path, cache_dir, capsys, monkeypatch, keep_best):
+    """Invariant: with [checkpoint].keep_best (the default) the checkpoint of the step whose
+    held-out tau was best survives keep_last's retention, and the summary names it with the
+    command that exports it; without it, retention keeps the newest only."""
+    from dflash.messages import HeldoutTau
+    from dflash.run.stages.evaluator import EvaluatorStage
+
+    taus = {2: 3.0, 4: 1.5, 6: 1.2, 8: 1.1}   # an overfitting drafter: its best weights are early
+
+    def scripted(self, snap):
+        return HeldoutTau(step=snap.step, tau=taus[snap.step], accepted=taus[snap.step] - 1, prompts=2,
+                          new_tokens=24, steps=10, seconds=0.01, max_new_tokens=12)
+
+    monkeypatch.setattr(EvaluatorStage, "evaluate", scripted)
+    run = tmp_path / "run"
+    sets = ["eval.every=2", "eval.prompts=2", "eval.max_new_tokens=12", "eval.max_busy=1", "checkpoint.every=2",
+            "checkpoint.keep_last=2", f"checkpoint.keep_best={'true' if keep_best else 'false'}"]
+    assert main(small(run, cache_dir, *sets, steps=8)) == 0
+    err = capsys.readouterr().err
+    kept = [p.name for p in list_checkpoints(run / "checkpoints")]
+    best = run / "checkpoints" / "step_00000002"
+    if keep_best:
+        assert kept == ["step_00000002", "step_00000006", "step_00000008"]
+        assert f"best 3 at step 2 (its checkpoint kept: {best})" in err
+        assert f"python -m dflash.export {best} -o {run / 'export-best'}" in err
+    else:
+        assert kept == ["step_00000006", "step_00000008"]
+        assert "best 3 at step 2;" in err and "export-best" not in err
