@@ -36,6 +36,7 @@ import torch
 
 from dflash.eval.decode import CachedTarget, DecodeStopped, _check_inputs, sampling_probs
 from dflash.eval.tree import best_first
+from dflash.model.modeling_dflash import keep_tree_rows, tree_mask
 from dflash.model.target import Target
 
 __all__ = ["tree_decode"]
@@ -103,7 +104,7 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
         parent = [p for p, _, _ in nodes]
         ids = torch.tensor([tokens[n - 1].item()] + [t for _, _, t in nodes], device=dev)
         pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
-        f, logits = _verify(run, ids, pos, _tree_mask(parent, n - 1, dev))
+        f, logits = _verify(run, ids, pos, tree_mask(parent, n - 1, target.model.dtype, dev))
         g = logits.argmax(-1).tolist() if not sampled else None             # greedy: one host read per step
         path, row = [], 0                                                    # row 0: the anchor
         while True:
@@ -118,37 +119,14 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
         tokens[n:n + m] = ids[rows[1:]]
         tokens[n + m] = x
         feats[:, n - 1:n + m] = f[:, rows]
-        _keep_rows(run.cache, n - 1, rows)
+        keep_tree_rows(run.cache, n - 1, rows)
         accepted.append(m)
         anchors.append(n - 1)
         n += m + 1
     return tokens[:end], accepted, anchors
 
 
-def _tree_mask(parent: list[int], context: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[1, 1, 1 + B, context + 1 + B]``: every row sees the context; row 0 (the anchor) itself;
-    node ``i``'s row (``i + 1``) the anchor, its ancestors and itself."""
-    B = len(parent)
-    block = torch.zeros(1 + B, 1 + B, dtype=torch.bool)
-    block[:, 0] = True
-    for i, p in enumerate(parent):
-        block[i + 1, i + 1] = True
-        if p >= 0:
-            block[i + 1] |= block[p + 1]
-    ctx = torch.ones(1 + B, context, dtype=torch.bool)
-    return torch.cat([ctx, block], dim=1)[None, None].to(device)
-
-
 def _verify(run: CachedTarget, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
     """The target's cached forward over the tree: ``(features [1, 1+B, k*H], logits [1+B, V])``."""
     out = run.base(input_ids=ids[None], position_ids=positions, attention_mask=mask, **run.kwargs)
     return run.target.collect(), run.lm_head(out.last_hidden_state[0])
-
-
-def _keep_rows(cache, start: int, rows: torch.Tensor) -> None:
-    """Keep the first ``start`` cached positions, then this step's ``rows`` (anchor and accepted
-    path, in order), in every layer of a transformers ``DynamicCache``."""
-    for layer in cache.layers:
-        keep = torch.cat([torch.arange(start, device=rows.device), rows + start])
-        layer.keys = layer.keys.index_select(2, keep)
-        layer.values = layer.values.index_select(2, keep)

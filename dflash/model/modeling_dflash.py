@@ -240,7 +240,8 @@ def _output_head(target: nn.Module) -> nn.Module:
 # -- tree verification: the block's ``budget`` most probable prefixes under the drafter's
 # per-position marginals, verified in one target forward under a tree attention mask (DDTree, Ringel
 # & Romano 2025; SGLang's tree verify for DFlash). The same tree as dflash.eval.tree.best_first
-# (a test holds the two equal); written out here because this file ships alone with an export.
+# (a test holds the two equal); written out here because this file ships alone with an export
+# (dflash.eval.tree_decode uses the mask and the cache pruning below).
 
 
 def _tree(logits: torch.Tensor, budget: int) -> list[tuple[int, int, int]]:
@@ -259,7 +260,7 @@ def _tree(logits: torch.Tensor, budget: int) -> list[tuple[int, int, int]]:
     return nodes
 
 
-def _tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> torch.Tensor:
+def tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive ``[1, 1, 1 + B, context + 1 + B]``: every row sees the context; row 0 (the anchor)
     itself; node ``i`` (row ``i + 1``) the anchor, its ancestors and itself."""
     B = len(parent)
@@ -273,7 +274,7 @@ def _tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> t
     return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[None, None].to(device)
 
 
-def _keep_rows(cache, start: int, rows: torch.Tensor) -> None:
+def keep_tree_rows(cache, start: int, rows: torch.Tensor) -> None:
     """Keep the first ``start`` cached positions, then the tree rows ``rows`` (anchor and accepted
     path, in order), in every layer of a transformers ``DynamicCache``."""
     keep = torch.cat([torch.arange(start, device=rows.device), rows + start])
@@ -556,7 +557,7 @@ class DFlashDraftModel(PreTrainedModel):
         parent = [p for p, _, _ in nodes]
         ids = torch.tensor([[anchor] + [t for _, _, t in nodes]], device=dev)
         positions = torch.tensor([[pos] + [pos + 1 + d for _, d, _ in nodes]], device=dev)
-        mask = _tree_mask(parent, pos, target.get_input_embeddings().weight.dtype, dev)
+        mask = tree_mask(parent, pos, target.get_input_embeddings().weight.dtype, dev)
         out = target(ids, position_ids=positions, attention_mask=mask, **t_kw)
         path, row = [], 0                                            # row 0: the anchor
         while True:
@@ -567,7 +568,7 @@ class DFlashDraftModel(PreTrainedModel):
             path.append(child + 1)
             row = child + 1
         rows = torch.tensor([0] + path, device=dev)
-        _keep_rows(t_kw[_cache_kwarg(target)], pos, rows)
+        keep_tree_rows(t_kw[_cache_kwarg(target)], pos, rows)
         return [nodes[r - 1][2] for r in path] + [x], self._features(out.hidden_states)[:, rows]
 
 __all__ = ["DFlashDraftModel"]
