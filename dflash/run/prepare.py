@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from dflash.checkpoint.resume import archive_foreign, new_lineage
 from dflash.checkpoint.resume import choose as choose_resume
 from dflash.observe import runlog
 from dflash.observe.metrics_writer import MetricsLog
-from dflash.records import ResumeRecord, StartRecord
+from dflash.records import HeldoutRecord, ResumeRecord, StartRecord, read_records
 from dflash.run.app import ResumeState, RunApp
 from dflash.run.config import added_later_keys
 from dflash.run.resolve import Resolved
@@ -108,6 +109,8 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
         log.info("no checkpoint to resume in %s; starting from step 0", run_dir / "checkpoints")
     metrics = MetricsLog(run_dir / "metrics.jsonl" if rank == 0 else run_dir / f"rank{rank}" / "metrics.jsonl")
     app = RunApp(resolved=resolved, run_dir=run_dir, sampler=sampler, metrics=metrics, resume=state)
+    if got is not None:  # [checkpoint].keep_best: the best evaluation of the earlier segments stays kept
+        app.progress.best = best_heldout(run_dir / "metrics.jsonl", got.step)
     stats = sampler.epoch_stats(sampler.epoch)
     log.info("data: %d training conversations (%d more held out for dflash.eval: data.holdout), %s batching: "
              "padding waste %.1f%%, %d batches/epoch",
@@ -140,3 +143,16 @@ def _check_eval_prompts(cfg, tok, train, heldout) -> None:
     raise DataError(f"{what}, nor has any of its conversations (each opens with an assistant turn); "
                     "set eval.every = 0, and measure the drafter after training with python -m dflash.eval "
                     "CKPT --prompts FILE.jsonl on prompts that open with a user turn")
+
+
+def best_heldout(path: Path, upto: int) -> tuple[int, float] | None:
+    """``(step, tau)`` of the best held-out evaluation in the metrics log ``path`` at or before step
+    ``upto`` (the resumed checkpoint's: later ones measured weights this run does not continue), or
+    None (no log, no evaluation)."""
+    try:
+        records, _ = read_records(path)
+    except OSError:
+        return None
+    held = [(r.step, r.tau) for r in records if isinstance(r, HeldoutRecord) and isinstance(r.tau, (int, float))
+            and math.isfinite(r.tau) and isinstance(r.step, int) and r.step <= upto]
+    return max(held, key=lambda st: st[1]) if held else None

@@ -272,7 +272,7 @@ def test_eval_threads_must_be_zero_or_more():
 def test_the_best_held_out_checkpoint_is_kept_and_named(tmp_path, cache_dir, capsys, monkeypatch, keep_best):
     """Invariant: with [checkpoint].keep_best (the default) the checkpoint of the step whose
     held-out tau was best survives keep_last's retention, and the summary names it with the
-    command that exports it; without it, retention keeps the newest only."""
+    command that exports it, also across a resume; without it, retention keeps the newest only."""
     from dflash.messages import HeldoutTau
     from dflash.run.stages.evaluator import EvaluatorStage
 
@@ -294,6 +294,10 @@ def test_the_best_held_out_checkpoint_is_kept_and_named(tmp_path, cache_dir, cap
         assert kept == ["step_00000002", "step_00000006", "step_00000008"]
         assert f"best 3 at step 2 (its checkpoint kept: {best})" in err
         assert f"python -m dflash.export {best} -o {run / 'export-best'}" in err
+        taus.update({10: 1.0, 12: 1.0})   # a resumed segment remembers the earlier best (metrics.jsonl)
+        assert main(small(run, cache_dir, *sets, steps=12)) == 0
+        kept = [p.name for p in list_checkpoints(run / "checkpoints")]
+        assert kept == ["step_00000002", "step_00000010", "step_00000012"]
     else:
         assert kept == ["step_00000006", "step_00000008"]
         assert "best 3 at step 2;" in err and "export-best" not in err
