@@ -11,10 +11,12 @@ The rooms, from the bottom floor up; a module imports its own room and lower flo
 0. leaves: :mod:`dflash.errors` (the error family), :mod:`dflash.messages` (the items on the
    graph's channels), :mod:`dflash.records` (the lines of ``metrics.jsonl``), :mod:`dflash.seeding`
    (every random stream's seed), :mod:`dflash.import_noise` (other packages' import-time log lines),
-   :mod:`dflash.tables` (what every config table shares: strict keys, the late-added key mark);
+   :mod:`dflash.tables` (what every config table shares: strict keys, the late-added key mark),
+   :mod:`dflash.gguf_tokenizer` (a GGUF file's metadata and tokenizer, checked for the import);
 1. :mod:`dflash.data` (conversations to packed token batches) and :mod:`dflash.model` (the target,
    the drafter, their shared head and features);
-2. :mod:`dflash.checkpoint` (everything a run keeps on disk, written and read);
+2. :mod:`dflash.checkpoint` (everything a run keeps on disk, written and read) and
+   :mod:`dflash.regenerate_files` (the files regeneration writes and resumes from);
 3. :mod:`dflash.train` (the objective, the losses, one step) and :mod:`dflash.observe` (what an
    operator reads: display, run log, metrics, logs, plot, summary);
 4. :mod:`dflash.eval` (decoding a drafter against its target, the evaluation sets);

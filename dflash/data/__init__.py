@@ -18,6 +18,7 @@ no model, so data can be prepared and tested without torch models. Modules::
                              with the reasons a conversation is skipped
     tokenizer.py             offline tokenizer loading and TokenizerInfo, the facts dflash needs of it
     chat.py                  a conversation -> token ids + assistant loss mask, through the chat template
+    chat_render.py           the chat template's compiled renderer, the forms a template writes a text in
     tokenize.py              load_dataset(): tokenize a source once, in parallel, and cache it
     cache.py                 the on-disk cache entries of tokenized datasets
     dataset.py               TokenizedDataset (flat token arrays, the holdout split) and DataSummary

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 from jinja2 import TemplateError
 
+from dflash.data.chat_render import compiled_renderer, written_forms
 from dflash.data.sources import THINK_CLOSE, THINK_OPEN, Conversation
 from dflash.data.tokenizer import check_tokenizer, special_token_ids
 
@@ -90,17 +91,6 @@ class Encoded(NamedTuple):
     reasoning_turns: int = 0
     reasoning_dropped: int = 0
     full_length: int = 0
-
-
-def _forms(text: str) -> Iterator[str]:
-    """How a template may have written ``text``: verbatim first, then stripped variants."""
-    yield text
-    seen = [text]
-    for f in (text.strip(), text.lstrip(), text.rstrip(), text.lstrip("\n"), text.strip("\n"),
-              text.rstrip("\n")):
-        if f not in seen:
-            seen.append(f)
-            yield f
 
 
 class _Skeleton(NamedTuple):
@@ -162,7 +152,7 @@ class ChatEncoder:
         self._special = special_token_ids(tokenizer)
         self._piece_ids: dict[str, list[int]] = {}
         self._skeletons: dict[tuple, _Skeleton | str] = {}
-        self._fast = _compiled_renderer(tokenizer)
+        self._fast = compiled_renderer(tokenizer)
         self._checked: set[tuple] = set()  # structures whose fast rendering was compared once
         self._field = self._reads_reasoning_field()
 
@@ -262,7 +252,7 @@ class ChatEncoder:
             if real.startswith(text, pos) and real.startswith(after, pos + len(text)):
                 form = text  # the common case, without building the stripped variants
             else:
-                for form in _forms(text):
+                for form in written_forms(text):
                     if real.startswith(form, pos) and real.startswith(after, pos + len(form)):
                         break
                 else:
@@ -392,23 +382,3 @@ def _run_values(plan: _Plan, runs: int) -> Iterator[int]:
     for trained, glued in islice(zip(plan.trained, plan.glued), runs // 2):
         yield trained
         yield glued
-
-
-def _compiled_renderer(tokenizer: PreTrainedTokenizerBase):
-    """A function rendering messages with the tokenizer's compiled chat template, skipping
-    ``apply_chat_template``'s per-call normalisation (a no-op for the plain string dicts built
-    here), or None when transformers does not expose its compiled-template cache. The caller
-    checks it against ``apply_chat_template`` before trusting it."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        compiled = _compile_jinja_template(tokenizer.get_chat_template())
-        kwargs = dict(tokenizer.special_tokens_map)
-    except Exception:  # noqa: BLE001 - any failure means: use the public path
-        return None
-
-    def render(messages: list[dict]) -> str:
-        return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
-                               **kwargs)
-
-    return render

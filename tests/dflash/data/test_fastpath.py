@@ -154,7 +154,7 @@ def test_wrong_compiled_renderer_cannot_change_the_output(toks, sharegpt, monkey
     structure and abandoned on the first difference, so it can never change what is produced."""
     tok = toks["tiny"]
     ref = ChatEncoder(tok, max_length=1 << 20).encode_many(sharegpt[:20])
-    monkeypatch.setattr(chat_mod, "_compiled_renderer", lambda t: (lambda messages: "garbage"))
+    monkeypatch.setattr(chat_mod, "compiled_renderer", lambda t: (lambda messages: "garbage"))
     enc = ChatEncoder(tok, max_length=1 << 20)
     got = enc.encode_many(sharegpt[:20])
     assert enc._fast is None
