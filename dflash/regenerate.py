@@ -216,6 +216,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def out_of_memory_line(args: argparse.Namespace, out: Path, device) -> str:
+    """What to change after the GPU ran out of memory: the setting that sizes a round's memory and
+    may change on resume (``--batch-size``: rows x (prompt + answer) positions of KV cache per layer),
+    and how much of the GPU other processes hold (two passes sharing a GPU each need a round's room)."""
+    import torch
+
+    kept = len(done_indices(out))
+    held = ""
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        mine = torch.cuda.memory_reserved()
+        held = (f"; other processes hold {(total - free - mine) / 2**30:.1f} of the GPU's "
+                f"{total / 2**30:.1f} GiB")
+    return (f"the GPU ran out of memory answering a chunk{held}. {out} keeps its {kept} finished "
+            f"conversations; lower --batch-size (now {args.batch_size}: rows answered at once) or free "
+            "the GPU, then run the same command again to continue (the other settings must stay)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     locks: list = []
@@ -305,6 +324,9 @@ def _main(args: argparse.Namespace, locks: list) -> int:
               f"in flight, up to --chunk {args.chunk}, is redone); run the same command again to "
               "continue", file=sys.stderr)
         return 130
+    except torch.OutOfMemoryError:
+        print(f"dflash.regenerate: {out_of_memory_line(args, out, device)}", file=sys.stderr)
+        return 1
     counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
     print(f"dflash.regenerate: wrote {written} conversations to {out} in {time.perf_counter() - t0:.0f}s "
           f"({len(done) + written} in total); skipped: {counts}", file=sys.stderr)

@@ -183,6 +183,14 @@ class SlotDecoder:
         self.ids[r], self.pos[r], self.count[r] = first, lens, 1
         self.answers[r, 0] = first
 
+    def close(self) -> None:
+        """Drop the caches and the captured graph now. The step holds a bound method of this object
+        (a reference cycle), so without this the ~``2 x layers x B x capacity`` cache of a finished
+        call lives until Python's cycle collector runs, and the next call's cache is allocated beside
+        it: on a GPU shared by two regeneration passes that is an out-of-memory error."""
+        self.step = None
+        self.k = self.v = self.answers = None
+
     def advance(self) -> None:
         """One decode step for every row (a graph replay on CUDA), then each row's next input."""
         nxt = self.step()
@@ -212,6 +220,17 @@ def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     batch = min(batch_size, len(contexts))
     capacity = -(-(max(map(len, contexts)) + max_new_tokens + check_every + 1) // 64) * 64   # aligned rows
     run = SlotDecoder(model, batch, capacity, max_new_tokens, temperature, top_p, graphs, check_every)
+    try:
+        return _drain(run, contexts, max_new_tokens, eos, batch)
+    finally:
+        run.close()
+        if run.ids.is_cuda:   # the freed cache back to the driver: another process on this GPU may need it
+            torch.cuda.empty_cache()
+
+
+def _drain(run: SlotDecoder, contexts, max_new_tokens, eos, batch) -> list[list[int]]:
+    """Every context through ``run``'s rows (refilled as answers end); the answers in order."""
+    check_every = run.check_every
     stop = torch.tensor(sorted(set(eos)), device=run.ids.device)
     columns = torch.arange(run.width, device=run.ids.device)[None]
     pending, free = deque(sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))), list(range(batch))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import dflash.regenerate as regen
 
@@ -92,6 +93,33 @@ def test_an_interrupted_run_resumes_without_loss_or_duplicates(tmp_path, monkeyp
     assert sorted(idx) == [0, 1, 2, 4, 5, 6] and len(idx) == len(set(idx))
     assert out.read_text().startswith(first)
     assert "2 already in" in capsys.readouterr().err
+
+
+def test_running_out_of_gpu_memory_is_one_line_and_keeps_what_finished(tmp_path, monkeypatch, capsys):
+    """Invariant: an out-of-memory error mid-run ends in one line (exit 1) that names the setting a
+    resume may change (--batch-size, with its value) and the count kept; the finished chunks stay
+    and the same command with a smaller batch continues after them."""
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    from dflash.model import answers
+
+    real, calls = answers.answer, []
+
+    def short_of_memory(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:                 # inside the second chunk
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 5.62 GiB.")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(answers, "answer", short_of_memory)
+    assert regen.main(_args(src, out)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    last = err[-1]
+    assert "ran out of memory" in last and "--batch-size (now" in last and "keeps its 2 finished" in last, last
+    monkeypatch.setattr(answers, "answer", real)
+    assert regen.main(_args(src, out, "--batch-size", "1")) == 0
+    idx = sorted(r["source_index"] for r in _lines(out))
+    assert idx == [0, 1, 2, 4, 5, 6]
 
 
 def test_resuming_with_other_generation_settings_is_refused(tmp_path, capsys):

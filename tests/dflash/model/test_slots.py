@@ -51,6 +51,33 @@ def test_a_llama_target_with_grouped_query_heads_decodes_as_generate():
     assert [_cut(r, eos) for r in got] == want
 
 
+def test_a_finished_call_frees_its_cache_at_once(target, monkeypatch):  # noqa: F811
+    """Invariant: when ``decode`` returns, its KV cache is gone without waiting for Python's cycle
+    collector (the step's bound method makes a cycle); two regeneration passes sharing a GPU
+    otherwise each keep several calls' caches and one runs out of memory."""
+    import gc
+    import weakref
+
+    from dflash.model import slots
+
+    model, tok, contexts = target
+    made = []
+    real_init = slots.SlotDecoder.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append((weakref.ref(self), weakref.ref(self.k)))
+
+    monkeypatch.setattr(slots.SlotDecoder, "__init__", init)
+    gc.disable()
+    try:
+        got = decode(model, contexts, max_new_tokens=6, eos=[tok.eos_token_id], batch_size=2)
+        assert len(got) == len(contexts) and made
+        assert made[0][1]() is None, "the KV cache outlived the call"
+    finally:
+        gc.enable()
+
+
 def test_the_tiniest_nucleus_is_greedy(target):  # noqa: F811
     """A nucleus of one token leaves nothing to draw: sampled answers are the greedy ones."""
     model, tok, contexts = target
