@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Step 4: the last checkpoint of R/run measured. Each line is capped (CAP_S) so the call ends in time.
+# Step 4: the last checkpoint of R/run measured. Each line is capped (CAP_S) so the call ends in time:
+# dflash.eval starts no prompt after CAP_S - 30 s (--time-limit) and reports the prompts it finished,
+# saying how many of how many; `timeout` at CAP_S is only the backstop.
 #   0. the GPU tests of the CUDA-graph decode path (capture, replay equal to the eager step);
 #   1. this project's decoder (CUDA graphs; its eager rows take minutes on a 30-layer target) beside z-lab's dflash_generate on the
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
@@ -18,6 +20,7 @@ CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
 T0=$(date +%s)
 PARTS=" ${PARTS:-export tests speed mtbench humaneval heldout profile} "
 on() { [[ "$PARTS" == *" $1 "* ]]; }
+LIMIT=$(( ${CAP_S:-150} > 60 ? ${CAP_S:-150} - 30 : 30 ))
 on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
   cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null; }
 on tests && { timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
@@ -28,11 +31,11 @@ echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
 for set in mtbench humaneval; do
   on $set || continue
   timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
-    ${EAGER:+--no-cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
+    --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
 on heldout && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
-  --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
+  --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --time-limit $LIMIT --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
 echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"; }
 on profile && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
   --dtype bfloat16 --out "$OUT/profile" > "$OUT/profile.log" 2>&1

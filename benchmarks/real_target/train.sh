@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Step 3: the DFlash2 drafter on the regenerated data for TRAIN_S seconds of training
-# (run.time_budget_s: the cosine schedule ends on the wall clock, at most STEPS steps; then the final
-# checkpoint and evaluation); SETS adds --set arguments; DATA the conversations (default the
-# regenerated R/regen-all.jsonl; R/sharegpt-16k.jsonl holds user turns only, its answers "."). -> R/run
-#   STEPS=1500 TRAIN_S=420 bash benchmarks/real_target/train.sh OUT
+# Step 3: the DFlash2 drafter on the regenerated data -> R/run. SETS adds --set arguments; DATA the
+# conversations (default the regenerated R/regen-all.jsonl; R/sharegpt-16k.jsonl holds user turns
+# only, its answers ".").
+#
+# In one device call (at most 10 minutes): TRAIN_S seconds of training (run.time_budget_s: the
+# cosine schedule ends on the wall clock, at most STEPS steps; then the final checkpoint and
+# evaluation):
+#   STEPS=20000 TRAIN_S=420 bash benchmarks/real_target/train.sh OUT
+# Across two calls on a warm machine (R stays): one schedule of STEPS steps (size it from a measured
+# rate: about 4.9 steps/s for SmolLM2 on an H100), the first call stopped by SIGINT after STOP_S
+# seconds (drained, final checkpoint), the second resuming it (RESUME=auto) with a time budget that
+# ends the same cosine on its clock:
+#   STEPS=5000 STOP_S=540 bash benchmarks/real_target/train.sh OUT
+#   STEPS=5000 TRAIN_S=500 RESUME=auto bash benchmarks/real_target/train.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
+[ -z "${STOP_S:-}" ] && TRAIN_S=${TRAIN_S:-420}   # one call: the budget ends the schedule
+BUDGET=(); [ -n "${TRAIN_S:-}" ] && BUDGET=(--set run.time_budget_s=$TRAIN_S)
+CAP=${STOP_S:-$(( ${TRAIN_S:-420} + 150 ))}
 T0=$(date +%s)
-timeout --foreground -s INT $(( ${TRAIN_S:-420} + 150 )) python3 -m dflash.run $G "${ON_R[@]}" \
-  --set data.source=\"${DATA:-$R/regen-all.jsonl}\" --set run.steps=${STEPS:-20000} --set run.time_budget_s=${TRAIN_S:-420} ${SETS:-} > "$OUT/train.log" 2>&1
+timeout --foreground -s INT $CAP python3 -m dflash.run $G "${ON_R[@]}" --set run.resume=\"${RESUME:-none}\" \
+  --set data.source=\"${DATA:-$R/regen-all.jsonl}\" --set run.steps=${STEPS:-20000} "${BUDGET[@]}" ${SETS:-} > "$OUT/train.log" 2>&1
 echo "train: rc=$? in $(( $(date +%s) - T0 )) s"
 tail -14 "$OUT/train.log"
 cp "$R/run/metrics.jsonl" "$OUT/metrics-train.jsonl" 2>/dev/null

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the same fixed-shape steps eagerly)")
     p.add_argument("--no-speedup", action="store_true",
                    help="skip timing the target alone (the measured speedup); halves the decode time")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="start no prompt after S seconds (counted from the first decode, warm-up included): "
+                        "the result covers the prompts finished, says how many of how many, and records "
+                        "both in the JSON; the prompt under way when S passes is finished (default: none)")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
     p.add_argument("--quiet", action="store_true",
                    help="no progress lines on stderr (notes and errors are still printed)")

@@ -142,6 +142,8 @@ def _main(argv: list[str] | None) -> int:
         p.error("--num-prompts, --max-new-tokens and --max-prompt-tokens must be >= 1")
     if args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        p.error("--time-limit must be a number of seconds > 0")
     if args.tree_budget < 0:
         p.error("--tree-budget must be >= 0 (0: no tree figure)")
     if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -283,7 +285,8 @@ def _main(argv: list[str] | None) -> int:
         res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
                        next_turn=next_turn, speed=not args.no_speedup, cuda_graphs=args.cuda_graphs,
-                       tree_budget=args.tree_budget, progress=ProgressLines(say) if not args.quiet else None)
+                       tree_budget=args.tree_budget, time_limit_s=args.time_limit,
+                       progress=ProgressLines(say) if not args.quiet else None)
     except DataError as exc:  # a chat template that cannot render a later turn
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2

@@ -217,7 +217,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
              speed: bool = False, cuda_graphs: bool = False, tree_budget: int = 0,
              progress: Callable[[EvalProgress], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> EvalResult:
+             should_stop: Callable[[], bool] | None = None, time_limit_s: float | None = None) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
     of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
     ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
@@ -248,6 +248,9 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             (``speed``), after each prompt's decodes (every turn), before the teacher-forced
             scoring and at the end; None: quiet.
         should_stop: asked before every decode and between its verify steps, as :func:`decode_tau`.
+        time_limit_s: start no prompt once this many seconds have passed since the evaluation
+            began (the first prompt always runs; the one under way finishes, every turn and pass of
+            it): the result is over the prompts finished, ``prompts_asked`` says of how many.
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
@@ -270,6 +273,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     tree_gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     decoded: list[Decoded] = []
     for i, first in enumerate(prompts):
+        if time_limit_s is not None and decoded and time.perf_counter() - t_start >= time_limit_s:
+            break
         prompt, turn = first, 0
         while prompt is not None:
             _stop_if(should_stop)
@@ -309,10 +314,12 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     for d in decoded:  # teacher-forced scoring, after every timed decode
         _score(d, target, drafter, head, dflash2, tree_budget)
     cats = categories or ["all"] * len(prompts)
+    finished = decoded[-1].index + 1 if decoded else 0   # prompts decoded: all unless the time limit cut
     res = pooled_summary(decoded, drafter, dflash2)
     res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
     res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
     res.cuda_graphs = cuda_graphs
+    res.prompts_asked, res.time_limit_s = len(prompts), time_limit_s
     if tree_budget:
         res.tree_budget = tree_budget
         res.tree_tau_tf = tau_from_accepted(float(torch.cat([d.tree for d in decoded]).float().mean()))
@@ -324,12 +331,12 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         if sampled_tree:
             res.sampled_tree_tau = tau_from_accepted(sum(sampled_tree) / len(sampled_tree))
     res.categories = [category(name, [d for d in decoded if cats[d.index] == name])
-                      for name in dict.fromkeys(cats)]
+                      for name in dict.fromkeys(cats[:finished])]
     buckets = [length_bucket(d.prompt_len) for d in decoded]
     res.by_length = [category(b, [d for d, db in zip(decoded, buckets) if db == b]) for b in LABELS if b in buckets]
     res.speed = speed_of(decoded) if speed else None
     if progress is not None:
-        progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(decoded),
+        progress(EvalProgress.at("done", finished, len(prompts), t_start, len(decoded),
                            sum(r.new_tokens for r in res.per_prompt), [m for d in decoded for m in d.acc_m]))
     return res
 

@@ -126,4 +126,5 @@ class ProgressLines:
             return (f"scoring the {p.decodes} decodes teacher-forced (one target and one drafter forward "
                     f"each) | {clock_text(p.elapsed)} elapsed")
         tau = f": tau {p.tau:.3f}" if p.tau is not None else ""
-        return f"done{tau} over {p.total} prompts, {p.new_tokens} tokens, in {clock_text(p.elapsed)}"
+        over = f"{p.done} of {p.total} prompts (time limit)" if p.done < p.total else f"{p.total} prompts"
+        return f"done{tau} over {over}, {p.new_tokens} tokens, in {clock_text(p.elapsed)}"

@@ -178,6 +178,9 @@ class EvalResult(msgspec.Struct, kw_only=True):
         macro_tau: the mean of the categories' tau (each category weighs the same, as SPEED-Bench
             averages); ``tau`` above pools every verify step instead.
         speed: the measured :class:`SpeedResult` (None when not measured).
+        prompts_asked: prompts the evaluation was given; more than the prompts in ``per_prompt``
+            when ``time_limit_s`` (``--time-limit``) stopped it first. None in results saved before it.
+        time_limit_s: the time limit it ran under, in seconds (None: none).
         projection: the projected speedup on an 8B-class target (:mod:`dflash.eval.projection`).
     """
 
@@ -215,7 +218,14 @@ class EvalResult(msgspec.Struct, kw_only=True):
     categories: list[CategoryResult] = msgspec.field(default_factory=list)
     by_length: list[CategoryResult] = msgspec.field(default_factory=list)
     speed: SpeedResult | None = None
+    prompts_asked: int | None = None
+    time_limit_s: float | None = None
     projection: Projection | None = None
+
+    @property
+    def cut_by_time_limit(self) -> bool:
+        """The time limit stopped the evaluation before every prompt was decoded."""
+        return self.prompts_asked is not None and len({r.prompt for r in self.per_prompt}) < self.prompts_asked
 
     @property
     def macro_tau(self) -> float | None:
@@ -259,8 +269,10 @@ def format_headline(res: EvalResult) -> str:
     run's held-out conversations, else the set's name)."""
     name = "held-out" if res.heldout else (res.prompt_set or "measured")
     prompts = len({r.prompt for r in res.per_prompt})
+    cut = (f"; {prompts} of {res.prompts_asked} prompts: stopped at --time-limit {res.time_limit_s:g} s"
+           if res.cut_by_time_limit else "")
     return (f"{name} tau {res.tau:.3f} tokens/verify step "
-            f"({over_text(prompts, res.max_new_tokens, len(res.per_prompt))})")
+            f"({over_text(prompts, res.max_new_tokens, len(res.per_prompt))}{cut})")
 
 
 def format_result(res: EvalResult) -> str:

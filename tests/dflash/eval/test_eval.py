@@ -194,7 +194,36 @@ def test_evaluate_records_dtype_threads_and_sampled_tau(models):
     assert "measured: sampled (T=1, top-k 20)" in format_result(runs[0])
 
 
-@pytest.mark.parametrize("flags", [["--threads", "0"], ["--temperature", "-1"], ["--top-p", "0"]])
+def test_a_time_limit_stops_between_prompts_and_says_how_many_were_decoded(models):
+    """Invariant: under a time limit the evaluation starts no prompt once it has passed (the first
+    always runs); the result is exactly the evaluation of the prompts it finished (same figures as
+    asking for those alone), lists only their categories, and its headline and JSON say how many of
+    how many and why. A limit never reached changes nothing but the recorded limit."""
+    import msgspec
+
+    from dflash.eval.progress import EvalProgress
+    from dflash.eval.report import EvalResult, format_headline
+
+    target, head, drafter = models
+    prompts, cats = [prompt(3), prompt(4, 6), prompt(5)], ["a", "b", "b"]
+    seen: list[EvalProgress] = []
+    cut = evaluate(target, drafter, head, prompts, max_new_tokens=8, categories=cats, time_limit_s=1e-9,
+                   progress=seen.append)
+    alone = evaluate(target, drafter, head, prompts[:1], max_new_tokens=8, categories=cats[:1])
+    assert [r.prompt for r in cut.per_prompt] == [0]
+    assert (cut.tau, cut.streak_all, cut.acc_per_pos) == (alone.tau, alone.streak_all, alone.acc_per_pos)
+    assert [c.category for c in cut.categories] == ["a"] and cut.macro_tau == alone.macro_tau
+    assert cut.cut_by_time_limit and cut.prompts_asked == 3
+    assert "1 of 3 prompts: stopped at --time-limit 1e-09 s" in format_headline(cut)
+    assert seen[-1].stage == "done" and (seen[-1].done, seen[-1].total) == (1, 3)
+    assert msgspec.json.decode(msgspec.json.encode(cut), type=EvalResult).prompts_asked == 3
+    whole = evaluate(target, drafter, head, prompts, max_new_tokens=8, categories=cats, time_limit_s=1e9)
+    assert len(whole.per_prompt) == 3 and not whole.cut_by_time_limit
+    assert "stopped" not in format_headline(whole)
+
+
+@pytest.mark.parametrize("flags", [["--threads", "0"], ["--temperature", "-1"], ["--top-p", "0"],
+                                   ["--time-limit", "0"], ["--time-limit", "nan"]])
 def test_eval_cli_bad_decode_flags_exit_2(tmp_path, flags, capsys):
     from dflash.eval.cli import main as eval_main
 
