@@ -175,13 +175,14 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
             if progress is not None:
                 progress(EvalProgress.at("sampled", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         sampled = tau_from_accepted(sum(sm) / max(len(sm), 1))
-    tree = tree_proposer_factory(drafter, head) if tree_budget else None
+    tree = tree_proposer_factory(drafter, head, cuda_graphs) if tree_budget else None
     tree_tau = None
     if tree is not None:
         tm = []
         for i, p in enumerate(prompts):
             _stop_if(should_stop)
-            tm += tree_decode(target, tree(), p, max_new_tokens, bs, tree_budget, should_stop=should_stop)[1]
+            tm += tree_decode(target, tree(), p, max_new_tokens, bs, tree_budget, should_stop=should_stop,
+                              cuda_graphs=cuda_graphs)[1]
             if progress is not None:
                 progress(EvalProgress.at("tree", i + 1, len(prompts), t_start, len(prompts), tokens, ms))
         tree_tau = tau_from_accepted(sum(tm) / max(len(tm), 1))
@@ -198,12 +199,17 @@ def _stop_if(should_stop: Callable[[], bool] | None) -> None:
         raise DecodeStopped("stopped between prompts")
 
 
-def tree_proposer_factory(drafter: DFlashDrafter, head: SharedHead) -> Callable[[], object] | None:
+def tree_proposer_factory(drafter: DFlashDrafter, head: SharedHead,
+                          cuda_graphs: bool = False) -> Callable[[], object] | None:
     """A new proposer per tree-verified decode, or None where none is built. Its tree is the
     backbone's marginals either way: a top-1 drafter's own (the cached drafter); a DFlash2
     drafter's backbone, whose marginals are also where its selector takes its top-K candidates
-    from (the selector's walk is not part of the tree). XPress (its refiner passes) has none."""
+    from (the selector's walk is not part of the tree). XPress (its refiner passes) has none.
+    ``cuda_graphs``: a full-attention drafter's logits come from its static step (the same
+    logits; :mod:`dflash.eval.static_drafter`)."""
     how = variant_of(drafter.cfg.variant).drafts_with
+    if cuda_graphs and how in ("top1", "selector") and all(t == "full_attention" for t in drafter.cfg.types):
+        return lambda: static_proposer(drafter, head)
     if how == "top1":
         return lambda: CachedDrafterProposer(drafter, head)
     if how == "selector":
@@ -235,9 +241,10 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
         speed: also time the target alone (:func:`~dflash.eval.decode.greedy_decode`) on every
             decoded prompt, after one untimed warm-up decode of each kind, every timed region
             synchronised: :class:`SpeedResult` (wall-clock tokens/s of both, their ratio).
-        cuda_graphs: every decode here (both timed kinds, the sampled one) runs the target's
-            steps through :mod:`dflash.eval.static_target`, and a full-attention DFlash or DFlash2
-            drafter's through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
+        cuda_graphs: every decode here (both timed kinds, the sampled one, the tree-verified
+            ones) runs the target's steps through :mod:`dflash.eval.static_target` (trees:
+            :mod:`dflash.eval.static_tree`), and a full-attention DFlash or DFlash2 drafter's
+            through :mod:`dflash.eval.static_drafter` (CUDA-graph replays on a GPU).
         tree_budget: > 0: also score every anchor's block under a tree of that many draft tokens
             (teacher-forced, :mod:`dflash.eval.tree`: ``EvalResult.tree_tau_tf``) and decode
             each prompt again with tree verification (:mod:`dflash.eval.tree_decode`:
@@ -261,7 +268,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     bs = drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with the selector's walk over its top-K (sampled: q over the K)
     proposer = proposer_factory(drafter, head, cuda_graphs)
-    tree_proposer = tree_proposer_factory(drafter, head) if tree_budget else None
+    tree_proposer = tree_proposer_factory(drafter, head, cuda_graphs) if tree_budget else None
     t_start = time.perf_counter()
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
@@ -289,7 +296,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             if tree_budget and tree_proposer is not None:
                 t0 = _clock(prompt.device)
                 d.tree_m = tree_decode(target, tree_proposer(), prompt, max_new_tokens, bs,
-                                       tree_budget, should_stop=should_stop)[1]
+                                       tree_budget, should_stop=should_stop, cuda_graphs=cuda_graphs)[1]
                 d.tree_seconds = _clock(prompt.device) - t0
             if gen is not None:  # the generator's stream runs through the prompts in order
                 t0 = _clock(prompt.device)
@@ -301,7 +308,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                 if tree_budget and tree_proposer is not None:  # the sampled tree: a stream of its own
                     d.sampled_tree_m = tree_decode(target, tree_proposer(), prompt, max_new_tokens, bs, tree_budget,
                                                    temperature=temperature, top_p=top_p, top_k=top_k,
-                                                   generator=tree_gen, should_stop=should_stop)[1]
+                                                   generator=tree_gen, should_stop=should_stop,
+                                                   cuda_graphs=cuda_graphs)[1]
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
             turn += 1

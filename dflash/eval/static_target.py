@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from dflash.model.cuda_graph import GraphedStep, weights_signature
 from dflash.model.target import FIXED_ROPE, FIXED_SHAPE_FAMILIES, Target
 
-__all__ = ["StaticTarget", "UnsupportedTarget", "acquire", "check_supported", "pooled", "release"]
+__all__ = ["StaticTarget", "UnsupportedTarget", "acquire", "check_supported", "pooled", "release",
+           "rounded_capacity"]
 
 FAMILIES = FIXED_SHAPE_FAMILIES
 MIN_CAPACITY = 256  # capacities are rounded up to a power of two from here, so generations share one
@@ -131,16 +132,22 @@ class StaticTarget:
         """The captured step (None before the first fixed-shape call, on a CPU, or after a failed capture)."""
         return self.step.graph
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False,
+                write: torch.Tensor | None = None, seen: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached forward, no host reads: ``ids, pos [1, w]`` (int64) -> ``(features [1, w, k*H],
-        logits [w or 1, V])`` in the target dtype. Writes keys/values at slots ``pos``."""
+        logits [w or 1, V])`` in the target dtype. Writes keys/values at slots ``write [1, w]``
+        (default ``pos``: slot i holds position i); query ``j`` sees the slots ``seen[j]`` (bool
+        ``[w, capacity]``; default the slots ``<= pos[j]``). A tree step
+        (:class:`dflash.eval.static_tree.StaticTreeTarget`) gives both."""
         w, d, g = ids.shape[1], self.head_dim, self.heads // self.kv_heads
+        write = pos if write is None else write
         x = self.base.embed_tokens(ids)                                      # [1, w, H]
         cos, sin = self.base.rotary_emb(x, pos)                              # [1, w, d]
         cos, sin = cos[:, None], sin[:, None]
         # a query sees the slots at or before its position; the query rows are packed (group, token)
-        mask = (self.slots <= pos[0, :, None]).repeat(g, 1)[None, None]      # [1, 1, g*w, capacity]
+        seen = self.slots <= pos[0, :, None] if seen is None else seen
+        mask = seen.repeat(g, 1)[None, None]                                 # [1, 1, g*w, capacity]
         feats = [None] * len(self.capture)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -150,8 +157,8 @@ class StaticTarget:
             if hasattr(a, "q_norm"):                                         # Qwen3: per-head RMSNorm
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
-            self.k[i].index_copy_(2, pos[0], k)
-            self.v[i].index_copy_(2, pos[0], a.v_proj(h).view(1, w, self.kv_heads, d).transpose(1, 2))
+            self.k[i].index_copy_(2, write[0], k)
+            self.v[i].index_copy_(2, write[0], a.v_proj(h).view(1, w, self.kv_heads, d).transpose(1, 2))
             q = q.reshape(1, self.kv_heads, g * w, d)                        # heads h = kv * g + j
             o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(1, self.heads, w, d).transpose(1, 2).reshape(1, w, self.heads * d))
@@ -192,7 +199,8 @@ class StaticTarget:
 _POOL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _rounded(capacity: int) -> int:
+def rounded_capacity(capacity: int) -> int:
+    """``capacity`` rounded up to a power of two, at least :data:`MIN_CAPACITY`."""
     return max(MIN_CAPACITY, 1 << (capacity - 1).bit_length())
 
 
@@ -210,7 +218,7 @@ def acquire(target: Target, width: int, capacity: int, graphs: bool = True) -> S
     fits = run is not None and run.capacity >= capacity + width
     if fits and run.weights == weights_signature(target.model):
         return run
-    run = StaticTarget(target, width, _rounded(capacity + width), graphs)
+    run = StaticTarget(target, width, rounded_capacity(capacity + width), graphs)
     run.owner = weakref.ref(target)
     return run
 

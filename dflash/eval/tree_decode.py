@@ -30,23 +30,29 @@ and verify trees from a block drafter's per-position distributions.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from dflash.eval.decode import CachedTarget, DecodeStopped, _check_inputs, sampling_probs
+from dflash.eval.static_target import UnsupportedTarget
+from dflash.eval.static_tree import StaticTreeTarget, acquire, release
 from dflash.eval.tree import best_first
 from dflash.model.modeling_dflash import keep_tree_rows, tree_mask
 from dflash.model.target import Target
 
 __all__ = ["tree_decode"]
 
+log = logging.getLogger(__name__)
+
 
 @torch.no_grad()
 def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: int, block_size: int,
                 budget: int, *, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None
-                ) -> tuple[torch.Tensor, list[int], list[int]]:
+                generator: torch.Generator | None = None, should_stop: Callable[[], bool] | None = None,
+                cuda_graphs: bool = False) -> tuple[torch.Tensor, list[int], list[int]]:
     """Tree-verified decoding, greedy or sampled (module docstring).
 
     Args:
@@ -60,6 +66,9 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
             :func:`~dflash.eval.decode.sampling_probs` (the tree is the same either way).
         generator: the random stream of the sampled draws (on the target's device).
         should_stop: asked before each verify step, as :func:`~dflash.eval.decode.speculative_decode`.
+        cuda_graphs: verify with the fixed-shape tree step over a static KV cache
+            (:mod:`dflash.eval.static_tree`; one CUDA-graph replay per step on a GPU), for a Llama
+            or Qwen3 target; others keep the dynamic cache (logged once).
 
     Returns:
         ``(tokens [n + max_new_tokens], accepted m per step, anchor index per step)``.
@@ -85,10 +94,11 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
                          "per-position distributions (use a drafter proposer)")
     n0, dev = prompt.shape[0], prompt.device
     end = n0 + max_new_tokens
-    run = CachedTarget(target, end + block_size + budget)
+    run = _tree_run(target, budget, end + block_size, cuda_graphs)
+    static = isinstance(run, StaticTreeTarget)
     tokens = torch.empty(end + block_size, dtype=torch.long, device=dev)
     tokens[:n0] = prompt
-    f, logits = run(prompt, 0, last_only=True)                               # prefill
+    f, logits = run.prefill(prompt) if static else run(prompt, 0, last_only=True)
     feats = torch.empty(1, end + block_size, f.shape[-1], dtype=f.dtype, device=f.device)
     feats[:, :n0] = f
     tokens[n0] = draw(logits[0])
@@ -102,9 +112,12 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
             min(budget, target.hf_config.vocab_size), dim=-1)
         nodes = best_first(lp.tolist(), ix.tolist(), budget)
         parent = [p for p, _, _ in nodes]
-        ids = torch.tensor([tokens[n - 1].item()] + [t for _, _, t in nodes], device=dev)
-        pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
-        f, logits = _verify(run, ids, pos, tree_mask(parent, n - 1, target.model.dtype, dev))
+        ids = torch.cat([tokens[n - 1:n], torch.tensor([t for _, _, t in nodes], device=dev)])
+        if static:
+            f, logits = run.verify(ids, [d for _, d, _ in nodes], parent, n - 1)
+        else:
+            pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
+            f, logits = _verify(run, ids, pos, tree_mask(parent, n - 1, target.model.dtype, dev))
         g = logits.argmax(-1).tolist() if not sampled else None             # greedy: one host read per step
         path, row = [], 0                                                    # row 0: the anchor
         while True:
@@ -119,11 +132,34 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
         tokens[n:n + m] = ids[rows[1:]]
         tokens[n + m] = x
         feats[:, n - 1:n + m] = f[:, rows]
-        keep_tree_rows(run.cache, n - 1, rows)
+        if static:
+            run.keep_path(n - 1, rows)
+        else:
+            keep_tree_rows(run.cache, n - 1, rows)
         accepted.append(m)
         anchors.append(n - 1)
         n += m + 1
+    if static:
+        release(run)
     return tokens[:end], accepted, anchors
+
+
+_TOLD: weakref.WeakSet = weakref.WeakSet()  # targets whose static-tree refusal was logged once
+
+
+def _tree_run(target: Target, budget: int, capacity: int, cuda_graphs: bool) -> CachedTarget | StaticTreeTarget:
+    """The target's cached forward for one tree generation: a pooled :class:`StaticTreeTarget` with
+    ``cuda_graphs``, else (or for a target it does not run, logged once) a :class:`CachedTarget`
+    with room for the last tree."""
+    if cuda_graphs:
+        try:
+            return acquire(target, budget, capacity)
+        except UnsupportedTarget as exc:
+            if target not in _TOLD:
+                _TOLD.add(target)
+                log.warning("dflash.eval: no CUDA graphs for the tree step of this target (%s); "
+                            "verifying trees with the dynamic KV cache", exc)
+    return CachedTarget(target, capacity + budget)
 
 
 def _verify(run: CachedTarget, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):

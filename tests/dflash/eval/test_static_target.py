@@ -172,13 +172,15 @@ def test_eval_with_cuda_graphs_measures_the_same_and_says_so(targets):
                                                                                   target.layer_ids)
     drafter = DFlashDrafter(cfg, seed=3).eval()
     prompts = [prompt(8), prompt(9, 5)]
-    plain = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True)
-    graphs = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True, cuda_graphs=True)
+    plain = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True, tree_budget=5)
+    graphs = evaluate(target, drafter, head, prompts, 12, temperature=1.0, speed=True, cuda_graphs=True,
+                      tree_budget=5)
     assert build_parser().parse_args(["CKPT", "--data", "x", "--cuda-graphs"]).cuda_graphs
     assert build_parser().parse_args(["CKPT", "--data", "x", "--no-cuda-graphs"]).cuda_graphs is False
     assert build_parser().parse_args(["CKPT", "--data", "x"]).cuda_graphs is None  # on for CUDA, off on a CPU
     assert not plain.cuda_graphs and graphs.cuda_graphs
-    for name in ("tau", "sampled_tau", "acc_per_pos", "per_prompt", "streak_all"):
+    assert plain.tree_tau is not None and plain.sampled_tree_tau is not None
+    for name in ("tau", "sampled_tau", "acc_per_pos", "per_prompt", "streak_all", "tree_tau", "sampled_tree_tau"):
         assert getattr(graphs, name) == getattr(plain, name), name
     assert graphs.speed.new_tokens == plain.speed.new_tokens == 24
     assert "target steps as CUDA graphs" in format_result(graphs) and "CUDA graphs" in format_speed(graphs)
@@ -197,9 +199,10 @@ def test_the_in_training_decode_with_cuda_graphs_measures_the_same(targets):
                                                                                   target.layer_ids)
     drafter = DFlashDrafter(cfg, seed=4).eval()
     prompts = [prompt(7), prompt(10, 2)]
-    plain = decode_tau(target, drafter, head, prompts, 14, temperature=1.0)
-    graphs = decode_tau(target, drafter, head, prompts, 14, temperature=1.0, cuda_graphs=True)
+    plain = decode_tau(target, drafter, head, prompts, 14, temperature=1.0, tree_budget=5)
+    graphs = decode_tau(target, drafter, head, prompts, 14, temperature=1.0, cuda_graphs=True, tree_budget=5)
     assert (graphs.tau, graphs.sampled_tau, graphs.steps) == (plain.tau, plain.sampled_tau, plain.steps)
+    assert plain.tree_tau is not None and graphs.tree_tau == plain.tree_tau
 
 
 def test_an_unsupported_target_falls_back_to_the_dynamic_cache_once_logged(caplog):
