@@ -12,7 +12,8 @@ Rows (each on the same target, drafter, prompts and GPU):
   (:mod:`dflash.eval.static_target`), and ``dflash_graphs``'s drafter step too
   (:mod:`dflash.eval.static_drafter`); the row's ``target_steps`` (and ``drafter_steps``) says
   whether the graphs were captured, ran eagerly (a CPU, or a failed capture) or fell back to the
-  dynamic cache;
+  dynamic cache; ``tree_graphs``: tree-verified decoding (:func:`dflash.eval.tree_decode.tree_decode`,
+  ``--tree-budget`` draft tokens per tree) with the tree step graphed (:mod:`dflash.eval.static_tree`);
 * ``zlab``: z-lab's ``dflash_generate`` on the drafter exported by :func:`dflash.export.export_drafter`
   and loaded by its ``DFlashDraftModel.from_pretrained``, where its package is importable
   (``import zlab_dflash.model``; the directory holding it from ``ZLAB_DFLASH_PATH``, else
@@ -60,7 +61,8 @@ from pathlib import Path
 import torch
 
 
-ROWS = ("hf_generate", "greedy", "dflash", "greedy_graphs", "dflash_graphs", "zlab", "export", "export_tree")
+ROWS = ("hf_generate", "greedy", "dflash", "greedy_graphs", "dflash_graphs", "tree_graphs", "zlab", "export",
+        "export_tree")
 """Every row, in the order timed by default."""
 
 
@@ -125,8 +127,10 @@ def _decoders(args, target, drafter, head, tmp: Path, wanted: list[str] | None =
     """``{name: decode(prompt [n]) -> (tokens [n + N], verify steps)}`` and ``{name: why skipped}``; the
     export rows (and the target-call hook that counts their steps) only when ``wanted`` asks for one."""
     from dflash.eval.decode import CachedDrafterProposer, greedy_decode, speculative_decode
+    from dflash.eval.measure import tree_proposer_factory
     from dflash.eval.selector import is_dflash2, selector_proposer
     from dflash.eval.static_drafter import static_proposer
+    from dflash.eval.tree_decode import tree_decode
 
     N, bs = args.max_new_tokens, drafter.cfg.block_size
     dflash2 = is_dflash2(drafter)  # drafts with its selector walk; z-lab's row loads DFlash2DraftModel
@@ -149,11 +153,18 @@ def _decoders(args, target, drafter, head, tmp: Path, wanted: list[str] | None =
         out, acc, _ = speculative_decode(target, proposer, pr, N, bs, cuda_graphs=graphs)
         return out, len(acc)
 
+    def tree(pr):
+        make = tree_proposer_factory(drafter, head, cuda_graphs=True)
+        out, acc, _ = tree_decode(target, make(), pr, N, bs, args.tree_budget, cuda_graphs=True)
+        return out, len(acc)
+
     found = {"hf_generate": hf_generate, "greedy": lambda pr: (greedy_decode(target, pr, N), N),
              "dflash": spec}
     if args.cuda_graphs:
         found["greedy_graphs"] = lambda pr: (greedy_decode(target, pr, N, cuda_graphs=True), N)
         found["dflash_graphs"] = lambda pr: spec(pr, graphs=True)
+        if tree_proposer_factory(drafter, head) is not None:     # XPress has no tree
+            found["tree_graphs"] = tree
     skipped = {}
     if wanted is not None and not {"zlab", "export", "export_tree"} & set(wanted):
         return found, skipped      # no export to load, and no counting hook on the timed target
@@ -194,15 +205,21 @@ def _decoders(args, target, drafter, head, tmp: Path, wanted: list[str] | None =
     return found, skipped
 
 
-def _target_steps(target, width: int) -> str:
-    """How a ``*_graphs`` row's target steps ran: its pooled static step (dflash.eval.static_target)
-    captured as a CUDA graph, eager, or absent (the target is one the static step refuses)."""
-    from dflash.eval.static_target import pooled
+def _target_steps(target, width: int, tree_budget: int | None = None) -> str:
+    """How a ``*_graphs`` row's target steps ran: its pooled static step (dflash.eval.static_target;
+    with ``tree_budget``, the tree step of dflash.eval.static_tree) captured as a CUDA graph, eager,
+    or absent (the target is one the static step refuses)."""
+    from dflash.eval import static_target, static_tree
 
-    run = pooled(target, width)
+    if tree_budget is None:
+        run = static_target.pooled(target, width)
+        graph = None if run is None else run.graph
+    else:
+        run = static_tree.pooled(target, tree_budget)
+        graph = None if run is None else run.tree_step.graph
     if run is None:
         return "dynamic cache (the static step refuses this target; see the log)"
-    if run.graph is not None:
+    if graph is not None:
         return "cuda graph"
     return "eager static forward" + (" (capture failed; see the log)" if run.k.is_cuda else " (no CUDA)")
 
@@ -267,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated, one block of rows each")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (batch 1 is launch-bound)")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="add the rows greedy_graphs and dflash_graphs: target steps as CUDA graphs")
+                   help="add the rows greedy_graphs, dflash_graphs and tree_graphs: target steps as CUDA graphs")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--random-drafter", action="store_true", help="a seeded random drafter instead of CHECKPOINT")
     p.add_argument("--target", default="dflash/assets/target-sharegpt-7m", help="with --random-drafter")
@@ -277,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decoders", default=None, metavar="NAME,...",
                    help=f"time only these rows, in this order (of {', '.join(ROWS)}; default all, the graphed "
                         "ones with --cuda-graphs); the first is the reference of the others")
-    p.add_argument("--tree-budget", type=int, default=32, help="draft tokens per tree of the export_tree row")
+    p.add_argument("--tree-budget", type=int, default=32,
+                   help="draft tokens per tree of the tree_graphs and export_tree rows")
     p.add_argument("--out", default=None, help="write the result JSON here (e.g. benchmarks/results/decode_speed_h200.json)")
     args = p.parse_args(argv)
     if (args.checkpoint is None) != args.random_drafter:
@@ -288,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in wanted if n not in ROWS]
         if unknown or not wanted:
             p.error(f"--decoders {args.decoders!r}: name rows of {', '.join(ROWS)}")
-        if {"greedy_graphs", "dflash_graphs"} & set(wanted):
+        if {"greedy_graphs", "dflash_graphs", "tree_graphs"} & set(wanted):
             args.cuda_graphs = True
     torch.set_num_threads(args.threads)
     import tempfile
@@ -319,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, width in (("greedy_graphs", 1), ("dflash_graphs", drafter.cfg.block_size)):
                 if name in rows:
                     rows[name]["target_steps"] = _target_steps(target, width)
+            if "tree_graphs" in rows:
+                rows["tree_graphs"]["target_steps"] = _target_steps(target, 0, args.tree_budget)
+                rows["tree_graphs"]["tree_budget"] = args.tree_budget
             if "dflash_graphs" in rows:
                 rows["dflash_graphs"]["drafter_steps"] = _drafter_steps(drafter)
             res.update(target=tc.path or tc.preset, block_size=drafter.cfg.block_size,

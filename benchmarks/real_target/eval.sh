@@ -26,7 +26,7 @@ on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log"
 on tests && { timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
   tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"; }
 on speed && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
-  --max-new-tokens 128 --dtypes bfloat16 --decoders hf_generate,greedy_graphs,dflash_graphs,zlab --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
+  --max-new-tokens 128 --dtypes bfloat16 --decoders hf_generate,greedy_graphs,dflash_graphs,tree_graphs,zlab --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
 echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"; }
 for set in mtbench humaneval; do
   on $set || continue

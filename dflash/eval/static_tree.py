@@ -33,7 +33,7 @@ from dflash.eval.static_target import StaticTarget, rounded_capacity
 from dflash.model.cuda_graph import GraphedStep, weights_signature
 from dflash.model.target import Target
 
-__all__ = ["StaticTreeTarget", "acquire", "release"]
+__all__ = ["StaticTreeTarget", "acquire", "ancestors", "pooled", "release"]
 
 
 def ancestors(parent: list[int], width: int) -> torch.Tensor:
@@ -136,6 +136,11 @@ def acquire(target: Target, budget: int, capacity: int, graphs: bool = True) -> 
     run = StaticTreeTarget(target, budget, rounded_capacity(capacity + budget + 1), graphs)
     run.owner = weakref.ref(target)
     return run
+
+
+def pooled(target: Target, budget: int, graphs: bool = True) -> StaticTreeTarget | None:
+    """The idle :class:`StaticTreeTarget` of ``target`` and ``budget`` (the last generation's), if any."""
+    return _POOL.get(target, {}).get((budget, graphs))
 
 
 def release(run: StaticTreeTarget) -> None:

@@ -33,8 +33,8 @@ def test_projection_follows_its_formula(tmp_path):
 def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path, graphs):
     """Invariant: one run times target-only generate, the greedy loop, draft-and-verify,
     z-lab's decoder (or names why it is skipped) and the export's own spec_generate, chain and
-    tree, with --cuda-graphs also the loops with the static target step, and the greedy decoders'
-    outputs all equal transformers' generate."""
+    tree, with --cuda-graphs also the loops with the static target step (the tree one's too), and the
+    greedy decoders' outputs all equal transformers' generate."""
     from benchmarks.decode.speed import main
 
     prompts = tmp_path / "p.jsonl"
@@ -44,7 +44,7 @@ def test_decode_speed_reports_every_decoder_with_equal_outputs(tmp_path, graphs)
                  "8", "--dtypes", "float32", "--device", "cpu", "--out", str(out), *graphs]) == 0
     res = json.loads(out.read_text())
     block = res["by_dtype"]["float32"]
-    extra = {"greedy_graphs", "dflash_graphs"} if graphs else set()
+    extra = {"greedy_graphs", "dflash_graphs", "tree_graphs"} if graphs else set()
     assert set(block["rows"]) | set(block["skipped"]) == {"hf_generate", "greedy", "dflash", "zlab", "export",
                                                           "export_tree"} | extra
     assert {"export", "export_tree"} <= set(block["rows"])
