@@ -30,8 +30,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -165,15 +166,15 @@ class Lengths:
             batches = make_batches(first, n, pin=self.dev.type == "cuda")
             row: dict[str, Any] = {"length": length, "num_anchors": cfg.train.num_anchors,
                                    "tokens_per_step": sum(b.num_tokens for b in batches) / len(batches)}
-            row["target"] = self.measure(lambda: time_target(first, self.target, batches, self.dev, a.warmup,
-                                                             self.peak), n * self.step_s)
+            row["target"] = self.measure(lambda app=first, b=batches: time_target(app, self.target, b, self.dev, a.warmup,
+                                                                                  self.peak), n * self.step_s)
             row["drafter"] = []
             for window in a.windows:
                 for ckpt in a.checkpointing:
                     sets = cell_overrides(length, a.tokens_per_anchor, ckpt, window, cfg.drafter.num_layers)
                     app = self.app(sets, f"L{length}-w{window}-c{int(ckpt)}")
-                    cell = self.measure(lambda app=app: stages.time_drafter(app, self.target, batches, self.dev, self.dev,
-                                                                      a.warmup, self.peak), 2 * n * self.step_s)
+                    cell = self.measure(lambda app=app, b=batches: stages.time_drafter(
+                        app, self.target, b, self.dev, self.dev, a.warmup, self.peak), 2 * n * self.step_s)
                     app.metrics.close()
                     if cell.get("step_s"):
                         self.step_s = max(self.step_s, cell["step_s"])

@@ -200,14 +200,22 @@ def _target_run(target: Target, width: int, capacity: int, cuda_graphs: bool) ->
     tokens per step with ``cuda_graphs`` (CUDA-graph replays on a GPU), else :class:`CachedTarget`,
     which is also the fallback for a target the static path does not run (logged once per target).
     Hand a static one back with :func:`dflash.eval.static_target.release` after the generation."""
-    if cuda_graphs:
-        try:
-            return acquire(target, width, capacity)
-        except UnsupportedTarget as exc:
-            if target not in _TOLD:
-                _TOLD.add(target)
-                log.warning("dflash.eval: no CUDA graphs for this target (%s); decoding with the dynamic "
-                            "KV cache", exc)
+    if not cuda_graphs:
+        return CachedTarget(target, capacity)
+    return static_or_cached(target, lambda: acquire(target, width, capacity), capacity)
+
+
+def static_or_cached(target: Target, make_static: Callable[[], object], capacity: int):
+    """``make_static()`` (a fixed-shape step for CUDA graphs), or, for a target the static path does
+    not run (:class:`~dflash.eval.static_target.UnsupportedTarget`), a :class:`CachedTarget` of
+    ``capacity`` positions, the refusal logged once per target."""
+    try:
+        return make_static()
+    except UnsupportedTarget as exc:
+        if target not in _TOLD:
+            _TOLD.add(target)
+            log.warning("dflash.eval: no CUDA graphs for this target (%s); decoding with the dynamic "
+                        "KV cache", exc)
     return CachedTarget(target, capacity)
 
 

@@ -30,22 +30,23 @@ and verify trees from a block drafter's per-position distributions.
 
 from __future__ import annotations
 
-import logging
-import weakref
 from collections.abc import Callable
 
 import torch
 
-from dflash.eval.decode import CachedTarget, DecodeStopped, _check_inputs, sampling_probs
-from dflash.eval.static_target import UnsupportedTarget
+from dflash.eval.decode import (
+    CachedTarget,
+    DecodeStopped,
+    _check_inputs,
+    sampling_probs,
+    static_or_cached,
+)
 from dflash.eval.static_tree import StaticTreeTarget, acquire, release
 from dflash.eval.tree import best_first
 from dflash.model.modeling_dflash import keep_tree_rows, tree_mask
 from dflash.model.target import Target
 
 __all__ = ["tree_decode"]
-
-log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -144,22 +145,13 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
     return tokens[:end], accepted, anchors
 
 
-_TOLD: weakref.WeakSet = weakref.WeakSet()  # targets whose static-tree refusal was logged once
-
-
 def _tree_run(target: Target, budget: int, capacity: int, cuda_graphs: bool) -> CachedTarget | StaticTreeTarget:
     """The target's cached forward for one tree generation: a pooled :class:`StaticTreeTarget` with
     ``cuda_graphs``, else (or for a target it does not run, logged once) a :class:`CachedTarget`
     with room for the last tree."""
-    if cuda_graphs:
-        try:
-            return acquire(target, budget, capacity)
-        except UnsupportedTarget as exc:
-            if target not in _TOLD:
-                _TOLD.add(target)
-                log.warning("dflash.eval: no CUDA graphs for the tree step of this target (%s); "
-                            "verifying trees with the dynamic KV cache", exc)
-    return CachedTarget(target, capacity + budget)
+    if not cuda_graphs:
+        return CachedTarget(target, capacity + budget)
+    return static_or_cached(target, lambda: acquire(target, budget, capacity), capacity + budget)
 
 
 def _verify(run: CachedTarget, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
