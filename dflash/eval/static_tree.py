@@ -31,20 +31,19 @@ import torch
 
 from dflash.eval.static_target import StaticTarget, rounded_capacity
 from dflash.model.cuda_graph import GraphedStep, weights_signature
+from dflash.model.modeling_dflash import tree_visibility
 from dflash.model.target import Target
 
 __all__ = ["StaticTreeTarget", "acquire", "ancestors", "pooled", "release"]
 
 
 def ancestors(parent: list[int], width: int) -> torch.Tensor:
-    """Bool ``[width, width]``: row ``j`` of the tree ``[anchor, node_1 .. node_B]`` (node ``i`` is row
-    ``i + 1``, its parent node ``parent[i]``, -1 for the anchor) sees the anchor, its ancestors and
-    itself; rows past ``B + 1`` (padding) see only themselves."""
+    """Bool ``[width, width]``: the exported file's :func:`~dflash.model.modeling_dflash.tree_visibility`
+    of the tree ``[anchor, node_1 .. node_B]`` (row ``j`` sees the anchor, its ancestors and itself),
+    padded with rows ``B + 1 ..`` that see only themselves."""
     anc = torch.eye(width, dtype=torch.bool)
-    anc[: len(parent) + 1, 0] = True
-    for i, p in enumerate(parent):
-        if p >= 0:
-            anc[i + 1] |= anc[p + 1]
+    block = tree_visibility(parent)
+    anc[: block.shape[0], : block.shape[0]] = block
     return anc
 
 

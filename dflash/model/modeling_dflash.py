@@ -260,9 +260,10 @@ def _tree(logits: torch.Tensor, budget: int) -> list[tuple[int, int, int]]:
     return nodes
 
 
-def tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive ``[1, 1, 1 + B, context + 1 + B]``: every row sees the context; row 0 (the anchor)
-    itself; node ``i`` (row ``i + 1``) the anchor, its ancestors and itself."""
+def tree_visibility(parent: list[int]) -> torch.Tensor:
+    """Bool ``[1 + B, 1 + B]`` over the rows ``[anchor, node_1 .. node_B]`` (node ``i`` under node
+    ``parent[i]``, -1 for the anchor; parents before children): row 0 sees itself, node ``i``
+    (row ``i + 1``) the anchor, its ancestors and itself."""
     B = len(parent)
     block = torch.zeros(1 + B, 1 + B, dtype=torch.bool)
     block[:, 0] = True
@@ -270,7 +271,14 @@ def tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> to
         block[i + 1, i + 1] = True
         if p >= 0:
             block[i + 1] |= block[p + 1]
-    seen = torch.cat([torch.ones(1 + B, context, dtype=torch.bool), block], dim=1)
+    return block
+
+
+def tree_mask(parent: list[int], context: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive ``[1, 1, 1 + B, context + 1 + B]``: every row sees the context; within the tree,
+    :func:`tree_visibility`."""
+    block = tree_visibility(parent)
+    seen = torch.cat([torch.ones(block.shape[0], context, dtype=torch.bool), block], dim=1)
     return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[None, None].to(device)
 
 
