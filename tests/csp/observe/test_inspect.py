@@ -252,6 +252,10 @@ class Sink(csp.Process):
             _work(self.options, self.ctx.replica)
 
 
+# A slow replica's work per item must be several times the cost of the hand-offs around it, which on
+# a loaded machine includes waiting for the GIL: with 20 ms of work and three Python threads spinning
+# in the same process (as threads left by earlier tests can), the slow replica measured 34-79% busy
+# and the verdict fell to "none clear" below the 50% floor; with 80 ms, 100% every time.
 def _run_pipeline(tmp_path: Path, *, source: float = 0.0, middle: float = 0.0, sink: float = 0.0,
                   replicas: int = 1, slow_replica: int = -1, ordered: bool = False, slow_every: int = 0):
     graph = csp.Graph(trace=csp.TraceSpec(stats_interval_s=0.05, perfetto=False))
@@ -289,7 +293,7 @@ def test_slow_sink_is_the_bottleneck(tmp_path):
 def test_one_slow_replica_is_named(tmp_path):
     """Ordered fan-in after 3 replicas: the slow one holds the order, its siblings block on
     output; the verdict names middle[1], not just the stage."""
-    s = _run_pipeline(tmp_path, middle=0.02, replicas=3, slow_replica=1, ordered=True)
+    s = _run_pipeline(tmp_path, middle=0.08, replicas=3, slow_replica=1, ordered=True)
     assert (s.verdict.stage, s.verdict.replica) == ("middle", "middle[1]"), s.verdict.text
     assert s.verdict.text.startswith("bottleneck: middle[1] (slow replica of middle")
 
