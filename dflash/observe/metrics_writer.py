@@ -185,8 +185,11 @@ class WandbSink:
             return
         import wandb
 
+        # offline (the default): no history sparklines or sync hints from wandb at the end, which would
+        # push the run summary (whose "next" block gives the sync command) off the screen
+        quiet = {"settings": wandb.Settings(quiet=True)} if mode == "offline" else {}
         self.run = wandb.init(project=project, name=name, dir=str(run_dir), mode=mode, config=config,
-                              id=run_id(run_dir), resume="allow", reinit="create_new")
+                              id=run_id(run_dir), resume="allow", reinit="create_new", **quiet)
         # held-out results arrive after later windows were logged: charted against their own step
         self.run.define_metric("heldout/step")
         self.run.define_metric("heldout/*", step_metric="heldout/step")

@@ -46,6 +46,13 @@ STATUS_TEXT = {
 FINISHED = ("completed", "nothing to do")  # statuses with nothing left to resume
 
 
+def _skipped_text(held: list) -> str:
+    """``, 1 skipped (...)``: the snapshots the evaluator passed over (each ``heldout`` record counts
+    those since the previous one), so "2 evaluations" of a run that took 3 snapshots says why."""
+    n = sum(r.skipped for r in held if isinstance(r.skipped, int) and not isinstance(r.skipped, bool))
+    return f", {n} skipped (the evaluator was busy, or over eval.max_busy)" if n > 0 else ""
+
+
 def _count(n: Any, noun: str) -> str:
     """``"1 step"``, ``"3 steps"``, ``"0 steps"`` (``n`` not a count: as it is, plural)."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
@@ -192,7 +199,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.over()}"
                         f"{sampled}); best {_num(best.tau)} at step {best.step}"
                         + (f" (its checkpoint kept: {best_ckpt})" if best_kept else "")
-                        + f"; {_count(len(held), 'evaluation')}")
+                        + f"; {_count(len(held), 'evaluation')}" + _skipped_text(held))
     unevaluated = end.get("unevaluated")
     if isinstance(unevaluated, int):  # a stop cut the held-out evaluation of these weights short
         src = f"--data {shlex.quote(data_source)}" if data_source else "--prompts FILE.jsonl"

@@ -161,3 +161,28 @@ def test_a_wandb_path_that_is_a_file_costs_only_wandb(tmp_path, caplog):
     assert line.startswith(f"{tmp_path / 'wandb'} is a file, not a directory: wandb logs nothing"), line
     sink.log(TrainRecord(step=1, window=1))  # a no-op, as with wandb disabled
     sink.close()
+
+
+@pytest.mark.parametrize("mode, quiet", [("offline", True), ("online", False)])
+def test_an_offline_wandb_run_keeps_its_end_of_run_panel_off_the_terminal(tmp_path, monkeypatch, mode, quiet):
+    """Invariant: offline (the default), wandb is started quiet: its end-of-run history sparklines and
+    sync hints (about 30 lines, seen by a new user) would push the run summary off the screen, and the
+    summary's "next" block gives the sync command. Online runs keep wandb's own lines (the run's URL)."""
+    import wandb
+
+    from dflash.observe.metrics_writer import WandbSink
+
+    seen = {}
+
+    class _Run:
+        def define_metric(self, *a, **k):
+            pass
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        return _Run()
+
+    monkeypatch.setattr(wandb, "init", init)
+    WandbSink(mode, "p", "n", tmp_path, {})
+    settings = seen.get("settings")
+    assert (settings is not None and settings.quiet) == quiet
