@@ -19,6 +19,7 @@ Imports: :mod:`dflash.model`, :mod:`dflash.data` (prompts built as training buil
     static_target.py   the target's decode step at a fixed shape, replayed as a CUDA graph
     static_drafter.py  the drafter's step at a fixed shape over a fixed-capacity cache, as a CUDA graph
     static_tree.py     the target's tree verify step at a fixed shape, as a CUDA graph
+    explain.py         why the measured and simulated figures differ (the lines under the table)
     measure.py         decode each prompt for real, score the same text teacher-forced, time the target alone
     pooled.py          the figures of many decodes pooled: overall, per category or length bucket, the speed
     lengths.py         context-length buckets: tau by how long the prompt was

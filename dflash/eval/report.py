@@ -11,6 +11,8 @@ import math
 
 import msgspec
 
+from dflash.eval.explain import explain
+
 from dflash.records import over_text
 
 __all__ = ["CategoryResult", "EvalResult", "Projection", "PromptResult", "SelectorFigures", "SpeedResult", "explain",
@@ -236,31 +238,6 @@ class EvalResult(msgspec.Struct, kw_only=True):
     def tokens_per_step(self) -> float:
         """Alias of :attr:`tau`."""
         return self.tau
-
-
-def explain(res: EvalResult) -> list[str]:
-    """One line per way the measured and simulated figures differ by more than 0.05 tokens/step,
-    saying why (empty when they agree)."""
-    out = []
-    if abs(res.streak_visited - res.mean_accepted) > 0.05:
-        out.append("streak@visited != measured: the decode's cached, block-sized target forwards "
-                   "round differently from the teacher-forced full forward (kernel numerics), so "
-                   "a few near-tied argmaxes flip")
-    if res.streak_visited < res.streak_all - 0.05:
-        out.append("streak@visited < streak@all: a decode visits anchors in proportion to how short "
-                   "their streak is (an accepted run skips the anchors inside it), so the measured "
-                   "figure weighs the hard anchors more than an average over all anchors does")
-    elif res.streak_visited > res.streak_all + 0.05:
-        out.append("streak@visited > streak@all: the anchors this decode happened to visit were "
-                   "easier than the average anchor of the same text (few prompts, short texts)")
-    if abs(res.accepted_sim - res.streak_all) > 0.05:
-        sign = "above" if res.accepted_sim > res.streak_all else "below"
-        out.append(f"tau_sim is {sign} streak@all: tau_sim multiplies per-position accuracies as "
-                   "if errors were independent; in a block they are correlated (a wrong slot "
-                   "makes the next one likelier wrong)" if sign == "above" else
-                   f"tau_sim is {sign} streak@all: correct slots cluster in the same blocks, "
-                   "which the product of marginals undercounts")
-    return out
 
 
 def format_headline(res: EvalResult) -> str:
