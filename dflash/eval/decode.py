@@ -234,16 +234,18 @@ def greedy_decode(target: Target, prompt: torch.Tensor, max_new_tokens: int, *,
     _check_inputs(prompt, 0.0, 1.0, 0)
     n = prompt.shape[0]
     run = _target_run(target, 1, n + max_new_tokens, cuda_graphs)
-    out = torch.empty(n + max_new_tokens, dtype=torch.long, device=prompt.device)
-    out[:n] = prompt
-    _, logits = run(prompt, 0, features=False, last_only=True)
-    out[n] = logits[0].argmax()
-    for i in range(n, n + max_new_tokens - 1):
-        _, logits = run(out[i:i + 1], i, features=False)
-        out[i + 1] = logits[0].argmax()
-    if isinstance(run, StaticTarget):
-        release(run)
-    return out
+    try:
+        out = torch.empty(n + max_new_tokens, dtype=torch.long, device=prompt.device)
+        out[:n] = prompt
+        _, logits = run(prompt, 0, features=False, last_only=True)
+        out[n] = logits[0].argmax()
+        for i in range(n, n + max_new_tokens - 1):
+            _, logits = run(out[i:i + 1], i, features=False)
+            out[i + 1] = logits[0].argmax()
+        return out
+    finally:
+        if isinstance(run, StaticTarget):  # however it ends (a stopped decode too)
+            release(run)
 
 
 @torch.no_grad()
@@ -290,46 +292,48 @@ def speculative_decode(target: Target, proposer: Proposer, prompt: torch.Tensor,
     end = n0 + max_new_tokens
     capacity = end + block_size                   # room for the last step's drafts past the end
     run = _target_run(target, block_size, capacity, cuda_graphs)
-    tokens = torch.empty(capacity, dtype=torch.long, device=prompt.device)
-    tokens[:n0] = prompt
-    f, logits = run(prompt, 0, last_only=True)                               # prefill
-    feats = torch.empty(1, capacity, f.shape[-1], dtype=f.dtype, device=f.device)
-    feats[:, :n0] = f
-    if sampled:
-        p = sampling_probs(logits, temperature, top_p, top_k)
-        tokens[n0] = torch.multinomial(p, 1, generator=generator)[0, 0]
-    else:
-        tokens[n0] = logits[0].argmax()
-    n = n0 + 1                                     # tokens known; tokens[n-1] is the anchor
-    accepted, anchors = [], []
-    while n < end:
-        if should_stop is not None and should_stop():
-            raise DecodeStopped(f"stopped after {len(accepted)} verify steps")
-        d = min(block_size - 1, end - n)                                     # drafts this step
-        if own_q:  # the proposer draws the block itself (a selector walk: q_j given drafts < j)
-            draft, q = proposer.sample(tokens[:n], feats[:, :n - 1], temperature, generator)
-            draft, q = draft[:d], q[:d]                                      # [d], [d, V]
-        elif sampled:
-            q = sampling_probs(proposer.logits(tokens[:n], feats[:, :n - 1])[:d],
-                               temperature, top_p, top_k)                    # [d, V]
-            draft = torch.multinomial(q, 1, generator=generator)[:, 0]
-        else:
-            draft = proposer.propose(tokens[:n], feats[:, :n - 1])[:d]       # [d]
-        tokens[n:n + d] = draft
-        f, logits = run(tokens[n - 1:n + d], n - 1)                          # [1, d+1, k*H], [d+1, V]
-        feats[:, n - 1:n + d] = f          # slots past the accepted ones are overwritten later
+    try:
+        tokens = torch.empty(capacity, dtype=torch.long, device=prompt.device)
+        tokens[:n0] = prompt
+        f, logits = run(prompt, 0, last_only=True)                               # prefill
+        feats = torch.empty(1, capacity, f.shape[-1], dtype=f.dtype, device=f.device)
+        feats[:, :n0] = f
         if sampled:
-            m, nxt = _accept_sampled(draft, sampling_probs(logits, temperature, top_p, top_k), q,
-                                     generator)
+            p = sampling_probs(logits, temperature, top_p, top_k)
+            tokens[n0] = torch.multinomial(p, 1, generator=generator)[0, 0]
         else:
-            g = logits.argmax(-1)                                            # [d+1]
-            m = int((draft == g[:d]).long().cumprod(0).sum())                # the one host read
-            nxt = g[m]
-        tokens[n + m] = nxt                # tokens[n:n+m] already hold the accepted drafts
-        run.keep(n + m)
-        accepted.append(m)
-        anchors.append(n - 1)
-        n += m + 1
-    if isinstance(run, StaticTarget):
-        release(run)
-    return tokens[:end], accepted, anchors
+            tokens[n0] = logits[0].argmax()
+        n = n0 + 1                                     # tokens known; tokens[n-1] is the anchor
+        accepted, anchors = [], []
+        while n < end:
+            if should_stop is not None and should_stop():
+                raise DecodeStopped(f"stopped after {len(accepted)} verify steps")
+            d = min(block_size - 1, end - n)                                     # drafts this step
+            if own_q:  # the proposer draws the block itself (a selector walk: q_j given drafts < j)
+                draft, q = proposer.sample(tokens[:n], feats[:, :n - 1], temperature, generator)
+                draft, q = draft[:d], q[:d]                                      # [d], [d, V]
+            elif sampled:
+                q = sampling_probs(proposer.logits(tokens[:n], feats[:, :n - 1])[:d],
+                                   temperature, top_p, top_k)                    # [d, V]
+                draft = torch.multinomial(q, 1, generator=generator)[:, 0]
+            else:
+                draft = proposer.propose(tokens[:n], feats[:, :n - 1])[:d]       # [d]
+            tokens[n:n + d] = draft
+            f, logits = run(tokens[n - 1:n + d], n - 1)                          # [1, d+1, k*H], [d+1, V]
+            feats[:, n - 1:n + d] = f          # slots past the accepted ones are overwritten later
+            if sampled:
+                m, nxt = _accept_sampled(draft, sampling_probs(logits, temperature, top_p, top_k), q,
+                                         generator)
+            else:
+                g = logits.argmax(-1)                                            # [d+1]
+                m = int((draft == g[:d]).long().cumprod(0).sum())                # the one host read
+                nxt = g[m]
+            tokens[n + m] = nxt                # tokens[n:n+m] already hold the accepted drafts
+            run.keep(n + m)
+            accepted.append(m)
+            anchors.append(n - 1)
+            n += m + 1
+        return tokens[:end], accepted, anchors
+    finally:
+        if isinstance(run, StaticTarget):  # however it ends (DecodeStopped too): the next decode reuses it
+            release(run)

@@ -124,8 +124,11 @@ class StaticTarget:
         self.asked_graphs = graphs
         self.weights = weights_signature(target.model)   # what the graph reads (acquire checks it)
         self.owner: weakref.ref | None = None   # the target whose pool it returns to (acquire)
-        self.step = GraphedStep(lambda: self.forward(self.ids, self.pos), graphs, dev.type == "cuda",
-                                f"the target's {width}-token step")
+        self.step = GraphedStep(self._fixed_step, graphs, dev.type == "cuda", f"the target's {width}-token step")
+
+    def _fixed_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-width step over the static ``ids`` and ``pos`` buffers (what the graph captures)."""
+        return self.forward(self.ids, self.pos)
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

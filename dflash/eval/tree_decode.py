@@ -96,53 +96,55 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
     n0, dev = prompt.shape[0], prompt.device
     end = n0 + max_new_tokens
     run = _tree_run(target, budget, end + block_size, cuda_graphs)
-    static = isinstance(run, StaticTreeTarget)
-    tokens = torch.empty(end + block_size, dtype=torch.long, device=dev)
-    tokens[:n0] = prompt
-    f, logits = run.prefill(prompt) if static else run(prompt, 0, last_only=True)
-    feats = torch.empty(1, end + block_size, f.shape[-1], dtype=f.dtype, device=f.device)
-    feats[:, :n0] = f
-    tokens[n0] = draw(logits[0])
-    n = n0 + 1                                                               # tokens[n-1]: the anchor
-    accepted, anchors = [], []
-    while n < end:
-        if should_stop is not None and should_stop():
-            raise DecodeStopped(f"stopped after {len(accepted)} verify steps")
-        depth = min(block_size - 1, end - n)
-        lp, ix = torch.log_softmax(proposer.logits(tokens[:n], feats[:, :n - 1])[:depth].float(), -1).topk(
-            min(budget, target.hf_config.vocab_size), dim=-1)
-        nodes = best_first(lp.tolist(), ix.tolist(), budget)
-        parent = [p for p, _, _ in nodes]
-        ids = torch.cat([tokens[n - 1:n], torch.tensor([t for _, _, t in nodes], device=dev)])
-        if static:
-            f, logits = run.verify(ids, [d for _, d, _ in nodes], parent, n - 1)
-        else:
-            pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
-            f, logits = _verify(run, ids, pos, tree_mask(parent, n - 1, target.model.dtype, dev))
-        g = logits.argmax(-1).tolist() if not sampled else None             # greedy: one host read per step
-        path, row = [], 0                                                    # row 0: the anchor
-        while True:
-            x = g[row] if g is not None else draw(logits[row])               # the target's token after this node
-            child = next((i for i, p in enumerate(parent) if p == row - 1 and nodes[i][2] == x), None)
-            if child is None:
-                break
-            path.append(child + 1)
-            row = child + 1
-        m = len(path)
-        rows = torch.tensor([0] + path, device=dev)
-        tokens[n:n + m] = ids[rows[1:]]
-        tokens[n + m] = x
-        feats[:, n - 1:n + m] = f[:, rows]
-        if static:
-            run.keep_path(n - 1, rows)
-        else:
-            keep_tree_rows(run.cache, n - 1, rows)
-        accepted.append(m)
-        anchors.append(n - 1)
-        n += m + 1
-    if static:
-        release(run)
-    return tokens[:end], accepted, anchors
+    try:
+        static = isinstance(run, StaticTreeTarget)
+        tokens = torch.empty(end + block_size, dtype=torch.long, device=dev)
+        tokens[:n0] = prompt
+        f, logits = run.prefill(prompt) if static else run(prompt, 0, last_only=True)
+        feats = torch.empty(1, end + block_size, f.shape[-1], dtype=f.dtype, device=f.device)
+        feats[:, :n0] = f
+        tokens[n0] = draw(logits[0])
+        n = n0 + 1                                                               # tokens[n-1]: the anchor
+        accepted, anchors = [], []
+        while n < end:
+            if should_stop is not None and should_stop():
+                raise DecodeStopped(f"stopped after {len(accepted)} verify steps")
+            depth = min(block_size - 1, end - n)
+            lp, ix = torch.log_softmax(proposer.logits(tokens[:n], feats[:, :n - 1])[:depth].float(), -1).topk(
+                min(budget, target.hf_config.vocab_size), dim=-1)
+            nodes = best_first(lp.tolist(), ix.tolist(), budget)
+            parent = [p for p, _, _ in nodes]
+            ids = torch.cat([tokens[n - 1:n], torch.tensor([t for _, _, t in nodes], device=dev)])
+            if static:
+                f, logits = run.verify(ids, [d for _, d, _ in nodes], parent, n - 1)
+            else:
+                pos = torch.tensor([n - 1] + [n + d for _, d, _ in nodes], device=dev)[None]
+                f, logits = _verify(run, ids, pos, tree_mask(parent, n - 1, target.model.dtype, dev))
+            g = logits.argmax(-1).tolist() if not sampled else None             # greedy: one host read per step
+            path, row = [], 0                                                    # row 0: the anchor
+            while True:
+                x = g[row] if g is not None else draw(logits[row])               # the target's token after this node
+                child = next((i for i, p in enumerate(parent) if p == row - 1 and nodes[i][2] == x), None)
+                if child is None:
+                    break
+                path.append(child + 1)
+                row = child + 1
+            m = len(path)
+            rows = torch.tensor([0] + path, device=dev)
+            tokens[n:n + m] = ids[rows[1:]]
+            tokens[n + m] = x
+            feats[:, n - 1:n + m] = f[:, rows]
+            if static:
+                run.keep_path(n - 1, rows)
+            else:
+                keep_tree_rows(run.cache, n - 1, rows)
+            accepted.append(m)
+            anchors.append(n - 1)
+            n += m + 1
+        return tokens[:end], accepted, anchors
+    finally:
+        if static:  # however it ends (DecodeStopped too): the next decode reuses it
+            release(run)
 
 
 def _tree_run(target: Target, budget: int, capacity: int, cuda_graphs: bool) -> CachedTarget | StaticTreeTarget:

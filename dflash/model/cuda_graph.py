@@ -16,6 +16,7 @@ same values to the same slots again (a KV-cache write at fixed positions is).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -38,17 +39,25 @@ class GraphedStep:
     """``step()``: ``fn()``'s outputs, from a CUDA-graph replay once captured.
 
     Args:
-        fn: the step over static buffers (module docstring); returns its output tensors.
+        fn: the step over static buffers (module docstring); returns its output tensors. A bound
+            method is held weakly: its object owns this step (``obj.step = GraphedStep(obj._step,
+            ...)``), and a strong reference would be a cycle that keeps the object's KV cache and
+            graph alive after its last user drops it, until the cycle collector happens to run.
         graphs: capture on the first call (when ``cuda``); False: always eager.
         cuda: whether the buffers live on a CUDA device.
         what: names the step in the fallback's log line (e.g. "the target's 16-token step").
     """
 
     def __init__(self, fn: Callable[[], object], graphs: bool, cuda: bool, what: str) -> None:
-        self.fn, self.what = fn, what
+        self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else (lambda: fn)
+        self.what = what
         self.graphs = graphs and cuda
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out = None  # the captured call's outputs: the replays write them
+
+    def fn(self):
+        """Run the step eagerly (its owner is alive: it holds this step)."""
+        return self._fn()()
 
     def __call__(self):
         if self.graph is not None:

@@ -4,14 +4,17 @@ computes, step by step and through whole decodes, for both families it supports.
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
 
 from dflash.eval import static_target
 from dflash.eval.args import build_parser
-from dflash.eval.decode import CachedDrafterProposer, CachedTarget, greedy_decode, speculative_decode
+from dflash.eval.decode import (CachedDrafterProposer, CachedTarget, DecodeStopped, greedy_decode,
+                               speculative_decode)
 from dflash.eval.measure import evaluate
 from dflash.eval.report import format_result, format_speed
 from dflash.eval.selector import selector_proposer
@@ -243,6 +246,31 @@ def test_pool_reuses_a_released_step_and_never_hands_out_one_in_use(targets):
     release(big)
     target.model.lm_head.weight.data = target.model.lm_head.weight.data.clone()   # as .to() moves it
     assert acquire(target, BS, 300) is not big      # a graph of the old addresses is never replayed
+
+
+def test_a_stopped_decode_hands_its_step_back_and_a_dropped_step_is_freed_at_once(targets):
+    """However a decode ends (here a stop request after two verify steps, as a time limit or a
+    training run's stop asks), its static step goes back to the pool, so the next decode reuses
+    its KV cache and graph rather than allocating another beside it; and a step nobody holds is
+    freed by reference counting alone: no cycle through its graphed step keeps its cache alive
+    until the cycle collector happens to run."""
+    target = targets["llama"]
+    text = greedy_decode(target, prompt(4), 30 + BS)
+    asked = []
+    with pytest.raises(DecodeStopped):
+        speculative_decode(target, _Spoiled(text), prompt(4), 30, BS, cuda_graphs=True,
+                           should_stop=lambda: asked.append(1) or len(asked) > 2)
+    kept = static_target.pooled(target, BS)
+    assert kept is not None and len(asked) == 3
+    assert acquire(target, BS, 40) is kept
+    gc.disable()
+    try:
+        gone = weakref.ref(kept)
+        kept(prompt(5, 3), 0)                           # its step has run (the eager call, on a CPU)
+        del kept
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.gpu
