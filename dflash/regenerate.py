@@ -12,9 +12,9 @@ overrides work as in ``dflash.run``). Each conversation keeps its system and use
 ``--max-turns`` assistant turns; the rest of the conversation is cut); assistant
 turn ``k`` is replaced by the target's answer to the conversation so far (user turns plus the
 answers already regenerated), generated in rounds: round ``k`` answers turn ``k`` of every
-conversation of a chunk (:mod:`dflash.model.answers`: ``transformers``' ``generate`` over
-left-padded batches, or with ``--engine continuous`` its continuous batching, which schedules every
-answer of the round into one running batch; on a GPU give it a large ``--chunk``).
+conversation of a chunk (:mod:`dflash.model.answers`; ``--engine auto``, the default, is the slots
+engine on a GPU for a target it runs, rows over one static KV cache refilled as answers end, and
+``transformers``' ``generate`` over left-padded batches elsewhere: :func:`choose_engine`).
 Generation stops at the tokenizer's end-of-turn token or at ``--max-new-tokens``.
 
 Output lines: ``{"messages": [...], "source_index": i, "finished": bool}``; ``source_index`` is the
@@ -57,8 +57,8 @@ from dflash.regenerate_files import (  # stdlib only: --help stays quick
     write_meta,
 )
 
-__all__ = ["done_indices", "excluded_indices", "generation_settings", "main", "read_meta_settings",
-           "regenerate", "write_meta"]
+__all__ = ["choose_engine", "done_indices", "excluded_indices", "generation_settings", "main",
+           "read_meta_settings", "regenerate", "write_meta"]
 
 
 def regenerate(conversations: list, source_index: list[int], model, tok, args, out_path: Path,
@@ -187,18 +187,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int, default=1_000_000,
                    help="answer at most N assistant turns per conversation; the rest of it is cut "
                         "(default: all)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="answers per generate call with --engine generate (default 32)")
-    p.add_argument("--engine", choices=("generate", "continuous", "slots"), default="generate",
-                   help="generate: left-padded batches (default); continuous: transformers' continuous "
-                        "batching (a paged KV cache, answers scheduled as others finish; transformers >= 5); "
-                        "slots: --batch-size rows over a static KV cache, the decode step a CUDA graph, a row "
-                        "refilled as its answer ends (Llama and Qwen3 targets; for a GPU, with a large --chunk)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows answered at once (default: with --engine slots on a GPU as many as fill half of "
+                        "its free memory with KV cache, at most 512; otherwise 32)")
+    p.add_argument("--engine", choices=("auto", "generate", "continuous", "slots"), default="auto",
+                   help="auto (default): slots on a GPU for a target it runs, else generate; generate: left-padded "
+                        "batches; continuous: transformers' continuous batching (a paged KV cache, answers "
+                        "scheduled as others finish; transformers >= 5); slots: --batch-size rows over a static "
+                        "KV cache, the decode step a CUDA graph, a row refilled as its answer ends (Llama and "
+                        "Qwen3 targets)")
     p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                    help="the KV cache of --engine generate: dynamic (grows by concatenation; default) or static "
                         "(allocated once per batch; transformers compiles the decode step, once per batch shape)")
-    p.add_argument("--chunk", type=int, default=64,
-                   help="conversations per resumable unit: written together, lost together on a kill (default 64)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="conversations per resumable unit: written together, lost together on a kill (default "
+                        "8 x --batch-size with --engine slots, so that refilled rows stay busy; otherwise 64)")
     p.add_argument("--num-conversations", type=int, default=None,
                    help="regenerate at most N conversations of the source (default: the graph's data.max_samples)")
     p.add_argument("--exclude", default=None, metavar="FILE",
@@ -207,13 +210,57 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
-    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size, args.chunk, args.max_turns) < 1 \
+    if min(args.max_new_tokens, args.max_prompt_tokens, args.batch_size or 1, args.chunk or 1, args.max_turns) < 1 \
             or (args.num_conversations is not None and args.num_conversations < 1):
         p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size, --chunk and "
                 "--num-conversations must be >= 1")
     if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1:  # nan fails both comparisons
         p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     return args
+
+
+def choose_engine(args: argparse.Namespace, model, device) -> str:
+    """Make ``--engine auto`` and an unset ``--batch-size`` / ``--chunk`` concrete for this device
+    and target (``args`` is updated in place); returns what was chosen, in words, for the start line.
+
+    auto is the slots engine (:mod:`dflash.model.slots`: 4.3x ``generate`` on an H100 with
+    SmolLM2-135M-Instruct) on a GPU for a target it runs, else ``generate`` (a CPU, or a family or
+    attention the slots engine does not reproduce: the reason is said). The slots engine's rows on a
+    GPU fill half its free memory with KV cache for the longest context and answer
+    (:func:`dflash.model.slots.rows_that_fit`, at most 512); its chunk is 8 rows' worth of
+    conversations, so that refilled rows stay busy to the chunk's end.
+
+    Raises:
+        ValueError: ``--engine slots`` for a target it does not run (one line, what to use instead).
+    """
+    import torch
+
+    from dflash.model.slots import check_model, positions_for, rows_that_fit
+
+    gpu = str(device).startswith("cuda")
+    why = ""
+    if args.engine == "auto":
+        args.engine, why = "generate", " (auto: a CPU)"
+        if gpu:
+            try:
+                check_model(model)
+                args.engine, why = "slots", " (auto: a GPU)"
+            except ValueError as e:
+                why = f" (auto: {str(e).removesuffix('; use --engine generate')})"
+    elif args.engine == "slots":
+        check_model(model)
+    sized = ""
+    if args.batch_size is None:
+        args.batch_size = 32
+        if args.engine == "slots" and gpu:
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            args.batch_size = rows_that_fit(model, positions_for(args.max_prompt_tokens, args.max_new_tokens), free)
+            sized = f", sized to half of the GPU's free {free / 2**30:.1f} GiB"
+    if args.chunk is None:
+        args.chunk = 8 * args.batch_size if args.engine == "slots" else 64
+    return (f"engine {args.engine}{why}, {args.batch_size} rows at once{sized}, chunks of {args.chunk} "
+            "conversations")
 
 
 def out_of_memory_line(args: argparse.Namespace, out: Path, device) -> str:
@@ -261,7 +308,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     from dflash.model.answers import check_engine
 
     try:
-        check_engine(args.engine)  # before any work: the continuous engine needs transformers 5
+        args.engine == "auto" or check_engine(args.engine)  # before any work: the continuous engine needs transformers 5
         cfg = load_config(args.graph, args.overrides)
         limit = args.num_conversations or cfg.data.max_samples
         records = read_source(cfg.data.source, cfg.data.format, limit)
@@ -301,16 +348,13 @@ def _main(args: argparse.Namespace, locks: list) -> int:
         cfg.target.vocab_size = len(tok)
     model = load_target(for_generation(cfg.target), device, cfg.drafter.num_layers,
                         need_final=True).model.eval()
-    if args.engine == "slots":
-        from dflash.model.slots import check_model
-
-        try:  # before any answer: a family the engine does not run is one line
-            check_model(model)
-        except ValueError as e:
-            print(f"dflash.regenerate: {e}", file=sys.stderr)
-            return 2
+    try:  # before any answer: a family the slots engine does not run is one line
+        how = choose_engine(args, model, device)
+    except ValueError as e:
+        print(f"dflash.regenerate: {e}", file=sys.stderr)
+        return 2
     print(f"dflash.regenerate: {len(records.conversations)} conversations of {cfg.data.source}, "
-          f"{len(done)} already in {out}, {len(todo)} to answer on {device}", file=sys.stderr)
+          f"{len(done)} already in {out}, {len(todo)} to answer on {device}; {how}", file=sys.stderr)
     skipped: Counter[str] = Counter(records.skipped)
     if n_excluded := sum(i in excluded for i in records.source_index):
         skipped["excluded"] = n_excluded

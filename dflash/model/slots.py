@@ -43,13 +43,46 @@ from dflash.model.drafter import apply_rope
 from dflash.model.target import FIXED_ROPE
 from dflash.model.target import FIXED_SHAPE_FAMILIES as FAMILIES
 
-__all__ = ["CHECK_EVERY", "PREFILL_TOKENS", "SlotDecoder", "check_model", "choose", "decode"]
+__all__ = ["CHECK_EVERY", "MOST_ROWS", "PREFILL_TOKENS", "SlotDecoder", "check_model", "choose", "decode",
+           "kv_bytes_per_row", "positions_for", "rows_that_fit"]
 
 CHECK_EVERY = 16
 """Decode steps between two looks at the rows (one host sync each); a finished row idles at most
 this many steps before its slot is refilled, and the rows freed meanwhile are prefilled together."""
 PREFILL_TOKENS = 65536
 """Context tokens per eager prefill forward (rows x their longest context): bounds its activations."""
+MOST_ROWS = 512
+"""The most rows :func:`rows_that_fit` gives: the batch measured on an H100 with SmolLM2-135M-Instruct
+(32.5K answer tokens/s, 4.3x ``generate``; ``benchmarks/results/LOG.md``, "a fourth time"). Past it a
+step of a small target is bound by its per-row work rather than its launches, and a larger cache only
+delays the first chunk."""
+KV_SHARE = 0.5
+"""The share of the GPU's free memory :func:`rows_that_fit` gives the KV cache; the rest is left for
+the eager prefill's activations (up to :data:`PREFILL_TOKENS` tokens), the step's logits and another
+process on the same GPU (two regeneration passes run side by side)."""
+
+
+def kv_bytes_per_row(model, positions: int) -> int:
+    """Bytes of one row's keys and values over ``positions`` cache slots in every layer, in the
+    target's dtype: ``2 x layers x kv_heads x positions x head_dim x itemsize``."""
+    hf, w = model.config, model.get_input_embeddings().weight
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return 2 * hf.num_hidden_layers * hf.num_key_value_heads * positions * head_dim * w.element_size()
+
+
+def rows_that_fit(model, positions: int, free_bytes: int, share: float = KV_SHARE, most: int = MOST_ROWS) -> int:
+    """Rows whose KV cache of ``positions`` slots fits in ``share`` of ``free_bytes``: at least 1 (a
+    GPU too full for one row then fails in the allocation, with its own message), at most ``most``.
+    E.g. SmolLM2-135M-Instruct in bf16 (30 layers, 3 KV heads of 64) holds 22.5 KiB per slot and
+    row, so 1,088 slots (768 context + 256 answer tokens) take 25 MB a row and 512 rows 12.8 GB;
+    Qwen3-8B (36 layers, 8 KV heads of 128) takes 160 MB a row: about 190 rows in half of an H100's
+    62 GB left free by its weights."""
+    return max(1, min(most, int(share * free_bytes) // kv_bytes_per_row(model, positions)))
+
+
+def positions_for(longest_context: int, max_new_tokens: int, check_every: int = CHECK_EVERY) -> int:
+    """Cache slots per row: the longest context, the answer and a check's idle steps, rounded up to 64."""
+    return -(-(longest_context + max_new_tokens + check_every + 1) // 64) * 64
 
 
 def check_model(model) -> None:
@@ -218,7 +251,7 @@ def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     if not contexts:
         return []
     batch = min(batch_size, len(contexts))
-    capacity = -(-(max(map(len, contexts)) + max_new_tokens + check_every + 1) // 64) * 64   # aligned rows
+    capacity = positions_for(max(map(len, contexts)), max_new_tokens, check_every)   # aligned rows
     run = SlotDecoder(model, batch, capacity, max_new_tokens, temperature, top_p, graphs, check_every)
     try:
         return _drain(run, contexts, max_new_tokens, eos, batch)

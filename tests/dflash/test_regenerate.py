@@ -244,3 +244,67 @@ def test_the_slots_engine_writes_what_the_padded_one_writes(tmp_path):
     assert regen.main(_args(src, a, "--engine", "generate", "--max-new-tokens", "12")) == 0
     assert regen.main(_args(src, b, "--engine", "slots", "--max-new-tokens", "12", "--chunk", "8")) == 0
     assert _lines(a) == _lines(b) and len(_lines(a)) == 6
+
+
+def _shaped(layers: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16):
+    """A stand-in with a target's config and embedding dtype: what the KV arithmetic reads."""
+    from types import SimpleNamespace
+
+    weight = torch.empty(0, dtype=dtype)
+    cfg = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=kv_heads, head_dim=head_dim,
+                          hidden_size=kv_heads * head_dim, num_attention_heads=kv_heads)
+    return SimpleNamespace(config=cfg, get_input_embeddings=lambda: SimpleNamespace(weight=weight))
+
+
+def test_the_slots_rows_fill_half_the_free_memory_with_kv_cache():
+    """Invariant: the rows chosen for a GPU hold their KV cache (keys and values of every layer,
+    for the longest context and answer) in half the free memory, at least one and at most 512."""
+    from dflash.model.slots import kv_bytes_per_row, positions_for, rows_that_fit
+
+    smollm2, qwen3_8b = _shaped(30, 3, 64), _shaped(36, 8, 128)
+    slots = positions_for(768, 256)
+    assert slots == 1088 and slots >= 768 + 256 + 16 and slots % 64 == 0
+    assert kv_bytes_per_row(smollm2, 1) == 2 * 30 * 3 * 64 * 2 == 23040
+    assert kv_bytes_per_row(_shaped(30, 3, 64, torch.float32), 1) == 2 * 23040
+    assert rows_that_fit(smollm2, slots, 70 * 2**30) == 512                     # capped
+    assert rows_that_fit(qwen3_8b, slots, 62 * 10**9) == 193                    # 31 GB / 160.4 MB a row
+    assert rows_that_fit(qwen3_8b, slots, 10**6) == 1
+
+
+def test_auto_engine_is_slots_on_a_gpu_for_a_target_it_runs_and_generate_elsewhere(monkeypatch):
+    """--engine auto: the slots engine on a GPU (rows sized from the free memory, chunks of 8 rows'
+    worth), generate on a CPU and for a target the slots engine does not reproduce (the reason
+    said); explicit settings are kept as given."""
+    from dflash.model.slots import positions_for, rows_that_fit
+    from dflash.model.target import TargetConfig, load_target
+
+    plain = load_target(TargetConfig(preset="tiny", seed=1, vocab_size=64), "cpu", 2).model
+    sliding = load_target(TargetConfig(preset="tiny", seed=1, vocab_size=64, overrides={
+        "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}), "cpu", 2).model
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**29, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def chosen(model, device, *argv):
+        args = regen._parse(["g.toml", "-o", "o.jsonl", "--max-prompt-tokens", "100",
+                             "--max-new-tokens", "20", *argv])
+        how = regen.choose_engine(args, model, device)
+        return args.engine, args.batch_size, args.chunk, how
+
+    rows = rows_that_fit(plain, positions_for(100, 20), 2**29)
+    assert 1 < rows < 512
+    engine, batch, chunk, how = chosen(plain, "cuda:0")
+    assert (engine, batch, chunk) == ("slots", rows, 8 * rows)
+    assert "engine slots (auto: a GPU)" in how and "half of the GPU's free 0.5 GiB" in how
+    assert chosen(plain, "cpu")[:3] == ("generate", 32, 64)
+    engine, batch, chunk, how = chosen(sliding, "cuda:0")
+    assert (engine, batch, chunk) == ("generate", 32, 64) and "full-attention layers only" in how
+    assert chosen(plain, "cuda:0", "--batch-size", "7", "--chunk", "9")[:3] == ("slots", 7, 9)
+    assert chosen(plain, "cuda:0", "--engine", "generate")[:3] == ("generate", 32, 64)
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        chosen(sliding, "cuda:0", "--engine", "slots")
+
+
+def test_the_start_line_says_which_engine_auto_chose(tmp_path, capsys):
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    assert regen.main(_args(src, out)) == 0
+    assert "engine generate (auto: a CPU), 2 rows at once, chunks of 2 conversations" in capsys.readouterr().err
