@@ -7,6 +7,11 @@ It imports the core, the graph and the stats writer and tracer of :mod:`csp.obse
     engine.py      Runtime: one thread per blocking replica, bound to its device and its own CUDA
                    stream, one event loop for the async ones; structured stop, failure and abort;
                    exit codes
+    worker.py      Worker: one replica's ends, state and statistics, and its setup, run, teardown
+                   (in a thread on its device and stream, or as an async task)
+    signals.py     SIGINT and SIGTERM: taken in the main thread, routed through the event loop,
+                   logged, and the drain report of a graceful stop
+    result.py      RunResult, the exit codes and the status a run's end gets
     deadlock.py    DeadlockWatch: names the cycle of processes when all wait on channels and
                    nothing moves
 """

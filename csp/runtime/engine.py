@@ -57,90 +57,34 @@ message names it too).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import signal
-import sys
 import threading
-import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import anyio
 import msgspec
 
 from csp.core.channel import channel
-from csp.core.process import Context, is_async
+from csp.core.process import Context
 from csp.core.stats import ChannelStatistics, ProcessStatistics
 from csp.errors import ChannelAborted, EndOfStream, ProcessFailed, ProcessStuck, RuntimeReused
-from csp.graph import Graph, ProcessNode, TraceSpec
+from csp.graph import Graph, TraceSpec
 from csp.observe.statslog import StatsWriter, unwritable
-from csp.observe.trace import FlowTap, Tracer
+from csp.observe.trace import Tracer
+from csp.runtime import signals
 from csp.runtime.deadlock import DeadlockWatch
+from csp.runtime.result import (EXIT_BAD_GRAPH, EXIT_DEADLOCK, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STUCK,
+                                RunResult, outcome)
+from csp.runtime.worker import Span, Worker, construct, join_threads, no_span, torch_device
 
 log = logging.getLogger("csp.runtime")
 DRAIN_REPORT_S = 10.0
 """Seconds between the lines that say what a graceful stop still waits for."""
-stack_log = logging.getLogger("csp.runtime.stack")  # stacks of stuck threads (long, multi-line)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_GRAPH, EXIT_STUCK, EXIT_DEADLOCK, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 JOIN_TIMEOUT_S = 10.0  # default Runtime.join_timeout_s (seconds)
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class RunResult(msgspec.Struct, frozen=True, kw_only=True):
-    """How a run ended: ``status`` ("completed" | "stopped" | "failed" | "aborted" |
-    "deadlocked"), ``exit_code`` (see the module doc), ``duration_s`` (wall seconds of ``run()``),
-    ``stopped_by``: what stopped or aborted it ("SIGINT", "SIGTERM", "request_stop", "abort",
-    "deadlock"; for an abort by a second signal, the second signal), None when it completed; and
-    ``deadlock``: the cycle of waits of a deadlocked run (one line, :func:`csp.runtime.deadlock.explain`)."""
-
-    status: str
-    exit_code: int
-    duration_s: float
-    stopped_by: str | None = None
-    deadlock: str | None = None
-
-
-class _Worker:
-    """One process replica: its instance, its ends, its timing and state."""
-
-    def __init__(self, node: ProcessNode, replica: int, track: int, ctx: Context) -> None:
-        self.node, self.replica, self.track, self.ctx = node, replica, track, ctx
-        self.qualname = ctx.qualname
-        self.instance: Any = None
-        self.raw_inputs: dict[str, Any] = {}
-        self.raw_outputs: dict[str, Any] = {}
-        self.inputs: dict[str, Any] = {}
-        self.outputs: dict[str, Any] = {}
-        self.is_async = is_async(node.cls)
-        self.thread: threading.Thread | None = None
-        self.state = "setup"  # setup | running | done | failed
-        self.t_start: float | None = None
-        self.t_end: float | None = None
-
-    def statistics(self) -> ProcessStatistics:
-        """Summed from the per-end counters of the ends it owns (reads only)."""
-        ins, outs = list(self.raw_inputs.values()), list(self.raw_outputs.values())
-        wait_in = sum(e.blocked_s for e in ins)
-        blocked_out = sum(e.blocked_s for e in outs)
-        alive = 0.0 if self.t_start is None else (self.t_end or perf_counter()) - self.t_start
-        state = self.state
-        if state == "running":
-            state = ("waiting_input" if any(e.waiting for e in ins)
-                     else "blocked_output" if any(e.waiting for e in outs) else "busy")
-        return ProcessStatistics(
-            qualname=self.qualname, name=self.node.name, replica=self.replica, state=state,  # type: ignore[arg-type]
-            busy_s=max(0.0, alive - wait_in - blocked_out), wait_input_s=wait_in,
-            blocked_output_s=blocked_out, items_in=sum(e.items for e in ins),
-            items_out=sum(e.items for e in outs),
-        )
-
-    def close_ends(self) -> None:
-        for end in (*self.raw_inputs.values(), *self.raw_outputs.values()):
-            end.close()
 
 
 class Runtime:
@@ -196,11 +140,11 @@ class Runtime:
         self._started = False
         self._aborted = False
         self._shutting_down = False
-        self._failure: tuple[_Worker, BaseException] | None = None
+        self._failure: tuple[Worker, BaseException] | None = None
         self._signals = 0
         self._stopped_by: str | None = None
         self._signals_installed = False
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._channels: dict[str, tuple[Any, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: Any = None
@@ -248,7 +192,8 @@ class Runtime:
             self.tracer = Tracer(max_events=spec.max_events, flow_every=spec.flow_every)
         self._build()
         statslog = self._start_observers()
-        old_handlers = self._install_signals()
+        old_handlers = signals.take(self._on_signal)
+        self._signals_installed = bool(old_handlers)
         status, exit_code, stuck = "failed", EXIT_FAILED, []
         watch = None
         if self.deadlock_timeout_s > 0:
@@ -261,21 +206,12 @@ class Runtime:
             if watch is not None:
                 watch.stop()
             self._loop = None
-            for sig, old in old_handlers.items():
-                signal.signal(sig, old)
-            stuck = self._join_threads()
+            signals.restore(old_handlers)
+            stuck = join_threads(self._workers, self.join_timeout_s)
             for w in self._workers:
                 w.close_ends()
-            if self._failure is not None:
-                status, exit_code = "failed", EXIT_FAILED
-            elif self._deadlock is not None:
-                status, exit_code = "deadlocked", EXIT_DEADLOCK
-            elif self._aborted or stuck:
-                status, exit_code = "aborted", EXIT_INTERRUPTED
-            elif self._stop.is_set():
-                status, exit_code = "stopped", EXIT_INTERRUPTED
-            else:
-                status, exit_code = "completed", EXIT_OK
+            status, exit_code = outcome(failed=self._failure is not None, deadlocked=self._deadlock is not None,
+                                        aborted=self._aborted or bool(stuck), stopped=self._stop.is_set())
             if self.exit_code_of is not None:  # the application's own codes, so its log and its exit agree
                 own = self.exit_code_of(status, self._failure[1] if self._failure is not None else None)
                 exit_code = exit_code if own is None else own
@@ -307,42 +243,23 @@ class Runtime:
             self._channels[name] = self.channel_factory(item_type=g.item_type(name), capacity=c.capacity,
                                                         name=name, ordered=c.ordered)
         flows = self.trace_spec.flows and self.tracer is not None
-        pending: dict[str, dict[int, int]] = {name: {} for name in g.channels}
+        pending: dict[str, dict[int, int]] | None = {name: {} for name in g.channels} if flows else None
         for node in g.processes.values():
             for r in range(node.replicas):
                 if self.instances is not None and (node.name, r) not in self.instances:
                     continue
                 dev = node.devices[r] if node.devices else None
-                ctx = Context(node.name, r, node.replicas, device=_torch_device(dev),
+                ctx = Context(node.name, r, node.replicas, device=torch_device(dev),
                               run_dir=self.run_dir, app=self.app, stop_event=self._stop,
                               tracer=self.tracer, track=len(self._workers) + 1,
                               statistics=self.statistics)
-                w = _Worker(node, r, ctx._track, ctx)
-                w.raw_inputs = {p: self._channels[c][1].clone() for p, c in node.inputs.items()}
-                w.raw_outputs = {p: self._channels[c][0].clone() for p, c in node.outputs.items()}
-                w.inputs, w.outputs = dict(w.raw_inputs), dict(w.raw_outputs)
-                if flows:
-                    state: dict[str, Any] = {}
-                    src, sink = not node.inputs, not node.outputs
-                    w.inputs = {p: self._tap(e, w, state, pending[node.inputs[p]], src, sink)
-                                for p, e in w.raw_inputs.items()}
-                    w.outputs = {p: self._tap(e, w, state, pending[node.outputs[p]], src, sink)
-                                 for p, e in w.raw_outputs.items()}
+                w = Worker(node, r, ctx._track, ctx)
+                w.connect(self._channels, self.tracer, pending)
                 self._workers.append(w)
         for send, recv in self._channels.values():  # only the replicas' clones stay open
             send.close()
             recv.close()
-        for w in self._workers:
-            try:
-                w.instance = w.node.cls(options=w.node.options, ctx=w.ctx)
-            except Exception as exc:
-                for v in self._workers:
-                    v.close_ends()
-                raise ProcessFailed(f"process {w.qualname}: constructing {w.node.cls.__name__} "
-                                    f"failed: {exc!r}", process=w.node.name, replica=w.replica) from exc
-
-    def _tap(self, end: Any, w: _Worker, state: dict, pending: dict, src: bool, sink: bool) -> Any:
-        return FlowTap(end, self.tracer, w.track, state, pending, src, sink)  # type: ignore[arg-type]
+        construct(self._workers)
 
     def _start_observers(self) -> StatsWriter | None:
         spec = self.trace_spec
@@ -368,96 +285,39 @@ class Runtime:
         self._threads_done = anyio.Event()
         threaded = [w for w in self._workers if not w.is_async]
         self._threads_left = len(threaded)
-        if self._signals_installed:
-            # While the loop runs, let asyncio take the signals: it wakes the selector (wakeup fd)
-            # and runs the handler as a loop callback, outside any channel code.
-            for sig in _STOP_SIGNALS:
-                self._loop.add_signal_handler(sig, self._on_signal, sig, None)
-        try:
+        # While the loop runs, the signals reach _on_signal as a loop callback, outside any channel code.
+        with signals.through_loop(self._loop, self._on_signal) if self._signals_installed else nullcontext():
             await self._run_workers(threaded)
-        finally:
-            if self._signals_installed:
-                for sig in _STOP_SIGNALS:
-                    self._loop.remove_signal_handler(sig)
-                    signal.signal(sig, self._on_signal)
 
-    async def _run_workers(self, threaded: list[_Worker]) -> None:
+    async def _run_workers(self, threaded: list[Worker]) -> None:
         if self._aborted and not self._shutting_down:  # second signal before the loop ran
             self._shutdown("run aborted")
         async with anyio.create_task_group() as tg:
             self._tg = tg
             if self._shutting_down:  # aborted before the loop existed: start nothing
                 return
+            span = self.tracer.span if self.tracer is not None else no_span
             for w in self._workers:
                 if w.is_async:
-                    tg.start_soon(self._run_async, w, name=w.qualname)
+                    tg.start_soon(w.run_async, span, self._on_error, name=w.qualname)
             for w in threaded:
-                w.thread = threading.Thread(target=self._run_thread, args=(w,), name=w.qualname,
+                w.thread = threading.Thread(target=self._run_thread, args=(w, span), name=w.qualname,
                                             daemon=True)
                 w.thread.start()
             if threaded:
                 await self._threads_done.wait()
 
-    def _run_thread(self, w: _Worker) -> None:
-        w.t_start = perf_counter()
+    def _run_thread(self, w: Worker, span: Span) -> None:
         try:
-            with _device_scope(w.ctx):
-                span = self.tracer.span if self.tracer is not None else _no_span
-                try:
-                    with span(w.track, "setup"):
-                        w.instance.setup()
-                    w.state = "running"
-                    with span(w.track, "run"):
-                        w.instance.run(w.inputs, w.outputs)
-                except BaseException as exc:
-                    self._on_error(w, exc)
-                finally:
-                    try:
-                        with span(w.track, "teardown"):
-                            w.instance.teardown()
-                    except BaseException as exc:
-                        self._on_error(w, exc)
-        except BaseException as exc:  # entering the device scope failed
-            self._on_error(w, exc)
+            w.run_blocking(span, self._on_error)
         finally:
-            self._finish(w)
             with self._lock:
                 self._threads_left -= 1
                 last = self._threads_left == 0
             if last:
                 self._call_in_loop(self._threads_done.set)  # type: ignore[union-attr]
 
-    async def _run_async(self, w: _Worker) -> None:
-        w.t_start = perf_counter()
-        span = self.tracer.span if self.tracer is not None else _no_span
-        try:
-            try:
-                with span(w.track, "setup"):
-                    await _maybe_await(w.instance.setup())
-                w.state = "running"
-                with span(w.track, "run"):
-                    await w.instance.run(w.inputs, w.outputs)
-            except anyio.get_cancelled_exc_class():
-                raise
-            except BaseException as exc:
-                self._on_error(w, exc)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        with span(w.track, "teardown"):
-                            await _maybe_await(w.instance.teardown())
-                    except Exception as exc:
-                        self._on_error(w, exc)
-        finally:
-            self._finish(w)
-
-    def _finish(self, w: _Worker) -> None:
-        w.close_ends()
-        w.t_end = perf_counter()
-        if w.state != "failed":
-            w.state = "done"
-
-    def _on_error(self, w: _Worker, exc: BaseException) -> None:
+    def _on_error(self, w: Worker, exc: BaseException) -> None:
         """Classify an exception escaping a process: normal end, consequence, or the failure."""
         if isinstance(exc, EndOfStream):
             return  # an input ran dry: a normal return
@@ -505,98 +365,23 @@ class Runtime:
         except RuntimeError:  # the loop already closed: nothing left to wake
             pass
 
-    def _join_threads(self) -> list[str]:
-        deadline = perf_counter() + self.join_timeout_s
-        for w in self._workers:
-            if w.thread is not None:
-                w.thread.join(timeout=max(0.0, deadline - perf_counter()))
-        stuck = [w for w in self._workers if w.thread is not None and w.thread.is_alive()]
-        frames = sys._current_frames()
-        for w in stuck:
-            frame = frames.get(w.thread.ident)  # type: ignore[union-attr, arg-type]
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
-            log.error("process thread %s did not stop within %.1f s; it is left running (daemon)",
-                      w.qualname, self.join_timeout_s)
-            stack_log.error("stack of the stuck process thread %s:\n%s", w.qualname, stack)
-        return [w.qualname for w in stuck]
-
     # -- signals ------------------------------------------------------------------------------
-    def _install_signals(self) -> dict[int, Any]:
-        """Take SIGINT and SIGTERM (main thread only); returns the handlers to restore."""
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        self._signals_installed = True
-        return {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
-
-    def _report_drain(self, since: float) -> None:
-        """One line naming the processes a graceful stop still waits for, then again every
-        :data:`DRAIN_REPORT_S` until none is left (a loop callback; it dies with the loop)."""
-        running = [w.qualname for w in self._workers if w.state in ("setup", "running")]
-        if not running or self._shutting_down or self._loop is None or self._loop.is_closed():
-            return
-        log.warning("draining: %s still running, %.0f s after the stop (Ctrl-C again aborts)",
-                    ", ".join(running), perf_counter() - since)
-        self._loop.call_later(DRAIN_REPORT_S, self._report_drain, since)
-
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Outside the loop this runs in the main thread between bytecodes, possibly inside channel
         # code holding a lock: only set flags or defer to the loop, never touch channels here.
-        name = signal.Signals(signum).name
         self._signals += 1
+        self._stopped_by = signals.announce(signum, self._signals, self._workers)
+        loop = self._loop
         if self._signals == 1:
-            log.warning("%s: graceful stop requested (sources stop, items drain); "
-                        "press Ctrl-C (or send SIGTERM) again to abort", name)
-            self._stopped_by = name
             self.request_stop()
-            if self._loop is not None:  # while it drains, say every DRAIN_REPORT_S what is still running
-                self._loop.call_soon_threadsafe(self._loop.call_later, DRAIN_REPORT_S, self._report_drain,
-                                                perf_counter())
-        else:
-            running = [w.qualname for w in self._workers if w.state in ("setup", "running")]
-            self._stopped_by = name
-            log.warning("second stop signal (%s): aborting the run%s", name,
-                        f" (still running: {', '.join(running)})" if running else "")
-            loop = self._loop
-            if loop is not None:
-                loop.call_soon_threadsafe(self.abort)
-            else:  # the loop is not running yet or any more: flag it, run() checks the flag
-                self._aborted = True
-                self._stop.set()
-
-
-@contextmanager
-def _no_span(track: int, name: str) -> Iterator[None]:
-    yield
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
-
-
-def _torch_device(dev: str | None) -> Any:
-    if dev is None:
-        return None
-    import torch
-
-    return torch.device(dev)
-
-
-def _device_scope(ctx: Context) -> Any:
-    """Make ``ctx.device`` current with a fresh non-default stream (CUDA only; else no-op)."""
-    dev = ctx.device
-    if dev is None or dev.type != "cuda":
-        return nullcontext()
-    return _cuda_scope(ctx)
-
-
-@contextmanager
-def _cuda_scope(ctx: Context) -> Iterator[None]:
-    import torch
-
-    torch.cuda.set_device(ctx.device)
-    ctx.stream = torch.cuda.Stream(device=ctx.device)
-    with torch.cuda.stream(ctx.stream):
-        yield
+            if loop is not None:  # while it drains, say every DRAIN_REPORT_S what is still running
+                signals.report_drain(loop, self._workers, DRAIN_REPORT_S,
+                                     lambda: self._shutting_down or self._loop is None)
+        elif loop is not None:
+            loop.call_soon_threadsafe(self.abort)
+        else:  # the loop is not running yet or any more: flag it, run() checks the flag
+            self._aborted = True
+            self._stop.set()
 
 
 __all__ = ["EXIT_BAD_GRAPH", "EXIT_DEADLOCK", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_STUCK",
