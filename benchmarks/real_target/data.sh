@@ -8,6 +8,7 @@
 # into OUT: carried back as .regen/ in a later session (env.sh unpacks it), regeneration resumes
 # after the conversations already answered, so the data grows from session to session.
 #   REGEN_S=180 bash benchmarks/real_target/data.sh OUT
+#   PASSES="sampled t1" REGEN_S=150 bash benchmarks/real_target/data.sh OUT      # once greedy has answered all
 #   REGEN_S=180 ENGINE=generate CACHE=static BATCH=512 CHUNK=512 bash benchmarks/real_target/data.sh OUT
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
@@ -15,11 +16,22 @@ OUT=$1; mkdir -p "$OUT"
 RG=("${ON_R[@]}" --set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
     --engine ${ENGINE:-slots} --cache ${CACHE:-dynamic} --batch-size ${BATCH:-512} --chunk ${CHUNK:-4096})
 T0=$(date +%s)
-timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-greedy.jsonl" "${RG[@]}" > "$OUT/regen-greedy.log" 2>&1 &
-timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-sampled.jsonl" "${RG[@]}" \
-  --temperature 0.8 --top-p 0.95 > "$OUT/regen-sampled.log" 2>&1 &
+# Each pass answers every prompt once into its own file: greedy, sampled (T = 0.8, top-p 0.95) and t1
+# (T = 1, seed 1: more varied answers again, for when the first two have answered every prompt).
+PASSES=${PASSES:-greedy sampled}
+for p in $PASSES; do
+  case $p in
+    greedy) T=() ;;
+    sampled) T=(--temperature 0.8 --top-p 0.95) ;;
+    t1) T=(--temperature 1.0 --seed 1) ;;
+    *) echo "data: unknown pass $p (greedy, sampled, t1)"; exit 2 ;;
+  esac
+  timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-$p.jsonl" "${RG[@]}" "${T[@]}" \
+    > "$OUT/regen-$p.log" 2>&1 &
+done
 wait
-cat "$R"/regen-greedy.jsonl "$R"/regen-sampled.jsonl > "$R/regen-all.jsonl"
-echo "data: $(wc -l < "$R/regen-greedy.jsonl") greedy + $(wc -l < "$R/regen-sampled.jsonl") sampled conversations in $(( $(date +%s) - T0 )) s"
+FILES=(); for p in greedy sampled t1; do [ -f "$R/regen-$p.jsonl" ] && FILES+=("$R/regen-$p.jsonl"); done
+cat "${FILES[@]}" > "$R/regen-all.jsonl"
+echo "data: $(wc -l "${FILES[@]}" | tr '\n' ' ') conversations, in $(( $(date +%s) - T0 )) s"
 for f in "$OUT"/regen-*.log; do tail -n 4 "$f"; done
-for p in greedy sampled; do gzip -c "$R/regen-$p.jsonl" > "$OUT/regen-$p.jsonl.gz"; done
+for f in "${FILES[@]}"; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done

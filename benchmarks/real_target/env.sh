@@ -10,7 +10,7 @@ fi
 if [ -f .whl/sharegpt-16k.jsonl.gz ] && [ ! -f "$R/sharegpt-16k.jsonl" ]; then
   gunzip -c .whl/sharegpt-16k.jsonl.gz > "$R/sharegpt-16k.jsonl"
 fi
-for p in greedy sampled; do   # answers of earlier sessions (data.sh's OUT files, carried as .regen/)
+for p in greedy sampled t1; do   # answers of earlier sessions (data.sh's OUT files, carried as .regen/)
   if [ -f .regen/regen-$p.jsonl.gz ] && [ ! -f "$R/regen-$p.jsonl" ]; then
     gunzip -c .regen/regen-$p.jsonl.gz > "$R/regen-$p.jsonl"
   fi

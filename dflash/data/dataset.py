@@ -150,6 +150,8 @@ class TokenizedDataset:
         self.lengths: np.ndarray = (offsets[1:][self.rows] - starts).astype(np.int64)
         """``[len(self)]`` int64 tokens per conversation."""
         self._starts = starts.astype(np.int64)
+        self.same_prompt_dropped = 0
+        """Conversations :meth:`split` left out of this training view: their prompt is a held-out one's."""
 
     @classmethod
     def from_sequences(cls, ids: list, masks: list | None = None, **kw) -> "TokenizedDataset":
@@ -187,7 +189,14 @@ class TokenizedDataset:
 
     def split(self, holdout: int | None, seed: int) -> tuple["TokenizedDataset", "TokenizedDataset"]:
         """(train, heldout): :func:`holdout_count` conversations chosen by ``seed``, the rest for
-        training. Both keep file order.
+        training, less every conversation whose prompt (:meth:`prompt`: the tokens before the first
+        trained one, chat template included) is a held-out one's. Held-out prompts are then never
+        trained on in any answer: a regenerated file holds each prompt once per pass (greedy,
+        sampled), and ShareGPT repeats some prompts, so without this a held-out figure would partly
+        measure answers to prompts the drafter trained on. Conversations with an empty prompt are
+        not compared. The train view's ``same_prompt_dropped`` counts what this left out (0 for
+        data without repeated prompts, whose split is then what a plain random split gives). Both
+        keep file order. Joined documents (``data.join``) compare their first conversation's prompt.
 
         Raises:
             ValueError: ``holdout >= len(self)`` (nothing left to train on): lower data.holdout.
@@ -197,8 +206,19 @@ class TokenizedDataset:
             raise ValueError(f"data.holdout = {holdout} leaves no training data ({len(self)} conversations)")
         perm = np.random.default_rng([seed, 0x401D]).permutation(len(self))
         held = np.sort(perm[:holdout])
-        train = np.sort(perm[holdout:])
-        return self.subset(train), self.subset(held)
+        train = perm[holdout:]
+        held_prompts = {key for key in map(self._prompt_key, held) if key is not None}
+        same = np.fromiter((self._prompt_key(i) in held_prompts for i in train), bool, len(train)) \
+            if held_prompts else np.zeros(len(train), bool)
+        out = self.subset(np.sort(train[~same]))
+        out.same_prompt_dropped = int(same.sum())
+        return out, self.subset(held)
+
+    def _prompt_key(self, i: int) -> bytes | None:
+        """A digest of conversation ``i``'s prompt (None when it is empty): equal prompts, equal keys."""
+        ids = self.prompt(int(i))
+        return hashlib.blake2b(np.ascontiguousarray(ids, np.int32).tobytes(), digest_size=16).digest() \
+            if len(ids) else None
 
     @property
     def fingerprint(self) -> str:

@@ -70,6 +70,10 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
         train, heldout = dataset.split(cfg.data.holdout, cfg.data.seed)  # heldout: python -m dflash.eval
     except ValueError as exc:
         raise DataError(f"{exc}; lower data.holdout") from exc
+    if train.same_prompt_dropped:
+        log.info("data: %d conversations not trained on: their prompt is a held-out conversation's (another "
+                 "answer to it, or a repeated prompt), so held-out figures measure unseen prompts",
+                 train.same_prompt_dropped)
     if len(train) < MIN_TRAIN:
         raise DataError(f"{cfg.data.source}: {len(dataset)} usable conversations, {len(heldout)} held out "
                         f"(data.holdout) leaves {len(train)} to train on, fewer than {MIN_TRAIN}: give more "

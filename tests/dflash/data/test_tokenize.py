@@ -261,6 +261,41 @@ def test_split_holdout_is_seeded_and_disjoint(tok, tmp_path):
     assert held.prompt(0).tolist() == d.prompt(int(held.rows[0])).tolist()
 
 
+def test_no_held_out_prompt_is_trained_on_in_any_answer():
+    """Invariant: a held-out conversation's prompt (its tokens before the first trained one) is
+    never trained on, whatever the answer: a regenerated file answers each prompt once per pass
+    (greedy, sampled) and ShareGPT repeats prompts. Its other answers leave the training view
+    (counted), the held-out set is the plain random split's, and data without repeated prompts
+    splits exactly as before. Empty prompts are never grouped."""
+    from dflash.data import TokenizedDataset
+
+    prompts = [[5, 6, i] for i in range(12)]
+    ids, masks = [], []
+    for rep in range(2):                                   # two passes: every prompt answered twice
+        for i, pr in enumerate(prompts):
+            ids.append(pr + [40 + rep, 50 + i])
+            masks.append([0, 0, 0, 1, 1])
+    ids.append([7, 7, 7]); masks.append([1, 1, 1])         # empty prompts: never grouped
+    ids.append([8, 8, 8]); masks.append([1, 1, 1])
+    d = TokenizedDataset.from_sequences(ids, masks)
+    train, held = d.split(4, seed=0)
+    held_prompts = {tuple(held.prompt(i).tolist()) for i in range(len(held))} - {()}
+    train_prompts = {tuple(train.prompt(i).tolist()) for i in range(len(train))}
+    assert len(held) == 4 and not held_prompts & train_prompts
+    plain = np.sort(np.random.default_rng([0, 0x401D]).permutation(len(d))[:4])
+    assert held.rows.tolist() == plain.tolist()            # the held-out set: the random split's
+    grouped = sum(len(held.prompt(i)) > 0 for i in range(len(held)))
+    siblings = sum(tuple(d.prompt(i).tolist()) in held_prompts for i in range(len(d))) - grouped
+    assert train.same_prompt_dropped == siblings > 0
+    assert len(train) + len(held) + siblings == len(d)
+    assert {len(d) - 2, len(d) - 1} <= set(train.rows.tolist()) | set(held.rows.tolist())
+
+    once = TokenizedDataset.from_sequences(ids[:12], masks[:12])   # no prompt repeated
+    train1, held1 = once.split(3, seed=1)
+    perm = np.random.default_rng([1, 0x401D]).permutation(12)
+    assert train1.rows.tolist() == np.sort(perm[3:]).tolist() and train1.same_prompt_dropped == 0
+
+
 def test_piped_progress_is_plain_lines_as_it_happens(monkeypatch):
     """In a pipe or log file, progress is plain lines while it happens (not only a final bar):
     one when the interval has passed, always one at the end, never box-drawing characters."""
