@@ -13,6 +13,7 @@ the evaluation holdout is split off without copying.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import msgspec
 import numpy as np
@@ -126,6 +127,12 @@ def print_summary(summary: DataSummary, console=None) -> None:
     console.print(table)
 
 
+MAX_ANSWERS_PER_PROMPT = 8
+"""The most conversations one prompt may have and still be taken as one question answered several
+times (regeneration passes, repeats) by :meth:`TokenizedDataset.split`; a prompt shared more widely
+is a common preamble, and holding out its conversations must not empty the training data."""
+
+
 class TokenizedDataset:
     """Tokenized conversations (see the module docstring for the array layout).
 
@@ -194,7 +201,9 @@ class TokenizedDataset:
         trained on in any answer: a regenerated file holds each prompt once per pass (greedy,
         sampled), and ShareGPT repeats some prompts, so without this a held-out figure would partly
         measure answers to prompts the drafter trained on. Conversations with an empty prompt are
-        not compared. The train view's ``same_prompt_dropped`` counts what this left out (0 for
+        not compared, nor a prompt more than :data:`MAX_ANSWERS_PER_PROMPT` conversations share (a
+        common preamble, e.g. a chat template's header before an opening assistant turn, not one
+        question). The train view's ``same_prompt_dropped`` counts what this left out (0 for
         data without repeated prompts, whose split is then what a plain random split gives). Both
         keep file order. Joined documents (``data.join``) compare their first conversation's prompt.
 
@@ -208,8 +217,12 @@ class TokenizedDataset:
         held = np.sort(perm[:holdout])
         train = perm[holdout:]
         held_prompts = {key for key in map(self._prompt_key, held) if key is not None}
-        same = np.fromiter((self._prompt_key(i) in held_prompts for i in train), bool, len(train)) \
-            if held_prompts else np.zeros(len(train), bool)
+        train_keys = [self._prompt_key(i) for i in train] if held_prompts else []
+        answers = Counter(k for k in train_keys if k in held_prompts)
+        answers.update(k for k in map(self._prompt_key, held) if k in held_prompts)
+        grouped = {k for k in held_prompts if answers[k] <= MAX_ANSWERS_PER_PROMPT}
+        same = np.fromiter((k in grouped for k in train_keys), bool, len(train_keys)) \
+            if grouped else np.zeros(len(train), bool)
         out = self.subset(np.sort(train[~same]))
         out.same_prompt_dropped = int(same.sum())
         return out, self.subset(held)

@@ -290,6 +290,10 @@ def test_no_held_out_prompt_is_trained_on_in_any_answer():
     assert len(train) + len(held) + siblings == len(d)
     assert {len(d) - 2, len(d) - 1} <= set(train.rows.tolist()) | set(held.rows.tolist())
 
+    preamble = TokenizedDataset.from_sequences([[9, 9, 40 + i] for i in range(20)], [[0, 0, 1]] * 20)
+    train2, held2 = preamble.split(2, seed=0)      # one prompt for all 20: a shared preamble, not one question
+    assert len(train2) == 18 and train2.same_prompt_dropped == 0
+
     once = TokenizedDataset.from_sequences(ids[:12], masks[:12])   # no prompt repeated
     train1, held1 = once.split(3, seed=1)
     perm = np.random.default_rng([1, 0x401D]).permutation(12)

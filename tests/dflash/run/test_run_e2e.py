@@ -584,11 +584,14 @@ def test_a_run_that_would_train_on_too_few_conversations_stops_before_training(t
 
     from dflash.run.prepare import MIN_TRAIN
 
+    def chats(n: int) -> str:
+        return "".join(json.dumps({"messages": [
+            {"role": "user", "content": f"Question {i}: name a colour and say why you like it."},
+            {"role": "assistant", "content": f"Answer {i}: blue, because it is the colour of the sea and the sky."}]})
+            + "\n" for i in range(n))
+
     data = tmp_path / "few.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"Question {i}: name a colour and say why you like it."},
-        {"role": "assistant", "content": f"Answer {i}: blue, because it is the colour of the sea and the sky."}]})
-        + "\n" for i in range(24)))
+    data.write_text(chats(24))
     run = tmp_path / "run"
     args = small(run, tmp_path / "cache", f'data.source="{data}"', "data.holdout=12", steps=2)
     assert main(args) == 2
@@ -596,7 +599,7 @@ def test_a_run_that_would_train_on_too_few_conversations_stops_before_training(t
     assert f"24 usable conversations, 12 held out (data.holdout) leaves 12 to train on, fewer than {MIN_TRAIN}" in line
     assert not list_checkpoints(run / "checkpoints")
     many = tmp_path / "many.jsonl"
-    many.write_text(data.read_text() * 3)  # 72 conversations, the hold-out left out
+    many.write_text(chats(72))  # 72 conversations (72 prompts), the hold-out left out
     args = small(run, tmp_path / "cache", f'data.source="{many}"', steps=2)
     i = args.index("data.holdout=4")
     del args[i - 1:i + 1]  # the "--set data.holdout=4" pair: leave the key out
