@@ -74,7 +74,9 @@ class DataConfig(Table):
         holdout: conversations held out for evaluation (chosen by ``seed``), never trained on;
             ``python -m dflash.eval`` decodes them. Left out: 64, but never more than a tenth of
             the conversations kept (:func:`dflash.data.dataset.holdout_count`), so a small file
-            still trains on most of itself; a number is taken as written.
+            still trains on most of itself; a number is taken as written. Their prompts are not
+            trained on either: another conversation with the same prompt (another regeneration
+            pass's answer, a repeated prompt) leaves the training data, counted in the run log.
         seed: seed of the holdout choice and the batch order (the order is a pure function of
             (seed, epoch)).
     """
