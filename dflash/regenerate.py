@@ -259,7 +259,7 @@ def choose_engine(args: argparse.Namespace, model, device) -> str:
             sized = f", sized to half of the GPU's free {free / 2**30:.1f} GiB"
     if args.chunk is None:
         args.chunk = 8 * args.batch_size if args.engine == "slots" else 64
-    return (f"engine {args.engine}{why}, {args.batch_size} rows at once{sized}, chunks of {args.chunk} "
+    return (f"engine {args.engine}{why}, at most {args.batch_size} rows at once{sized}, chunks of {args.chunk} "
             "conversations")
 
 

@@ -307,4 +307,4 @@ def test_auto_engine_is_slots_on_a_gpu_for_a_target_it_runs_and_generate_elsewhe
 def test_the_start_line_says_which_engine_auto_chose(tmp_path, capsys):
     src, out = _source(tmp_path), tmp_path / "out.jsonl"
     assert regen.main(_args(src, out)) == 0
-    assert "engine generate (auto: a CPU), 2 rows at once, chunks of 2 conversations" in capsys.readouterr().err
+    assert "engine generate (auto: a CPU), at most 2 rows at once, chunks of 2 conversations" in capsys.readouterr().err
