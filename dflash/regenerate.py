@@ -308,7 +308,8 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     from dflash.model.answers import check_engine
 
     try:
-        args.engine == "auto" or check_engine(args.engine)  # before any work: the continuous engine needs transformers 5
+        if args.engine != "auto":
+            check_engine(args.engine)  # before any work: the continuous engine needs transformers 5
         cfg = load_config(args.graph, args.overrides)
         limit = args.num_conversations or cfg.data.max_samples
         records = read_source(cfg.data.source, cfg.data.format, limit)
