@@ -96,8 +96,8 @@ def tree_decode(target: Target, proposer, prompt: torch.Tensor, max_new_tokens: 
     n0, dev = prompt.shape[0], prompt.device
     end = n0 + max_new_tokens
     run = _tree_run(target, budget, end + block_size, cuda_graphs)
+    static = isinstance(run, StaticTreeTarget)
     try:
-        static = isinstance(run, StaticTreeTarget)
         tokens = torch.empty(end + block_size, dtype=torch.long, device=dev)
         tokens[:n0] = prompt
         f, logits = run.prefill(prompt) if static else run(prompt, 0, last_only=True)
