@@ -194,6 +194,17 @@ class TokenizedDataset:
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, summary=self.summary,
                                 key=self.key, rows=self.rows[np.asarray(indices, np.int64)])
 
+    def last_prompt(self, i: int) -> np.ndarray:
+        """``[P]`` int32 ids of conversation ``i`` before its last run of trained tokens (its last
+        assistant turn; in a joined document, ``data.join``, the last conversation's last turn, so
+        many conversations deep): the longest context a real decode of it starts from, for tau by
+        context length. Equal to :meth:`prompt` for a single-turn conversation; empty if nothing
+        comes before it."""
+        ids, mask = self.span(i)
+        trained = np.asarray(mask, bool)
+        starts = np.flatnonzero(trained[1:] & ~trained[:-1]) + 1    # where a trained run begins after context
+        return ids[: int(starts[-1])] if len(starts) else ids[: int(np.argmax(trained))] if trained.any() else ids
+
     def split(self, holdout: int | None, seed: int) -> tuple["TokenizedDataset", "TokenizedDataset"]:
         """(train, heldout): :func:`holdout_count` conversations chosen by ``seed``, the rest for
         training, less every conversation whose prompt (:meth:`prompt`: the tokens before the first

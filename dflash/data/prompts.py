@@ -52,32 +52,37 @@ def _min_prompt_tokens(tok, data_cfg: DataConfig | None = None) -> int:
                len(_context(enc, [user, _PLACEHOLDER, user, _PLACEHOLDER])))
 
 
-def heldout_prompts(data_cfg: DataConfig, tok, num: int, max_tokens: int) -> list[list[int]]:
+def heldout_prompts(data_cfg: DataConfig, tok, num: int, max_tokens: int, turn: str = "first") -> list[list[int]]:
     """Prompt ids of the first ``num`` usable held-out conversations of a training run.
 
     Loads the run's tokenized data (``load_dataset``: a cache hit when run from the training
     run's directory or with the same ``$DFLASH_CACHE``, else it tokenizes ``data.source`` again),
     takes ``dataset.split(data.holdout, data.seed)[1]`` (exactly the conversations dflash.run did
     not train on) and each one's :meth:`~dflash.data.TokenizedDataset.prompt` (the context before
-    its first trained token, chat template included), cut to its last ``max_tokens`` tokens.
-    Conversations without user text before the first assistant turn are skipped.
+    its first trained token, chat template included), cut to its last ``max_tokens`` tokens; with
+    ``turn="last"`` the context before its *last* trained turn instead
+    (:meth:`~dflash.data.TokenizedDataset.last_prompt`: the whole conversation so far, or with
+    ``data.join`` many conversations deep). Conversations without user text before the first
+    assistant turn are skipped.
     """
     ds = load_dataset(data_cfg, tok, progress=False, quiet=True)
     _, held = ds.split(data_cfg.holdout, data_cfg.seed)
-    return usable_prompts(held, tok, data_cfg, num, max_tokens)
+    return usable_prompts(held, tok, data_cfg, num, max_tokens, turn)
 
 
-def usable_prompts(held, tok, data_cfg: DataConfig, num: int, max_tokens: int) -> list[list[int]]:
+def usable_prompts(held, tok, data_cfg: DataConfig, num: int, max_tokens: int,
+                   turn: str = "first") -> list[list[int]]:
     """Prompt ids of the first ``num`` conversations of ``held`` (a :class:`~dflash.data.TokenizedDataset`)
-    with user text before their first trained token, each cut to its last ``max_tokens`` tokens
-    (:func:`heldout_prompts` without loading the data)."""
+    with user text before their first trained token, each cut to its last ``max_tokens`` tokens;
+    ``turn="last"``: the context before each one's last trained turn (:func:`heldout_prompts`
+    without loading the data)."""
     shortest = _min_prompt_tokens(tok, data_cfg)
     out = []
     for i in range(len(held)):
         if len(out) == num:
             break
-        ids = held.prompt(i)
-        if len(ids) >= shortest:
+        if len(held.prompt(i)) >= shortest:      # user text before its first answer
+            ids = held.last_prompt(i) if turn == "last" else held.prompt(i)
             out.append(ids[-max_tokens:].tolist())
     return out
 

@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                    help=f"prompt tokens kept, the last ones (default {DEFAULT_MAX_PROMPT_TOKENS}; for the run's "
                         "held-out conversations its [eval].max_prompt_tokens)")
+    p.add_argument("--prompt-turn", choices=["first", "last"], default="first",
+                   help="with the run's held-out conversations (--data): the context before each one's first "
+                        "assistant turn (default), or before its last (the whole conversation so far; with a "
+                        "run's [data].join on, many conversations deep): tau by context length, with "
+                        "--max-prompt-tokens raised to let long contexts through")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",

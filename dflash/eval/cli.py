@@ -116,7 +116,7 @@ def prompt_ids(args, tok, prompts: list[EvalPrompt] | None = None, data_cfg=None
         print("dflash.eval: the run held out no conversations (data.holdout = 0): using the last "
               f"{args.num_prompts} conversations of {args.data} (training data)", file=sys.stderr)
     else:
-        return heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens)
+        return heldout_prompts(data_cfg, tok, args.num_prompts, args.max_prompt_tokens, args.prompt_turn)
     return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
 
 
@@ -174,6 +174,9 @@ def _main(argv: list[str] | None) -> int:
         heldout = bool(args.data) and data_cfg is not None and data_cfg.source == args.data and data_cfg.holdout != 0
         # the run's held-out measure: the defaults its own evaluator decoded with ([eval])
         run_eval = run_eval_config(Path(args.checkpoint)) if heldout else None
+        if args.prompt_turn == "last" and not heldout:
+            raise EvalInputError("--prompt-turn last needs the run's held-out conversations: give --data the "
+                                 "run's [data].source, from a checkpoint inside its run directory")
     except (EvalInputError, DataError) as exc:
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2
@@ -268,6 +271,8 @@ def _main(argv: list[str] | None) -> int:
     else:
         source = f"{args.data}, the run's held-out conversations" if heldout else f"--data {args.data}"
         what = f"{source}: {over_text(len(ids), args.max_new_tokens)}"
+    if args.prompt_turn == "last":
+        what += ", each the context before its last assistant turn"
     what += f", prompts cut to their last {args.max_prompt_tokens} tokens"
     if run_eval is not None:
         what += " (the run's [eval] settings; flags override them)"

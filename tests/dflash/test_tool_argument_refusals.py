@@ -225,3 +225,25 @@ def test_eval_decodes_exactly_the_prompts_asked_or_says_how_many_exist(tiny_run,
     assert main([*base, "--no-speedup", "--quiet"]) == 0  # a --prompts set is decoded whole by default
     out = capsys.readouterr()
     assert len(json.loads(out.out)["per_prompt"]) == 2 and out.err == ""
+
+
+def test_eval_last_turn_prompts_need_the_runs_held_out_conversations(tiny_run, tmp_path, capsys):  # noqa: F811
+    """--prompt-turn last reads the run's held-out conversations (the context before each one's
+    last turn): with any other prompts it is refused in one line, before a model loads; with them
+    it decodes and the header says which context each prompt is."""
+    import json
+
+    from dflash.eval.cli import main
+
+    ck = max((tiny_run / "checkpoints").glob("step_*"))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}]}) + "\n")
+    for source in (["--data", str(other)], ["--prompts", "mtbench"]):
+        assert main([str(ck), *source, "--prompt-turn", "last", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--prompt-turn last needs the run's held-out conversations" in err, err
+    args = [str(ck), "--data", "sharegpt", "--num-prompts", "2", "--max-new-tokens", "4", "--device", "cpu",
+            "--no-speedup"]
+    assert main([*args, "--prompt-turn", "last"]) == 0
+    assert "each the context before its last assistant turn" in capsys.readouterr().err

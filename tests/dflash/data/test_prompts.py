@@ -64,3 +64,40 @@ def test_source_and_heldout_prompts_are_the_training_contexts(q3, tmp_path, reas
     _, heldout = ds.split(cfg.holdout, cfg.seed)
     want = [heldout.prompt(i).tolist() for i in range(len(heldout))]
     assert held == [p for p in want if p != trained[2]] and held
+
+
+def test_last_turn_prompts_hold_the_whole_conversation_so_far(q3, tmp_path):
+    """--prompt-turn last: each held-out prompt is the context before the conversation's last
+    trained turn (its earlier turns and answers included, as training rendered them), and with
+    data.join the last conversation's last turn, many conversations deep: the long contexts that
+    tau by context length needs. A single-turn conversation's last prompt is its first."""
+    rows = [{"messages": [{"role": "user", "content": f"first question {i}"},
+                          {"role": "assistant", "content": f"first answer {i}"},
+                          {"role": "user", "content": f"second question {i}"},
+                          {"role": "assistant", "content": f"second answer {i}"}]} for i in range(6)]
+    rows += [{"messages": [{"role": "user", "content": "only question"},
+                           {"role": "assistant", "content": "only answer"}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(source=str(path), cache_dir=str(tmp_path / "cache"), num_workers=1, block_size=1,
+                     holdout=7 - 1, seed=0)
+    ds = load_dataset(cfg, q3, progress=False, quiet=True)
+    _, held = ds.split(cfg.holdout, cfg.seed)
+    first = heldout_prompts(cfg, q3, 6, 1 << 20)
+    last = heldout_prompts(cfg, q3, 6, 1 << 20, turn="last")
+    assert len(first) == len(last) == 6
+    for i, (a, b) in enumerate(zip(first, last)):
+        text, ids = q3.decode(b), held.span(i)[0].tolist()
+        assert b[:len(a)] == a and ids[:len(b)] == b                  # the first context, then more
+        if "second question" in text:
+            assert "first answer" in text and text.rindex("<|im_start|>assistant") > text.rindex("second question")
+            assert "second answer" not in text
+        else:
+            assert a == b                                               # one turn: the same prompt
+    assert heldout_prompts(cfg, q3, 6, 5, turn="last") == [p[-5:] for p in last]
+
+    joined = DataConfig(source=str(path), cache_dir=str(tmp_path / "cache"), num_workers=1, block_size=1,
+                        holdout=1, seed=0, join=True, max_length=200)
+    (deep,) = heldout_prompts(joined, q3, 1, 1 << 20, turn="last")
+    (shallow,) = heldout_prompts(joined, q3, 1, 1 << 20)
+    assert q3.decode(deep).count("first question") >= 2 and q3.decode(shallow).count("question") == 1
