@@ -10,7 +10,8 @@
 #      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
 #      tree verification of TREE draft tokens (measured and teacher-forced; default 32);
 #   3. the export (python -m dflash.export).
-# PARTS picks which run (default all: export tests speed mtbench humaneval heldout profile), so that
+# PARTS picks which run (default all: export tests speed mtbench humaneval heldout profile; also
+# bylength, tau by context length), so that
 # the whole fits in more than one device call.
 #   ZLAB_DFLASH_PATH=... PARTS="export speed mtbench" bash benchmarks/real_target/eval.sh OUT
 set -uo pipefail
@@ -37,6 +38,13 @@ done
 on heldout && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
   --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --time-limit $LIMIT --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
 echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"; }
+# tau by context length: the held-out conversations' last turns as prompts (earlier turns included;
+# a run trained with SETS="--set data.join=true --set data.max_length=8192" holds documents many
+# conversations deep), up to CTX tokens of context, bucketed <1K / 1-4K / 4-8K in the output
+on bylength && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --prompt-turn last \
+  --max-prompt-tokens ${CTX:-8192} --num-prompts 64 --max-new-tokens 128 --device cuda --time-limit $LIMIT --json \
+  > "$OUT/eval-bylength.json" 2> "$OUT/eval-bylength.err"
+echo "eval by length rc=$? ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/eval-bylength.err"; }
 on profile && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
   --dtype bfloat16 --out "$OUT/profile" > "$OUT/profile.log" 2>&1
 echo "profile rc=$? ($(( $(date +%s) - T0 )) s)"; head -c 800 "$OUT/profile/profile.json"; }
