@@ -239,7 +239,9 @@ def test_eval_last_turn_prompts_need_the_runs_held_out_conversations(tiny_run, t
     other = tmp_path / "other.jsonl"
     other.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": "hello"}]}) + "\n")
-    for source in (["--data", str(other)], ["--prompts", "mtbench"]):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a colour."}) + "\n")
+    for source in (["--data", str(other)], ["--prompts", str(prompts)]):
         assert main([str(ck), *source, "--prompt-turn", "last", "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--prompt-turn last needs the run's held-out conversations" in err, err
