@@ -235,7 +235,7 @@ def choose_engine(args: argparse.Namespace, model, device) -> str:
     """
     import torch
 
-    from dflash.model.slots import check_model, positions_for, rows_that_fit
+    from dflash.model.slots import USE_GENERATE, check_model, positions_for, rows_that_fit
 
     gpu = str(device).startswith("cuda")
     why = ""
@@ -246,7 +246,7 @@ def choose_engine(args: argparse.Namespace, model, device) -> str:
                 check_model(model)
                 args.engine, why = "slots", " (auto: a GPU)"
             except ValueError as e:
-                why = f" (auto: {str(e).removesuffix('; use --engine generate')})"
+                why = f" (auto: {str(e).removesuffix(USE_GENERATE)})"
     elif args.engine == "slots":
         check_model(model)
     sized = ""

@@ -227,13 +227,12 @@ class TokenizedDataset:
         perm = np.random.default_rng([seed, 0x401D]).permutation(len(self))
         held = np.sort(perm[:holdout])
         train = perm[holdout:]
-        held_prompts = {key for key in map(self._prompt_key, held) if key is not None}
+        held_keys = [self._prompt_key(i) for i in held]
+        held_prompts = {k for k in held_keys if k is not None}
         train_keys = [self._prompt_key(i) for i in train] if held_prompts else []
-        answers = Counter(k for k in train_keys if k in held_prompts)
-        answers.update(k for k in map(self._prompt_key, held) if k in held_prompts)
-        grouped = {k for k in held_prompts if answers[k] <= MAX_ANSWERS_PER_PROMPT}
-        same = np.fromiter((k in grouped for k in train_keys), bool, len(train_keys)) \
-            if grouped else np.zeros(len(train), bool)
+        answers = Counter(k for k in (*held_keys, *train_keys) if k in held_prompts)
+        grouped = {k for k, n in answers.items() if n <= MAX_ANSWERS_PER_PROMPT}
+        same = np.array([k in grouped for k in train_keys], bool) if grouped else np.zeros(len(train), bool)
         out = self.subset(np.sort(train[~same]))
         out.same_prompt_dropped = int(same.sum())
         return out, self.subset(held)

@@ -43,14 +43,16 @@ from dflash.model.drafter import apply_rope
 from dflash.model.target import FIXED_ROPE
 from dflash.model.target import FIXED_SHAPE_FAMILIES as FAMILIES
 
-__all__ = ["CHECK_EVERY", "MOST_ROWS", "PREFILL_TOKENS", "SlotDecoder", "check_model", "choose", "decode",
-           "kv_bytes_per_row", "positions_for", "rows_that_fit"]
+__all__ = ["CHECK_EVERY", "MOST_ROWS", "PREFILL_TOKENS", "USE_GENERATE", "SlotDecoder", "check_model", "choose",
+           "decode", "kv_bytes_per_row", "positions_for", "rows_that_fit"]
 
 CHECK_EVERY = 16
 """Decode steps between two looks at the rows (one host sync each); a finished row idles at most
 this many steps before its slot is refilled, and the rows freed meanwhile are prefilled together."""
 PREFILL_TOKENS = 65536
 """Context tokens per eager prefill forward (rows x their longest context): bounds its activations."""
+USE_GENERATE = "; use --engine generate"
+"""The advice that ends :func:`check_model`'s refusals (``--engine auto`` drops it: it switches itself)."""
 MOST_ROWS = 512
 """The most rows :func:`rows_that_fit` gives: the batch measured on an H100 with SmolLM2-135M-Instruct
 (32.5K answer tokens/s, 4.3x ``generate``; ``benchmarks/results/LOG.md``, "a fourth time"). Past it a
@@ -94,7 +96,7 @@ def check_model(model) -> None:
     """
     hf = model.config
     kind = getattr(hf, "model_type", None)
-    hint = "; use --engine generate"
+    hint = USE_GENERATE
     if kind not in FAMILIES:
         raise ValueError(f"the slots engine runs {' and '.join(FAMILIES)} targets; this one is {kind!r}{hint}")
     types = set(getattr(hf, "layer_types", None) or ["full_attention"])
