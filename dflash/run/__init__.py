@@ -19,6 +19,7 @@ answers before torch loads. Modules::
     prepare.py     what must exist before the graph starts: the data, the sampler, the resume state
     app.py         what the stages share at run time (the Runtime's app)
     step_gate.py   steps that may compile run alone in the process; the others run side by side
+    memory.py         each CUDA device's peak memory estimated from the settings; a run that will not fit stops first
     out_of_memory.py  a stage out of GPU memory: which settings to change, with their values
     stages/        the csp process kinds: prefetch -> target -> postprocess -> drafter -> monitor
 """

@@ -78,6 +78,11 @@ class RunSection(Table):
     ``run.steps`` stays the most steps trained. Unset: the schedule ends at ``run.steps``. Not under
     torchrun."""
 
+    memory_check: Annotated[bool, added_later(True, hashed=False)] = True
+    """Before any work, estimate each CUDA device's peak memory from the settings and stop a run
+    that clearly will not fit, naming what would (:mod:`dflash.run.memory`; docs/gpus.md). False
+    starts the run anyway (for an estimate that is wrong for your model)."""
+
     def __post_init__(self) -> None:
         if self.steps > MAX_STEPS:
             raise ValueError(f"run.steps = {cut(str(self.steps))} is above {MAX_STEPS:,}, the most a run trains "
@@ -254,7 +259,7 @@ def config_hash(cfg: DFlashFile) -> str:
             raw["drafter"].pop(key, None)
         for key in later.loss_fields:
             raw["loss"].pop(key, None)
-    raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps", "time_budget_s")}
+    raw["run"] = {k: v for k, v in raw["run"].items() if k not in ("resume", "out_dir", "steps", "time_budget_s", "memory_check")}
     # A left-out data.holdout (64, at most a tenth of the data) hashes as the 64 it was before it
     # could be left out: the same split wherever the data holds 640 conversations or more; on a
     # smaller set the sampler's dataset fingerprint still refuses a resume across the change.

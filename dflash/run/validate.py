@@ -13,7 +13,8 @@ drafter's and the target's kernels against their devices and the installed packa
 (:func:`dflash.observe.config.check_monitor`), the in-training evaluation against the graph
 (:func:`dflash.eval.config.check_eval`), an explicit ``--resume PATH``
 (:func:`dflash.checkpoint.check_resume_path`) and the drafter the resumed checkpoint holds
-(:func:`dflash.checkpoint.check_architecture`). The rules about the graph and the run directory
+(:func:`dflash.checkpoint.check_architecture`), and each CUDA device's estimated memory
+(:func:`dflash.run.memory.check_memory`). The rules about the graph and the run directory
 are the run's own and live here. ``python -m dflash.run`` reports the first broken rule as one
 line with exit code 2.
 """
@@ -34,7 +35,8 @@ from dflash.model.drafter_config import DrafterConfig, check_drafter_devices
 from dflash.model.target_config import check_target_devices
 from dflash.observe.config import check_monitor
 from dflash.run.config import DFlashFile, unread_variant_keys
-from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas, one_line
+from dflash.run.memory import check_memory
+from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas, one_line, target_hf_config
 from dflash.train.config import check_train, lr_warnings
 
 __all__ = ["check_drafter_replicas", "check_run_dir", "check_time_budget", "check_trains_something", "devices_of",
@@ -79,7 +81,9 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
         check_architecture(candidate, resolved.drafter)
         check_optimizer(candidate, cfg.train.optimizer)
     check_run_dir(cfg.run.out_dir)
-    return (lr_warnings(cfg.train) + unread_variant_keys(cfg)
+    memory = check_memory(cfg, resolved.drafter, target_hf_config(cfg.target),
+                          {"target": devices_of(cfg, TARGET_KIND), "drafter": devices_of(cfg, DRAFTER_KIND)})
+    return (lr_warnings(cfg.train) + unread_variant_keys(cfg) + memory
             + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last))
 
 

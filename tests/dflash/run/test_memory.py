@@ -1,0 +1,136 @@
+"""dflash.run.memory: the estimate against the peaks measured on an H200, and the pre-run check
+that stops a run that will not fit with settings that do."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.h200.lengths import cell_overrides
+from dflash.errors import ConfigError
+from dflash.run.config import load_config
+from dflash.run.memory import GIB, REFUSE_OVER, WARN_OVER, check_memory, estimate
+from dflash.run.resolve import load_and_resolve, target_hf_config
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[3]
+GRAPH = ROOT / "examples" / "qwen3-8b-h200.toml"
+MEASURED = ROOT / "benchmarks" / "results" / "lengths_h200" / "lengths.json"
+ONE_GPU = {"target": ["cuda:0"], "drafter": ["cuda:0"]}
+
+
+def resolved(sets: list[str]):
+    r, _ = load_and_resolve(load_config(GRAPH, sets))
+    return r.cfg, r.drafter, target_hf_config(r.cfg.target)
+
+
+def at_length(length: int, checkpointing: bool = False, extra: tuple[str, ...] = ()):
+    return resolved(cell_overrides(length, 16, checkpointing, 0, 5) + list(extra))
+
+
+def measured_cells():
+    doc = json.loads(MEASURED.read_text())
+    for row in doc["rows"]:
+        target_resident = row["target"]["resident_gb"]["cuda:0"]
+        yield row["length"], "target", False, row["target"]["peak_mem_gb"]["cuda:0"]
+        for d in row["drafter"]:
+            # the drafter was measured beside the loaded target: its peak less the target's weights
+            yield row["length"], "drafter", d["checkpointing"], d["peak_mem_gb"]["cuda:0"] - target_resident
+
+
+@pytest.mark.parametrize("length,stage,checkpointing,gib", list(measured_cells()),
+                         ids=lambda v: str(v))
+def test_estimate_matches_the_h200_table(length, stage, checkpointing, gib):
+    """Within 3% where the model is linear (the target, the drafter without checkpointing, and
+    checkpointing at 32K where its constant is fitted); with checkpointing at shorter rows it may
+    only overestimate (by at most 30%), never fall more than 5% under."""
+    (m,) = estimate(*at_length(length, checkpointing), ONE_GPU)
+    got = (m.target_weights + m.target_act if stage == "target" else m.drafter_fixed + m.drafter_act) / GIB
+    if stage == "target" or not checkpointing or length == 32768:
+        assert got == pytest.approx(gib, rel=0.03)
+    else:
+        assert 0.95 * gib <= got <= 1.3 * gib
+
+
+def test_stages_on_separate_devices_are_counted_apart():
+    cfg, drafter, hf = at_length(8192)
+    one = estimate(cfg, drafter, hf, ONE_GPU)
+    two = estimate(cfg, drafter, hf, {"target": ["cuda:0"], "drafter": ["cuda:1"]})
+    assert [m.device for m in two] == ["cuda:0", "cuda:1"]
+    assert two[0].drafter_fixed == two[1].target_weights == 0
+    assert two[0].total + two[1].total == pytest.approx(one[0].total)
+    assert estimate(cfg, drafter, hf, {"target": ["cpu"], "drafter": ["cpu"]}) == []
+    # "cuda" without an index is device 0, the same card as "cuda:0"
+    assert len(estimate(cfg, drafter, hf, {"target": ["cuda"], "drafter": ["cuda:0"]})) == 1
+
+
+def card(gib: float):
+    return lambda device: gib * GIB
+
+
+def test_a_length_that_will_not_fit_stops_with_settings_that_do():
+    cfg, drafter, hf = at_length(65536)
+    (m,) = estimate(cfg, drafter, hf, ONE_GPU)
+    assert m.total > REFUSE_OVER * 80 * GIB
+    with pytest.raises(ConfigError) as err:
+        check_memory(cfg, drafter, hf, ONE_GPU, card_bytes=card(80))
+    line = str(err.value)
+    assert "\n" not in line and "cuda:0 needs about" in line and "data.max_length = 65,536" in line
+    anchors = int(re.search(r"lower train.num_anchors to ([\d,]+)", line).group(1).replace(",", ""))
+    assert "separate GPUs" in line and "run.memory_check = false" in line
+    # the anchors it names fit the card: a run with them starts (near the edge, so with a warning),
+    # and one more anchor per row would not fit
+    fixed = resolved(cell_overrides(65536, 16, False, 0, 5) + [f"train.num_anchors={anchors}"])
+    assert len(check_memory(*fixed, ONE_GPU, card_bytes=card(80))) == 1
+    (over,) = estimate(*resolved(cell_overrides(65536, 16, False, 0, 5) + [f"train.num_anchors={anchors + 1}"]),
+                       ONE_GPU)
+    assert over.total > 80 * GIB
+
+
+def test_checkpointing_is_named_when_it_alone_fits():
+    cfg, drafter, hf = at_length(32768)
+    (m,) = estimate(cfg, drafter, hf, ONE_GPU)
+    gib = m.total / GIB / 1.16  # over the refusal line; checkpointing's estimate (-12.5 GiB) fits
+    with pytest.raises(ConfigError, match=r"set \[drafter\].activation_checkpointing = true \(about \d+ GiB\)"):
+        check_memory(cfg, drafter, hf, ONE_GPU, card_bytes=card(gib))
+    warned = check_memory(*at_length(32768, checkpointing=True), ONE_GPU, card_bytes=card(gib))
+    assert len(warned) == 1 and "set [drafter].activation_checkpointing" not in warned[0]
+
+
+def test_near_the_edge_it_warns_and_goes_on():
+    cfg, drafter, hf = at_length(32768)
+    (m,) = estimate(cfg, drafter, hf, ONE_GPU)
+    warnings = check_memory(cfg, drafter, hf, ONE_GPU, card_bytes=card(m.total / GIB))  # estimate == card
+    assert len(warnings) == 1 and warnings[0].startswith("the run may run out of GPU memory: cuda:0 needs about")
+    assert "If it does: " in warnings[0]
+    assert check_memory(cfg, drafter, hf, ONE_GPU, card_bytes=card(m.total / GIB / WARN_OVER * 1.01)) == []
+
+
+def test_packed_rows_lever_fits():
+    cfg, drafter, hf = resolved(["data.max_length=4096", "data.tokens_per_batch=131072", "data.packed_rows=32",
+                                 "train.num_anchors=256"])
+    with pytest.raises(ConfigError) as err:
+        check_memory(cfg, drafter, hf, ONE_GPU, card_bytes=card(80))
+    rows, tokens = re.search(r"lower data.packed_rows to (\d+) with data.tokens_per_batch = ([\d,]+)",
+                             str(err.value)).groups()
+    fixed = resolved(["data.max_length=4096", f"data.tokens_per_batch={tokens.replace(',', '')}",
+                      f"data.packed_rows={rows}", "train.num_anchors=256"])
+    (m,) = estimate(*fixed, ONE_GPU)
+    assert m.total <= 80 * GIB
+    check_memory(*fixed, ONE_GPU, card_bytes=card(80))  # starts: no ConfigError
+
+
+def test_memory_check_false_skips_it():
+    cfg, drafter, hf = at_length(65536, extra=("run.memory_check=false",))
+    assert check_memory(cfg, drafter, hf, ONE_GPU, card_bytes=card(80)) == []
+
+
+def test_no_cuda_here_skips_it(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check_memory(*at_length(65536), ONE_GPU) == []
