@@ -13,11 +13,15 @@ Network: 400 Gbit/s per GPU (one NIC per GPU, the HGX H200 build); NVLink 450 GB
 
 from __future__ import annotations
 
-from dflash.plan.measure import ACT_BYTES, IDS_BYTES_PER_TOKEN
+from dflash.plan.measure import IDS_BYTES_PER_TOKEN
 from dflash.plan.model import GIB, Inputs, colocated, layouts
 
 H200_GIB = 141e9 / GIB
 TOKENS = 16384
+# Activation bytes per batch token, hidden unit and layer of that drafter run: its 59.0 GiB peak on
+# 16,384 tokens less 15.6 GiB of fp32 weights, gradients and Adam moments and 2.3 GiB of the frozen
+# bf16 embedding and LM head (a run's own check, dflash.run.memory, counts drafter slots instead)
+ACT_BYTES = 131
 
 
 def shape(target_tok_s: float, drafter_tok_s: float, hidden: int, drafter_params: float, target_params: float,

@@ -18,6 +18,7 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
+from dflash.run.memory import ACT_BYTES, DRAFTER_BYTES_PER_PARAM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,10 +28,6 @@ if TYPE_CHECKING:
 # bound 1 / (1/33.6K + 1/44.8K) = 19.2K of the two stages measured alone.
 DEFAULT_COLOC = 0.99
 DEFAULT_COLOC_SOURCE = "default 0.99 (benchmarks/results/LOG.md: colocated 19.1K vs serial bound 19.2K, one H200)"
-# Drafter activation bytes per token, per hidden unit, per drafter layer: benchmarks/results/LOG.md, the
-# drafter alone peaked at 59.0 GiB on 16,384 tokens (H 4096, 5 layers, chunked LM head), less 15.6 GiB
-# of fp32 weights, gradients and Adam moments and 2.3 GiB of the frozen bf16 embedding and LM head.
-ACT_BYTES = 131
 IDS_BYTES_PER_TOKEN = 21  # input_ids int64 + position_ids int64 + doc_ids int32 + loss_mask bool
 
 
@@ -84,10 +81,12 @@ def target_params(hf: PretrainedConfig) -> int:
     return hf.vocab_size * h * (1 if tied else 2) + n_layers * (attn + 3 * h * inter + 2 * h)
 
 
-def drafter_memory(weight_bytes: float, tokens: int, hidden: int, layers: int) -> float:
-    """Bytes one drafter replica holds: fp32 weights, gradients and two Adam moments (4 x the
-    weights) plus activations (:data:`ACT_BYTES` per token, hidden unit and layer)."""
-    return 4 * weight_bytes + ACT_BYTES * tokens * hidden * layers
+def drafter_memory(weight_bytes: float, slots: int, hidden: int, layers: int) -> float:
+    """Bytes one drafter replica holds, by the model :mod:`dflash.run.memory` checks a run with:
+    :data:`~dflash.run.memory.DRAFTER_BYTES_PER_PARAM` a parameter (``weight_bytes`` are its fp32
+    weights) plus activations (:data:`~dflash.run.memory.ACT_BYTES` per drafter slot, hidden unit
+    and layer; slots = packed rows x anchors x block size)."""
+    return DRAFTER_BYTES_PER_PARAM * weight_bytes / 4 + ACT_BYTES * slots * hidden * layers
 
 
 def _proc(cfg: dict, kind: str, run: Path) -> dict:
@@ -176,7 +175,9 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
     else:
         dcfg = json.loads((ckpt / "drafter_config.json").read_text(encoding="utf-8"))
         grad = float(safetensors_bytes(ckpt / "model.safetensors"))  # fp32 masters: gradients as large
-        d_mem = drafter_memory(grad, tokens, dcfg["hidden_size"], dcfg["num_layers"])
+        data, train = cfg.get("data", {}), cfg.get("train", {})
+        slots = data.get("packed_rows", 1) * train.get("num_anchors", 256) * dcfg["block_size"]
+        d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"])
     inputs = Inputs(target_tok_s=t_rate, drafter_tok_s=d_rate, coloc=coloc, coloc_source=coloc_source,
                     bytes_per_token=hidden / model.measured / per_item, grad_bytes=grad, tokens_per_batch=tokens,
                     target_mem=_target_mem(cfg, t_dev[0], notes), drafter_mem=d_mem,
@@ -200,5 +201,5 @@ def _records(run: Path) -> list[dict]:
     return out
 
 
-__all__ = ["ACT_BYTES", "DEFAULT_COLOC", "IDS_BYTES_PER_TOKEN", "Measured", "PlanError", "drafter_memory",
+__all__ = ["DEFAULT_COLOC", "IDS_BYTES_PER_TOKEN", "Measured", "PlanError", "drafter_memory",
            "from_run", "safetensors_bytes", "target_params"]
