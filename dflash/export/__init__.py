@@ -80,11 +80,11 @@ from dflash.export.layout import (
 
 __all__ = ["ARCHITECTURES", "CARD_FILE", "EXPORT_FILES", "MODELING_FILE", "NOT_EXPORTED",
            "NO_REMOTE_CODE", "ExportedThenInterrupted", "LastLayerWarning", "OutputTaken", "build_parser",
-           "check_output", "describe", "export_drafter", "exported_weights", "hf_config_dict", "last_layer_problem",
+           "check_output", "describe", "export_drafter", "exported_config", "exported_weights", "hf_config_dict", "last_layer_problem",
            "load_exported", "main", "model_card"]
 
 _HOME = {"export_drafter": "write", "exported_weights": "write", "hf_config_dict": "write",
-         "last_layer_problem": "write", "model_card": "write", "load_exported": "read",
+         "last_layer_problem": "write", "model_card": "write", "load_exported": "read", "exported_config": "read",
          "build_parser": "cli", "check_output": "cli", "main": "cli", "describe": "about"}
 
 

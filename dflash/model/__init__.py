@@ -25,6 +25,7 @@ built, run and tested without data, a trainer or a run directory. Modules::
     answers.py           the target's answers to many contexts (padded batches, continuous batching, or slots)
     slots.py             many answers over one static KV cache, the step a CUDA graph, rows refilled as answers end
     cuda_graph.py        one fixed-shape step replayed as a CUDA graph, or run eagerly where it cannot be
+    public_layout.py     a public-layout drafter directory read back: config.json as a DrafterConfig, its weights
     modeling_dflash.py   the standalone transformers model shipped with an export (trust_remote_code)
     modeling_resblock.py the "resblock" variant's transformers model, shipped beside modeling_dflash.py
 """
