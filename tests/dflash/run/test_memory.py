@@ -134,3 +134,10 @@ def test_no_cuda_here_skips_it(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert check_memory(*at_length(65536), ONE_GPU) == []
+
+
+def test_a_device_this_machine_lacks_is_left_to_the_device_checks():
+    def missing(device: str) -> float:
+        raise RuntimeError(f"Invalid device {device}")
+
+    assert check_memory(*at_length(65536), ONE_GPU, card_bytes=missing) == []
