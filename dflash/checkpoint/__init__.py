@@ -10,15 +10,18 @@
 * :mod:`dflash.checkpoint.resume`: which checkpoint a run continues from, verified; one lineage
   per directory; what a config change does.
 * :mod:`dflash.checkpoint.model_files`: the drafter part of a checkpoint (weights and configs).
+* :mod:`dflash.checkpoint.init_from`: ``[train].init_from``, a fresh run's drafter starting from the
+  weights of a checkpoint or an exported drafter: checked before any data work, then loaded.
 * :mod:`dflash.checkpoint.config_changes`: what differs between a checkpoint's training config and
   the run's, and what each difference does (the lines of a resume's report).
 * :mod:`dflash.checkpoint.health`: every checkpoint's health and the one ``resume = "auto"`` picks
   (what ``python -m dflash.logs`` prints).
 
-Every public name of format, writer, files and resume is importable from here (model_files is
-not re-exported: it imports the models, and the reports that read a run directory need none).
-Imports: :mod:`dflash.model` (model_files only), :mod:`dflash.records`, :mod:`dflash.errors` and
-csp; never the trainer or the run, so eval, export and the reports read a checkpoint without them.
+Every public name of format, writer, files and resume is importable from here (model_files and
+init_from are not re-exported: they import the models, and the reports that read a run directory
+need none). Imports: :mod:`dflash.model` (at module level in model_files and init_from only),
+:mod:`dflash.records`, :mod:`dflash.errors` and csp; never the trainer or the run, so eval, export
+and the reports read a checkpoint without them.
 """
 
 from dflash.checkpoint.config_changes import changes_since, config_changes, saved_config
