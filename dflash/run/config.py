@@ -107,7 +107,8 @@ class DFlashFile(csp.GraphSpec):
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
 
 
-PATH_KEYS = ("run.out_dir", "run.resume", "target.path", "target.tokenizer", "data.source", "data.cache_dir")
+PATH_KEYS = ("run.out_dir", "run.resume", "target.path", "target.tokenizer", "data.source", "data.cache_dir",
+             "train.init_from")
 """The keys that hold paths. Not paths: ``run.resume`` "auto"/"none", ``target.tokenizer``
 "builtin:NAME", ``data.source`` "sharegpt" (:func:`is_path`)."""
 

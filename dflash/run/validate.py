@@ -13,7 +13,8 @@ drafter's and the target's kernels against their devices and the installed packa
 (:func:`dflash.observe.config.check_monitor`), the in-training evaluation against the graph
 (:func:`dflash.eval.config.check_eval`), an explicit ``--resume PATH``
 (:func:`dflash.checkpoint.check_resume_path`) and the drafter the resumed checkpoint holds
-(:func:`dflash.checkpoint.check_architecture`), and each CUDA device's estimated memory
+(:func:`dflash.checkpoint.check_architecture`) or, on a fresh start, the one ``[train].init_from``
+names (:func:`dflash.checkpoint.init_from.check_init_from`), and each CUDA device's estimated memory
 (:func:`dflash.run.memory.check_memory`). The rules about the graph and the run directory
 are the run's own and live here. ``python -m dflash.run`` reports the first broken rule as one
 line with exit code 2.
@@ -28,6 +29,7 @@ from pathlib import Path
 from dflash.checkpoint import check_architecture, check_optimizer, check_resume_path, resume_candidate
 from dflash.checkpoint.config import checkpoint_bytes
 from dflash.checkpoint.files import device_of
+from dflash.checkpoint.init_from import check_init_from
 from dflash.data.config import check_block_fits
 from dflash.errors import ConfigError
 from dflash.eval.config import EVALUATOR_KIND, check_eval
@@ -56,10 +58,13 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
 
     Returns:
         Warnings (one line each) for settings that are legal but almost certainly unintended: a
-        learning rate above 1, less free disk than the checkpoints kept at once need.
+        learning rate above 1, a ``train.init_from`` drafter trained on other target layers or
+        another mask token, less free disk than the checkpoints kept at once need.
 
     Raises:
-        ConfigError: the first broken rule, one line naming the key to change.
+        ConfigError: the first broken rule, one line naming the key to change (among them a
+            ``train.init_from`` that does not exist, holds no drafter, or holds one of another
+            architecture, checked only when no checkpoint is to be resumed).
         dflash.checkpoint.CheckpointError: ``resume`` names no checkpoint directory, or the
             checkpoint it would continue from holds a drafter of another variant or shape, or was
             trained with another ``[train].optimizer``.
@@ -77,13 +82,16 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     check_time_budget(cfg, launched=launched)
     check_resume_path(resume)
     candidate = resume_candidate(Path(cfg.run.out_dir), resume)
+    init_from: list[str] = []
     if candidate is not None:  # a drafter of another shape or variant: refused before any data work
         check_architecture(candidate, resolved.drafter)
         check_optimizer(candidate, cfg.train.optimizer)
+    elif cfg.train.init_from is not None:  # a fresh start from another drafter's weights (ignored on resume)
+        init_from = check_init_from(cfg.train.init_from, resolved.drafter)
     check_run_dir(cfg.run.out_dir)
     memory = check_memory(cfg, resolved.drafter, target_hf_config(cfg.target),
                           {"target": devices_of(cfg, TARGET_KIND), "drafter": devices_of(cfg, DRAFTER_KIND)})
-    return (lr_warnings(cfg.train) + unread_variant_keys(cfg) + memory
+    return (lr_warnings(cfg.train) + unread_variant_keys(cfg) + init_from + memory
             + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last))
 
 

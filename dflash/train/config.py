@@ -91,6 +91,20 @@ class TrainSection(Table):
     conf_weight must be 0).
     Same loss and gradients to bf16 rounding (a GPU test)."""
 
+    init_from: Annotated[str | None, added_later(None)] = None
+    """A warm start: the drafter starts from the weights of an existing drafter instead of its
+    random init. A dflash checkpoint directory (``RUN/checkpoints/step_N``: ``drafter_config.json``
+    and ``model.safetensors``) or a public-layout directory (``config.json`` naming a drafter's
+    ``architectures`` and ``model.safetensors``: a ``python -m dflash.export`` output, a z-lab
+    DFlash or DFlash2 drafter). A relative path is relative to the graph file's directory (given
+    with ``--set``, to the current directory), like ``run.out_dir``. Its drafter must have the
+    architecture of this run's resolved ``[drafter]`` (variant, block size, every tensor's shape;
+    checked before any data work, one line naming what differs); every tensor is loaded, in fp32.
+    Only the weights carry over: the optimizer and the learning-rate schedule start fresh (warmup
+    included) and ``run.steps`` counts from 0. Ignored, with a log line, when the run resumes a
+    checkpoint of its own (``run.resume``). Unset: the seeded random init
+    (:mod:`dflash.checkpoint.init_from`)."""
+
     def __post_init__(self) -> None:
         # AdamW's first step moves a weight by lr / (1 - beta1) (bias correction), computed in
         # float32: beyond float32's range the step overflows and the drafter crashes at step 1.

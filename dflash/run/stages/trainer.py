@@ -34,6 +34,7 @@ import torch
 import csp
 from csp.errors import WouldBlock
 from dflash.checkpoint import TRAIN_CONFIG, Checkpointer
+from dflash.checkpoint.init_from import load_init_from
 from dflash.checkpoint.model_files import config_files
 from dflash.messages import DrafterInput, DrafterSnapshot, StepMetrics
 from dflash.run.app import RunApp
@@ -84,6 +85,12 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
         self.head = load_shared_head(o.target, self.device, torch.bfloat16 if self.cuda else torch.float32)
         # Seeded init from its own generator: the global RNG is shared with the other stages' threads.
         self.drafter = DFlashDrafter(o.drafter, seed=o.seed).to(self.device)  # fp32 master weights
+        if o.train.init_from is not None:  # a warm start: weights only; optimizer and schedule start fresh
+            if resume.path is None:
+                n = load_init_from(self.drafter, o.train.init_from)
+                log.info("init_from %s: %d tensors", o.train.init_from, n)
+            else:
+                log.info("init_from %s ignored: resuming %s, whose weights continue", o.train.init_from, resume.path)
         # DDP over the drafter replicas' ranks under torchrun (dflash.train.parallel); the module itself otherwise.
         self.model = parallel.wrap(self.drafter, self.ctx)
         self.optim = make_optimizer(self.drafter, o.train, o.total_steps)
