@@ -13,7 +13,9 @@ Only the weights carry over; the optimizer and the learning-rate schedule start 
 :func:`check_init_from` is the run's check before any data work (``dflash.run.validate``, only
 when no checkpoint of the run's own is to be resumed): the directory exists and is one of the two
 kinds, its drafter has the run's architecture (:func:`dflash.checkpoint.resume.architecture_changes`)
-and its weights file, read from its header alone, holds every tensor of that drafter in its shape.
+and its weights file, read from its header alone, holds every tensor of that drafter in its shape;
+and it is not a checkpoint of the run's own directory, which the fresh start moves to an archive
+(:func:`dflash.checkpoint.resume.archive_foreign`) before the drafter is built.
 :func:`load_init_from` makes the same checks and loads every tensor, in fp32 (the drafter stage's
 setup, between building the drafter and wrapping it for data parallelism).
 """
@@ -29,6 +31,7 @@ import torch
 
 from dflash.checkpoint.format import (
     DRAFTER_CONFIG,
+    PREFIX,
     WEIGHTS,
     is_healthy,
     nonfinite_tensors,
@@ -102,9 +105,14 @@ def init_from_config(path: str | Path) -> DrafterConfig:
     raise ConfigError(f"{key} is not a drafter directory ({holds}): give {_KINDS}")
 
 
-def check_init_from(path: str | Path, drafter: DrafterConfig) -> list[str]:
+def check_init_from(path: str | Path, drafter: DrafterConfig, *, run_dir: str | Path | None = None) -> list[str]:
     """Check that ``path`` holds a drafter whose weights a run of the resolved ``drafter`` can
     start from (see the module docstring); reads the weights file's header, no tensor.
+
+    Args:
+        run_dir: the run's ``run.out_dir``, when the run starts fresh there: a fresh start moves
+            every checkpoint of ``run_dir/checkpoints`` to an archive before the drafter is built,
+            so ``path`` must not be one of them.
 
     Returns:
         Warnings (one line each) for a drafter that fits but was trained on other target features:
@@ -114,10 +122,15 @@ def check_init_from(path: str | Path, drafter: DrafterConfig) -> list[str]:
         ConfigError: one line naming ``train.init_from`` (:func:`init_from_config`'s reasons), or
             its drafter differs from ``drafter`` in variant, block size or a tensor's shape (each
             differing field named, ``num_layers: init_from 1, config 3``), or its
-            ``model.safetensors`` is unreadable or lacks, adds or reshapes a tensor of it.
+            ``model.safetensors`` is unreadable or lacks, adds or reshapes a tensor of it, or
+            ``path`` is one of ``run_dir``'s checkpoints.
     """
     then = init_from_config(path)
     key = f"{KEY} = {str(path)!r}"
+    if run_dir is not None and _archived_on_a_fresh_start(Path(path), Path(run_dir)):
+        raise ConfigError(f"{key} is a checkpoint of this run's own directory, and a fresh start moves those to "
+                          f"checkpoints/archive-*/ before the drafter is built: copy it out of run.out_dir = "
+                          f"{str(run_dir)!r} and point {KEY} at the copy, or give the run another run.out_dir")
     diff = [d.replace(": checkpoint ", ": init_from ") for d in architecture_changes(then, drafter)]
     if diff:
         raise ConfigError(f"{key} holds a drafter of another architecture than this run's ({'; '.join(diff)}): "
@@ -158,6 +171,16 @@ def load_init_from(drafter: DFlashDrafter, path: str | Path) -> int:
     with torch.no_grad():
         drafter.load_state_dict(weights, strict=True)
     return len(weights)
+
+
+def _archived_on_a_fresh_start(path: Path, run_dir: Path) -> bool:
+    """Whether ``path`` is, or lies in, a checkpoint of ``run_dir/checkpoints`` (a ``step_*``
+    directory there: what :func:`dflash.checkpoint.resume.archive_foreign` moves on a fresh start)."""
+    root = (run_dir / "checkpoints").resolve()
+    here = path.resolve()
+    if not here.is_relative_to(root) or here == root:
+        return False
+    return here.relative_to(root).parts[0].startswith(PREFIX)
 
 
 def _shape_problems(have: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> list[str]:

@@ -87,7 +87,7 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
         check_architecture(candidate, resolved.drafter)
         check_optimizer(candidate, cfg.train.optimizer)
     elif cfg.train.init_from is not None:  # a fresh start from another drafter's weights (ignored on resume)
-        init_from = check_init_from(cfg.train.init_from, resolved.drafter)
+        init_from = check_init_from(cfg.train.init_from, resolved.drafter, run_dir=cfg.run.out_dir)
     check_run_dir(cfg.run.out_dir)
     memory = check_memory(cfg, resolved.drafter, target_hf_config(cfg.target),
                           {"target": devices_of(cfg, TARGET_KIND), "drafter": devices_of(cfg, DRAFTER_KIND)})

@@ -102,7 +102,8 @@ class TrainSection(Table):
     checked before any data work, one line naming what differs); every tensor is loaded, in fp32.
     Only the weights carry over: the optimizer and the learning-rate schedule start fresh (warmup
     included) and ``run.steps`` counts from 0. Ignored, with a log line, when the run resumes a
-    checkpoint of its own (``run.resume``). Unset: the seeded random init
+    checkpoint of its own (``run.resume``); on a fresh start it cannot be one of the run's own
+    checkpoints (the start moves them to an archive). Unset: the seeded random init
     (:mod:`dflash.checkpoint.init_from`)."""
 
     def __post_init__(self) -> None:

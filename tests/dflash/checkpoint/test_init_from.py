@@ -144,6 +144,26 @@ def test_a_missing_path_is_one_line_before_any_data_work(tmp_path, cache_dir, ca
     assert not run.exists()
 
 
+def test_a_checkpoint_of_the_runs_own_directory_is_refused_on_a_fresh_start(tmp_path, cache_dir, source,  # noqa: F811
+                                                                             capsys, no_data_work):
+    """Invariant: a checkpoint whose optimizer state is gone (no train_state.pt: not resumable)
+    named as init_from of a fresh run in its own run directory is refused before any work, one
+    line saying to copy it out: the fresh start would archive it before the drafter is built.
+    Nothing is moved."""
+    import shutil
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / source.name
+    shutil.copytree(source, ckpt)
+    (ckpt / "train_state.pt").unlink()
+    assert main(small(run, cache_dir, f"train.init_from={json.dumps(str(ckpt))}")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"train.init_from = {str(ckpt)!r} is a checkpoint of this run's own directory" in err, err
+    assert "copy it out of run.out_dir" in err, err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [source.name]
+
+
 def test_a_resume_of_the_runs_own_checkpoint_ignores_init_from(tmp_path, cache_dir, source, setup_weights):  # noqa: F811
     """Invariant: once the run has a checkpoint of its own, resume continues it: the weights are
     its checkpoint's, not init_from's, and the log says init_from is ignored. Even an init_from
