@@ -3,8 +3,8 @@
 ``GRAPH_1GPU`` (examples/qwen3-8b-h200.toml: both stages on cuda:0) and ``GRAPH_2GPU``
 (examples/qwen3-8b-h200x2.toml: target cuda:0, drafter cuda:1); ``TINY_SETTINGS`` (``--smoke`` /
 ``--tiny``: the same graphs and code paths with tiny shapes) and ``CPU_SETTINGS`` (``--smoke``:
-every stage on the CPU). Used by ``bench.py`` (which re-exports them), ``perf.py``, ``lengths.py``
-and ``compile_gap.py``.
+every stage on the CPU). Used by ``bench_plan.py`` and ``perf_rows.py``; ``bench.py`` and ``perf.py``
+re-export them (``lengths.py`` and ``compile_gap.py`` import them from ``bench.py``).
 """
 
 from __future__ import annotations
