@@ -248,3 +248,21 @@ def test_a_relative_path_in_the_graph_file_is_relative_to_the_file(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert load_config(graph).train.init_from == "drafters/mine"
     assert load_config(graph, ["train.init_from=elsewhere"]).train.init_from == "elsewhere"
+
+
+def test_a_zlab_dflash2_directory_loads_with_its_codebook_names(tmp_path):
+    """Invariant: a DFlash2 drafter as z-lab's save_pretrained writes it (the selector codebooks
+    under ``.weight``) passes the check and loads every tensor exactly under our bare names."""
+    from dflash.export import export_drafter
+    from tests.dflash.export.test_dflash2_export import make
+
+    d = make()
+    export_drafter(d, tmp_path, torch.float32)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    zlab = {k + ".weight" if k.endswith("_codebook") else k: t for k, t in weights.items()}
+    assert zlab.keys() != weights.keys()
+    save_file(zlab, str(tmp_path / "model.safetensors"))
+    assert check_init_from(tmp_path, d.cfg) == []
+    fresh = DFlashDrafter(d.cfg, seed=0)
+    assert load_init_from(fresh, tmp_path) == len(weights)
+    assert_same(fresh.state_dict(), d.state_dict())
