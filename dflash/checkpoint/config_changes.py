@@ -30,7 +30,7 @@ class Resumed(Protocol):
 # Keys that change nothing about what is trained (where it is written, how it is watched).
 _IGNORED = ("run.resume", "run.out_dir", "run.name", "monitor.", "trace.", "checkpoint.", "data.cache_dir",
             "data.num_workers", "train.max_nonfinite_streak", "train.check_channels", "train.host_staging",
-            "train.postprocess_side")
+            "train.postprocess_side", "train.init_from", "run.memory_check")  # init_from: a resume loads its checkpoint
 # First matching prefix wins.
 _EFFECTS = (
     ("run.steps", "lr schedule: the cosine decay ends at run.steps"),

@@ -189,6 +189,9 @@ def test_config_changes_name_the_key_and_what_it_affects():
         "train.num_anchors 8 -> 16 (anchors)",
     ]
     assert config_changes(old, old, added_later_keys()) == []
+    # a resume loads its own checkpoint (train.init_from is not read) and the memory check trains nothing
+    moved = {**new, "run": {**new["run"], "memory_check": False}, "train": {**new["train"], "init_from": "/x"}}
+    assert config_changes(new, moved, added_later_keys()) == []
 
 
 def test_config_saved_with_drafter_num_anchors_is_compared_in_todays_layout():
