@@ -236,7 +236,10 @@ class EndRecord(RecordBase, tag="end"):
     """The process ended with ``status`` and ``exit_code`` after ``seconds``; ``rank`` under torchrun.
     ``step``: the drafter's last finished step (the trainer's own count: ``train`` windows still in
     flight at an abort or a failure are never written); ``unevaluated``: the newest step whose
-    held-out evaluation a stop cut short or never started (:class:`dflash.run.app.RunProgress`)."""
+    held-out evaluation a stop cut short or never started (:class:`dflash.run.app.RunProgress`);
+    ``estimated_gib`` and ``peak_gib``: per CUDA device, the memory estimated before the run
+    (:mod:`dflash.run.memory`) and the most this process allocated (``torch.cuda.max_memory_allocated``),
+    GiB."""
 
     status: str | UnsetType = UNSET
     exit_code: int | UnsetType = UNSET
@@ -244,6 +247,8 @@ class EndRecord(RecordBase, tag="end"):
     seconds: Float = UNSET
     step: int | UnsetType = UNSET
     unevaluated: int | None | UnsetType = UNSET
+    estimated_gib: dict[str, float] | UnsetType = UNSET
+    peak_gib: dict[str, float] | UnsetType = UNSET
     time: float | UnsetType = UNSET
 
 

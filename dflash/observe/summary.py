@@ -214,6 +214,11 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
     if skips:
         skipped += f" (last: step {skips[-1].get('step')}, {skips[-1].get('reason')})"
     row("skipped", skipped)
+    estimated, peak = end.get("estimated_gib"), end.get("peak_gib")
+    if isinstance(estimated, dict) and estimated:  # the run's CUDA devices (dflash.run.memory)
+        row("GPU memory", "; ".join(
+            (f"{d} peak {peak[d]:.1f} GiB allocated, estimated {e:.1f}" if isinstance(peak, dict) and d in peak
+             else f"{d} estimated {e:.1f} GiB") for d, e in estimated.items()))
 
     finished = status in FINISHED
     label = "checkpoint" if finished else "saved"

@@ -50,16 +50,17 @@ from dflash.observe import runlog
 from dflash.records import EndRecord
 from dflash.run.args import INTERRUPTED_STARTING, build_parser
 from dflash.run.config import DFlashFile, load_config, to_toml
+from dflash.run.memory import estimate, estimate_line, memory_fields
 from dflash.run.out_of_memory import out_of_memory_advice
 from dflash.run.prepare import prepare
-from dflash.run.resolve import Resolved, load_and_resolve
+from dflash.run.resolve import Resolved, load_and_resolve, target_hf_config
 from dflash.run.run_dir import (
     acquire_run_lock,
     interrupted_before_training,
     keep_previous_observability,
     nothing_to_do,
 )
-from dflash.run.validate import validate
+from dflash.run.validate import stage_devices, validate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -121,6 +122,8 @@ def _main(argv: list[str] | None) -> int:
         resume = args.resume or cfg.run.resume
         resolved, tok = load_and_resolve(cfg)
         warnings = validate(resolved, launched=csp.distributed.launched(), resume=resume)
+        memory = estimate(resolved.cfg, resolved.drafter, target_hf_config(resolved.cfg.target),
+                          stage_devices(resolved.cfg))
         import dflash.run.stages  # noqa: F401  (registers the dflash.* process kinds)
 
         graph = csp.Graph.from_spec(resolved.cfg)
@@ -180,13 +183,16 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
 
     log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.resume.start_step + 1,
              cfg.run.steps, run_dir)
+    if memory:
+        log.info("GPU memory estimated: %s (docs/gpus.md)", estimate_line(memory))
     t0 = time.time()
     status, code = "failed", 1
     if csp.distributed.launched():  # torchrun: this rank runs its share of the graph (docs/distributed.md)
         result, runtime = csp.distributed.run(graph, run_dir=run_dir, app=app, exit_code_of=exit_code_of)
         status, code = result.status, result.exit_code
         app.metrics.write(EndRecord(status=status, exit_code=code, rank=result.rank, seconds=time.time() - t0,
-                                    step=app.last_step, unevaluated=app.progress.unevaluated))
+                                    step=app.last_step, unevaluated=app.progress.unevaluated,
+                                    **memory_fields(memory)))
         app.metrics.close()
         if rank == 0:
             _summary(cfg, args, run_dir, status, code, None, result.error, time.time() - t0)
@@ -215,7 +221,7 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
         _error(error)
     finally:
         app.metrics.write(EndRecord(status=status, exit_code=code, seconds=time.time() - t0, step=app.last_step,
-                                    unevaluated=app.progress.unevaluated))
+                                    unevaluated=app.progress.unevaluated, **memory_fields(memory)))
         app.metrics.close()
     budget = app.budget_end
     if budget is not None and app.budget_end_at is not None:  # what the budget does not cover

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from dflash.run.config import DFlashFile
 
 __all__ = ["ACT_BYTES", "ACT_BYTES_CHECKPOINTED", "DRAFTER_BYTES_PER_PARAM", "REFUSE_OVER", "TARGET_ACT_BYTES",
-           "WARN_OVER", "DeviceMemory", "check_memory", "drafter_bytes", "drafter_slots", "estimate", "levers",
-           "target_bytes"]
+           "WARN_OVER", "DeviceMemory", "check_memory", "drafter_bytes", "drafter_slots", "estimate", "estimate_line",
+           "levers", "memory_fields", "target_bytes"]
 
 GIB = 2**30
 DRAFTER_BYTES_PER_PARAM = 18
@@ -229,3 +229,26 @@ def check_memory(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str,
                               "(run.memory_check = false starts it anyway)")
         warnings.append(f"the run may run out of GPU memory: {what}. If it does: {fixes}")
     return warnings
+
+
+def estimate_line(estimates: list[DeviceMemory]) -> str:
+    """The run's start-up line: each device's estimate by stage (empty when nothing is on CUDA)."""
+    return "; ".join(f"{m.device} about {m.total / GIB:.1f} GiB (target {(m.target_weights + m.target_act) / GIB:.1f}, "
+                     f"drafter {(m.drafter_fixed + m.drafter_act) / GIB:.1f})" for m in estimates)
+
+
+def memory_fields(estimates: list[DeviceMemory]) -> dict[str, dict[str, float]]:
+    """The end record's memory fields: ``estimated_gib`` and, where CUDA is here, ``peak_gib`` (the
+    most this process allocated on each device, ``torch.cuda.max_memory_allocated``), GiB per device;
+    ``{}`` when the graph places nothing on CUDA."""
+    if not estimates:
+        return {}
+    out = {"estimated_gib": {m.device: round(m.total / GIB, 2) for m in estimates}}
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            out["peak_gib"] = {m.device: round(torch.cuda.max_memory_allocated(m.device) / GIB, 2) for m in estimates}
+        except (RuntimeError, AssertionError, ValueError):  # a device this process never reached
+            pass
+    return out

@@ -42,7 +42,7 @@ from dflash.run.resolve import DRAFTER_KIND, Resolved, drafter_replicas, one_lin
 from dflash.train.config import check_train, lr_warnings
 
 __all__ = ["check_drafter_replicas", "check_run_dir", "check_time_budget", "check_trains_something", "devices_of",
-           "disk_space_warnings", "validate"]
+           "disk_space_warnings", "stage_devices", "validate"]
 
 TARGET_KIND = "dflash.target"
 MONITOR_KIND = "dflash.monitor"
@@ -89,8 +89,7 @@ def validate(resolved: Resolved, *, launched: bool, resume: str) -> list[str]:
     elif cfg.train.init_from is not None:  # a fresh start from another drafter's weights (ignored on resume)
         init_from = check_init_from(cfg.train.init_from, resolved.drafter, run_dir=cfg.run.out_dir)
     check_run_dir(cfg.run.out_dir)
-    memory = check_memory(cfg, resolved.drafter, target_hf_config(cfg.target),
-                          {"target": devices_of(cfg, TARGET_KIND), "drafter": devices_of(cfg, DRAFTER_KIND)})
+    memory = check_memory(cfg, resolved.drafter, target_hf_config(cfg.target), stage_devices(cfg))
     return (lr_warnings(cfg.train) + unread_variant_keys(cfg) + init_from + memory
             + disk_space_warnings(cfg.run.out_dir, resolved.drafter, cfg.checkpoint.keep_last))
 
@@ -103,6 +102,11 @@ def devices_of(cfg: DFlashFile, kind: str) -> list[str]:
             devs = p.devices if p.devices is not None else [p.device] * p.replicas
             out += [d or "cpu" for d in devs]
     return out
+
+
+def stage_devices(cfg: DFlashFile) -> dict[str, list[str]]:
+    """``{"target": [...], "drafter": [...]}``: the device of every target and drafter replica."""
+    return {"target": devices_of(cfg, TARGET_KIND), "drafter": devices_of(cfg, DRAFTER_KIND)}
 
 
 def check_drafter_replicas(cfg: DFlashFile, *, launched: bool) -> None:

@@ -383,3 +383,17 @@ def test_the_held_out_row_says_how_many_snapshots_the_evaluator_skipped(tmp_path
     row = next(line for line in closing_summary(run, status="completed", exit_code=0, total_steps=600, argv=ARGV,
                                                 seconds=9.0).splitlines() if line.startswith("  held-out"))
     assert row.endswith("; 2 evaluations"), row
+
+
+def test_gpu_memory_row_gives_each_devices_peak_beside_its_estimate(tmp_path, ckpt):
+    """Invariant: a run on CUDA devices ends with each device's allocated peak beside the estimate
+    the run was checked with (dflash.run.memory); a CPU run has no such row."""
+    run = tmp_path / "run"
+    _write(run, [{"kind": "start", "step": 0}, _train(2),
+                 {"kind": "end", "status": "completed", "estimated_gib": {"cuda:0": 21.34, "cuda:1": 30.0},
+                  "peak_gib": {"cuda:0": 19.81}}])
+    text = closing_summary(run, status="completed", exit_code=0, total_steps=2)
+    assert ("  GPU memory   cuda:0 peak 19.8 GiB allocated, estimated 21.3; cuda:1 estimated 30.0 GiB"
+            in text.splitlines())
+    _write(run, [{"kind": "start", "step": 0}, _train(2), {"kind": "end", "status": "completed"}])
+    assert "GPU memory" not in closing_summary(run, status="completed", exit_code=0, total_steps=2)

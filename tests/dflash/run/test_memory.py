@@ -141,3 +141,18 @@ def test_a_device_this_machine_lacks_is_left_to_the_device_checks():
         raise RuntimeError(f"Invalid device {device}")
 
     assert check_memory(*at_length(65536), ONE_GPU, card_bytes=missing) == []
+
+
+def test_the_end_record_fields_hold_the_estimate_and_the_peak(monkeypatch):
+    import torch
+
+    from dflash.run.memory import estimate_line, memory_fields
+
+    estimates = estimate(*at_length(8192), {"target": ["cuda:0"], "drafter": ["cuda:1"]})
+    assert memory_fields([]) == {}
+    assert estimate_line(estimates).startswith("cuda:0 about 14.5 GiB (target 14.5, drafter 0.0); cuda:1 about 28.3 GiB")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert memory_fields(estimates) == {"estimated_gib": {"cuda:0": 14.47, "cuda:1": 28.33}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: {"cuda:0": 3 * GIB, "cuda:1": GIB}[d])
+    assert memory_fields(estimates)["peak_gib"] == {"cuda:0": 3.0, "cuda:1": 1.0}
