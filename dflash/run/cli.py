@@ -122,8 +122,6 @@ def _main(argv: list[str] | None) -> int:
         resume = args.resume or cfg.run.resume
         resolved, tok = load_and_resolve(cfg)
         warnings = validate(resolved, launched=csp.distributed.launched(), resume=resume)
-        memory = estimate(resolved.cfg, resolved.drafter, target_hf_config(resolved.cfg.target),
-                          stage_devices(resolved.cfg))
         import dflash.run.stages  # noqa: F401  (registers the dflash.* process kinds)
 
         graph = csp.Graph.from_spec(resolved.cfg)
@@ -183,6 +181,7 @@ def _train(resolved: Resolved, tok: PreTrainedTokenizerBase, args: argparse.Name
 
     log.info("run %s: %d steps (%d..%d) -> %s", cfg.run.name, app.steps_to_run, app.resume.start_step + 1,
              cfg.run.steps, run_dir)
+    memory = estimate(cfg, resolved.drafter, target_hf_config(cfg.target), stage_devices(cfg))
     if memory:
         log.info("GPU memory estimated: %s (docs/gpus.md)", estimate_line(memory))
     t0 = time.time()
