@@ -13,11 +13,10 @@ import platform
 import shlex
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 from benchmarks.h200.graphs import CPU_SETTINGS, GRAPH_1GPU, GRAPH_2GPU, TINY_SETTINGS
-from benchmarks.h200.report import load_runs, matched_mfu, ok, write_results
+from benchmarks.h200.report import attempt, load_runs, matched_mfu, ok, write_results
 
 SWEEP_CHANNELS = ("hidden", "features")
 # [target].attn_implementation values measured by target_alone_<impl> besides the graph's own:
@@ -86,12 +85,7 @@ class Bench:
         else:
             print(f"[bench_h200 {self.elapsed():6.1f}s] {name} (~{estimate_s:.0f} s)", file=sys.stderr, flush=True)
             t = time.perf_counter()
-            try:
-                ms[name] = {"status": "ok", **fn()}
-            except Exception as exc:  # noqa: BLE001 - recorded; the next measurement still runs
-                tb = traceback.format_exc()
-                print(tb, file=sys.stderr, flush=True)
-                ms[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-3000:]}
+            ms[name] = attempt(fn)
             from benchmarks.h200.stages import release
 
             release()  # here, not in the except: the measurement's (and a traceback's) frames are gone

@@ -10,13 +10,13 @@ import argparse
 import json
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
 
 from benchmarks.h200.graphs import CPU_SETTINGS, GRAPH_1GPU, TINY_SETTINGS
 from benchmarks.h200.profiling import profile
+from benchmarks.h200.report import attempt
 from benchmarks.h200.stages import scaled_mm_tflops
 
 TARGET_ROWS = ["target_bf16", "target_bf16_varlen", "target_bf16_varlen_compile", "fp8_feature_error",
@@ -77,12 +77,7 @@ class Perf:
         else:
             print(f"[h200_perf {self.elapsed():6.1f}s] {name} (~{estimate_s:.0f} s)", file=sys.stderr, flush=True)
             t = time.perf_counter()
-            try:
-                rows[name] = {"status": "ok", **fn()}
-            except Exception as exc:  # noqa: BLE001 - recorded; the next row still runs
-                tb = traceback.format_exc()
-                print(tb, file=sys.stderr, flush=True)
-                rows[name] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-3000:]}
+            rows[name] = attempt(fn)
             release()
             rows[name]["seconds"] = round(time.perf_counter() - t, 1)
         self.save()

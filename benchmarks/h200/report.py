@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # Where each summary number comes from, in order of preference.
 SINGLE = ("1gpu", "2gpu", "smoke")
@@ -82,6 +84,18 @@ def matched_mfu(m: dict[str, Any], *, bf16_tflops: float, target_tflops: float |
     peak = "bf16" if not fp8 else ("fp8" if target_model >= model else "fp8 target + bf16 drafter")
     return {**out, "mfu": ideal_model / 1e12 / (secs * gpus), "hfu": ideal_computed / 1e12 / (secs * gpus),
             "peak": peak, "peak_tflops": model / ideal_model}
+
+
+def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``{"status": "ok", **fn()}``, or, when ``fn`` raises, ``{"status": "error", "error": ...,
+    "traceback": ...}`` with the traceback printed to stderr: a failed measurement is recorded and
+    the next one still runs."""
+    try:
+        return {"status": "ok", **fn()}
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-3000:]}
 
 
 def ok(run: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
