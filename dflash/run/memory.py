@@ -233,8 +233,12 @@ def check_memory(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str,
 
 def estimate_line(estimates: list[DeviceMemory]) -> str:
     """The run's start-up line: each device's estimate by stage (empty when nothing is on CUDA)."""
-    return "; ".join(f"{m.device} about {m.total / GIB:.1f} GiB (target {(m.target_weights + m.target_act) / GIB:.1f}, "
-                     f"drafter {(m.drafter_fixed + m.drafter_act) / GIB:.1f})" for m in estimates)
+    def parts(m: DeviceMemory) -> str:
+        stages = (("target", m.target_weights + m.target_act), ("drafter", m.drafter_fixed + m.drafter_act))
+        on = [(name, b) for name, b in stages if b]
+        return on[0][0] if len(on) == 1 else ", ".join(f"{name} {b / GIB:.1f}" for name, b in on)
+
+    return "; ".join(f"{m.device} about {m.total / GIB:.1f} GiB ({parts(m)})" for m in estimates)
 
 
 def memory_fields(estimates: list[DeviceMemory]) -> dict[str, dict[str, float]]:

@@ -150,7 +150,8 @@ def test_the_end_record_fields_hold_the_estimate_and_the_peak(monkeypatch):
 
     estimates = estimate(*at_length(8192), {"target": ["cuda:0"], "drafter": ["cuda:1"]})
     assert memory_fields([]) == {}
-    assert estimate_line(estimates).startswith("cuda:0 about 14.5 GiB (target 14.5, drafter 0.0); cuda:1 about 28.3 GiB")
+    assert estimate_line(estimates) == "cuda:0 about 14.5 GiB (target); cuda:1 about 28.3 GiB (drafter)"
+    assert estimate_line(estimate(*at_length(8192), ONE_GPU)) == "cuda:0 about 42.8 GiB (target 14.5, drafter 28.3)"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert memory_fields(estimates) == {"estimated_gib": {"cuda:0": 14.47, "cuda:1": 28.33}}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
