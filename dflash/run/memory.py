@@ -219,8 +219,7 @@ def check_memory(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str,
             continue
         if m.total <= WARN_OVER * card:
             continue
-        what = (f"{m.device} needs about {m.total / GIB:.1f} GiB (target {(m.target_weights + m.target_act) / GIB:.1f}, "
-                f"drafter {(m.drafter_fixed + m.drafter_act) / GIB:.1f}; an estimate, docs/gpus.md) of its "
+        what = (f"{m.device} needs about {m.total / GIB:.1f} GiB ({_by_stage(m)}; an estimate, docs/gpus.md) of its "
                 f"{card / GIB:.1f} GiB at data.max_length = {cfg.data.max_length:,}, data.tokens_per_batch = "
                 f"{cfg.data.tokens_per_batch:,}, train.num_anchors = {cfg.train.num_anchors:,}")
         fixes = " or ".join(levers(cfg, drafter, m, card)) or "use a GPU with more memory"
@@ -233,12 +232,14 @@ def check_memory(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str,
 
 def estimate_line(estimates: list[DeviceMemory]) -> str:
     """The run's start-up line: each device's estimate by stage (empty when nothing is on CUDA)."""
-    def parts(m: DeviceMemory) -> str:
-        stages = (("target", m.target_weights + m.target_act), ("drafter", m.drafter_fixed + m.drafter_act))
-        on = [(name, b) for name, b in stages if b]
-        return on[0][0] if len(on) == 1 else ", ".join(f"{name} {b / GIB:.1f}" for name, b in on)
+    return "; ".join(f"{m.device} about {m.total / GIB:.1f} GiB ({_by_stage(m)})" for m in estimates)
 
-    return "; ".join(f"{m.device} about {m.total / GIB:.1f} GiB ({parts(m)})" for m in estimates)
+
+def _by_stage(m: DeviceMemory) -> str:
+    """"target 14.5, drafter 28.3", or the one stage's name when the device holds one."""
+    stages = (("target", m.target_weights + m.target_act), ("drafter", m.drafter_fixed + m.drafter_act))
+    on = [(name, b) for name, b in stages if b]
+    return on[0][0] if len(on) == 1 else ", ".join(f"{name} {b / GIB:.1f}" for name, b in on)
 
 
 def memory_fields(estimates: list[DeviceMemory]) -> dict[str, dict[str, float]]:
