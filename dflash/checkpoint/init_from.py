@@ -26,7 +26,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
 from dflash.checkpoint.format import (
@@ -37,7 +36,7 @@ from dflash.checkpoint.format import (
     nonfinite_tensors,
     run_dir_checkpoints,
 )
-from dflash.checkpoint.resume import architecture_changes, tensor_shapes
+from dflash.checkpoint.resume import architecture_changes, saved_drafter_config, tensor_shapes
 from dflash.errors import ConfigError
 from dflash.model.drafter_config import DrafterConfig
 from dflash.model.public_layout import (
@@ -86,13 +85,9 @@ def init_from_config(path: str | Path) -> DrafterConfig:
         raise ConfigError(f"{key} is a run directory: give one of its checkpoints, {hint}")
     if (d / DRAFTER_CONFIG).is_file() and (d / WEIGHTS).is_file():
         try:
-            saved = json.loads((d / DRAFTER_CONFIG).read_text())
-            if not isinstance(saved, dict):
-                raise ValueError("not a JSON object")  # noqa: TRY004 - a file's content, not an argument
             # written before num_anchors moved to [train], or by a newer version: only today's keys
-            return msgspec.convert({k: v for k, v in saved.items() if k in DrafterConfig.__struct_fields__},
-                                   DrafterConfig)
-        except (OSError, ValueError, msgspec.MsgspecError) as exc:
+            return saved_drafter_config(json.loads((d / DRAFTER_CONFIG).read_text()))
+        except (OSError, ValueError) as exc:
             raise ConfigError(f"{key}: {d / DRAFTER_CONFIG} is unreadable ({_line(exc)}); the checkpoint is "
                               f"damaged: point {KEY} at another step") from None
     if (d / CONFIG).is_file() and (d / WEIGHTS).is_file():

@@ -274,7 +274,7 @@ def check_architecture(ckpt: Path, drafter_cfg: DrafterConfig) -> None:
     """
     try:
         saved = json.loads((Path(ckpt) / DRAFTER_CONFIG).read_text())
-        then = _drafter_config(saved)
+        then = saved_drafter_config(saved)
     except (OSError, ValueError):
         return
     diff = architecture_changes(then, drafter_cfg)
@@ -335,7 +335,7 @@ def tensor_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _drafter_config(saved: Any) -> DrafterConfig:
+def saved_drafter_config(saved: Any) -> DrafterConfig:
     """A checkpoint's ``drafter_config.json`` contents as a DrafterConfig (keys it no longer has,
     such as the older ``num_anchors``, dropped; keys added since take their defaults).
 
