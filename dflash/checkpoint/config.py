@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-import msgspec
-from msgspec import Meta
 
 from dflash.tables import NonNegInt, PositiveInt, Table, added_later
 

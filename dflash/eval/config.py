@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
 
 from dflash.errors import ConfigError

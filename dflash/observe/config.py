@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
 
 from dflash.errors import ConfigError

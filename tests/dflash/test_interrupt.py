@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from dflash.checkpoint.model_files import save_drafter
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, resolve_drafter_config
 from dflash.model.target import TargetConfig
 from tests.helpers import save_checkpoint
@@ -102,9 +101,7 @@ def test_an_export_interrupted_while_writing_leaves_the_output_as_it_was(tmp_pat
     """Invariant: export writes into a temporary sibling directory and renames it into place, so a
     Ctrl-C while the weights are written leaves -o as it was (absent, empty, or its old files)
     and no temporary directory behind; an uninterrupted export then succeeds."""
-    import dflash.checkpoint.model_files
     import dflash.export as ex
-    import dflash.export.write
 
     out = tmp_path / "out"
     if existing != "missing":
@@ -156,9 +153,7 @@ def test_a_ctrl_c_while_the_files_move_into_place_is_held_until_they_all_are(tmp
     move: it is raised after, and the line says the export is complete."""
     import signal
 
-    import dflash.checkpoint.model_files
     import dflash.export as ex
-    import dflash.export.write
 
     out = tmp_path / "out"
     if existing == "full":

@@ -114,7 +114,7 @@ def test_abort_whose_last_step_was_checkpointed_does_not_say_none_was_written(tm
     assert text.splitlines()[0] == ("run summary: aborted by a second stop signal (SIGINT); the "
                                     "checkpoint of its last step was written (exit 130)")
     assert "no final checkpoint" not in text
-    assert f"(step 8, healthy, the final one)" in text
+    assert "(step 8, healthy, the final one)" in text
 
 
 def test_failed_run_gives_the_error_and_only_this_segments_numbers(tmp_path, ckpt):
