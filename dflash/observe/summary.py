@@ -47,10 +47,23 @@ FINISHED = ("completed", "nothing to do")  # statuses with nothing left to resum
 
 
 def _skipped_text(held: list) -> str:
-    """``, 1 skipped (...)``: the snapshots the evaluator passed over (each ``heldout`` record counts
-    those since the previous one), so "2 evaluations" of a run that took 3 snapshots says why."""
-    n = sum(r.skipped for r in held if isinstance(r.skipped, int) and not isinstance(r.skipped, bool))
-    return f", {n} skipped (the evaluator was busy, or over eval.max_busy)" if n > 0 else ""
+    """``, 1 skipped (between steps 200 and 600; ...)``: the snapshots the evaluator passed over.
+    Each ``heldout`` record counts those since the previous one, so the gaps are named by the
+    evaluations around them, and "2 evaluations" of a run that took 3 snapshots says why."""
+    gaps, prev = [], None
+    for r in held:
+        n = r.skipped if isinstance(r.skipped, int) and not isinstance(r.skipped, bool) else 0
+        if n > 0:
+            gaps.append((n, prev, r.step))
+        prev = r.step
+    if not gaps:
+        return ""
+    where = "; ".join(f"{n} before step {b}" if a is None else f"{n} between steps {a} and {b}"
+                      for n, a, b in gaps[:3]) + ("; ..." if len(gaps) > 3 else "")
+    if len(gaps) == 1:
+        where = where.split(" ", 1)[1]  # the count is already said
+    total = sum(n for n, _, _ in gaps)
+    return f", {total} skipped ({where}: the evaluator was busy, or over eval.max_busy)"
 
 
 def _count(n: Any, noun: str) -> str:

@@ -368,7 +368,7 @@ def test_without_matplotlib_the_plot_line_says_where_and_how(tmp_path, ckpt, mon
 
 def test_the_held_out_row_says_how_many_snapshots_the_evaluator_skipped(tmp_path, ckpt):
     """Invariant: a run whose evaluator passed over snapshots (busy, or over eval.max_busy) says how
-    many beside its count of evaluations, so "2 evaluations" of a run with eval.every = 200 over 600
+    many, and between which evaluations, beside its count of evaluations, so "2 evaluations" of a run with eval.every = 200 over 600
     steps is explained; a run that skipped none says nothing of it."""
     run = tmp_path / "run"
     held = lambda step, skipped: {"kind": "heldout", "step": step, "tau": 1.1, "accepted": 0.1, "prompts": 8,  # noqa: E731
@@ -378,7 +378,14 @@ def test_the_held_out_row_says_how_many_snapshots_the_evaluator_skipped(tmp_path
     ckpt.update(path=run / "checkpoints" / "step_00000600", step=600)
     text = closing_summary(run, status="completed", exit_code=0, total_steps=600, argv=ARGV, seconds=9.0)
     row = next(line for line in text.splitlines() if line.startswith("  held-out"))
-    assert row.endswith("; 2 evaluations, 1 skipped (the evaluator was busy, or over eval.max_busy)"), row
+    assert row.endswith("; 2 evaluations, 1 skipped (between steps 200 and 600: the evaluator was busy, "
+                        "or over eval.max_busy)"), row
+    _write(run, [{"kind": "start", "step": 0}, _train(200), held(400, 1), _train(600), held(1000, 2),
+                 {"kind": "end", "status": "completed"}])
+    row = next(line for line in closing_summary(run, status="completed", exit_code=0, total_steps=1000, argv=ARGV,
+                                                seconds=9.0).splitlines() if line.startswith("  held-out"))
+    assert row.endswith("; 2 evaluations, 3 skipped (1 before step 400; 2 between steps 400 and 1000: the "
+                        "evaluator was busy, or over eval.max_busy)"), row
     _write(run, [{"kind": "start", "step": 0}, _train(200), held(200, 0), held(600, 0), {"kind": "end", "status": "completed"}])
     row = next(line for line in closing_summary(run, status="completed", exit_code=0, total_steps=600, argv=ARGV,
                                                 seconds=9.0).splitlines() if line.startswith("  held-out"))
