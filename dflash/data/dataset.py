@@ -27,7 +27,8 @@ class DataSummary(msgspec.Struct, kw_only=True):
         path: the file read.
         cache_path: the cache entry directory.
         from_cache: True when the arrays were loaded from the cache (no tokenization).
-        records_read: records looked at in the file.
+        records_read: records looked at in the file (usable and skipped ones; reading stops once
+            ``max_samples`` usable ones are in hand).
         conversations: conversations kept (tokenized, passed the drop rule).
         skipped: skip reason -> count (see dflash.data.sources and dflash.data.chat).
         truncated: kept conversations cut to max_length (counted, not skipped).
@@ -45,6 +46,7 @@ class DataSummary(msgspec.Struct, kw_only=True):
             ``conversations`` documents (0: not joined).
         whole_at: the data.max_length that keeps :data:`WHOLE_SHARE` of the kept conversations whole
             (their length at that quantile, rounded up to a multiple of 64), in tokens.
+        max_samples: data.max_samples when reading stopped at it (the file has more records), else 0.
         The lengths past ``max_length`` are estimated from characters (:mod:`dflash.data.chat`).
     """
 
@@ -66,6 +68,7 @@ class DataSummary(msgspec.Struct, kw_only=True):
     longest: int = 0
     whole_at: int = 0
     joined_from: int = 0
+    max_samples: int = 0
 
     def to_dict(self) -> dict:
         """JSON-able dict (for logs)."""
@@ -89,9 +92,17 @@ def truncation_text(summary: DataSummary) -> str:
     return text
 
 
+def stopped_text(summary: DataSummary) -> str:
+    """`` (reading stopped at data.max_samples = 4,000 usable conversations)`` or "": why more
+    records were read than conversations were tokenized, and that the file has more."""
+    if not summary.max_samples:
+        return ""
+    return f" (reading stopped at data.max_samples = {summary.max_samples:,} usable conversations)"
+
+
 def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
     """The summary as (label, value) rows, in the order they are shown."""
-    rows = [("records read", f"{summary.records_read:,}"),
+    rows = [("records read", f"{summary.records_read:,}{stopped_text(summary)}"),
             ("conversations kept", f"{summary.conversations:,}" if not summary.joined_from else
              f"{summary.joined_from:,}, joined into {summary.conversations:,} documents of up to "
              f"data.max_length = {summary.max_length:,} tokens (data.join)"),

@@ -85,6 +85,8 @@ class SourceRecords:
         first_skipped: reason -> the first record (1-based) skipped for it.
         format: how the file was read: "JSON array" or "JSONL", "gzip-compressed " before it when
             the file is gzip (by its magic bytes).
+        stopped_at: ``max_samples`` when reading stopped there with records left in the file,
+            else None (the whole file was read).
     """
 
     def __init__(self, name: str, path: Path) -> None:
@@ -96,6 +98,7 @@ class SourceRecords:
         self.skipped: Counter[str] = Counter()
         self.first_skipped: dict[str, int] = {}  # reason -> its first row (1-based record number)
         self.format = "JSONL"  # what read_source read it as, e.g. "gzip-compressed JSON array"
+        self.stopped_at: int | None = None
 
 
 def resolve_source(source: str, arg: str | None = None) -> tuple[Path, dict[str, Any]]:
@@ -346,6 +349,7 @@ def read_source(source: str, fmt: str = "auto", max_samples: int | None = None) 
     out.format = ("gzip-compressed " if container == "gzip" else "") + layout_of(text)
     for i, (record, error) in enumerate(_iter_records(text)):
         if max_samples is not None and len(out.conversations) >= max_samples:
+            out.stopped_at = max_samples  # a record is left unread
             break
         out.records_read += 1
         conv = "malformed_json" if error is not None else normalise_record(record, fmt)

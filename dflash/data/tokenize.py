@@ -254,6 +254,7 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
         source=cfg.source, path=str(path), cache_path=str(entry), from_cache=False,
         records_read=records.records_read, conversations=len(starts) - 1, skipped=dict(sorted(skipped.items())),
         joined_from=len(kept) if cfg.join else 0,
+        max_samples=records.stopped_at or 0,
         truncated=sum(e.truncated for e, _ in kept), num_tokens=int(offsets[-1]),
         num_loss_tokens=int(arrays["loss_mask"].sum(dtype=np.int64)),
         reasoning_turns=sum(e.reasoning_turns for e, _ in kept),

@@ -179,11 +179,11 @@ def file_handlers() -> list[logging.FileHandler]:
 
 def data_line(summary: Any) -> str:
     """The data summary (a :class:`dflash.data.DataSummary`) as one line for run.log."""
-    from dflash.data.dataset import truncation_text
+    from dflash.data.dataset import stopped_text, truncation_text
 
     skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(summary.skipped.items())) or "none"
     how = "cache hit" if summary.from_cache else f"tokenized in {summary.seconds:.1f} s"
-    return (f"data: {summary.source} ({how}): {summary.records_read:,} records read, "
+    return (f"data: {summary.source} ({how}): {summary.records_read:,} records read{stopped_text(summary)}, "
             f"{summary.conversations:,} conversations kept, {summary.num_tokens:,} tokens "
             f"({summary.num_loss_tokens:,} with loss), truncated to max_length: {truncation_text(summary)}; "
             f"skipped: {skipped}; cache {summary.cache_path}")

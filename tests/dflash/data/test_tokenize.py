@@ -385,3 +385,23 @@ def test_joined_conversations_fill_documents_up_to_max_length_and_keep_every_tok
     assert row.startswith(f"14, joined into {len(joined)} documents") and "data.join" in row
     assert list(join_runs(np.array([5, 5, 5]), 10)) == [0, 2, 3]
     assert list(join_runs(np.array([10, 1, 10]), 10)) == [0, 1, 2, 3]
+
+
+def test_the_summary_says_when_reading_stopped_at_max_samples(tok, tmp_path):
+    """Invariant: when data.max_samples stops the reading with records left in the file, the
+    records-read row and run.log's data line say so (so 4,074 records read for 4,000 tokenized is
+    explained: 74 skipped on the way); a limit the file does not reach says nothing."""
+    from dflash.observe.runlog import data_line
+
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i} " * 8}]}
+            for i in range(3)]
+    path = tmp_path / "three.jsonl"
+    path.write_text("not json\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    cut = load_dataset(cfg_for(path, tmp_path / "c", max_samples=2), tok, progress=False, quiet=True).summary
+    assert cut.records_read == 3 and cut.max_samples == 2
+    assert dict(summary_rows(cut))["records read"] == "3 (reading stopped at data.max_samples = 2 usable conversations)"
+    assert "3 records read (reading stopped at data.max_samples = 2 usable conversations), " in data_line(cut)
+    for limit in (3, None):  # the file ends at (or before) the limit
+        whole = load_dataset(cfg_for(path, tmp_path / "c", max_samples=limit), tok, progress=False, quiet=True).summary
+        assert whole.records_read == 4 and whole.max_samples == 0
+        assert dict(summary_rows(whole))["records read"] == "4"
