@@ -109,6 +109,8 @@ class ProcessSummary(msgspec.Struct, frozen=True, kw_only=True):
     blocked_output_frac: float
     items_in_per_s: float
     items_out_per_s: float
+    devices: list[str | None] = []
+    """Its replicas' devices from the graph header ("cpu", "cuda:N", None: not bound)."""
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +138,8 @@ class Summary(msgspec.Struct, frozen=True, kw_only=True):
     channels: list[ChannelSummary]
     processes: list[ProcessSummary]
     verdict: Verdict
+    host_cpus: int = 0
+    """The CPU count of the machine it ran on (0: not recorded)."""
 
 
 def _frac(num: float, den: float) -> float:
@@ -191,6 +195,7 @@ def summarize(log: StatsReader, window_s: float | None = None) -> Summary:
         ))
 
     order = [p.name for p in graph.processes]
+    devices = {p.name: list(p.devices) for p in graph.processes}
     by_name: dict[str, list[ReplicaSummary]] = {}
     for qualname, now in sorted(end.processes.items(), key=lambda kv: (kv[1].name, kv[1].replica)):
         b = base.processes.get(qualname) if base else None
@@ -216,10 +221,11 @@ def summarize(log: StatsReader, window_s: float | None = None) -> Summary:
             blocked_output_frac=_frac(sum(r.blocked_output_frac * r.alive_s for r in reps), alive),
             items_in_per_s=sum(r.items_in_per_s for r in reps),
             items_out_per_s=sum(r.items_out_per_s for r in reps),
+            devices=devices.get(name, []),
         ))
     summary = Summary(t_start=t_start, t_end=end.t, elapsed_s=dt, samples=len(window),
                       status=end.status, exit_code=end.exit_code, channels=channels,
-                      processes=processes, verdict=Verdict(text=""))
+                      processes=processes, verdict=Verdict(text=""), host_cpus=log.host.cpus)
     if end.deadlock is not None:  # no stage is slow: nothing can move at all
         return msgspec.structs.replace(summary, verdict=Verdict(text=f"deadlock: {end.deadlock}",
                                                                 deadlock=True))

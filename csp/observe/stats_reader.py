@@ -28,6 +28,8 @@ class ProcessInfo(msgspec.Struct, frozen=True):
     replicas: int = 1
     inputs: dict[str, str] = {}
     outputs: dict[str, str] = {}
+    devices: list[str | None] = []
+    """One per replica ("cpu", "cuda:N", or None: not bound); empty in logs written before it was."""
 
 
 class GraphInfo(msgspec.Struct, frozen=True):
@@ -43,9 +45,15 @@ class GraphInfo(msgspec.Struct, frozen=True):
         return [p for p in self.processes if channel in p.inputs.values()]
 
 
+class HostInfo(msgspec.Struct, frozen=True):
+    cpus: int = 0
+    """The machine's CPU count (``os.cpu_count()``; 0: not recorded)."""
+
+
 class _Header(msgspec.Struct):
     t0: float
     graph: GraphInfo
+    host: HostInfo = HostInfo()
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -66,6 +74,7 @@ class StatsReader:
     Attributes:
         t0: unix time of the run start (0.0 until the header is read).
         graph: the graph from the header.
+        host: the machine it ran on, from the header (its CPU count).
         samples: snapshots in file order, the final record last.
         final: the final record, or None while the run is live (or if it crashed).
         truncated_tail: True when the file ended in half a line (the writer died mid-write).
@@ -77,6 +86,7 @@ class StatsReader:
         self.source = source
         self.t0 = 0.0
         self.graph = GraphInfo()
+        self.host = HostInfo()
         self.samples: list[Sample] = []
         self.final: Sample | None = None
         self.truncated_tail = False
@@ -131,7 +141,7 @@ class StatsReader:
         try:
             if kind == "header":
                 header = msgspec.convert(raw, _Header)
-                self.t0, self.graph = header.t0, header.graph
+                self.t0, self.graph, self.host = header.t0, header.graph, header.host
                 self.header_seen = True
                 return 1
             if kind in ("snapshot", "final"):
@@ -180,4 +190,4 @@ def stats_path(path: str | Path) -> Path:
     return candidate
 
 
-__all__ = ["ChannelInfo", "GraphInfo", "ProcessInfo", "Sample", "StatsReader", "read_stats", "stats_path"]
+__all__ = ["ChannelInfo", "GraphInfo", "HostInfo", "ProcessInfo", "Sample", "StatsReader", "read_stats", "stats_path"]

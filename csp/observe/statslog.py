@@ -18,6 +18,7 @@ The same tick records the channel fill counters of the trace, when tracing is on
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -48,8 +49,8 @@ def unwritable(path: Path, exc: BaseException | None, what: str) -> str:
 
 class GraphShape(Protocol):
     """What the header reads of a graph (a :class:`csp.Graph` is one): its channels (``name``,
-    ``capacity``, ``ordered``) and processes (``name``, ``replicas``, ``inputs``, ``outputs``) by
-    name. Observing needs no graph file, so this room does not import :mod:`csp.graph`."""
+    ``capacity``, ``ordered``) and processes (``name``, ``replicas``, ``inputs``, ``outputs`` and,
+    when bound, ``devices``) by name. Observing needs no graph file, so this room does not import :mod:`csp.graph`."""
 
     @property
     def channels(self) -> Mapping[str, Any]: ...
@@ -64,7 +65,8 @@ def graph_header(graph: GraphShape) -> dict[str, Any]:
         "channels": [{"name": c.name, "capacity": c.capacity, "ordered": c.ordered}
                      for c in graph.channels.values()],
         "processes": [{"name": p.name, "replicas": p.replicas, "inputs": dict(p.inputs),
-                       "outputs": dict(p.outputs)} for p in graph.processes.values()],
+                       "outputs": dict(p.outputs), "devices": list(getattr(p, "devices", None) or [])}
+                      for p in graph.processes.values()],
     }
 
 
@@ -94,7 +96,8 @@ class StatsWriter:
         self.failed: OSError | None = None  # the write that failed; later lines are dropped
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("wb")
-        self._write({"kind": "header", "t0": time.time(), "graph": graph_header(graph)})
+        self._write({"kind": "header", "t0": time.time(), "graph": graph_header(graph),
+                     "host": {"cpus": os.cpu_count() or 0}})
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:

@@ -24,6 +24,10 @@ analysis; Flink's busy / backpressured / idle split of a task's time is the same
 * A layout change (replica counts ``r -> r'``) scales each stage's capacity by ``r' / r``; the
   predicted throughput is ``X_measured * min C' / min C``, so whatever the model leaves out
   (startup, imperfect overlap) cancels to first order instead of being predicted as a gain.
+* The gain assumes the new replica brings its own hardware. Where the header says it would not
+  (stages bound to ``"cpu"`` that already keep every core of the host busy, or a GPU the stage's
+  replicas share with each other or with other stages), the line says so beside the prediction
+  (:func:`room_note`): on a 2-core machine a CPU stage's extra replica takes cores from the others.
 
 :func:`fit` builds the model from a :class:`csp.observe.backpressure.Summary`; :func:`predict` evaluates
 a layout; :func:`what_if_lines` gives the lines ``python -m csp.inspect`` prints, e.g. ``one more
@@ -60,6 +64,7 @@ class Capacity(msgspec.Struct, frozen=True, kw_only=True):
     replicas: int
     busy_s: float
     capacity: float
+    devices: tuple[str | None, ...] = ()
 
 
 class Model(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,12 +75,16 @@ class Model(msgspec.Struct, frozen=True, kw_only=True):
         reference: which items are counted (e.g. "items sent by read").
         items: reference items in the window.
         bounds: every finite capacity, lowest (the bottleneck) first.
+        elapsed_s: the window, in seconds.
+        host_cpus: the CPU count of the machine the run was on (0: not recorded).
     """
 
     measured: float
     reference: str
     items: int
     bounds: list[Capacity]
+    elapsed_s: float = 0.0
+    host_cpus: int = 0
 
     @property
     def bottleneck(self) -> str | None:
@@ -106,7 +115,7 @@ def fit(summary, link_bytes_per_s: Mapping[str, float] | None = None) -> Model |
         busy = sum(r.busy_frac * r.alive_s for r in p.replicas)
         if busy > 0:
             bounds.append(Capacity(name=p.name, kind="process", replicas=len(p.replicas), busy_s=busy,
-                                   capacity=len(p.replicas) * items / busy))
+                                   capacity=len(p.replicas) * items / busy, devices=tuple(p.devices)))
     for c in summary.channels:
         link = (link_bytes_per_s or {}).get(c.name)
         if link and c.bytes_per_s > 0:
@@ -117,7 +126,7 @@ def fit(summary, link_bytes_per_s: Mapping[str, float] | None = None) -> Model |
         return None
     bounds.sort(key=lambda b: (b.capacity, b.name))
     return Model(measured=items / dt, reference="items sent by " + "+".join(p.name for p in sources),
-                 items=items, bounds=bounds)
+                 items=items, bounds=bounds, elapsed_s=dt, host_cpus=getattr(summary, "host_cpus", 0))
 
 
 def predict(model: Model, replicas: Mapping[str, int]) -> tuple[float, str]:
@@ -146,7 +155,8 @@ def what_if_lines(model: Model | None, max_stages: int = 3) -> list[str]:
     for b in procs:
         y, neck = predict(model, {b.name: b.replicas + 1})
         moved = f"; bottleneck then {neck}" if neck != model.bottleneck else ""
-        lines.append(f"  one more replica of {b.name} -> predicted {count(y)} items/s ({_gain(y, x)}){moved}")
+        lines.append(f"  one more replica of {b.name} -> predicted {count(y)} items/s ({_gain(y, x)}){moved}"
+                     + room_note(model, b))
     first = model.bounds[0]
     if first.kind == "process" and len(model.bounds) > 1:
         nxt = model.bounds[1]
@@ -159,8 +169,35 @@ def what_if_lines(model: Model | None, max_stages: int = 3) -> list[str]:
     return lines
 
 
+def room_note(model: Model, stage: Capacity) -> str:
+    """``" (only with a free core: ...)"`` or ``" (only on a GPU of its own: ...)"`` when the
+    measured run says the new replica of ``stage`` would share hardware that is already busy,
+    else "". CPU: the stages bound to ``"cpu"`` kept at least ``host_cpus - 1`` cores busy (their
+    busy seconds over the window; torch's own intra-op threads make the real figure higher).
+    GPU: every replica of ``stage`` is on GPUs that its other replicas or other busy stages use."""
+    devs = set(stage.devices)
+    if not devs or stage.kind != "process":
+        return ""
+    if devs == {"cpu"} and model.host_cpus and model.elapsed_s > 0:
+        on_cpu = sum(b.busy_s for b in model.bounds if b.kind == "process" and set(b.devices) == {"cpu"})
+        cores = on_cpu / model.elapsed_s
+        if cores + 1 > model.host_cpus:
+            return (f" (only with a free core: this host has {model.host_cpus} and the stages on cpu kept "
+                    f"{cores:.1f} busy, more with torch's own threads)")
+        return ""
+    gpus = {d for d in devs if d and d.startswith("cuda")}
+    if not gpus or gpus != devs:
+        return ""
+    sharing = sorted(b.name for b in model.bounds if b.kind == "process" and b.name != stage.name
+                     and gpus & set(b.devices))
+    if len(stage.devices) > len(gpus) or sharing:
+        with_ = f" with {', '.join(sharing)}" if sharing else ""
+        return f" (only on a GPU of its own: its replicas run on {', '.join(sorted(gpus))}{with_})"
+    return ""
+
+
 def _gain(y: float, x: float) -> str:
     return f"{100 * (y / x - 1):+.0f}%" if x > 0 else "n/a"
 
 
-__all__ = ["Capacity", "MIN_ITEMS", "Model", "fit", "predict", "what_if_lines"]
+__all__ = ["Capacity", "MIN_ITEMS", "Model", "fit", "predict", "room_note", "what_if_lines"]

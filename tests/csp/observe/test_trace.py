@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -82,7 +83,8 @@ def test_stats_jsonl_header_and_final(tmp_path):
     assert header["graph"]["channels"] == [{"name": "a", "capacity": 2, "ordered": False},
                                            {"name": "b", "capacity": 2, "ordered": False}]
     assert header["graph"]["processes"][1] == {"name": "double", "replicas": 1,
-                                               "inputs": {"inp": "a"}, "outputs": {"out": "b"}}
+                                               "inputs": {"inp": "a"}, "outputs": {"out": "b"}, "devices": [None]}
+    assert header["host"] == {"cpus": os.cpu_count()}
     assert all(x["kind"] == "snapshot" for x in lines[1:-1])
     assert (final["kind"], final["status"], final["exit_code"]) == ("final", "completed", 0)
     assert final["channels"]["a"]["items_moved"] == 20 and final["channels"]["b"]["capacity"] == 2

@@ -88,3 +88,56 @@ def test_model_arithmetic_on_a_summary():
     assert linked.bottleneck == "x" and linked.bounds[0].capacity == pytest.approx(5)
     with pytest.raises(KeyError):
         predict(m, {"nope": 2})
+
+
+def test_a_replica_that_would_share_busy_hardware_says_so():
+    """Invariant: the one-more-replica line keeps its prediction but says when the new replica would
+    share hardware the run already kept busy: a stage on "cpu" when the stages on cpu kept more than
+    host_cpus - 1 cores busy (a 2-core machine, where an extra drafter replica only takes cores from
+    the target), or a stage whose replicas share a GPU (with each other or with other stages); a
+    stage alone on its GPU, a host with cores to spare, or a log without devices says nothing."""
+    from csp.observe.backpressure import ProcessSummary, ReplicaSummary, Summary, Verdict
+
+    def proc(name, reps, busy, rate_in, rate_out, devices):
+        rs = [ReplicaSummary(qualname=f"{name}[{i}]", name=name, replica=i, state="done", alive_s=100,
+                             busy_frac=busy, wait_input_frac=1 - busy, blocked_output_frac=0.0,
+                             items_in_per_s=rate_in / reps, items_out_per_s=rate_out / reps) for i in range(reps)]
+        return ProcessSummary(name=name, replicas=rs, busy_frac=busy, wait_input_frac=1 - busy, blocked_output_frac=0.0,
+                              items_in_per_s=rate_in, items_out_per_s=rate_out, devices=devices)
+
+    def lines(cpus, target_dev, drafter_dev):
+        procs = [proc("prefetch", 1, 0.05, 0, 10, [None]), proc("target", 2, 0.6, 10, 10, target_dev),
+                 proc("drafter", 1, 0.9, 10, 0, drafter_dev)]
+        s = Summary(t_start=0, t_end=100, elapsed_s=100, samples=10, status="completed", exit_code=0,
+                    channels=[], processes=procs, verdict=Verdict(text=""), host_cpus=cpus)
+        return {ln.split(" -> ")[0].split()[-1]: ln for ln in what_if_lines(fit(s)) if "one more replica" in ln}
+
+    cpu = lines(2, ["cpu", "cpu"], ["cpu"])   # 2 x 0.6 + 0.9 = 2.1 cores busy of 2
+    assert cpu["drafter"].endswith(" (only with a free core: this host has 2 and the stages on cpu kept 2.1 "
+                                   "busy, more with torch's own threads)"), cpu["drafter"]
+    assert "predicted" in cpu["drafter"] and "only with a free core" in cpu["target"]
+    assert "only" not in lines(8, ["cpu", "cpu"], ["cpu"])["drafter"]      # cores to spare
+    assert "only" not in lines(0, ["cpu", "cpu"], ["cpu"])["drafter"]       # host not recorded
+    gpu = lines(2, ["cuda:0", "cuda:0"], ["cuda:1"])
+    assert gpu["target"].endswith(" (only on a GPU of its own: its replicas run on cuda:0)"), gpu["target"]
+    assert "only" not in gpu["drafter"]                                     # alone on cuda:1
+    shared = lines(2, ["cuda:0", "cuda:1"], ["cuda:1"])
+    assert shared["drafter"].endswith(" (only on a GPU of its own: its replicas run on cuda:1 with target)")
+    assert "only" not in lines(2, [], [])["drafter"]                        # a log without devices
+
+
+def test_the_stats_header_records_devices_and_the_hosts_cores(tmp_path):
+    """Invariant: a run's stats header carries each process's devices and the host's CPU count, and
+    csp.inspect's summary reads them back (what room_note judges by)."""
+    import os
+
+    import examples.textpipe  # noqa: F401  (registers the textpipe.* kinds)
+
+    spec = csp.load_spec(ROOT / "examples" / "text_pipeline.toml", overrides=[
+        "process.read.options.generate=20", 'process.count.device="cpu"',
+        "trace.perfetto=false", "trace.flows=false"])
+    assert csp.Runtime(csp.Graph.from_spec(spec), run_dir=tmp_path).run().status == "completed"
+    s = summarize(read_stats(tmp_path))
+    devices = {p.name: p.devices for p in s.processes}
+    assert devices["count"] == ["cpu"] and devices["read"] == [None]
+    assert s.host_cpus == os.cpu_count()
