@@ -42,7 +42,8 @@ def test_run_log_holds_the_whole_story_and_the_run_ends_with_a_summary_and_a_plo
     run = tmp_path / ("a-long-run-directory-name-" * 4).rstrip("-")
     assert main(small(run, cache_dir, "monitor.plot=true", steps=8)) == 0
     log = (run / "run.log").read_text()
-    assert re.search(r"INFO dflash.run: data: sharegpt \(.*\): \d+ records read, \d+ conversations kept", log)
+    assert re.search(r"INFO dflash.run: data: sharegpt \(.*\): \d+ records read \(reading stopped at "
+                     r"data.max_samples = \d+ usable conversations\), \d+ conversations kept", log)
     for step in range(1, 9):
         assert f"INFO dflash.display: step {step}/8 " in log
     for step in (4, 8):
