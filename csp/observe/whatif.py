@@ -155,8 +155,8 @@ def what_if_lines(model: Model | None, max_stages: int = 3) -> list[str]:
     for b in procs:
         y, neck = predict(model, {b.name: b.replicas + 1})
         moved = f"; bottleneck then {neck}" if neck != model.bottleneck else ""
-        lines.append(f"  one more replica of {b.name} -> predicted {count(y)} items/s ({_gain(y, x)}){moved}"
-                     + room_note(model, b))
+        note = room_note(model, b) if y > x * 1.005 else ""  # no gain: nothing to qualify
+        lines.append(f"  one more replica of {b.name} -> predicted {count(y)} items/s ({_gain(y, x)}){moved}{note}")
     first = model.bounds[0]
     if first.kind == "process" and len(model.bounds) > 1:
         nxt = model.bounds[1]

@@ -95,7 +95,8 @@ def test_a_replica_that_would_share_busy_hardware_says_so():
     share hardware the run already kept busy: a stage on "cpu" when the stages on cpu kept more than
     host_cpus - 1 cores busy (a 2-core machine, where an extra drafter replica only takes cores from
     the target), or a stage whose replicas share a GPU (with each other or with other stages); a
-    stage alone on its GPU, a host with cores to spare, or a log without devices says nothing."""
+    stage alone on its GPU, a host with cores to spare, a log without devices, or a replica
+    predicted to gain nothing says nothing."""
     from csp.observe.backpressure import ProcessSummary, ReplicaSummary, Summary, Verdict
 
     def proc(name, reps, busy, rate_in, rate_out, devices):
@@ -115,14 +116,24 @@ def test_a_replica_that_would_share_busy_hardware_says_so():
     cpu = lines(2, ["cpu", "cpu"], ["cpu"])   # 2 x 0.6 + 0.9 = 2.1 cores busy of 2
     assert cpu["drafter"].endswith(" (only with a free core: this host has 2 and the stages on cpu kept 2.1 "
                                    "busy, more with torch's own threads)"), cpu["drafter"]
-    assert "predicted" in cpu["drafter"] and "only with a free core" in cpu["target"]
+    assert "predicted" in cpu["drafter"] and "(+0%)" in cpu["target"] and "only" not in cpu["target"]  # no gain
     assert "only" not in lines(8, ["cpu", "cpu"], ["cpu"])["drafter"]      # cores to spare
     assert "only" not in lines(0, ["cpu", "cpu"], ["cpu"])["drafter"]       # host not recorded
-    gpu = lines(2, ["cuda:0", "cuda:0"], ["cuda:1"])
-    assert gpu["target"].endswith(" (only on a GPU of its own: its replicas run on cuda:0)"), gpu["target"]
-    assert "only" not in gpu["drafter"]                                     # alone on cuda:1
-    shared = lines(2, ["cuda:0", "cuda:1"], ["cuda:1"])
-    assert shared["drafter"].endswith(" (only on a GPU of its own: its replicas run on cuda:1 with target)")
+    from csp.observe.whatif import room_note
+
+    def notes(target_dev, drafter_dev):
+        procs = [proc("prefetch", 1, 0.05, 0, 10, [None]), proc("target", 2, 0.6, 10, 10, target_dev),
+                 proc("drafter", 1, 0.9, 10, 0, drafter_dev)]
+        m = fit(Summary(t_start=0, t_end=100, elapsed_s=100, samples=10, status="completed", exit_code=0,
+                        channels=[], processes=procs, verdict=Verdict(text=""), host_cpus=2))
+        return {b.name: room_note(m, b) for b in m.bounds}
+
+    gpu = notes(["cuda:0", "cuda:0"], ["cuda:1"])
+    assert gpu["target"] == " (only on a GPU of its own: its replicas run on cuda:0)", gpu["target"]
+    assert gpu["drafter"] == ""                                             # alone on cuda:1
+    shared = notes(["cuda:0", "cuda:1"], ["cuda:1"])
+    assert shared["drafter"] == " (only on a GPU of its own: its replicas run on cuda:1 with target)"
+    assert lines(2, ["cuda:0", "cuda:1"], ["cuda:1"])["drafter"].endswith(shared["drafter"])
     assert "only" not in lines(2, [], [])["drafter"]                        # a log without devices
 
 
