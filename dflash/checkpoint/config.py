@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-
 from dflash.tables import NonNegInt, PositiveInt, Table, added_later
 
 if TYPE_CHECKING:  # a type only: the reports that read a run directory import this room without the models
