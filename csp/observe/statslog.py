@@ -49,8 +49,8 @@ def unwritable(path: Path, exc: BaseException | None, what: str) -> str:
 
 class GraphShape(Protocol):
     """What the header reads of a graph (a :class:`csp.Graph` is one): its channels (``name``,
-    ``capacity``, ``ordered``) and processes (``name``, ``replicas``, ``inputs``, ``outputs`` and,
-    when bound, ``devices``) by name. Observing needs no graph file, so this room does not import :mod:`csp.graph`."""
+    ``capacity``, ``ordered``) and processes (``name``, ``replicas``, ``inputs``, ``outputs``,
+    ``devices``) by name. Observing needs no graph file, so this room does not import :mod:`csp.graph`."""
 
     @property
     def channels(self) -> Mapping[str, Any]: ...
@@ -65,7 +65,7 @@ def graph_header(graph: GraphShape) -> dict[str, Any]:
         "channels": [{"name": c.name, "capacity": c.capacity, "ordered": c.ordered}
                      for c in graph.channels.values()],
         "processes": [{"name": p.name, "replicas": p.replicas, "inputs": dict(p.inputs),
-                       "outputs": dict(p.outputs), "devices": list(getattr(p, "devices", None) or [])}
+                       "outputs": dict(p.outputs), "devices": list(p.devices)}
                       for p in graph.processes.values()],
     }
 

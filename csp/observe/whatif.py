@@ -126,7 +126,7 @@ def fit(summary, link_bytes_per_s: Mapping[str, float] | None = None) -> Model |
         return None
     bounds.sort(key=lambda b: (b.capacity, b.name))
     return Model(measured=items / dt, reference="items sent by " + "+".join(p.name for p in sources),
-                 items=items, bounds=bounds, elapsed_s=dt, host_cpus=getattr(summary, "host_cpus", 0))
+                 items=items, bounds=bounds, elapsed_s=dt, host_cpus=summary.host_cpus)
 
 
 def predict(model: Model, replicas: Mapping[str, int]) -> tuple[float, str]:

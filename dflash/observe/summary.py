@@ -58,10 +58,11 @@ def _skipped_text(held: list) -> str:
         prev = r.step
     if not gaps:
         return ""
-    where = "; ".join(f"{n} before step {b}" if a is None else f"{n} between steps {a} and {b}"
-                      for n, a, b in gaps[:3]) + ("; ..." if len(gaps) > 3 else "")
-    if len(gaps) == 1:
-        where = where.split(" ", 1)[1]  # the count is already said
+
+    def place(n: int, a: int | None, b: int) -> str:
+        where = f"before step {b}" if a is None else f"between steps {a} and {b}"
+        return where if len(gaps) == 1 else f"{n} {where}"  # one gap: the total already gives its count
+    where = "; ".join(place(*g) for g in gaps[:3]) + ("; ..." if len(gaps) > 3 else "")
     total = sum(n for n, _, _ in gaps)
     return f", {total} skipped ({where}: the evaluator was busy, or over eval.max_busy)"
 

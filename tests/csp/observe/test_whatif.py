@@ -106,12 +106,21 @@ def test_a_replica_that_would_share_busy_hardware_says_so():
         return ProcessSummary(name=name, replicas=rs, busy_frac=busy, wait_input_frac=1 - busy, blocked_output_frac=0.0,
                               items_in_per_s=rate_in, items_out_per_s=rate_out, devices=devices)
 
-    def lines(cpus, target_dev, drafter_dev):
+    from csp.observe.whatif import room_note
+
+    def model(cpus, target_dev, drafter_dev):
         procs = [proc("prefetch", 1, 0.05, 0, 10, [None]), proc("target", 2, 0.6, 10, 10, target_dev),
                  proc("drafter", 1, 0.9, 10, 0, drafter_dev)]
-        s = Summary(t_start=0, t_end=100, elapsed_s=100, samples=10, status="completed", exit_code=0,
-                    channels=[], processes=procs, verdict=Verdict(text=""), host_cpus=cpus)
-        return {ln.split(" -> ")[0].split()[-1]: ln for ln in what_if_lines(fit(s)) if "one more replica" in ln}
+        return fit(Summary(t_start=0, t_end=100, elapsed_s=100, samples=10, status="completed", exit_code=0,
+                           channels=[], processes=procs, verdict=Verdict(text=""), host_cpus=cpus))
+
+    def lines(cpus, target_dev, drafter_dev):
+        return {ln.split(" -> ")[0].split()[-1]: ln for ln in what_if_lines(model(cpus, target_dev, drafter_dev))
+                if "one more replica" in ln}
+
+    def notes(target_dev, drafter_dev):
+        m = model(2, target_dev, drafter_dev)
+        return {b.name: room_note(m, b) for b in m.bounds}
 
     cpu = lines(2, ["cpu", "cpu"], ["cpu"])   # 2 x 0.6 + 0.9 = 2.1 cores busy of 2
     assert cpu["drafter"].endswith(" (only with a free core: this host has 2 and the stages on cpu kept 2.1 "
@@ -119,15 +128,6 @@ def test_a_replica_that_would_share_busy_hardware_says_so():
     assert "predicted" in cpu["drafter"] and "(+0%)" in cpu["target"] and "only" not in cpu["target"]  # no gain
     assert "only" not in lines(8, ["cpu", "cpu"], ["cpu"])["drafter"]      # cores to spare
     assert "only" not in lines(0, ["cpu", "cpu"], ["cpu"])["drafter"]       # host not recorded
-    from csp.observe.whatif import room_note
-
-    def notes(target_dev, drafter_dev):
-        procs = [proc("prefetch", 1, 0.05, 0, 10, [None]), proc("target", 2, 0.6, 10, 10, target_dev),
-                 proc("drafter", 1, 0.9, 10, 0, drafter_dev)]
-        m = fit(Summary(t_start=0, t_end=100, elapsed_s=100, samples=10, status="completed", exit_code=0,
-                        channels=[], processes=procs, verdict=Verdict(text=""), host_cpus=2))
-        return {b.name: room_note(m, b) for b in m.bounds}
-
     gpu = notes(["cuda:0", "cuda:0"], ["cuda:1"])
     assert gpu["target"] == " (only on a GPU of its own: its replicas run on cuda:0)", gpu["target"]
     assert gpu["drafter"] == ""                                             # alone on cuda:1
