@@ -14,18 +14,35 @@ stage holds the process-wide lock exclusively, any other step holds it shared. S
 concurrently (the pipeline's overlap is untouched); a waiting exclusive step stops new shared ones
 from starting, so it runs once the steps in flight finish (at most one step of each other stage).
 
-What stays unguarded: a recompile on shapes a stage has seen (a guard that fails on a value, not a
-shape); the engine avoids those (``dflash.model.target`` marks the varlen boundaries dynamic).
+What the shapes miss: a recompile on shapes a stage has seen (a guard that fails on a value, a
+stride or a dtype, not a shape) traces while other steps run. The engine avoids the ones it knows
+(``dflash.model.target`` marks the varlen boundaries dynamic); for the rest, :meth:`StepGate.run`
+catches the error that such a trace raises in another stage's compiled call and runs that step
+again, alone, once the trace is over (a step is rerun from its start: its inputs are unchanged,
+and the caller's ``again`` undoes what the failed attempt left, such as accumulated gradients).
 Hold the gate around compute only, never around a channel ``put``/``get``: a stage blocked on a
 channel while holding it shared would keep a waiting exclusive step, and then every stage, waiting.
 """
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
-__all__ = ["StepGate", "process_lock"]
+__all__ = ["StepGate", "is_trace_race", "process_lock"]
+
+log = logging.getLogger("dflash.step_gate")
+R = TypeVar("R")
+_TRACE_RACE = "symbolically trace a dynamo-optimized function"
+
+
+def is_trace_race(exc: BaseException) -> bool:
+    """Whether ``exc`` is the error a compiled call raises while another thread's ``torch.fx`` trace
+    is under way (torch's message: "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function")."""
+    return isinstance(exc, RuntimeError) and _TRACE_RACE in str(exc)
 
 
 class _SharedExclusiveLock:
@@ -87,9 +104,12 @@ class StepGate:
     """One stage's gate: :meth:`step` runs a step exclusively on shapes this gate has not seen
     (the step may compile), shared otherwise. Not shared between stages: each has its own shapes."""
 
-    def __init__(self, lock: _SharedExclusiveLock | None = None) -> None:
+    def __init__(self, lock: _SharedExclusiveLock | None = None, name: str = "a stage") -> None:
         self._lock = lock or _LOCK
         self._seen: set[Hashable] = set()
+        self.name = name
+        self.reruns = 0
+        """Steps run again alone because another thread's compile interrupted them."""
 
     def is_new(self, shapes: Hashable) -> bool:
         """Whether a step on ``shapes`` would run exclusively."""
@@ -113,3 +133,35 @@ class StepGate:
                 _held.on = False
         if new:
             self._seen.add(shapes)
+
+    def run(self, shapes: Hashable, fn: Callable[[], R], again: Callable[[], None] | None = None) -> R:
+        """``fn()`` as one step on ``shapes`` (:meth:`step`); if another thread's compile interrupted
+        it (:func:`is_trace_race`), ``again()`` and then ``fn()`` once more, exclusively.
+
+        Args:
+            shapes: the step's shapes, as for :meth:`step`.
+            fn: the step; it must be safe to run again from its start after it raised.
+            again: undoes what a failed attempt left behind before the rerun (e.g. ``zero_grad``).
+
+        Raises:
+            Whatever ``fn`` raises, the race's error included when the rerun (which runs alone, so
+            no other thread traces meanwhile) or a step nested in another raises it.
+        """
+        try:
+            with self.step(shapes):
+                return fn()
+        except RuntimeError as e:
+            if not is_trace_race(e) or getattr(_held, "on", False):
+                raise
+        self.reruns += 1
+        if self.reruns == 1:
+            log.warning("%s: a step was interrupted by a torch.compile trace in another thread (a recompile "
+                        "on shapes already seen) and runs again alone; each such rerun is counted", self.name)
+        if again is not None:
+            again()
+        with self._lock.exclusive():
+            _held.on = True
+            try:
+                return fn()
+            finally:
+                _held.on = False

@@ -43,16 +43,19 @@ class TargetStage(csp.Process[TargetStageInputs, TargetStageOutputs]):
         self.target = load_target(o.target, self.device, num_draft_layers=o.num_draft_layers, need_final=o.need_final)
         self.sentinel = FiniteSentinel(self.ctx.qualname, enabled=o.check_channels)
         self.features = o.features  # the noise, when postprocess_side = "target"
-        self.gate = StepGate()  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
+        self.gate = StepGate(name=self.ctx.qualname)  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
 
     def forward(self, batch: Batch) -> TargetOutput:
         """The target's hidden states for one batch (moved to this replica's device)."""
         t0 = time.perf_counter()
-        with self.ctx.span("target.forward"), torch.no_grad(), self.gate.step(tuple(batch.input_ids.shape)):
-            b = batch.to(self.device, non_blocking=True)
-            layer_hidden, final_hidden = self.target.forward(
-                b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final
-            )
+        b = batch.to(self.device, non_blocking=True)
+
+        def step():  # no state changes: safe to run again (dflash.run.step_gate)
+            with torch.no_grad():
+                return self.target.forward(b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final)
+
+        with self.ctx.span("target.forward"):
+            layer_hidden, final_hidden = self.gate.run(tuple(batch.input_ids.shape), step)
             layer_hidden = self.features.at_target(layer_hidden, b.batch_id)
         return TargetOutput(
             batch=b,

@@ -114,7 +114,7 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
             self.ckpt.reserve(dict(self.drafter.state_dict()), {"optimizer": {"state": like}})
         self.window = CheckpointWindow()
         self.saved_step = -1
-        self.gate = StepGate()  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
+        self.gate = StepGate(name=self.ctx.qualname)  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
         self.budget = None
         if o.time_budget_s is not None:
             self.budget = TimeBudget(o.time_budget_s, o.total_steps, clock=app.clock)
@@ -192,9 +192,11 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
         :class:`dflash.train.sentinel.NonFiniteError` when the skip streak is exhausted."""
         self.step += 1
         shapes = (tuple(inp.batch.input_ids.shape), tuple(inp.anchors.shape))
-        with self.ctx.span("drafter.step"), self.gate.step(shapes):
-            m = train_step(self.model, self.head, self.optim, self.guard, inp, self.opts, step=self.step,
-                           cuda=self.cuda, before_update=self.ckpt.before_update)
+        with self.ctx.span("drafter.step"):  # a rerun starts from zero gradients (dflash.run.step_gate)
+            m = self.gate.run(shapes, lambda: train_step(self.model, self.head, self.optim, self.guard, inp, self.opts,
+                                                         step=self.step, cuda=self.cuda,
+                                                         before_update=self.ckpt.before_update),
+                              again=self.optim.zero_grad)
         self.window.add(m, inp.batch.sampler_state)
         if m.skipped and self.guard.exhausted:
             last = last_trusted_checkpoint(self.ckpt, step=self.step, streak=self.guard.streak,

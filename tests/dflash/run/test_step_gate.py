@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dflash.run.step_gate import StepGate, _SharedExclusiveLock
+from dflash.run.step_gate import StepGate, _SharedExclusiveLock, is_trace_race
 
 WAIT = 5.0  # seconds any expected event may take; the tests finish in milliseconds when correct
 
@@ -105,6 +105,62 @@ def test_a_nested_step_in_one_thread_runs_inside_the_outer_hold():
     t = _thread(run)
     t.join(WAIT)
     assert done == [(0, True, 0)]
+
+
+def test_a_step_that_another_threads_trace_interrupts_runs_again_alone_after_it():
+    """The race itself, on torch: while one thread traces with torch.fx (as torch.compile's
+    autograd tracing does) holding the gate shared, a compiled call in another thread raises;
+    :meth:`StepGate.run` undoes the attempt and reruns it exclusively once the trace is over."""
+    import torch
+
+    lock = _SharedExclusiveLock()
+    compiling, victim = StepGate(lock), StepGate(lock)
+    for g in (compiling, victim):  # shapes both have seen: their next steps are shared
+        with g.step((2,)):
+            pass
+    tracing, finish = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            tracing.set()  # inside torch.fx's trace: nn.Module.__call__ is patched process-wide
+            assert finish.wait(WAIT)
+            return x + 1
+
+    traced = []
+    t = _thread(lambda: compiling.run((2,), lambda: traced.append(torch.fx.symbolic_trace(Slow()))))
+    assert tracing.wait(WAIT)
+    double = torch.compile(lambda x: 2 * x, backend="eager")
+    attempts, states = [], []
+
+    def step():
+        attempts.append(1)
+        states.append(lock.state())
+        return double(torch.ones(2))
+
+    out = victim.run((2,), step, again=finish.set)  # the undo lets the trace finish here
+    t.join(WAIT)
+    assert torch.equal(out, torch.full((2,), 2.0)) and len(traced) == 1
+    assert len(attempts) == 2 and victim.reruns == 1 and compiling.reruns == 0
+    assert states == [(2, False, 0), (0, True, 0)]  # first beside the trace, then alone
+    assert lock.state() == (0, False, 0)
+
+
+def test_only_the_trace_race_is_rerun():
+    lock = _SharedExclusiveLock()
+    gate, calls = StepGate(lock), []
+    with gate.step((1,)):
+        pass
+
+    def fails():
+        calls.append(1)
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gate.run((1,), fails, again=lambda: calls.append("again"))
+    assert calls == [1] and gate.reruns == 0 and lock.state() == (0, False, 0)
+    assert is_trace_race(RuntimeError("Detected that you are using FX to symbolically trace a "
+                                      "dynamo-optimized function. This is not supported at the moment."))
+    assert not is_trace_race(ValueError("symbolically trace a dynamo-optimized function"))
 
 
 def test_a_run_passes_every_target_forward_and_drafter_step_through_the_gate(tmp_path, monkeypatch):
