@@ -18,7 +18,7 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
-from dflash.run.memory import ACT_BYTES, DRAFTER_BYTES_PER_PARAM
+from dflash.run.memory import ACT_BYTES, DRAFTER_BYTES_PER_PARAM, HEAD_BYTES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -81,12 +81,16 @@ def target_params(hf: PretrainedConfig) -> int:
     return hf.vocab_size * h * (1 if tied else 2) + n_layers * (attn + 3 * h * inter + 2 * h)
 
 
-def drafter_memory(weight_bytes: float, slots: int, hidden: int, layers: int) -> float:
+def drafter_memory(weight_bytes: float, slots: int, hidden: int, layers: int, vocab: int = 0,
+                   head_rows: int = 0) -> float:
     """Bytes one drafter replica holds, by the model :mod:`dflash.run.memory` checks a run with:
     :data:`~dflash.run.memory.DRAFTER_BYTES_PER_PARAM` a parameter (``weight_bytes`` are its fp32
-    weights) plus activations (:data:`~dflash.run.memory.ACT_BYTES` per drafter slot, hidden unit
-    and layer; slots = packed rows x anchors x block size)."""
-    return DRAFTER_BYTES_PER_PARAM * weight_bytes / 4 + ACT_BYTES * slots * hidden * layers
+    weights), the frozen bf16 embedding and LM head and the chunked head's buffers
+    (:data:`~dflash.run.memory.HEAD_BYTES` per vocabulary entry and slot of ``head_rows``), plus
+    activations (:data:`~dflash.run.memory.ACT_BYTES` per drafter slot, hidden unit and layer;
+    slots = packed rows x anchors x block size)."""
+    return (DRAFTER_BYTES_PER_PARAM * weight_bytes / 4 + 4 * vocab * hidden + HEAD_BYTES * vocab * head_rows
+            + ACT_BYTES * slots * hidden * layers)
 
 
 def _proc(cfg: dict, kind: str, run: Path) -> dict:
@@ -177,7 +181,9 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
         grad = float(safetensors_bytes(ckpt / "model.safetensors"))  # fp32 masters: gradients as large
         data, train = cfg.get("data", {}), cfg.get("train", {})
         slots = data.get("packed_rows", 1) * train.get("num_anchors", 256) * dcfg["block_size"]
-        d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"])
+        chunk = train.get("lm_head_chunk", 2048) if train.get("sync_free_loss", True) else 0
+        d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"], vocab=dcfg.get("vocab_size", 0),
+                               head_rows=min(slots, chunk) if chunk else slots)
     inputs = Inputs(target_tok_s=t_rate, drafter_tok_s=d_rate, coloc=coloc, coloc_source=coloc_source,
                     bytes_per_token=hidden / model.measured / per_item, grad_bytes=grad, tokens_per_batch=tokens,
                     target_mem=_target_mem(cfg, t_dev[0], notes), drafter_mem=d_mem,

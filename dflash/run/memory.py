@@ -7,22 +7,29 @@ clearly over the card, with one line naming what would fit: activation checkpoin
 anchors, fewer tokens per batch, or the stages on separate GPUs.
 
 The model (bytes; ``P`` trainable drafter parameters, ``H`` hidden size, ``n`` drafter layers,
-``S`` drafter slots per step = ``packed_rows x num_anchors x block_size``, ``T`` tokens per batch):
+``V`` vocabulary, ``S`` drafter slots per step = ``packed_rows x num_anchors x block_size``, ``c``
+slots the LM head and loss take at a time = ``min(S, [train].lm_head_chunk)``, ``T`` tokens per batch):
 
-- drafter: ``18 P`` (fp32 weights, gradients, two AdamW moments, about 2 bytes a parameter of
-  optimizer temporaries) + the frozen bf16 embedding and LM head + ``54 H n S`` of activations
-  (``34 H n S`` with ``[drafter].activation_checkpointing``), the batches' captured features in
-  flight included;
+- drafter: ``13.4 P`` (fp32 weights, gradients and optimizer state) + the frozen bf16 embedding and
+  LM head + ``16 V c`` (the chunked head's fp32 ``[c, V]`` buffers: they grow with the vocabulary,
+  not with the drafter's width) + ``54 H n S`` of activations (``34 H n S`` with
+  ``[drafter].activation_checkpointing``), the batches' captured features in flight included;
 - target: its bf16 weights up to the last captured layer (1 byte a weight in FP8) + ``35 H T`` of
   no-grad forward activations and captured hidden states.
 
-The constants are fitted on ``benchmarks/results/lengths_h200`` (one H200, the Qwen3-8B shape, a
-5-layer drafter, one row of 2K-32K tokens, anchors at one per 16 tokens): the drafter's peak less
-the target's resident weights, 22.2 / 28.6 / 37.0 / 54.0 GiB measured at 2K / 8K / 16K / 32K
-against 22.0 / 28.3 / 36.8 / 53.6 estimated, and 41.3 GiB against 41.1 with checkpointing at 32K;
-the target's 13.6 / 14.5 / 15.6 / 17.7 GiB against 13.7 / 14.5 / 15.6 / 17.8. Checkpointing's saving is not linear in the measurements (5.5 GiB
-of 28.6 at 8K, 12.7 of 37.0 at 16K and of 54.0 at 32K): its constant is fitted at 32K, so it
-overestimates shorter rows (25.2 GiB against 23.1 at 8K, 30.5 against 24.4 at 16K), which is why the check refuses only an estimate that is over the card by more than
+The activation constants are fitted on ``benchmarks/results/lengths_h200`` (one H200, the Qwen3-8B
+shape, a 5-layer drafter, one row of 2K-32K tokens, anchors at one per 16 tokens): the drafter's
+peak less the target's resident weights, 22.2 / 28.6 / 37.0 / 54.0 GiB measured at 2K / 8K / 16K /
+32K against 22.2 / 28.5 / 37.0 / 53.8 estimated, and 41.3 GiB against 41.2 with checkpointing at
+32K; the target's 13.6 / 14.5 / 15.6 / 17.7 GiB against 13.7 / 14.5 / 15.6 / 17.8. That table alone
+cannot tell the parameters' bytes from the head's buffers (one width, one vocabulary); a second
+shape does: Qwen3-1.7B's (half the width, the same vocabulary) whole-run peak on one H100, 21.8
+GiB at 4 rows of 4,096 tokens (``benchmarks/results/memory_h100``), fixes ``13.4 P`` and ``16 V c``
+(a model with ``18 P`` and no head term had estimated 18.3 GiB there). The Qwen3-8B file as shipped
+then estimates 52.5 GiB against 53.5 measured on that H100. Checkpointing's saving is not linear in
+the measurements (5.5 GiB of 28.6 at 8K, 12.7 of 37.0 at 16K and of 54.0 at 32K): its constant is
+fitted at 32K, so it overestimates shorter rows (25.2 GiB against 23.1 at 8K, 30.5 against 24.4 at
+16K), which is why the check refuses only an estimate that is over the card by more than
 :data:`REFUSE_OVER` and warns nearer the edge. ``run.memory_check = false`` skips it.
 """
 
@@ -39,13 +46,15 @@ if TYPE_CHECKING:
     from dflash.model.drafter_config import DrafterConfig
     from dflash.run.config import DFlashFile
 
-__all__ = ["ACT_BYTES", "ACT_BYTES_CHECKPOINTED", "DRAFTER_BYTES_PER_PARAM", "REFUSE_OVER", "TARGET_ACT_BYTES",
+__all__ = ["ACT_BYTES", "ACT_BYTES_CHECKPOINTED", "DRAFTER_BYTES_PER_PARAM", "HEAD_BYTES", "REFUSE_OVER", "TARGET_ACT_BYTES",
            "WARN_OVER", "DeviceMemory", "check_memory", "drafter_bytes", "drafter_slots", "estimate", "estimate_line",
-           "levers", "memory_fields", "target_bytes"]
+           "head_rows", "levers", "memory_fields", "target_bytes"]
 
 GIB = 2**30
-DRAFTER_BYTES_PER_PARAM = 18
-"""fp32 weights, gradients and AdamW's two moments (16 bytes) and about 2 of optimizer temporaries."""
+DRAFTER_BYTES_PER_PARAM = 13.4
+"""The drafter's weights, gradients and optimizer state per trainable parameter (fitted at two widths)."""
+HEAD_BYTES = 16
+"""The chunked LM head and loss per vocabulary entry and slot of one chunk: four fp32 ``[c, V]`` buffers."""
 ACT_BYTES = 54
 """Drafter activations per slot, hidden unit and layer, without checkpointing (features in flight included)."""
 ACT_BYTES_CHECKPOINTED = 34
@@ -91,7 +100,15 @@ def drafter_slots(cfg: DFlashFile, block_size: int) -> int:
     return cfg.data.packed_rows * cfg.train.num_anchors * block_size
 
 
-def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool) -> tuple[float, float]:
+def head_rows(cfg: DFlashFile, slots: int) -> int:
+    """Slots the LM head and loss take at a time: ``[train].lm_head_chunk`` with the sync-free
+    loss (0 = all), every slot without it (an over-estimate: only the trained slots go through)."""
+    chunk = cfg.train.lm_head_chunk if cfg.train.sync_free_loss else 0
+    return min(slots, chunk) if chunk else slots
+
+
+def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool,
+                  head_rows: int | None = None) -> tuple[float, float]:
     """One drafter replica's estimated peak, bytes, as ``(fixed, activations)`` (the model in the
     module docstring).
 
@@ -99,11 +116,14 @@ def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool) ->
         drafter: the resolved drafter config (every dimension set).
         slots: drafter positions per step (:func:`drafter_slots`).
         checkpointing: ``[drafter].activation_checkpointing``.
+        head_rows: slots the LM head takes at a time (:func:`head_rows`; default: all of them).
     """
     params = checkpoint_bytes(drafter) / 12  # fp32 weights and two moments: 12 bytes a parameter
     frozen = 2 * drafter.vocab_size * drafter.hidden_size * 2  # bf16 embedding and LM head
+    head = HEAD_BYTES * drafter.vocab_size * (slots if head_rows is None else head_rows)
     act = ACT_BYTES_CHECKPOINTED if checkpointing else ACT_BYTES
-    return DRAFTER_BYTES_PER_PARAM * params + frozen, act * drafter.hidden_size * drafter.num_layers * slots
+    return (DRAFTER_BYTES_PER_PARAM * params + frozen + head,
+            act * drafter.hidden_size * drafter.num_layers * slots)
 
 
 def target_bytes(hf, layers_kept: int, tokens: int, *, fp8: bool) -> tuple[float, float]:
@@ -139,8 +159,9 @@ def estimate(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str, lis
     """
     tw, ta = target_bytes(hf, max(drafter.target_layer_ids) + 1, cfg.data.tokens_per_batch,
                           fp8=cfg.target.quantization == "fp8")
-    df, da = drafter_bytes(drafter, drafter_slots(cfg, drafter.block_size),
-                           checkpointing=drafter.activation_checkpointing)
+    slots = drafter_slots(cfg, drafter.block_size)
+    df, da = drafter_bytes(drafter, slots, checkpointing=drafter.activation_checkpointing,
+                           head_rows=head_rows(cfg, slots))
     out: dict[str, DeviceMemory] = {}
     for role, part in (("target", dict(target_weights=tw, target_act=ta)),
                        ("drafter", dict(drafter_fixed=df, drafter_act=da))):
