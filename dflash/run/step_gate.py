@@ -9,7 +9,7 @@ first batch of each shape they see: the drafter's compiled layers and flex atten
 compiled layers, transformers' flex attention in an eager target.
 
 So each stage keeps a :class:`StepGate` and runs its model work (the target's forward, the drafter's
-optimizer step) inside :meth:`StepGate.step` with the batch's shapes: a step on shapes new to that
+optimizer step) through :meth:`StepGate.run` (a :meth:`StepGate.step` hold) with the batch's shapes: a step on shapes new to that
 stage holds the process-wide lock exclusively, any other step holds it shared. Shared steps run
 concurrently (the pipeline's overlap is untouched); a waiting exclusive step stops new shared ones
 from starting, so it runs once the steps in flight finish (at most one step of each other stage).
@@ -19,13 +19,17 @@ stride or a dtype, not a shape) traces while other steps run. The engine avoids 
 (``dflash.model.target`` marks the varlen boundaries dynamic); for the rest, :meth:`StepGate.run`
 catches the error that such a trace raises in another stage's compiled call and runs that step
 again, alone, once the trace is over (a step is rerun from its start: its inputs are unchanged,
-and the caller's ``again`` undoes what the failed attempt left, such as accumulated gradients).
+and the caller's ``again`` undoes what the failed attempt left, such as accumulated gradients;
+a data-parallel replica, whose steps are collectives, is not rerun but stopped with a line that
+says why). The first compile during a step on seen shapes is said once in
+the run log, with the stage and its shapes, so that the guard behind it can be found and avoided.
 Hold the gate around compute only, never around a channel ``put``/``get``: a stage blocked on a
 channel while holding it shared would keep a waiting exclusive step, and then every stage, waiting.
 """
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -92,6 +96,14 @@ class _SharedExclusiveLock:
 
 
 _LOCK = _SharedExclusiveLock()
+_said_lock = threading.Lock()
+_said_compiled = False  # the compile-on-seen-shapes warning is said once per process
+
+
+def _graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process so far (0 before torch._dynamo is used)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
 _held = threading.local()  # a step inside a step (one thread) is part of the outer one
 
 
@@ -125,6 +137,7 @@ class StepGate:
             yield
             return
         new = shapes not in self._seen
+        compiled = _graphs_compiled()
         with self._lock.exclusive() if new else self._lock.shared():
             _held.on = True
             try:
@@ -133,8 +146,22 @@ class StepGate:
                 _held.on = False
         if new:
             self._seen.add(shapes)
+        elif _graphs_compiled() != compiled:
+            self._say_compiled(shapes)
 
-    def run(self, shapes: Hashable, fn: Callable[[], R], again: Callable[[], None] | None = None) -> R:
+    def _say_compiled(self, shapes: Hashable) -> None:
+        global _said_compiled
+        with _said_lock:
+            if _said_compiled:
+                return
+            _said_compiled = True
+        log.warning("%s: torch.compile compiled a graph during a step on shapes %s, which it had seen (a guard "
+                    "on something other than a shape failed: a stride, a dtype, a value); such a compile may "
+                    "interrupt the other stages' steps, which then run again; TORCH_LOGS=recompiles names the "
+                    "guard", self.name, shapes)
+
+    def run(self, shapes: Hashable, fn: Callable[[], R], again: Callable[[], None] | None = None, *,
+            rerun: bool = True) -> R:
         """``fn()`` as one step on ``shapes`` (:meth:`step`); if another thread's compile interrupted
         it (:func:`is_trace_race`), ``again()`` and then ``fn()`` once more, exclusively.
 
@@ -142,10 +169,14 @@ class StepGate:
             shapes: the step's shapes, as for :meth:`step`.
             fn: the step; it must be safe to run again from its start after it raised.
             again: undoes what a failed attempt left behind before the rerun (e.g. ``zero_grad``).
+            rerun: False where a rerun is not safe (a data-parallel replica: its forward and
+                backward are collectives the other replicas would not repeat); the race then stops
+                the stage with a line that says so.
 
         Raises:
-            Whatever ``fn`` raises, the race's error included when the rerun (which runs alone, so
-            no other thread traces meanwhile) or a step nested in another raises it.
+            RuntimeError: the race, with ``rerun`` False, or when the rerun (which runs alone, so no
+                other thread traces meanwhile) or a step nested in another meets it.
+            Whatever else ``fn`` raises.
         """
         try:
             with self.step(shapes):
@@ -153,6 +184,11 @@ class StepGate:
         except RuntimeError as e:
             if not is_trace_race(e) or getattr(_held, "on", False):
                 raise
+            if not rerun:
+                raise RuntimeError(f"{self.name}: a torch.compile trace in another thread (a recompile on shapes "
+                                   "already seen) interrupted this step, which a data-parallel replica cannot run "
+                                   "again; TORCH_LOGS=recompiles names the guard behind the recompile, and the "
+                                   "stage's compile = false avoids it") from e
         self.reruns += 1
         if self.reruns == 1:
             log.warning("%s: a step was interrupted by a torch.compile trace in another thread (a recompile "

@@ -196,7 +196,7 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
             m = self.gate.run(shapes, lambda: train_step(self.model, self.head, self.optim, self.guard, inp, self.opts,
                                                          step=self.step, cuda=self.cuda,
                                                          before_update=self.ckpt.before_update),
-                              again=self.optim.zero_grad)
+                              again=self.optim.zero_grad, rerun=parallel.unwrap(self.model) is self.model)
         self.window.add(m, inp.batch.sampler_state)
         if m.skipped and self.guard.exhausted:
             last = last_trusted_checkpoint(self.ckpt, step=self.step, streak=self.guard.streak,

@@ -145,6 +145,26 @@ def test_a_step_that_another_threads_trace_interrupts_runs_again_alone_after_it(
     assert lock.state() == (0, False, 0)
 
 
+def test_a_compile_during_a_step_on_seen_shapes_is_said_once(caplog, monkeypatch):
+    """A guard other than a shape failing (here: a new input length behind an unchanged step key)
+    compiles inside a shared step: the run log says so once, naming the stage and the shapes."""
+    import torch
+
+    from dflash.run import step_gate
+
+    monkeypatch.setattr(step_gate, "_said_compiled", False)
+    gate = StepGate(_SharedExclusiveLock(), name="drafter[0]")
+    double = torch.compile(lambda x: 2 * x, backend="eager")
+    with gate.step(("batch",)):
+        double(torch.ones(5))  # a new shape: compiles, alone
+    with caplog.at_level("WARNING", logger="dflash.step_gate"):
+        for n in (5, 5, 6, 7):  # the same key; 6 and 7 compile beside the other stages
+            with gate.step(("batch",)):
+                double(torch.ones(n))
+    said = [r.getMessage() for r in caplog.records if "compiled a graph" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("drafter[0]: ") and "('batch',)" in said[0]
+
+
 def test_only_the_trace_race_is_rerun():
     lock = _SharedExclusiveLock()
     gate, calls = StepGate(lock), []
@@ -158,9 +178,28 @@ def test_only_the_trace_race_is_rerun():
     with pytest.raises(RuntimeError, match="out of memory"):
         gate.run((1,), fails, again=lambda: calls.append("again"))
     assert calls == [1] and gate.reruns == 0 and lock.state() == (0, False, 0)
-    assert is_trace_race(RuntimeError("Detected that you are using FX to symbolically trace a "
-                                      "dynamo-optimized function. This is not supported at the moment."))
+    race = RuntimeError("Detected that you are using FX to symbolically trace a "
+                        "dynamo-optimized function. This is not supported at the moment.")
+    assert is_trace_race(race)
     assert not is_trace_race(ValueError("symbolically trace a dynamo-optimized function"))
+
+
+def test_a_data_parallel_replica_is_stopped_with_the_reason_not_rerun():
+    """A replica whose step is a collective cannot repeat it alone: the race stops it, saying why."""
+    lock = _SharedExclusiveLock()
+    gate, calls = StepGate(lock, name="drafter[1]"), []
+    with gate.step((1,)):
+        pass
+    race = RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
+
+    def interrupted():
+        calls.append(1)
+        raise race
+
+    with pytest.raises(RuntimeError, match=r"^drafter\[1\]: .* a data-parallel replica cannot run again") as err:
+        gate.run((1,), interrupted, again=lambda: calls.append("again"), rerun=False)
+    assert err.value.__cause__ is race and calls == [1] and gate.reruns == 0
+    assert lock.state() == (0, False, 0)
 
 
 def test_a_run_passes_every_target_forward_and_drafter_step_through_the_gate(tmp_path, monkeypatch):
