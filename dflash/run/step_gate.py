@@ -137,16 +137,17 @@ class StepGate:
             yield
             return
         new = shapes not in self._seen
-        compiled = _graphs_compiled()
         with self._lock.exclusive() if new else self._lock.shared():
+            compiled = _graphs_compiled()  # once held: an exclusive step that ran before is not counted
             _held.on = True
             try:
                 yield
             finally:
                 _held.on = False
+                compiled = _graphs_compiled() - compiled  # still held: a later exclusive step is not counted
         if new:
             self._seen.add(shapes)
-        elif _graphs_compiled() != compiled:
+        elif compiled:
             self._say_compiled(shapes)
 
     def _say_compiled(self, shapes: Hashable) -> None:
@@ -155,10 +156,11 @@ class StepGate:
             if _said_compiled:
                 return
             _said_compiled = True
-        log.warning("%s: torch.compile compiled a graph during a step on shapes %s, which it had seen (a guard "
-                    "on something other than a shape failed: a stride, a dtype, a value); such a compile may "
-                    "interrupt the other stages' steps, which then run again; TORCH_LOGS=recompiles names the "
-                    "guard", self.name, shapes)
+        log.warning("%s: torch.compile compiled a graph while this stage ran a step on shapes %s it had seen "
+                    "(the compile was this stage's or that of one running beside it: a guard on something other "
+                    "than a shape failed, such as a stride, a dtype or a value); such a compile may interrupt "
+                    "the other stages' steps, which then run again; TORCH_LOGS=recompiles names the guard",
+                    self.name, shapes)
 
     def run(self, shapes: Hashable, fn: Callable[[], R], again: Callable[[], None] | None = None, *,
             rerun: bool = True) -> R:
