@@ -48,13 +48,13 @@ class TargetStage(csp.Process[TargetStageInputs, TargetStageOutputs]):
     def forward(self, batch: Batch) -> TargetOutput:
         """The target's hidden states for one batch (moved to this replica's device)."""
         t0 = time.perf_counter()
-
-        def step():  # no state changes: safe to run again (dflash.run.step_gate)
-            with torch.no_grad():
-                return self.target.forward(b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final)
-
         with self.ctx.span("target.forward"):
             b = batch.to(self.device, non_blocking=True)
+
+            def step():  # no state changes: safe to run again (dflash.run.step_gate)
+                with torch.no_grad():
+                    return self.target.forward(b.input_ids, b.position_ids, b.doc_ids, need_final=self.need_final)
+
             layer_hidden, final_hidden = self.gate.run(tuple(batch.input_ids.shape), step)
             layer_hidden = self.features.at_target(layer_hidden, b.batch_id)
         return TargetOutput(
