@@ -160,7 +160,10 @@ def phase_train(args: argparse.Namespace) -> int:
                       args.num_prompts, "--max-new-tokens", args.new_tokens, "--temperature", t, "--seed", 0,
                       "--no-speedup", "--json"), args.out / f"eval-headline-t{t}.json", err=err):
             print(tail(err, 5))
-    print(report.pick(report.read_json(args.out / "eval-headline-t0.json"), EVAL_KEYS))
+    if "0" in args.eval_temps:
+        print(report.pick(report.read_json(args.out / "eval-headline-t0.json"), EVAL_KEYS))
+    else:
+        print(f"no greedy held-out evaluation (--eval-temps {' '.join(args.eval_temps) or 'given no temperature'})")
     carry.split_tar(ck, str(args.out / "ckpt.tar.part-"))
     print(f"done in {clock()} s")
     return 0
