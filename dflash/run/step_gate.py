@@ -9,8 +9,9 @@ first batch of each shape they see: the drafter's compiled layers and flex atten
 compiled layers, transformers' flex attention in an eager target.
 
 So each stage keeps a :class:`StepGate` and runs its model work (the target's forward, the drafter's
-optimizer step) through :meth:`StepGate.run` (a :meth:`StepGate.step` hold) with the batch's shapes: a step on shapes new to that
-stage holds the process-wide lock exclusively, any other step holds it shared. Shared steps run
+optimizer step) through :meth:`StepGate.run` (a :meth:`StepGate.step` hold) with the batch's
+shapes: a step on shapes new to that stage holds the process-wide lock exclusively, any other step
+holds it shared. Shared steps run
 concurrently (the pipeline's overlap is untouched); a waiting exclusive step stops new shared ones
 from starting, so it runs once the steps in flight finish (at most one step of each other stage).
 
@@ -21,8 +22,8 @@ catches the error that such a trace raises in another stage's compiled call and 
 again, alone, once the trace is over (a step is rerun from its start: its inputs are unchanged,
 and the caller's ``again`` undoes what the failed attempt left, such as accumulated gradients;
 a data-parallel replica, whose steps are collectives, is not rerun but stopped with a line that
-says why). The first compile during a step on seen shapes is said once in
-the run log, with the stage and its shapes, so that the guard behind it can be found and avoided.
+says why). The first compile during a step on seen shapes is said once in the run log, with the
+stage and its shapes, so that the guard behind it can be found and avoided.
 Hold the gate around compute only, never around a channel ``put``/``get``: a stage blocked on a
 channel while holding it shared would keep a waiting exclusive step, and then every stage, waiting.
 """
@@ -104,6 +105,8 @@ def _graphs_compiled() -> int:
     """Graphs torch.compile has compiled in this process so far (0 before torch._dynamo is used)."""
     utils = sys.modules.get("torch._dynamo.utils")
     return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
+
+
 _held = threading.local()  # a step inside a step (one thread) is part of the outer one
 
 
@@ -194,7 +197,7 @@ class StepGate:
         self.reruns += 1
         if self.reruns == 1:
             log.warning("%s: a step was interrupted by a torch.compile trace in another thread (a recompile "
-                        "on shapes already seen) and runs again alone; each such rerun is counted", self.name)
+                        "on shapes already seen) and runs again alone (said once per stage)", self.name)
         if again is not None:
             again()
         with self._lock.exclusive():
