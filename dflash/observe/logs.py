@@ -308,7 +308,8 @@ def render(rep: LogReport, *, window: int = 20, k: float = 5.0, gap_factor: floa
     lines.append(f"\nlogging gaps ({len(rep.gaps)}; interval > {gap_factor:g} x the median):")
     lines += [f"  steps {g.after_step} -> {g.before_step}: {g.seconds:.1f} s (typical "
               f"{g.typical_s:.1f} s), cause: {g.cause}" for g in rep.gaps]
-    lines.append(f"\ncheckpoints ({len(rep.checkpoints)}; loss: the checkpoint's own step, not a window's mean):")
+    lines.append(f"\ncheckpoints ({len(rep.checkpoints)}; loss: the mean of the steps since the previous "
+                 "checkpoint, as meta.json records it):")
     for c in rep.checkpoints:
         if not c.complete:  # no meta.json, an unreadable one, or a leftover .tmp-* save
             lines.append(f"  {c.name}: {c.problem or 'incomplete (no meta.json)'}")

@@ -36,7 +36,7 @@ def test_header_says_it_counts_records_not_checkpoints():
     out = render(analyse(RUN))
     first = out.splitlines()[0]
     assert "metrics.jsonl records: 2 checkpoint, 1 end, 1 skip, 1 start, 20 train;" in first
-    assert "\ncheckpoints (4; loss: the checkpoint's own step, not a window's mean):" in out
+    assert "\ncheckpoints (4; loss: the mean of the steps since the previous checkpoint, as meta.json records it):" in out
 
 
 def test_checkpoint_health():
