@@ -18,7 +18,7 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
-from dflash.run.memory import ACT_BYTES, DRAFTER_BYTES_PER_PARAM, HEAD_BYTES
+from dflash.run.memory import ACT_BYTES, DRAFTER_BYTES_PER_PARAM, HEAD_BYTES, head_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -181,9 +181,10 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
         grad = float(safetensors_bytes(ckpt / "model.safetensors"))  # fp32 masters: gradients as large
         data, train = cfg.get("data", {}), cfg.get("train", {})
         slots = data.get("packed_rows", 1) * train.get("num_anchors", 256) * dcfg["block_size"]
-        chunk = train.get("lm_head_chunk", 2048) if train.get("sync_free_loss", True) else 0
+        rows = head_rows(slots, lm_head_chunk=train.get("lm_head_chunk", 2048),
+                         sync_free_loss=train.get("sync_free_loss", True))
         d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"], vocab=dcfg.get("vocab_size", 0),
-                               head_rows=min(slots, chunk) if chunk else slots)
+                               head_rows=rows)
     inputs = Inputs(target_tok_s=t_rate, drafter_tok_s=d_rate, coloc=coloc, coloc_source=coloc_source,
                     bytes_per_token=hidden / model.measured / per_item, grad_bytes=grad, tokens_per_batch=tokens,
                     target_mem=_target_mem(cfg, t_dev[0], notes), drafter_mem=d_mem,

@@ -100,10 +100,11 @@ def drafter_slots(cfg: DFlashFile, block_size: int) -> int:
     return cfg.data.packed_rows * cfg.train.num_anchors * block_size
 
 
-def head_rows(cfg: DFlashFile, slots: int) -> int:
-    """Slots the LM head and loss take at a time: ``[train].lm_head_chunk`` with the sync-free
-    loss (0 = all), every slot without it (an over-estimate: only the trained slots go through)."""
-    chunk = cfg.train.lm_head_chunk if cfg.train.sync_free_loss else 0
+def head_rows(slots: int, *, lm_head_chunk: int, sync_free_loss: bool) -> int:
+    """Slots the LM head and loss take at a time, from ``[train]``'s settings: ``lm_head_chunk``
+    with the sync-free loss (0 = all), every slot without it (an over-estimate: only the trained
+    slots go through)."""
+    chunk = lm_head_chunk if sync_free_loss else 0
     return min(slots, chunk) if chunk else slots
 
 
@@ -161,7 +162,8 @@ def estimate(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str, lis
                           fp8=cfg.target.quantization == "fp8")
     slots = drafter_slots(cfg, drafter.block_size)
     df, da = drafter_bytes(drafter, slots, checkpointing=drafter.activation_checkpointing,
-                           head_rows=head_rows(cfg, slots))
+                           head_rows=head_rows(slots, lm_head_chunk=cfg.train.lm_head_chunk,
+                                               sync_free_loss=cfg.train.sync_free_loss))
     out: dict[str, DeviceMemory] = {}
     for role, part in (("target", dict(target_weights=tw, target_act=ta)),
                        ("drafter", dict(drafter_fixed=df, drafter_act=da))):

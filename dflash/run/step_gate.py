@@ -140,13 +140,11 @@ class StepGate:
             yield
             return
         new = shapes not in self._seen
-        with self._lock.exclusive() if new else self._lock.shared():
+        with self._hold(exclusive=new):
             compiled = _graphs_compiled()  # once held: an exclusive step that ran before is not counted
-            _held.on = True
             try:
                 yield
             finally:
-                _held.on = False
                 compiled = _graphs_compiled() - compiled  # still held: a later exclusive step is not counted
         if new:
             self._seen.add(shapes)
@@ -200,9 +198,15 @@ class StepGate:
                         "on shapes already seen) and runs again alone (said once per stage)", self.name)
         if again is not None:
             again()
-        with self._lock.exclusive():
+        with self._hold(exclusive=True):
+            return fn()
+
+    @contextmanager
+    def _hold(self, *, exclusive: bool) -> Iterator[None]:
+        """The process lock, exclusive or shared, marked held for this thread (nested steps run inside)."""
+        with self._lock.exclusive() if exclusive else self._lock.shared():
             _held.on = True
             try:
-                return fn()
+                yield
             finally:
                 _held.on = False
