@@ -22,7 +22,9 @@ catches the error that such a trace raises in another stage's compiled call and 
 again, alone, once the trace is over (a step is rerun from its start: its inputs are unchanged,
 and the caller's ``again`` undoes what the failed attempt left, such as accumulated gradients;
 a data-parallel replica, whose steps are collectives, is not rerun but stopped with a line that
-says why). The first compile during a step on seen shapes is said once in the run log, with the
+says why). A data-parallel replica never holds the lock exclusively either: its step waits in an
+all-reduce for the other replicas, which may be waiting for this process's target, and a target
+held off by that exclusive hold would never send (a deadlock, seen on two CPU ranks under load). The first compile during a step on seen shapes is said once in the run log, with the
 stage and its shapes, so that the guard behind it can be found and avoided.
 Hold the gate around compute only, never around a channel ``put``/``get``: a stage blocked on a
 channel while holding it shared would keep a waiting exclusive step, and then every stage, waiting.
@@ -119,10 +121,13 @@ class StepGate:
     """One stage's gate: :meth:`step` runs a step exclusively on shapes this gate has not seen
     (the step may compile), shared otherwise. Not shared between stages: each has its own shapes."""
 
-    def __init__(self, lock: _SharedExclusiveLock | None = None, name: str = "a stage") -> None:
+    def __init__(self, lock: _SharedExclusiveLock | None = None, name: str = "a stage", *,
+                 data_parallel: bool = False) -> None:
         self._lock = lock or _LOCK
         self._seen: set[Hashable] = set()
         self.name = name
+        self.data_parallel = data_parallel
+        """A replica whose steps are collectives: every step shared, none rerun (module docstring)."""
         self.reruns = 0
         """Steps run again alone because another thread's compile interrupted them."""
 
@@ -140,7 +145,7 @@ class StepGate:
             yield
             return
         new = shapes not in self._seen
-        with self._hold(exclusive=new):
+        with self._hold(exclusive=new and not self.data_parallel):
             compiled = _graphs_compiled()  # once held: an exclusive step that ran before is not counted
             try:
                 yield
@@ -163,8 +168,7 @@ class StepGate:
                     "the other stages' steps, which then run again; TORCH_LOGS=recompiles names the guard",
                     self.name, shapes)
 
-    def run(self, shapes: Hashable, fn: Callable[[], R], again: Callable[[], None] | None = None, *,
-            rerun: bool = True) -> R:
+    def run(self, shapes: Hashable, fn: Callable[[], R], again: Callable[[], None] | None = None) -> R:
         """``fn()`` as one step on ``shapes`` (:meth:`step`); if another thread's compile interrupted
         it (:func:`is_trace_race`), ``again()`` and then ``fn()`` once more, exclusively.
 
@@ -172,12 +176,11 @@ class StepGate:
             shapes: the step's shapes, as for :meth:`step`.
             fn: the step; it must be safe to run again from its start after it raised.
             again: undoes what a failed attempt left behind before the rerun (e.g. ``zero_grad``).
-            rerun: False where a rerun is not safe (a data-parallel replica: its forward and
-                backward are collectives the other replicas would not repeat); the race then stops
-                the stage with a line that says so.
+            A data-parallel gate does not rerun (its forward and backward are collectives the
+            other replicas would not repeat): the race then stops the stage with a line that says so.
 
         Raises:
-            RuntimeError: the race, with ``rerun`` False, or when the rerun (which runs alone, so no
+            RuntimeError: the race, on a data-parallel gate, or when the rerun (which runs alone, so no
                 other thread traces meanwhile) or a step nested in another meets it.
             Whatever else ``fn`` raises.
         """
@@ -187,7 +190,7 @@ class StepGate:
         except RuntimeError as e:
             if not is_trace_race(e) or getattr(_held, "on", False):
                 raise
-            if not rerun:
+            if self.data_parallel:
                 raise RuntimeError(f"{self.name}: a torch.compile trace in another thread (a recompile on shapes "
                                    "already seen) interrupted this step, which a data-parallel replica cannot run "
                                    "again; TORCH_LOGS=recompiles names the guard behind the recompile, and the "

@@ -114,7 +114,8 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
             self.ckpt.reserve(dict(self.drafter.state_dict()), {"optimizer": {"state": like}})
         self.window = CheckpointWindow()
         self.saved_step = -1
-        self.gate = StepGate(name=self.ctx.qualname)  # a batch of a new shape may compile: it runs alone (dflash.run.step_gate)
+        # a batch of a new shape may compile: it runs alone, unless this replica is data-parallel (dflash.run.step_gate)
+        self.gate = StepGate(name=self.ctx.qualname, data_parallel=parallel.unwrap(self.model) is not self.model)
         self.budget = None
         if o.time_budget_s is not None:
             self.budget = TimeBudget(o.time_budget_s, o.total_steps, clock=app.clock)
@@ -196,7 +197,7 @@ class DrafterStage(csp.Process[DrafterStageInputs, DrafterStageOutputs]):
             m = self.gate.run(shapes, lambda: train_step(self.model, self.head, self.optim, self.guard, inp, self.opts,
                                                          step=self.step, cuda=self.cuda,
                                                          before_update=self.ckpt.before_update),
-                              again=self.optim.zero_grad, rerun=parallel.unwrap(self.model) is self.model)
+                              again=self.optim.zero_grad)
         self.window.add(m, inp.batch.sampler_state)
         if m.skipped and self.guard.exhausted:
             last = last_trusted_checkpoint(self.ckpt, step=self.step, streak=self.guard.streak,

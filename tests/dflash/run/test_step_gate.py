@@ -185,11 +185,12 @@ def test_only_the_trace_race_is_rerun():
 
 
 def test_a_data_parallel_replica_is_stopped_with_the_reason_not_rerun():
-    """A replica whose step is a collective cannot repeat it alone: the race stops it, saying why."""
+    """A replica whose step is a collective cannot repeat it alone: the race stops it, saying why.
+    Nor does it hold the lock alone on new shapes: its all-reduce may wait on a stage it would hold off."""
     lock = _SharedExclusiveLock()
-    gate, calls = StepGate(lock, name="drafter[1]"), []
+    gate, calls = StepGate(lock, name="drafter[1]", data_parallel=True), []
     with gate.step((1,)):
-        pass
+        assert lock.state() == (1, False, 0)
     race = RuntimeError("Detected that you are using FX to symbolically trace a dynamo-optimized function.")
 
     def interrupted():
@@ -197,7 +198,7 @@ def test_a_data_parallel_replica_is_stopped_with_the_reason_not_rerun():
         raise race
 
     with pytest.raises(RuntimeError, match=r"^drafter\[1\]: .* a data-parallel replica cannot run again") as err:
-        gate.run((1,), interrupted, again=lambda: calls.append("again"), rerun=False)
+        gate.run((1,), interrupted, again=lambda: calls.append("again"))
     assert err.value.__cause__ is race and calls == [1] and gate.reruns == 0
     assert lock.state() == (0, False, 0)
 
