@@ -2,6 +2,7 @@
 
     python benchmarks/h200/perf.py --out OUT [--set data.source=PATH] [--budget-s 420] [--rows a,b,..]
     python benchmarks/h200/perf.py --smoke --out OUT     # tiny shapes on the CPU: the plumbing only
+    python benchmarks/h200/perf.py --graph examples/smollm2-h200.toml --set target.path=\"DIR\" --out OUT --rows drafter_compile
 
 Rows (run in the priority order of :meth:`Perf.plan`; each skipped when it would end past ``--budget-s``, each saved as it ends):
 
@@ -56,6 +57,9 @@ from benchmarks.h200.stages import scaled_mm_tflops  # noqa: E402,F401 - the fp8
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/h200/perf.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="directory for perf.json and the profiles")
+    p.add_argument("--graph", type=Path, default=GRAPH_1GPU,
+                   help="the graph whose stages are measured (default examples/qwen3-8b-h200.toml; e.g. "
+                        "examples/smollm2-h200.toml with --set target.path=DIR for a real target)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip a row that would end later than this")
     p.add_argument("--warmup", type=int, default=3)

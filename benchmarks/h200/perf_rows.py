@@ -50,6 +50,7 @@ class Perf:
         self.doc: dict[str, Any] = {"command": "python benchmarks/h200/perf.py " + " ".join(sys.argv[1:]),
                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": {}}
         self.dev = torch.device("cpu") if args.smoke else torch.device("cuda:0")
+        self.graph = getattr(args, "graph", None) or GRAPH_1GPU
         # the rows compare each switch with the code's defaults: the example graph compiles its
         # drafter, so "drafter_default" turns that off and "drafter_compile" back on
         sets = ["drafter.compile=false", *([*TINY_SETTINGS, *CPU_SETTINGS] if args.smoke else [])]
@@ -224,7 +225,7 @@ class Perf:
         if self.dev.type != "cuda" and any("liger" in s or "compile" in s or "fp8" in s for s in sets):
             self.doc["rows"][name] = {"status": "skipped", "reason": "Liger, inductor and float8 rows run on CUDA"}
             return
-        app = self.app if not sets else scratch_app(GRAPH_1GPU, [*self.overrides, *sets], self.args.run_root / name)
+        app = self.app if not sets else scratch_app(self.graph, [*self.overrides, *sets], self.args.run_root / name)
         try:
             self.row(name, FIXED_S.get(name, 30) + n * step,
                      lambda: {"settings": sets, **time_drafter(app, self.target, self.batches, self.dev,
@@ -250,7 +251,7 @@ class Perf:
         from benchmarks.h200.stages import make_batches, matmul_tflops, scratch_app
 
         a = self.args
-        self.app = scratch_app(GRAPH_1GPU, self.overrides, a.run_root / "perf")
+        self.app = scratch_app(self.graph, self.overrides, a.run_root / "perf")
         self.batches = make_batches(self.app, a.warmup + a.steps, pin=self.dev.type == "cuda")
         self.doc["settings"] = {"warmup": a.warmup, "steps": a.steps, "overrides": self.overrides,
                                 "budget_s": a.budget_s, "torch": torch.__version__,
