@@ -72,15 +72,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _compiled_flex = None
 
 
+def compiled_flex_attention():
+    """The one compiled ``flex_attention`` every CUDA drafter calls (made once, then kept).
+
+    A drafter whose layers are compiled makes it before their first call (:class:`DFlashDrafter`):
+    a compiled layer guards on the module globals it reads, so a global that changed from None to
+    this function after the first trace would fail that guard, and every layer would compile again
+    on shapes it had already seen (a compile during training that can interrupt another stage's
+    step: :class:`dflash.run.step_gate.StepGate`)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
 def _flex_attention(q, k, v, block_mask, scale):
     """flex_attention, compiled on CUDA; eager (unfused, for tests/equivalence) elsewhere."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if q.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return (_compiled_flex or compiled_flex_attention())(q, k, v, block_mask=block_mask, scale=scale,
+                                                             enable_gqa=True)
     with warnings.catch_warnings():  # "called without torch.compile": intended off-CUDA
         warnings.simplefilter("ignore", UserWarning)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
@@ -212,6 +226,8 @@ class DFlashDrafter(nn.Module):
         if cfg.kernels != "torch" or cfg.compile or cfg.precision != "bf16":  # same weights, same keys
             from dflash.model.drafter_kernels import apply_kernels
 
+            if cfg.compile and cfg.attn_implementation == "flex_attention":
+                compiled_flex_attention()  # before any layer is traced: see its docstring
             apply_kernels(self, cfg.kernels, cfg.compile, RMSNorm, MLP, precision=cfg.precision,
                           fp8_recipe=cfg.fp8_recipe)
 

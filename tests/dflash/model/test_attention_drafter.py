@@ -165,3 +165,52 @@ def test_cuda_compiled_flex_matches_sdpa_bf16():
     with torch.no_grad():
         torch.testing.assert_close(a(feats, emb, lay).float(), b(feats, emb, lay).float(),
                                    atol=3e-2, rtol=3e-2)
+
+
+def test_compiled_flex_is_made_before_compiled_layers_first_trace():
+    """A drafter whose layers are compiled with flex attention holds the one compiled flex_attention
+    from its construction on, so the global its layers read never changes after their first trace
+    (it changing from None made every compiled layer compile again on seen shapes)."""
+    import dflash.model.drafter as drafter_module
+
+    cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1, attn_implementation="flex_attention",
+                        compile=True)
+    saved = drafter_module._compiled_flex
+    drafter_module._compiled_flex = None
+    try:
+        DFlashDrafter(cfg.resolve(_HF, [1, 3]))
+        made = drafter_module._compiled_flex
+        assert made is not None
+        DFlashDrafter(cfg.resolve(_HF, [1, 3]))
+        assert drafter_module._compiled_flex is made  # one for the process, never replaced
+        assert drafter_module.compiled_flex_attention() is made
+    finally:
+        drafter_module._compiled_flex = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled flex_attention")
+def test_cuda_compiled_layers_do_not_compile_again_on_seen_shapes():
+    """The second step of a compiled flex drafter on the same shapes compiles nothing (the
+    recompile found on an H100: a guard on the compiled flex global failing once it was set)."""
+    from torch._dynamo.utils import counters
+
+    import dflash.model.drafter as drafter_module
+
+    drafter_module._compiled_flex = None  # as in a fresh process
+    cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1, attn_implementation="flex_attention",
+                        compile=True)
+    d = DFlashDrafter(cfg.resolve(_HF, [1, 3])).cuda().bfloat16().train()
+    feats, emb, pos, doc, anchors = (t.cuda() for t in packed_batch())
+    lay = training_layout(pos, doc, anchors, BS)
+
+    def step():
+        out = d(feats.bfloat16(), emb.bfloat16().requires_grad_(True), lay)
+        out.float().square().mean().backward()
+
+    step()
+    torch.cuda.synchronize()
+    before = counters["stats"]["unique_graphs"]
+    step()
+    torch.cuda.synchronize()
+    assert counters["stats"]["unique_graphs"] == before
