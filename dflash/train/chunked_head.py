@@ -54,14 +54,20 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         accept = torch.empty(M, device=hidden.device) if want_accept else None
         for s in range(0, M, chunk):
             e = min(s + chunk, M)
-            z = head.logits(hidden[s:e]).float()                             # [c, V]
-            zt = head.logits(target_hidden[s:e]).float() if target_hidden is not None else None
-            y = zt.argmax(-1) if cfg.label == "target_argmax" else data_labels[s:e]
+            # argmax and top-K read the head's own output (bf16 in training): an fp32 copy holds
+            # the same values, so the same answers, at twice the bytes read
+            zh = head.logits(hidden[s:e])                                    # [c, V]
+            zth = head.logits(target_hidden[s:e]) if target_hidden is not None else None
             if target_arg is not None:
-                target_arg[s:e] = zt.argmax(-1)
-            draft_arg[s:e] = z.argmax(-1)
-            if topk:  # DFlash2's selector candidates, before z is consumed
-                top_v[s:e], top_i[s:e] = torch.topk(z, topk, dim=-1)
+                target_arg[s:e] = zth.argmax(-1)
+            y = target_arg[s:e] if cfg.label == "target_argmax" else data_labels[s:e]
+            draft_arg[s:e] = zh.argmax(-1)
+            if topk:  # DFlash2's selector candidates
+                top_v[s:e], top_i[s:e] = torch.topk(zh, topk, dim=-1)
+            z = zh.float()
+            # the target's fp32 logits only where a term reads them (not the argmax label alone)
+            zt = zth.float() if zth is not None and (kw > 0 or want_accept or cfg.tv_weight > 0
+                                                     or cfg.conf_weight > 0) else None
             if want_accept:  # the confidence head's label, before z is consumed
                 accept[s:e] = accept_probability(z, zt, tau)
             if cfg.tv_weight > 0 or (cfg.conf_weight > 0 and cfg.confidence == "top1"):
