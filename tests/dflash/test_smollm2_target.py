@@ -141,13 +141,13 @@ def test_smollm2_graph_trains_regenerates_evaluates_and_exports(smollm2_dir, tmp
 
 
 def test_the_h200_recipe_trains_on_smollm2_on_a_cpu_and_exports_dflash2(smollm2_dir, tmp_path):
-    """Invariant: examples/smollm2-h200.toml, moved to the CPU and shrunk (no compile, 256-token rows,
-    2 steps), trains its DFlash2 drafter with Muon against the imported target and exports z-lab's
+    """Invariant: examples/smollm2-h200.toml, moved to the CPU and shrunk (no compile, SDPA's dense
+    mask for flex attention, which has no backward on a CPU, 256-token rows, 2 steps), trains its DFlash2 drafter with Muon against the imported target and exports z-lab's
     DFlash2 layout with the 30-layer target's public layers for 3 drafter layers."""
     graph = str(ROOT / "examples" / "smollm2-h200.toml")
     sets = [f"target.path={smollm2_dir[0]}", "run.out_dir=run", "run.steps=2", "checkpoint.every=2",
             "eval.every=0", "monitor.wandb=disabled", "monitor.plot=false", "monitor.display=plain",
-            "monitor.window=1", "drafter.compile=false", "data.max_samples=200", "data.holdout=8",
+            "monitor.window=1", "drafter.compile=false", 'drafter.attn_implementation="sdpa"', "data.max_samples=200", "data.holdout=8",
             "data.max_length=256", "data.tokens_per_batch=256", "data.packed_rows=1", "train.num_anchors=8",
             f"data.cache_dir={tmp_path / 'cache'}"]
     sets += [f"process.{p}.device=cpu" for p in ("target", "postprocess", "drafter", "evaluator")]
