@@ -18,7 +18,7 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
-from dflash.run.memory import ACT_BYTES, DRAFTER_BYTES_PER_PARAM, HEAD_BYTES, head_rows
+from dflash.run.memory import DRAFTER_BYTES_PER_PARAM, HEAD_BYTES, head_rows, slot_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -82,15 +82,15 @@ def target_params(hf: PretrainedConfig) -> int:
 
 
 def drafter_memory(weight_bytes: float, slots: int, hidden: int, layers: int, vocab: int = 0,
-                   head_rows: int = 0) -> float:
+                   head_rows: int = 0, **variant: Any) -> float:
     """Bytes one drafter replica holds, by the model :mod:`dflash.run.memory` checks a run with:
     :data:`~dflash.run.memory.DRAFTER_BYTES_PER_PARAM` a parameter (``weight_bytes`` are its fp32
     weights), the frozen bf16 embedding and LM head and the chunked head's buffers
     (:data:`~dflash.run.memory.HEAD_BYTES` per vocabulary entry and slot of ``head_rows``), plus
-    activations (:data:`~dflash.run.memory.ACT_BYTES` per drafter slot, hidden unit and layer;
-    slots = packed rows x anchors x block size)."""
+    activations (:func:`~dflash.run.memory.slot_bytes` per drafter slot, with ``variant``'s keywords
+    ``variant``, ``top_k``, ``rank``; slots = packed rows x anchors x block size)."""
     return (DRAFTER_BYTES_PER_PARAM * weight_bytes / 4 + 4 * vocab * hidden + HEAD_BYTES * vocab * head_rows
-            + ACT_BYTES * slots * hidden * layers)
+            + slot_bytes(hidden, layers, **variant) * slots)
 
 
 def _proc(cfg: dict, kind: str, run: Path) -> dict:
@@ -184,7 +184,9 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
         rows = head_rows(slots, lm_head_chunk=train.get("lm_head_chunk", 2048),
                          sync_free_loss=train.get("sync_free_loss", True))
         d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"], vocab=dcfg.get("vocab_size", 0),
-                               head_rows=rows)
+                               head_rows=rows, variant=dcfg.get("variant", "dflash"),
+                               checkpointing=bool(dcfg.get("activation_checkpointing", False)),
+                               top_k=dcfg.get("selector_top_k", 16), rank=dcfg.get("selector_rank", 256))
     inputs = Inputs(target_tok_s=t_rate, drafter_tok_s=d_rate, coloc=coloc, coloc_source=coloc_source,
                     bytes_per_token=hidden / model.measured / per_item, grad_bytes=grad, tokens_per_batch=tokens,
                     target_mem=_target_mem(cfg, t_dev[0], notes), drafter_mem=d_mem,

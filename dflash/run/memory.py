@@ -14,6 +14,10 @@ slots the LM head and loss take at a time = ``min(S, [train].lm_head_chunk)``, `
   LM head + ``16 V c`` (the chunked head's fp32 ``[c, V]`` buffers: they grow with the vocabulary,
   not with the drafter's width) + ``54 H n S`` of activations (``34 H n S`` with
   ``[drafter].activation_checkpointing``), the batches' captured features in flight included;
+  DFlash2 adds 1/3 to each layer's activations (its two convolutions) and ``8 K r`` per slot for
+  its selector (the ``[K, r]`` fp32 successor rows of each slot's K candidates, kept for the
+  backward, and their gradient); the ``sdpa`` attention adds its dense mask, ``3`` bytes an
+  element of ``[rows, A bs, L + A bs]`` (the bool mask and the bf16 bias made of it);
 - target: its bf16 weights up to the last captured layer (1 byte a weight in FP8) + ``35 H T`` of
   no-grad forward activations and captured hidden states.
 
@@ -26,7 +30,11 @@ cannot tell the parameters' bytes from the head's buffers (one width, one vocabu
 shape does: Qwen3-1.7B's (half the width, the same vocabulary) whole-run peak on one H100, 21.8
 GiB at 4 rows of 4,096 tokens (``benchmarks/results/memory_h100``), fixes ``13.4 P`` and ``16 V c``
 (a model with ``18 P`` and no head term had estimated 18.3 GiB there). The Qwen3-8B file as shipped
-then estimates 52.5 GiB against 53.5 measured on that H100. Checkpointing's saving is not linear in
+then estimates 52.5 GiB against 53.5 measured on that H100. DFlash2's terms come from the tensors
+autograd saves, counted on a CPU (per slot and layer 24.5 KB against DFlash's 18.5 KB at ``H = 128``;
+per slot 18.9 KB more outside the layers, ``K r = 4,096``); the dense mask's 3 bytes an element are
+an assumption. Together they bring SmolLM2-135M's DFlash2 run at 512 anchors a row (sdpa, one
+H100: 25.2 GiB) from an estimate of 14.0 GiB to 25.5. Checkpointing's saving is not linear in
 the measurements (5.5 GiB of 28.6 at 8K, 12.7 of 37.0 at 16K and of 54.0 at 32K): its constant is
 fitted at 32K, so it overestimates shorter rows (25.2 GiB against 23.1 at 8K, 30.5 against 24.4 at
 16K), which is why the check refuses only an estimate that is over the card by more than
@@ -46,9 +54,9 @@ if TYPE_CHECKING:
     from dflash.model.drafter_config import DrafterConfig
     from dflash.run.config import DFlashFile
 
-__all__ = ["ACT_BYTES", "ACT_BYTES_CHECKPOINTED", "DRAFTER_BYTES_PER_PARAM", "HEAD_BYTES", "REFUSE_OVER", "TARGET_ACT_BYTES",
-           "WARN_OVER", "DeviceMemory", "check_memory", "drafter_bytes", "drafter_slots", "estimate", "estimate_line",
-           "head_rows", "levers", "memory_fields", "target_bytes"]
+__all__ = ["ACT_BYTES", "ACT_BYTES_CHECKPOINTED", "DENSE_MASK_BYTES", "DFLASH2_LAYER_FACTOR", "DRAFTER_BYTES_PER_PARAM", "HEAD_BYTES", "REFUSE_OVER", "TARGET_ACT_BYTES",
+           "WARN_OVER", "DeviceMemory", "SELECTOR_BYTES", "check_memory", "dense_mask_elements", "drafter_bytes", "drafter_slots", "estimate", "estimate_line",
+           "head_rows", "levers", "memory_fields", "slot_bytes", "target_bytes"]
 
 GIB = 2**30
 DRAFTER_BYTES_PER_PARAM = 13.4
@@ -59,6 +67,12 @@ ACT_BYTES = 54
 """Drafter activations per slot, hidden unit and layer, without checkpointing (features in flight included)."""
 ACT_BYTES_CHECKPOINTED = 34
 """The same with ``[drafter].activation_checkpointing`` (fitted at 32K tokens; high for shorter rows)."""
+DFLASH2_LAYER_FACTOR = 4 / 3
+"""DFlash2's activations per layer against DFlash's (its two convolutions per layer)."""
+SELECTOR_BYTES = 8
+"""DFlash2's selector per slot, candidate and codebook rank: fp32 successor rows and their gradient."""
+DENSE_MASK_BYTES = 3
+"""``drafter.attn_implementation = "sdpa"``: per element of the dense mask (bool, and the bf16 bias)."""
 TARGET_ACT_BYTES = 35
 """Target forward activations and captured hidden states per batch token and hidden unit."""
 REFUSE_OVER = 1.15
@@ -109,7 +123,7 @@ def head_rows(slots: int, *, lm_head_chunk: int, sync_free_loss: bool) -> int:
 
 
 def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool,
-                  head_rows: int | None = None) -> tuple[float, float]:
+                  head_rows: int | None = None, mask_elements: int = 0) -> tuple[float, float]:
     """One drafter replica's estimated peak, bytes, as ``(fixed, activations)`` (the model in the
     module docstring).
 
@@ -118,13 +132,35 @@ def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool,
         slots: drafter positions per step (:func:`drafter_slots`).
         checkpointing: ``[drafter].activation_checkpointing``.
         head_rows: slots the LM head takes at a time (:func:`head_rows`; default: all of them).
+        mask_elements: elements of the dense attention mask per step (:func:`dense_mask_elements`;
+            0 with flex attention's block mask).
     """
     params = checkpoint_bytes(drafter) / 12  # fp32 weights and two moments: 12 bytes a parameter
     frozen = 2 * drafter.vocab_size * drafter.hidden_size * 2  # bf16 embedding and LM head
     head = HEAD_BYTES * drafter.vocab_size * (slots if head_rows is None else head_rows)
-    act = ACT_BYTES_CHECKPOINTED if checkpointing else ACT_BYTES
+    per_slot = slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=checkpointing,
+                          variant=drafter.variant, top_k=drafter.selector_top_k, rank=drafter.selector_rank)
     return (DRAFTER_BYTES_PER_PARAM * params + frozen + head,
-            act * drafter.hidden_size * drafter.num_layers * slots)
+            per_slot * slots + DENSE_MASK_BYTES * mask_elements)
+
+
+def slot_bytes(hidden: int, layers: int, *, checkpointing: bool = False, variant: str = "dflash",
+               top_k: int = 16, rank: int = 256) -> float:
+    """Drafter activation bytes per slot (the model in the module docstring): ``54 H n``
+    (``34 H n`` checkpointed), DFlash2's layers a third more and its selector ``8 K r``."""
+    per_slot = (ACT_BYTES_CHECKPOINTED if checkpointing else ACT_BYTES) * hidden * layers
+    if variant == "dflash2":
+        per_slot = per_slot * DFLASH2_LAYER_FACTOR + SELECTOR_BYTES * top_k * rank
+    return per_slot
+
+
+def dense_mask_elements(cfg: DFlashFile, drafter: DrafterConfig) -> int:
+    """Elements of the drafter's dense ``[rows, 1, A bs, L + A bs]`` attention mask per step
+    (:func:`dflash.model.attention.sdpa_mask`) with ``attn_implementation = "sdpa"``, else 0."""
+    if drafter.attn_implementation != "sdpa":
+        return 0
+    queries = cfg.train.num_anchors * drafter.block_size
+    return cfg.data.packed_rows * queries * (cfg.data.pack_length + queries)
 
 
 def target_bytes(hf, layers_kept: int, tokens: int, *, fp8: bool) -> tuple[float, float]:
@@ -163,7 +199,8 @@ def estimate(cfg: DFlashFile, drafter: DrafterConfig, hf, devices: dict[str, lis
     slots = drafter_slots(cfg, drafter.block_size)
     df, da = drafter_bytes(drafter, slots, checkpointing=drafter.activation_checkpointing,
                            head_rows=head_rows(slots, lm_head_chunk=cfg.train.lm_head_chunk,
-                                               sync_free_loss=cfg.train.sync_free_loss))
+                                               sync_free_loss=cfg.train.sync_free_loss),
+                           mask_elements=dense_mask_elements(cfg, drafter))
     out: dict[str, DeviceMemory] = {}
     for role, part in (("target", dict(target_weights=tw, target_act=ta)),
                        ("drafter", dict(drafter_fixed=df, drafter_act=da))):

@@ -176,3 +176,30 @@ def test_the_end_record_fields_hold_the_estimate_and_the_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: {"cuda:0": 3 * GIB, "cuda:1": GIB}[d])
     assert memory_fields(estimates)["peak_gib"] == {"cuda:0": 3.0, "cuda:1": 1.0}
+
+
+SMOLLM2_CONFIG = {  # SmolLM2-135M-Instruct's config.json as python -m dflash.import_gguf writes it
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "vocab_size": 49152, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+}
+
+
+def test_estimate_matches_the_smollm2_dflash2_run(tmp_path):
+    """SmolLM2-135M's DFlash2 recipe at 512 anchors a row with the dense sdpa mask, as it ran on one
+    H100 (benchmarks/results/smollm2_h100_run5/train.log: peak 25.2 GiB, then estimated 14.0): the
+    selector, the convolutions and the dense mask make the rest; within 5%."""
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    text = (ROOT / "benchmarks" / "results" / "smollm2_h100_run5" / "train.log").read_text()
+    peak = float(re.search(r"GPU memory\s+cuda:0 peak ([\d.]+) GiB allocated", text).group(1))
+    sets = [f'target.path="{tmp_path}"', 'target.tokenizer="builtin:tiny"', "target.vocab_size=49152",
+            'drafter.attn_implementation="sdpa"', "train.num_anchors=512"]
+    r, _ = load_and_resolve(load_config(ROOT / "examples" / "smollm2-h200.toml", sets))
+    (m,) = estimate(r.cfg, r.drafter, target_hf_config(r.cfg.target), ONE_GPU)
+    assert m.total / GIB == pytest.approx(peak, rel=0.05)
+    # the graph as shipped (flex attention's block mask, 128 anchors) needs far less
+    r, _ = load_and_resolve(load_config(ROOT / "examples" / "smollm2-h200.toml", sets[:3]))
+    (shipped,) = estimate(r.cfg, r.drafter, target_hf_config(r.cfg.target), ONE_GPU)
+    assert shipped.total < m.total / 3
