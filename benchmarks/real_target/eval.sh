@@ -6,7 +6,8 @@
 #   1. this project's decoder (CUDA graphs; its eager rows take minutes on a 30-layer target) beside z-lab's dflash_generate on the
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
 #      equal to transformers' generate);
-#   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy, with the measured
+#   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy (TEMP=1: and
+#      sampled at T = 1 beside it, per category too; about twice the time), with the measured
 #      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
 #      tree verification of TREE draft tokens (measured and teacher-forced; default 32);
 #   3. the export (python -m dflash.export).
@@ -32,7 +33,7 @@ echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"
 for set in mtbench humaneval; do
   on $set || continue
   timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
-    --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
+    --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} ${TEMP:+--temperature $TEMP} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
 on heldout && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
