@@ -54,9 +54,30 @@ if TYPE_CHECKING:
     from dflash.model.drafter_config import DrafterConfig
     from dflash.run.config import DFlashFile
 
-__all__ = ["ACT_BYTES", "ACT_BYTES_CHECKPOINTED", "DENSE_MASK_BYTES", "DFLASH2_LAYER_FACTOR", "DRAFTER_BYTES_PER_PARAM", "HEAD_BYTES", "REFUSE_OVER", "TARGET_ACT_BYTES",
-           "WARN_OVER", "DeviceMemory", "SELECTOR_BYTES", "check_memory", "dense_mask_elements", "drafter_bytes", "drafter_slots", "estimate", "estimate_line",
-           "head_rows", "levers", "memory_fields", "slot_bytes", "target_bytes"]
+__all__ = [
+    "ACT_BYTES",
+    "ACT_BYTES_CHECKPOINTED",
+    "DENSE_MASK_BYTES",
+    "DFLASH2_LAYER_FACTOR",
+    "DRAFTER_BYTES_PER_PARAM",
+    "HEAD_BYTES",
+    "REFUSE_OVER",
+    "SELECTOR_BYTES",
+    "TARGET_ACT_BYTES",
+    "WARN_OVER",
+    "DeviceMemory",
+    "check_memory",
+    "dense_mask_elements",
+    "drafter_bytes",
+    "drafter_slots",
+    "estimate",
+    "estimate_line",
+    "head_rows",
+    "levers",
+    "memory_fields",
+    "slot_bytes",
+    "target_bytes",
+]
 
 GIB = 2**30
 DRAFTER_BYTES_PER_PARAM = 13.4
@@ -216,7 +237,13 @@ def levers(cfg: DFlashFile, drafter: DrafterConfig, m: DeviceMemory, card: float
     out = []
     rest = m.total - m.drafter_act
     if m.drafter_act and not drafter.activation_checkpointing:
-        ckpt = rest + m.drafter_act * ACT_BYTES_CHECKPOINTED / ACT_BYTES
+        # checkpointing shrinks the layers' share of each slot; the selector's and the mask's stay
+        kw = {"variant": drafter.variant, "top_k": drafter.selector_top_k, "rank": drafter.selector_rank}
+        slots = slot_bytes(drafter.hidden_size, drafter.num_layers, **kw) * drafter_slots(cfg, drafter.block_size)
+        mask = DENSE_MASK_BYTES * dense_mask_elements(cfg, drafter)
+        ratio = slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=True, **kw) / slot_bytes(
+            drafter.hidden_size, drafter.num_layers, **kw)
+        ckpt = rest + m.drafter_act * (slots * ratio + mask) / (slots + mask)
         if ckpt <= card:
             out.append(f"set [drafter].activation_checkpointing = true (about {ckpt / GIB:.0f} GiB)")
     if m.drafter_act and rest < card:

@@ -12,7 +12,7 @@ import pytest
 from benchmarks.h200.lengths import cell_overrides
 from dflash.errors import ConfigError
 from dflash.run.config import load_config
-from dflash.run.memory import GIB, REFUSE_OVER, WARN_OVER, check_memory, estimate
+from dflash.run.memory import GIB, REFUSE_OVER, WARN_OVER, check_memory, estimate, levers
 from dflash.run.resolve import load_and_resolve, target_hf_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,3 +203,23 @@ def test_estimate_matches_the_smollm2_dflash2_run(tmp_path):
     r, _ = load_and_resolve(load_config(ROOT / "examples" / "smollm2-h200.toml", sets[:3]))
     (shipped,) = estimate(r.cfg, r.drafter, target_hf_config(r.cfg.target), ONE_GPU)
     assert shipped.total < m.total / 3
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_checkpointing_lever_equals_the_checkpointed_estimate_for_dflash2(tmp_path, attn):
+    """The lever's figure is the estimate of the run with checkpointing on: checkpointing shrinks
+    DFlash2's layers, not its selector or the dense mask."""
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    sets = [f'target.path="{tmp_path}"', 'target.tokenizer="builtin:tiny"', "target.vocab_size=49152",
+            f'drafter.attn_implementation="{attn}"', "train.num_anchors=512"]
+
+    def total(extra):
+        r, _ = load_and_resolve(load_config(ROOT / "examples" / "smollm2-h200.toml", sets + extra))
+        (m,) = estimate(r.cfg, r.drafter, target_hf_config(r.cfg.target), ONE_GPU)
+        return r, m
+
+    r, m = total([])
+    _, ck = total(["drafter.activation_checkpointing=true"])
+    (lever,) = [t for t in levers(r.cfg, r.drafter, m, m.total) if "activation_checkpointing" in t]
+    said = float(re.search(r"about ([\d.]+) GiB", lever).group(1))
+    assert said == pytest.approx(ck.total / GIB, abs=0.5)
