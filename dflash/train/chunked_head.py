@@ -64,10 +64,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             draft_arg[s:e] = zh.argmax(-1)
             if topk:  # DFlash2's selector candidates
                 top_v[s:e], top_i[s:e] = torch.topk(zh, topk, dim=-1)
-            z = zh.float()
-            # the target's fp32 logits only where a term reads them (not the argmax label alone)
-            zt = zth.float() if zth is not None and (kw > 0 or want_accept or cfg.tv_weight > 0
-                                                     or cfg.conf_weight > 0) else None
+            # fp32 copies of the logits only where a term reads them (CE alone upcasts inside its
+            # log-softmax, and the argmax label needs none)
+            fp32 = kw > 0 or want_accept or cfg.tv_weight > 0 or cfg.conf_weight > 0
+            z = zh.float() if fp32 else None
+            zt = zth.float() if zth is not None and fp32 else None
             if want_accept:  # the confidence head's label, before z is consumed
                 accept[s:e] = accept_probability(z, zt, tau)
             if cfg.tv_weight > 0 or (cfg.conf_weight > 0 and cfg.confidence == "top1"):
@@ -81,7 +82,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_h[s:e] = (dz.to(W.dtype) @ W).float()
                 continue
             tv[s:e], conf[s:e] = 0.0, 0.0
-            logp = F.log_softmax(z, dim=-1)
+            logp = F.log_softmax(zh if z is None else z, dim=-1, dtype=torch.float32)
             ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
             dz = logp.exp_()                                                 # p, in place
             dz.scatter_add_(1, y[:, None], torch.full_like(dz[:, :1], -1.0))  # p - e_y
