@@ -239,11 +239,11 @@ def levers(cfg: DFlashFile, drafter: DrafterConfig, m: DeviceMemory, card: float
     if m.drafter_act and not drafter.activation_checkpointing:
         # checkpointing shrinks the layers' share of each slot; the selector's and the mask's stay
         kw = {"variant": drafter.variant, "top_k": drafter.selector_top_k, "rank": drafter.selector_rank}
-        slots = slot_bytes(drafter.hidden_size, drafter.num_layers, **kw) * drafter_slots(cfg, drafter.block_size)
+        per_slot = slot_bytes(drafter.hidden_size, drafter.num_layers, **kw)
+        ratio = slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=True, **kw) / per_slot
+        slot_part = per_slot * drafter_slots(cfg, drafter.block_size)  # one replica's, as the mask's
         mask = DENSE_MASK_BYTES * dense_mask_elements(cfg, drafter)
-        ratio = slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=True, **kw) / slot_bytes(
-            drafter.hidden_size, drafter.num_layers, **kw)
-        ckpt = rest + m.drafter_act * (slots * ratio + mask) / (slots + mask)
+        ckpt = rest + m.drafter_act * (slot_part * ratio + mask) / (slot_part + mask)
         if ckpt <= card:
             out.append(f"set [drafter].activation_checkpointing = true (about {ckpt / GIB:.0f} GiB)")
     if m.drafter_act and rest < card:
