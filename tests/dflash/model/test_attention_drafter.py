@@ -197,7 +197,8 @@ def test_cuda_compiled_layers_do_not_compile_again_on_seen_shapes():
 
     import dflash.model.drafter as drafter_module
 
-    drafter_module._compiled_flex = None  # as in a fresh process
+    torch._dynamo.reset()  # as in a fresh process: no earlier test's graphs, no recompile limit reached
+    drafter_module._compiled_flex = None
     cfg = DrafterConfig(num_layers=2, block_size=BS, mask_token_id=V - 1, attn_implementation="flex_attention",
                         compile=True)
     d = DFlashDrafter(cfg.resolve(_HF, [1, 3])).cuda().bfloat16().train()
