@@ -93,8 +93,7 @@ def _flex_attention(q, k, v, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
     if q.is_cuda:
-        return (_compiled_flex or compiled_flex_attention())(q, k, v, block_mask=block_mask, scale=scale,
-                                                             enable_gqa=True)
+        return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
     with warnings.catch_warnings():  # "called without torch.compile": intended off-CUDA
         warnings.simplefilter("ignore", UserWarning)
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)

@@ -159,8 +159,7 @@ def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool,
     params = checkpoint_bytes(drafter) / 12  # fp32 weights and two moments: 12 bytes a parameter
     frozen = 2 * drafter.vocab_size * drafter.hidden_size * 2  # bf16 embedding and LM head
     head = HEAD_BYTES * drafter.vocab_size * (slots if head_rows is None else head_rows)
-    per_slot = slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=checkpointing,
-                          variant=drafter.variant, top_k=drafter.selector_top_k, rank=drafter.selector_rank)
+    per_slot = _drafter_slot_bytes(drafter, checkpointing)
     return (DRAFTER_BYTES_PER_PARAM * params + frozen + head,
             per_slot * slots + DENSE_MASK_BYTES * mask_elements)
 
@@ -173,6 +172,12 @@ def slot_bytes(hidden: int, layers: int, *, checkpointing: bool = False, variant
     if variant == "dflash2":
         per_slot = per_slot * DFLASH2_LAYER_FACTOR + SELECTOR_BYTES * top_k * rank
     return per_slot
+
+
+def _drafter_slot_bytes(drafter: DrafterConfig, checkpointing: bool) -> float:
+    """:func:`slot_bytes` for a resolved drafter config."""
+    return slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=checkpointing,
+                      variant=drafter.variant, top_k=drafter.selector_top_k, rank=drafter.selector_rank)
 
 
 def dense_mask_elements(cfg: DFlashFile, drafter: DrafterConfig) -> int:
@@ -238,9 +243,8 @@ def levers(cfg: DFlashFile, drafter: DrafterConfig, m: DeviceMemory, card: float
     rest = m.total - m.drafter_act
     if m.drafter_act and not drafter.activation_checkpointing:
         # checkpointing shrinks the layers' share of each slot; the selector's and the mask's stay
-        kw = {"variant": drafter.variant, "top_k": drafter.selector_top_k, "rank": drafter.selector_rank}
-        per_slot = slot_bytes(drafter.hidden_size, drafter.num_layers, **kw)
-        ratio = slot_bytes(drafter.hidden_size, drafter.num_layers, checkpointing=True, **kw) / per_slot
+        per_slot = _drafter_slot_bytes(drafter, False)
+        ratio = _drafter_slot_bytes(drafter, True) / per_slot
         slot_part = per_slot * drafter_slots(cfg, drafter.block_size)  # one replica's, as the mask's
         mask = DENSE_MASK_BYTES * dense_mask_elements(cfg, drafter)
         ckpt = rest + m.drafter_act * (slot_part * ratio + mask) / (slot_part + mask)
