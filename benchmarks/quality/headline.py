@@ -256,8 +256,9 @@ def phase_evalsets(args: argparse.Namespace) -> int:
     for name, num, cap in (("mtbench", args.mtbench_num, args.mtbench_cap_s),
                            ("humaneval", args.humaneval_num, args.humaneval_cap_s)):
         path, err = args.out / f"eval-{name}.json", args.scratch / f"eval-{name}.err"
-        # --time-limit: no prompt starts after it, so a set cut short still reports its finished
-        # prompts (and says how many); the cap is only the backstop
+        # --time-limit: it plans to end by then (no prompt starts whose predicted end passes it),
+        # so a set cut short still reports its finished prompts (and says how many); the cap is
+        # only the backstop
         if run(python("-m", "dflash.eval", ck, "--prompts", name, "--num-prompts", num, "--max-new-tokens",
                       args.set_new_tokens, "--time-limit", max(cap - 30, 30), "--json"), path, err=err, cap_s=cap):
             print(tail(err, 5))

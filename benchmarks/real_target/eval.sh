@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Step 4: the last checkpoint of R/run measured. Each line is capped (CAP_S) so the call ends in time:
-# dflash.eval starts no prompt after CAP_S - 30 s (--time-limit) and reports the prompts it finished,
-# saying how many of how many; `timeout` at CAP_S is only the backstop.
+# dflash.eval plans to end by CAP_S - 10 s from its start (--time-limit: loading counts, and no
+# prompt starts that its predicted time would carry past it) and reports the prompts it finished,
+# saying how many of how many; `timeout` sends SIGTERM at CAP_S (dflash.eval then finishes the
+# prompt under way and still prints its result) and SIGKILL 30 s later, the backstop.
 #   0. the GPU tests of the CUDA-graph decode path (capture, replay equal to the eager step);
 #   1. this project's decoder (CUDA graphs; its eager rows take minutes on a 30-layer target) beside z-lab's dflash_generate on the
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
@@ -22,7 +24,7 @@ CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
 T0=$(date +%s)
 PARTS=" ${PARTS:-export tests speed mtbench humaneval heldout profile} "
 on() { [[ "$PARTS" == *" $1 "* ]]; }
-LIMIT=$(( ${CAP_S:-150} > 60 ? ${CAP_S:-150} - 30 : 30 ))
+LIMIT=$(( ${CAP_S:-150} > 40 ? ${CAP_S:-150} - 10 : 30 ))
 on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
   cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null; }
 on tests && { timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
@@ -32,17 +34,17 @@ on speed && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --p
 echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"; }
 for set in mtbench humaneval; do
   on $set || continue
-  timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
+  timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
     --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} ${TEMP:+--temperature $TEMP} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
 done
-on heldout && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
+on heldout && { timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
   --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --time-limit $LIMIT --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
 echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"; }
 # tau by context length: the held-out conversations' last turns as prompts (earlier turns included;
 # a run trained with SETS="--set data.join=true --set data.max_length=8192" holds documents many
 # conversations deep), up to CTX tokens of context, bucketed <1K / 1-4K / 4-8K in the output
-on bylength && { timeout ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --prompt-turn last \
+on bylength && { timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --prompt-turn last \
   --max-prompt-tokens ${CTX:-8192} --num-prompts 64 --max-new-tokens 128 --device cuda --time-limit $LIMIT --json \
   > "$OUT/eval-bylength.json" 2> "$OUT/eval-bylength.err"
 echo "eval by length rc=$? ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/eval-bylength.err"; }

@@ -5,6 +5,9 @@ imports is one line and exit 130.
 """
 
 import sys
+import time
+
+STARTED = time.perf_counter()  # --time-limit counts from here: loading the models is part of the run's time
 
 from dflash.eval.args import INTERRUPTED, build_parser
 
@@ -19,4 +22,4 @@ try:
 except KeyboardInterrupt:
     print(INTERRUPTED, file=sys.stderr)
     sys.exit(130)
-sys.exit(main())
+sys.exit(main(started_at=STARTED))

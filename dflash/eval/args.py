@@ -140,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-speedup", action="store_true",
                    help="skip timing the target alone (the measured speedup); halves the decode time")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
-                   help="start no prompt after S seconds (counted from the first decode, warm-up included): "
-                        "the result covers the prompts finished, says how many of how many, and records "
-                        "both in the JSON; the prompt under way when S passes is finished (default: none)")
+                   help="end within about S seconds of the command's start (loading included): no prompt "
+                        "starts whose predicted end (the mean time of the prompts finished, decodes and "
+                        "scoring) passes S. The result covers the prompts finished, says how many of how "
+                        "many, and records both in the JSON (default: none). SIGTERM (e.g. from timeout) "
+                        "likewise ends the run after the prompt under way, with its result")
     p.add_argument("--json", action="store_true", help="print the EvalResult as one JSON object")
     p.add_argument("--quiet", action="store_true",
                    help="no progress lines on stderr (notes and errors are still printed)")

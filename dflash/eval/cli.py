@@ -3,7 +3,7 @@ against its target, next to the teacher-forced simulation of the same text, per 
 evaluation set, with the measured wall-clock speedup over the target alone.
 
 The pieces: :mod:`dflash.eval.decode` (greedy and draft-and-verify decoding, the proposers),
-:mod:`dflash.eval.measure` (:func:`evaluate`: decode, time, then score the text teacher-forced),
+:mod:`dflash.eval.measure` (:func:`evaluate`: decode, time, and score the text teacher-forced),
 :mod:`dflash.eval.report` (:class:`EvalResult` and the printed tables), :mod:`dflash.eval.sets`
 (MT-Bench, HumanEval and prompt files), :mod:`dflash.eval.turns` (later turns after the target's
 own answer), :mod:`dflash.eval.projection` (the 8B-class projection), :mod:`dflash.eval.inputs`
@@ -19,7 +19,7 @@ contend), in ``--dtype`` (default: the run's ``[target].dtype``); both are recor
 Progress goes to stderr as plain lines, terminal or not (:mod:`dflash.eval.progress`): what is
 loaded, a line when the set starts (which set, prompts and turns, tokens, device, dtype, threads),
 then prompts done, tau so far, time elapsed and left, at most one line every 10 s, and a line when
-the speed baseline's warm-up and the teacher-forced scoring start. ``--quiet`` drops them; stdout
+the speed baseline's warm-up starts. ``--quiet`` drops them; stdout
 holds only the result (``--json``: one JSON object). Prompts:
 
 * ``--prompts NAME`` (``mtbench``, ``humaneval``; :mod:`dflash.eval.sets`) or ``--prompts FILE``
@@ -42,12 +42,18 @@ holds only the result (``--json``: one JSON object). Prompts:
 
 Bad input (missing checkpoint, a run directory instead of a checkpoint, an unknown ``--data`` or
 set, a set whose package is missing) is one line on stderr and exit code 2; Ctrl-C is one line and
-exit code 130.
+exit code 130. SIGTERM while decoding ends the run after the prompt under way and prints the
+result over the prompts finished (headline: ``stopped by SIGTERM``), as ``--time-limit`` does.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -79,7 +85,7 @@ from dflash.eval.turns import Turns, stratified
 from dflash.model.variants import variant_of
 from dflash.records import over_text
 
-__all__ = ["DEFAULT_NUM_PROMPTS", "main", "prompt_ids"]
+__all__ = ["DEFAULT_NUM_PROMPTS", "main", "prompt_ids", "sigterm_ends_early"]
 
 DEFAULT_NUM_PROMPTS = DEFAULT_PROMPTS
 """Conversations decoded with ``--data`` when ``--num-prompts`` is left out (or as many as exist,
@@ -120,17 +126,37 @@ def prompt_ids(args, tok, prompts: list[EvalPrompt] | None = None, data_cfg=None
     return source_prompts(args.data, tok, args.num_prompts, args.max_prompt_tokens)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_at: float | None = None) -> int:
     """The CLI (see ``--help``); returns the exit code: 0, 2 on bad input (one line on stderr),
-    130 on Ctrl-C (one line, :data:`INTERRUPTED`) while importing, loading models or decoding."""
+    130 on Ctrl-C (one line, :data:`INTERRUPTED`) while importing, loading models or decoding.
+    ``started_at``: the ``time.perf_counter()`` ``--time-limit`` counts from (``python -m
+    dflash.eval`` passes the moment it started, before torch's import); None: now."""
     try:
-        return _main(argv)
+        return _main(argv, time.perf_counter() if started_at is None else started_at)
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130
 
 
-def _main(argv: list[str] | None) -> int:
+@contextmanager
+def sigterm_ends_early() -> Iterator[Callable[[], bool]]:
+    """While the block runs, SIGTERM (``timeout``'s signal, a scheduler's) only raises a flag:
+    yields the flag's reader, for :func:`evaluate`'s ``stop_early``, so the prompt under way
+    finishes and the finished prompts' result is printed instead of lost. Outside the main thread
+    (where no handler can be set) SIGTERM keeps its handler and the flag never rises."""
+    raised = threading.Event()
+    try:
+        before = signal.signal(signal.SIGTERM, lambda *_: raised.set())
+    except ValueError:  # not the main thread
+        yield raised.is_set
+        return
+    try:
+        yield raised.is_set
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _main(argv: list[str] | None, started_at: float) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.device is None:
@@ -287,11 +313,12 @@ def _main(argv: list[str] | None) -> int:
             prompts, categories = next_turn.first(), [p.category for p in chosen]
         else:
             prompts = [torch.tensor(x, device=args.device) for x in ids]
-        res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
-                       next_turn=next_turn, speed=not args.no_speedup, cuda_graphs=args.cuda_graphs,
-                       tree_budget=args.tree_budget, time_limit_s=args.time_limit,
-                       progress=ProgressLines(say) if not args.quiet else None)
+        with sigterm_ends_early() as stop_early:
+            res = evaluate(target, drafter, head, prompts, args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, categories=categories,
+                           next_turn=next_turn, speed=not args.no_speedup, cuda_graphs=args.cuda_graphs,
+                           tree_budget=args.tree_budget, time_limit_s=args.time_limit, started_at=started_at,
+                           stop_early=stop_early, progress=ProgressLines(say) if not args.quiet else None)
     except DataError as exc:  # a chat template that cannot render a later turn
         print(f"dflash.eval: {exc}", file=sys.stderr)
         return 2

@@ -223,9 +223,11 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
              next_turn: Callable[[int, int, torch.Tensor], torch.Tensor | None] | None = None,
              speed: bool = False, cuda_graphs: bool = False, tree_budget: int = 0,
              progress: Callable[[EvalProgress], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, time_limit_s: float | None = None) -> EvalResult:
+             should_stop: Callable[[], bool] | None = None, time_limit_s: float | None = None,
+             started_at: float | None = None, stop_early: Callable[[], bool] | None = None) -> EvalResult:
     """Greedy speculative decode of each prompt ``[n]`` (int64 token ids) + teacher-forced scoring
-    of the same text; with ``temperature > 0`` also a sampled decode of each prompt (one
+    of the same text (each prompt scored as soon as its decodes end, so a cut evaluation has every
+    finished prompt's figures); with ``temperature > 0`` also a sampled decode of each prompt (one
     ``torch.Generator`` seeded with ``seed``), whose measured tau is reported beside greedy
     (:func:`~dflash.eval.decode.speculative_decode` has the rule; a DFlash2 drafter samples its
     selector's walk, ``q`` restricted to the K candidates, :mod:`dflash.eval.selector`).
@@ -252,12 +254,19 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             variant; with ``temperature > 0`` once more sampled (``sampled_tree_tau``, its own
             generator seeded with ``seed``).
         progress: called with an :class:`~dflash.eval.progress.EvalProgress` before the warm-up
-            (``speed``), after each prompt's decodes (every turn), before the teacher-forced
-            scoring and at the end; None: quiet.
+            (``speed``), after each prompt's decodes and scoring (every turn) and at the end;
+            None: quiet.
         should_stop: asked before every decode and between its verify steps, as :func:`decode_tau`.
-        time_limit_s: start no prompt once this many seconds have passed since the evaluation
-            began (the first prompt always runs; the one under way finishes, every turn and pass of
-            it): the result is over the prompts finished, ``prompts_asked`` says of how many.
+        time_limit_s: seconds from ``started_at`` by which the evaluation should end: no prompt
+            starts whose predicted end (now + the mean seconds of the prompts finished, decodes
+            and scoring) passes it. The first prompt always runs; the one under way finishes,
+            every turn and pass of it. The result is over the prompts finished;
+            ``prompts_asked`` says of how many, ``stopped_by`` ``"time_limit"``.
+        started_at: the ``time.perf_counter()`` the time limit counts from (a CLI passes its own
+            start, so loading the models counts); None: this call's start.
+        stop_early: asked before each prompt after the first; True ends the evaluation there
+            like the time limit (``stopped_by`` ``"signal"``): e.g. a SIGTERM handler's flag, so
+            ``timeout`` still gets the finished prompts' result.
 
     Raises:
         ValueError: bad sampling parameters, an empty prompt, or ``categories`` of another length.
@@ -270,6 +279,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     proposer = proposer_factory(drafter, head, cuda_graphs)
     tree_proposer = tree_proposer_factory(drafter, head, cuda_graphs) if tree_budget else None
     t_start = time.perf_counter()
+    t_limit = t_start if started_at is None else started_at
 
     if speed and prompts:  # kernels, allocator and caches warmed before anything is timed
         if progress is not None:
@@ -279,8 +289,15 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     tree_gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     decoded: list[Decoded] = []
+    stopped_by = None
+    t_loop = time.perf_counter()
     for i, first in enumerate(prompts):
-        if time_limit_s is not None and decoded and time.perf_counter() - t_start >= time_limit_s:
+        if i and stop_early is not None and stop_early():
+            stopped_by = "signal"
+            break
+        now = time.perf_counter()
+        if i and time_limit_s is not None and now - t_limit + (now - t_loop) / i > time_limit_s:
+            stopped_by = "time_limit"
             break
         prompt, turn = first, 0
         while prompt is not None:
@@ -310,6 +327,7 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                                                    temperature=temperature, top_p=top_p, top_k=top_k,
                                                    generator=tree_gen, should_stop=should_stop,
                                                    cuda_graphs=cuda_graphs)[1]
+            _score(d, target, drafter, head, dflash2, tree_budget)  # teacher-forced, after the timed decodes
             decoded.append(d)
             prompt = next_turn(i, turn, tokens) if next_turn is not None else None
             turn += 1
@@ -317,17 +335,13 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
             progress(EvalProgress.at("decode", i + 1, len(prompts), t_start, len(decoded),
                                sum(d.tokens.shape[0] - d.prompt_len for d in decoded),
                                [m for d in decoded for m in d.acc_m]))
-    if progress is not None:
-        progress(EvalProgress.at("score", 0, len(prompts), t_start, len(decoded), 0, []))
-    for d in decoded:  # teacher-forced scoring, after every timed decode
-        _score(d, target, drafter, head, dflash2, tree_budget)
     cats = categories or ["all"] * len(prompts)
     finished = decoded[-1].index + 1 if decoded else 0   # prompts decoded: all unless the time limit cut
     res = pooled_summary(decoded, drafter, dflash2)
     res.dtype, res.threads = str(target.model.dtype).removeprefix("torch."), torch.get_num_threads()
     res.temperature, res.top_p, res.top_k, res.seed = temperature, top_p, top_k, seed
     res.cuda_graphs = cuda_graphs
-    res.prompts_asked, res.time_limit_s = len(prompts), time_limit_s
+    res.prompts_asked, res.time_limit_s, res.stopped_by = len(prompts), time_limit_s, stopped_by
     if tree_budget:
         res.tree_budget = tree_budget
         res.tree_tau_tf = tau_from_accepted(float(torch.cat([d.tree for d in decoded]).float().mean()))

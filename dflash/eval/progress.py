@@ -18,7 +18,7 @@ from typing import Literal
 
 __all__ = ["EvalProgress", "ProgressLines", "clock_text"]
 
-Stage = Literal["warmup", "decode", "sampled", "tree", "score", "done"]
+Stage = Literal["warmup", "decode", "sampled", "tree", "done"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,11 @@ class EvalProgress:
     Attributes:
         stage: ``"warmup"``: the untimed warm-up decodes before the speed baseline (the target
             alone, timed beside every decode) start; ``"decode"``: prompt ``done`` finished all its
-            decodes (greedy draft-and-verify, the target alone when timed, the sampled decode);
+            decodes (greedy draft-and-verify, the target alone when timed, the sampled decode) and
+            their teacher-forced scoring;
             ``"sampled"``: :func:`~dflash.eval.measure.decode_tau`'s sampled pass finished prompt
-            ``done``; ``"tree"``: its tree-verified pass finished prompt ``done``; ``"score"``: the
-            teacher-forced scoring of every decode starts; ``"done"``.
-        done: prompts finished in this stage (0 for ``warmup`` and ``score``).
+            ``done``; ``"tree"``: its tree-verified pass finished prompt ``done``; ``"done"``.
+        done: prompts finished in this stage (0 for ``warmup``).
         total: prompts in all.
         decodes: decodes finished so far (a prompt's later turns count one each).
         new_tokens: tokens generated so far by the greedy decodes.
@@ -122,9 +122,6 @@ class ProgressLines:
         if p.stage == "warmup":
             return ("speed baseline: one untimed warm-up decode of each kind, then the target alone is "
                     "timed beside every decode")
-        if p.stage == "score":
-            return (f"scoring the {p.decodes} decodes teacher-forced (one target and one drafter forward "
-                    f"each) | {clock_text(p.elapsed)} elapsed")
         tau = f": tau {p.tau:.3f}" if p.tau is not None else ""
-        over = f"{p.done} of {p.total} prompts (time limit)" if p.done < p.total else f"{p.total} prompts"
+        over = f"{p.done} of {p.total} prompts (stopped early)" if p.done < p.total else f"{p.total} prompts"
         return f"done{tau} over {over}, {p.new_tokens} tokens, in {clock_text(p.elapsed)}"

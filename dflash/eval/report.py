@@ -181,8 +181,11 @@ class EvalResult(msgspec.Struct, kw_only=True):
             averages); ``tau`` above pools every verify step instead.
         speed: the measured :class:`SpeedResult` (None when not measured).
         prompts_asked: prompts the evaluation was given; more than the prompts in ``per_prompt``
-            when ``time_limit_s`` (``--time-limit``) stopped it first. None in results saved before it.
+            when it stopped early (``stopped_by``). None in results saved before it.
         time_limit_s: the time limit it ran under, in seconds (None: none).
+        stopped_by: why it ended before every prompt was decoded: ``"time_limit"``
+            (``--time-limit``: the next prompt would have ended after it), ``"signal"`` (SIGTERM,
+            e.g. from ``timeout``); None: every prompt ran (or a result saved before this field).
         projection: the projected speedup on an 8B-class target (:mod:`dflash.eval.projection`).
     """
 
@@ -222,11 +225,13 @@ class EvalResult(msgspec.Struct, kw_only=True):
     speed: SpeedResult | None = None
     prompts_asked: int | None = None
     time_limit_s: float | None = None
+    stopped_by: str | None = None
     projection: Projection | None = None
 
     @property
-    def cut_by_time_limit(self) -> bool:
-        """The time limit stopped the evaluation before every prompt was decoded."""
+    def stopped_early(self) -> bool:
+        """The evaluation stopped before every prompt was decoded (the time limit or a signal:
+        ``stopped_by`` says which)."""
         return self.prompts_asked is not None and len({r.prompt for r in self.per_prompt}) < self.prompts_asked
 
     @property
@@ -246,8 +251,9 @@ def format_headline(res: EvalResult) -> str:
     run's held-out conversations, else the set's name)."""
     name = "held-out" if res.heldout else (res.prompt_set or "measured")
     prompts = len({r.prompt for r in res.per_prompt})
-    cut = (f"; {prompts} of {res.prompts_asked} prompts: stopped at --time-limit {res.time_limit_s:g} s"
-           if res.cut_by_time_limit else "")
+    why = ("by SIGTERM" if res.stopped_by == "signal"
+           else f"at --time-limit {res.time_limit_s:g} s" if res.time_limit_s is not None else "early")
+    cut = f"; {prompts} of {res.prompts_asked} prompts: stopped {why}" if res.stopped_early else ""
     return (f"{name} tau {res.tau:.3f} tokens/verify step "
             f"({over_text(prompts, res.max_new_tokens, len(res.per_prompt))}{cut})")
 

@@ -213,13 +213,75 @@ def test_a_time_limit_stops_between_prompts_and_says_how_many_were_decoded(model
     assert [r.prompt for r in cut.per_prompt] == [0]
     assert (cut.tau, cut.streak_all, cut.acc_per_pos) == (alone.tau, alone.streak_all, alone.acc_per_pos)
     assert [c.category for c in cut.categories] == ["a"] and cut.macro_tau == alone.macro_tau
-    assert cut.cut_by_time_limit and cut.prompts_asked == 3
+    assert cut.stopped_early and cut.prompts_asked == 3 and cut.stopped_by == "time_limit"
     assert "1 of 3 prompts: stopped at --time-limit 1e-09 s" in format_headline(cut)
     assert seen[-1].stage == "done" and (seen[-1].done, seen[-1].total) == (1, 3)
     assert msgspec.json.decode(msgspec.json.encode(cut), type=EvalResult).prompts_asked == 3
     whole = evaluate(target, drafter, head, prompts, max_new_tokens=8, categories=cats, time_limit_s=1e9)
-    assert len(whole.per_prompt) == 3 and not whole.cut_by_time_limit
+    assert len(whole.per_prompt) == 3 and not whole.stopped_early and whole.stopped_by is None
     assert "stopped" not in format_headline(whole)
+
+
+def test_a_time_limit_starts_no_prompt_predicted_to_end_after_it(models, monkeypatch):
+    """Invariant: a prompt starts only if now + the mean time of the prompts finished (decodes and
+    scoring) stays within the limit, counted from ``started_at`` (the CLI's start: loading counts),
+    so the evaluation ends by the limit instead of one prompt after it. A fake clock makes each
+    prompt take 10 s."""
+    from types import SimpleNamespace
+
+    from dflash.eval import measure
+
+    target, head, drafter = models
+    now = [0.0]
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def tick(p):
+        if p.stage == "decode":
+            now[0] += 10.0
+
+    def finished(limit, started_at=None):
+        now[0] = 0.0
+        res = evaluate(target, drafter, head, [prompt(3), prompt(4), prompt(5)], max_new_tokens=4,
+                       time_limit_s=limit, started_at=started_at, progress=tick)
+        return len(res.per_prompt), res.stopped_by
+
+    assert finished(25.0) == (2, "time_limit")        # at 20 s the third would end at 30 s: not started
+    assert finished(30.0) == (3, None)                # it ends at 30 s: within the limit
+    assert finished(25.0, started_at=-10.0) == (1, "time_limit")  # 10 s of loading before the first prompt
+
+
+def test_stop_early_ends_after_the_prompt_under_way_with_its_result(models):
+    """Invariant: ``stop_early`` (the CLI's SIGTERM flag) is asked before each prompt after the
+    first; once it says True the evaluation ends there, its result over the prompts finished,
+    ``stopped_by`` ``"signal"`` and the headline saying so."""
+    from dflash.eval.report import format_headline
+
+    target, head, drafter = models
+    asked: list[int] = []
+
+    def stop():
+        asked.append(1)
+        return len(asked) >= 2   # the flag rises while the second prompt decodes
+
+    res = evaluate(target, drafter, head, [prompt(3), prompt(4), prompt(5)], max_new_tokens=4, stop_early=stop)
+    assert [r.prompt for r in res.per_prompt] == [0, 1] and res.stopped_by == "signal"
+    assert "2 of 3 prompts: stopped by SIGTERM" in format_headline(res)
+
+
+def test_sigterm_inside_the_block_raises_the_flag_and_leaves_the_process_alive():
+    """Invariant: within :func:`sigterm_ends_early` SIGTERM only raises the flag it yields (the
+    evaluation then ends after the prompt under way); on leaving, the earlier handler is back."""
+    import os
+    import signal
+
+    from dflash.eval.cli import sigterm_ends_early
+
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_ends_early() as stopped:
+        assert not stopped()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped()
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize("flags", [["--threads", "0"], ["--temperature", "-1"], ["--top-p", "0"],
