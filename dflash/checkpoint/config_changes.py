@@ -42,6 +42,7 @@ _EFFECTS = (
     ("train.muon_momentum", "optimizer"),
     ("train.weight_decay", "optimizer"),
     ("train.adamw_fused", "numerics (AdamW's fused kernel, the same update to rounding)"),
+    ("train.compile_optimizer", "numerics (Muon's step compiled, the same update to rounding)"),
     ("train.grad_clip", "update size"),
     ("train.feature_noise", "features"),
     ("run.seed", "anchors and feature noise (seeded by run.seed)"),

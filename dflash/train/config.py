@@ -57,6 +57,15 @@ class TrainSection(Table):
     of its ``foreach`` kernels: the same update to float rounding (tested), fewer kernels. In the
     compiled float8 drafter's profile the ``foreach`` update took 63 ms of 801 per three steps
     (benchmarks/results/LOG.md); the fused one is not measured yet."""
+    compile_optimizer: Annotated[bool, added_later(False)] = False
+    """With ``optimizer = "muon"``: Muon's step through ``torch.compile``, its learning rate held in
+    a tensor that the schedule fills, so a new lr each step compiles nothing. Muon orthogonalises
+    every matrix's update with Newton-Schulz iterations, one small matrix at a time: in the
+    SmolLM2 drafter's profile on an H100 its step took 21% of the drafter step (48 ms of 221 per
+    three steps, benchmarks/results/LOG.md); compiled, the same update to bf16 rounding (tested
+    through dynamo on a CPU; a GPU test runs inductor), its speed not measured yet. The first step
+    compiles (seconds to a minute). Ignored with ``optimizer = "adamw"`` (``adamw_fused`` is
+    AdamW's kernel lever)."""
     grad_clip: NonNegFloat = 1.0
     """Global L2 gradient-norm clip; 0 disables clipping."""
     feature_noise: NonNegFloat = 0.0

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -88,10 +89,14 @@ class DrafterOptimizer:
         """The lr the next :meth:`step` uses."""
         return self.opt.param_groups[0]["lr"]
 
+    muon_step: Callable[[], Any] | None = None
+
     def step(self) -> None:
         """One update of every parameter."""
         self.opt.step()
-        if self.muon is not None:
+        if self.muon_step is not None:
+            self.muon_step()
+        elif self.muon is not None:
             self.muon.step()
 
     def zero_grad(self) -> None:
@@ -131,7 +136,7 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int
     params = [p for p in model.parameters() if p.requires_grad]
     shape = Schedule(train.warmup_steps, total_steps, train.min_lr_ratio)
     schedule = _as_function(shape)
-    muon = muon_sched = None
+    muon = muon_sched = muon_step = None
     rest = params
     if train.optimizer == "muon":
         matrices = muon_parameters(model)
@@ -140,11 +145,28 @@ def make_optimizer(model: torch.nn.Module, train: TrainSection, total_steps: int
         muon = torch.optim.Muon(matrices, lr=train.lr, weight_decay=train.weight_decay,
                                 momentum=train.muon_momentum, nesterov=True, adjust_lr_fn="match_rms_adamw")
         muon_sched = torch.optim.lr_scheduler.LambdaLR(muon, schedule)
+        if train.compile_optimizer:
+            muon_step = _compiled_step(muon)
     # AdamW always exists (a drafter always has norms), so the lr and the checkpoint keep one place
     opt = torch.optim.AdamW(rest, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
                             fused=train.adamw_fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    return DrafterOptimizer(params=params, opt=opt, sched=sched, muon=muon, muon_sched=muon_sched, schedule=shape)
+    return DrafterOptimizer(params=params, opt=opt, sched=sched, muon=muon, muon_sched=muon_sched, schedule=shape,
+                            muon_step=muon_step)
+
+
+def _compiled_step(opt: torch.optim.Optimizer) -> Callable[[], Any]:
+    """``opt.step`` through ``torch.compile``, with every group's lr moved into a 0-d float32 tensor
+    on the parameters' device: ``LambdaLR`` then fills that tensor in place each step, where a
+    Python float would be a constant of the compiled graph and each new value a recompile."""
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=g["params"][0].device)
+
+    @torch.compile(fullgraph=False)
+    def step() -> None:
+        opt.step()
+
+    return step
 
 
 def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: TrainSection) -> None:
@@ -166,12 +188,17 @@ def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: Trai
         pairs.append((o.muon, o.muon_sched, state["muon"], state["muon_scheduler"],
                       {"momentum": train.muon_momentum}))
     for opt, sched, opt_state, sched_state, own in pairs:
+        # a compiled step (train.compile_optimizer) reads its lr from these tensors, which loading
+        # the saved groups would replace: they are refilled below and put back
+        held = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in opt.param_groups]
         opt.load_state_dict(opt_state)
         sched.load_state_dict(sched_state)
         sched.base_lrs = [train.lr for _ in opt.param_groups]
-        for g, lam in zip(opt.param_groups, sched.lr_lambdas):
+        for g, lam, held in zip(opt.param_groups, sched.lr_lambdas, held):
             g.update(initial_lr=train.lr, lr=train.lr * lam(sched.last_epoch), weight_decay=train.weight_decay, **own)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports
+            if held is not None:  # a compiled step reads this very tensor: refill it, keep it
+                g["lr"] = held.fill_(g["lr"])
+        sched._last_lr = [float(g["lr"]) for g in opt.param_groups]  # what get_last_lr() reports
     # where each kernel keeps its step counts (float32): the fused one beside the parameter, the
     # foreach one on the host; a resume that switches kernels moves them
     for p, st in o.opt.state.items():
