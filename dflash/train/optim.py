@@ -10,8 +10,8 @@ together; ``train_state.pt`` then holds ``"muon"`` and ``"muon_scheduler"`` besi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -190,11 +190,11 @@ def load_optimizer_state(o: DrafterOptimizer, state: dict[str, Any], train: Trai
     for opt, sched, opt_state, sched_state, own in pairs:
         # a compiled step (train.compile_optimizer) reads its lr from these tensors, which loading
         # the saved groups would replace: they are refilled below and put back
-        held = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in opt.param_groups]
+        lr_tensors = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in opt.param_groups]
         opt.load_state_dict(opt_state)
         sched.load_state_dict(sched_state)
         sched.base_lrs = [train.lr for _ in opt.param_groups]
-        for g, lam, held in zip(opt.param_groups, sched.lr_lambdas, held):
+        for g, lam, held in zip(opt.param_groups, sched.lr_lambdas, lr_tensors):
             g.update(initial_lr=train.lr, lr=train.lr * lam(sched.last_epoch), weight_decay=train.weight_decay, **own)
             if held is not None:  # a compiled step reads this very tensor: refill it, keep it
                 g["lr"] = held.fill_(g["lr"])

@@ -17,6 +17,9 @@ from dflash.model.drafter import DFlashDrafter
 from dflash.train.config import TrainSection
 from dflash.train.optim import load_optimizer_state, make_optimizer
 from tests.dflash.train import test_perf_switches as switches
+from tests.dflash.train.test_adamw_fused import (
+    _steps,  # random gradients, then step and schedule
+)
 
 batch = switches.batch  # the fixture: a tiny target's drafter config (block size 4)
 EAGER = TrainSection(optimizer="muon", lr=1e-2, warmup_steps=3, weight_decay=0.01)
@@ -39,16 +42,6 @@ def frames(monkeypatch):
     torch._dynamo.reset()
     yield counter
     torch._dynamo.reset()
-
-
-def _steps(d: DFlashDrafter, o, n: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        for p in d.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
-        o.step()
-        o.zero_grad()
-        o.schedule_step()
 
 
 def _close(a: DFlashDrafter, b: DFlashDrafter, base: DFlashDrafter) -> None:
