@@ -75,6 +75,8 @@ class DrafterOptimizer:
             (the same warmup + cosine); None with ``[train].optimizer = "adamw"``.
         schedule: the lr multiplier both schedules read; setting ``schedule.total`` moves the
             cosine's end from the next :meth:`schedule_step` on.
+        muon_step: ``muon.step`` compiled (``[train].compile_optimizer``), which :meth:`step`
+            calls instead; None: eager.
     """
 
     params: list[torch.nn.Parameter]
@@ -83,13 +85,12 @@ class DrafterOptimizer:
     muon: torch.optim.Optimizer | None = None
     muon_sched: torch.optim.lr_scheduler.LambdaLR | None = None
     schedule: Schedule | None = None
+    muon_step: Callable[[], Any] | None = None
 
     @property
     def lr(self) -> float:
         """The lr the next :meth:`step` uses."""
         return self.opt.param_groups[0]["lr"]
-
-    muon_step: Callable[[], Any] | None = None
 
     def step(self) -> None:
         """One update of every parameter."""
