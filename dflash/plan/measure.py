@@ -18,7 +18,14 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
-from dflash.run.memory import DRAFTER_BYTES_PER_PARAM, HEAD_BYTES, head_rows, slot_bytes
+from dflash.run.memory import (
+    DENSE_MASK_BYTES,
+    DRAFTER_BYTES_PER_PARAM,
+    HEAD_BYTES,
+    head_rows,
+    mask_elements,
+    slot_bytes,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -82,15 +89,17 @@ def target_params(hf: PretrainedConfig) -> int:
 
 
 def drafter_memory(weight_bytes: float, slots: int, hidden: int, layers: int, vocab: int = 0,
-                   head_rows: int = 0, **variant: Any) -> float:
+                   head_rows: int = 0, mask: int = 0, **variant: Any) -> float:
     """Bytes one drafter replica holds, by the model :mod:`dflash.run.memory` checks a run with:
     :data:`~dflash.run.memory.DRAFTER_BYTES_PER_PARAM` a parameter (``weight_bytes`` are its fp32
     weights), the frozen bf16 embedding and LM head and the chunked head's buffers
     (:data:`~dflash.run.memory.HEAD_BYTES` per vocabulary entry and slot of ``head_rows``), plus
     activations (:func:`~dflash.run.memory.slot_bytes` per drafter slot, with ``variant``'s keywords
-    ``variant``, ``top_k``, ``rank``; slots = packed rows x anchors x block size)."""
+    ``variant``, ``top_k``, ``rank``; slots = packed rows x anchors x block size) and the dense
+    attention mask's ``mask`` elements (:func:`~dflash.run.memory.mask_elements`; 0 with flex
+    attention), :data:`~dflash.run.memory.DENSE_MASK_BYTES` each."""
     return (DRAFTER_BYTES_PER_PARAM * weight_bytes / 4 + 4 * vocab * hidden + HEAD_BYTES * vocab * head_rows
-            + slot_bytes(hidden, layers, **variant) * slots)
+            + slot_bytes(hidden, layers, **variant) * slots + DENSE_MASK_BYTES * mask)
 
 
 def _proc(cfg: dict, kind: str, run: Path) -> dict:
@@ -180,11 +189,14 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
         dcfg = json.loads((ckpt / "drafter_config.json").read_text(encoding="utf-8"))
         grad = float(safetensors_bytes(ckpt / "model.safetensors"))  # fp32 masters: gradients as large
         data, train = cfg.get("data", {}), cfg.get("train", {})
-        slots = data.get("packed_rows", 1) * train.get("num_anchors", 256) * dcfg["block_size"]
+        packed, anchors = data.get("packed_rows", 1), train.get("num_anchors", 256)
+        slots = packed * anchors * dcfg["block_size"]
         rows = head_rows(slots, lm_head_chunk=train.get("lm_head_chunk", 2048),
                          sync_free_loss=train.get("sync_free_loss", True))
+        mask = mask_elements(dcfg.get("attn_implementation", "sdpa"), packed, anchors, dcfg["block_size"],
+                             data.get("tokens_per_batch", 0) // packed)
         d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"], vocab=dcfg.get("vocab_size", 0),
-                               head_rows=rows, variant=dcfg.get("variant", "dflash"),
+                               head_rows=rows, mask=mask, variant=dcfg.get("variant", "dflash"),
                                checkpointing=bool(dcfg.get("activation_checkpointing", False)),
                                top_k=dcfg.get("selector_top_k", 16), rank=dcfg.get("selector_rank", 256))
     inputs = Inputs(target_tok_s=t_rate, drafter_tok_s=d_rate, coloc=coloc, coloc_source=coloc_source,

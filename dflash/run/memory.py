@@ -74,6 +74,7 @@ __all__ = [
     "estimate_line",
     "head_rows",
     "levers",
+    "mask_elements",
     "memory_fields",
     "slot_bytes",
     "target_bytes",
@@ -183,10 +184,18 @@ def _drafter_slot_bytes(drafter: DrafterConfig, checkpointing: bool) -> float:
 def dense_mask_elements(cfg: DFlashFile, drafter: DrafterConfig) -> int:
     """Elements of the drafter's dense ``[rows, 1, A bs, L + A bs]`` attention mask per step
     (:func:`dflash.model.attention.sdpa_mask`) with ``attn_implementation = "sdpa"``, else 0."""
-    if drafter.attn_implementation != "sdpa":
+    return mask_elements(drafter.attn_implementation, cfg.data.packed_rows, cfg.train.num_anchors,
+                         drafter.block_size, cfg.data.pack_length)
+
+
+def mask_elements(attn_implementation: str, rows: int, anchors: int, block_size: int, pack_length: int) -> int:
+    """:func:`dense_mask_elements` from the plain numbers (a finished run's ``config.toml`` and
+    ``drafter_config.json``, as :mod:`dflash.plan` reads them): ``rows x A bs x (L + A bs)`` for
+    "sdpa", 0 for flex attention's block mask."""
+    if attn_implementation != "sdpa":
         return 0
-    queries = cfg.train.num_anchors * drafter.block_size
-    return cfg.data.packed_rows * queries * (cfg.data.pack_length + queries)
+    queries = anchors * block_size
+    return rows * queries * (pack_length + queries)
 
 
 def target_bytes(hf, layers_kept: int, tokens: int, *, fp8: bool) -> tuple[float, float]:

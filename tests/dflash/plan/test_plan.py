@@ -136,6 +136,34 @@ def test_predicted_matches_the_measured_tiny_run(tiny_run):
     assert m.inputs.grad_bytes > 1e6 and m.inputs.bytes_per_token > 256 * 2  # k x H x bf16 at least
 
 
+def test_the_plans_drafter_memory_is_the_run_checks_estimate(tiny_run):
+    """Invariant: the plan reads a finished run's drafter memory by the model the run's own memory
+    check uses (:func:`dflash.run.memory.drafter_bytes`, fixed part and activations), the dense
+    sdpa mask included: the tiny graph's drafter attends through one, and the two figures agree to
+    the weight bytes' rounding (the plan counts the checkpoint's file, the check the config)."""
+    import json
+
+    from dflash.checkpoint.resume import saved_drafter_config
+    from dflash.run.config import load_config
+    from dflash.run.memory import (
+        dense_mask_elements,
+        drafter_bytes,
+        drafter_slots,
+        head_rows,
+    )
+
+    cfg = load_config(tiny_run / "config.toml")
+    ckpt = max((tiny_run / "checkpoints").glob("step_*"))
+    drafter = saved_drafter_config(json.loads((ckpt / "drafter_config.json").read_text()))
+    assert drafter.attn_implementation == "sdpa" and dense_mask_elements(cfg, drafter) > 0
+    slots = drafter_slots(cfg, drafter.block_size)
+    fixed, act = drafter_bytes(drafter, slots, checkpointing=drafter.activation_checkpointing,
+                               head_rows=head_rows(slots, lm_head_chunk=cfg.train.lm_head_chunk,
+                                                   sync_free_loss=cfg.train.sync_free_loss),
+                               mask_elements=dense_mask_elements(cfg, drafter))
+    assert from_run(tiny_run).inputs.drafter_mem == pytest.approx(fixed + act, rel=0.01)
+
+
 def test_cli_writes_a_graph_that_loads_and_places(tiny_run, tmp_path, capsys):
     """Invariant: the written graph is a valid dflash.run graph whose placement matches the
     world size of the printed torchrun command; a bad run dir or bad numbers exit 2."""
