@@ -28,6 +28,9 @@ DRAFTER_ROWS = {  # name -> graph overrides of the drafter stage
     "drafter_compile": ["drafter.compile=true"],
     # Muon's step compiled too (a Muon graph: with AdamW the setting is ignored)
     "drafter_compile_optim": ["drafter.compile=true", "train.compile_optimizer=true"],
+    # the chunked LM head's cross-entropy and gradient compiled (hard-label chunks)
+    "drafter_compile_head": ["drafter.compile=true", "train.compile_head=true"],
+    "drafter_compile_optim_head": ["drafter.compile=true", "train.compile_optimizer=true", "train.compile_head=true"],
     "drafter_all": ['drafter.kernels="liger"', 'train.lm_head="liger"', "drafter.compile=true"],
     # the backbone Linears in float8 (torchao training recipes); MFU against the bf16 peak, as the
     # attention, norms and LM head still run in bf16
@@ -37,10 +40,12 @@ DRAFTER_ROWS = {  # name -> graph overrides of the drafter stage
 }
 PROFILE_ROWS = ["profile_target_bf16", "profile_target_bf16_varlen", "profile_drafter_default",
                 "profile_drafter_all", "profile_target_fp8_varlen", "profile_drafter_compile",
-                "profile_drafter_compile_optim", "profile_drafter_fp8_compile"]
+                "profile_drafter_compile_optim", "profile_drafter_compile_optim_head",
+                "profile_drafter_fp8_compile"]
 # rough seconds beyond the timed steps (builds, compiles), for the budget
 FIXED_S = {"target_bf16": 70, "target_bf16_varlen_compile": 120, "target_fp8_varlen_compile": 120,
-           "drafter_default": 45, "drafter_compile": 90, "drafter_compile_optim": 120, "drafter_all": 90, "target_fp8": 30,
+           "drafter_default": 45, "drafter_compile": 90, "drafter_compile_optim": 120,
+           "drafter_compile_head": 120, "drafter_compile_optim_head": 150, "drafter_all": 90, "target_fp8": 30,
            "drafter_fp8": 45, "drafter_fp8_compile": 90, "drafter_fp8_rowwise_compile": 90}
 
 
@@ -197,7 +202,8 @@ class Perf:
             self._profile_target("profile_target_fp8_varlen", "varlen")
             self.row("target_fp8_varlen_compile", est("target_fp8_varlen_compile"),
                      lambda: self._time_target("varlen", True, self.peak_fp8, "profile_target_fp8_varlen_compile"))
-        for name in ("drafter_compile", "drafter_compile_optim", "drafter_all"):  # on the fp8 target's features: same drafter cost
+        for name in ("drafter_compile", "drafter_compile_optim", "drafter_compile_head", "drafter_compile_optim_head",
+                     "drafter_all"):  # on the fp8 target's features: same drafter cost
             self._drafter_row(name)
         for name in ("drafter_fp8", "drafter_fp8_compile", "drafter_fp8_rowwise_compile"):
             if fp8:

@@ -43,6 +43,7 @@ _EFFECTS = (
     ("train.weight_decay", "optimizer"),
     ("train.adamw_fused", "numerics (AdamW's fused kernel, the same update to rounding)"),
     ("train.compile_optimizer", "numerics (Muon's step compiled, the same update to rounding)"),
+    ("train.compile_head", "numerics (the LM head's cross-entropy compiled, the same loss to rounding)"),
     ("train.grad_clip", "update size"),
     ("train.feature_noise", "features"),
     ("run.seed", "anchors and feature noise (seeded by run.seed)"),

@@ -35,13 +35,45 @@ import torch.nn.functional as F
 
 from dflash.train.loss import LossConfig, accept_probability, loss_terms
 
-__all__ = ["chunked_head_loss"]
+__all__ = ["ce_and_grad", "chunked_head_loss", "compiled_ce_and_grad"]
+
+
+def ce_and_grad(z: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's hard-label cross-entropy and its gradient with respect to the logits.
+
+    Args:
+        z: ``[c, V]`` logits (the head's bf16 output, or fp32); the softmax runs in fp32.
+        y: ``[c]`` int64 labels.
+        dtype: the gradient's dtype (the head's weight dtype, for ``dz @ W``).
+
+    Returns:
+        ``(ce [c] fp32, dz [c, V] dtype)`` with ``ce = -log softmax(z)_y`` and
+        ``dz = softmax(z) - e_y``, computed in fp32 and cast last. Written out of place so that
+        ``torch.compile`` (:func:`compiled_ce_and_grad`) fuses it into one pass over ``z``; the
+        eager chunk loop computes the same values in place.
+    """
+    logp = F.log_softmax(z, dim=-1, dtype=torch.float32)
+    ce = -logp.gather(1, y[:, None]).squeeze(1)
+    dz = logp.exp().scatter_add(1, y[:, None], torch.full_like(logp[:, :1], -1.0))
+    return ce, dz.to(dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def compiled_ce_and_grad():
+    """:func:`ce_and_grad` through ``torch.compile`` (``dynamic=False``: a run's chunks have two
+    shapes, the full chunk and the last), created once per process so every drafter replica and
+    step reuse its graphs."""
+    if "fn" not in _compiled:
+        _compiled["fn"] = torch.compile(ce_and_grad, dynamic=False)
+    return _compiled["fn"]
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head, target_hidden, data_labels, cfg: LossConfig, chunk: int, topk: int,
-                want_accept: bool):
+                want_accept: bool, compiled: bool):
         M = hidden.shape[0]
         W = head.lm_head.weight
         kw, tau = cfg.kl_weight, cfg.temperature
@@ -82,6 +114,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_h[s:e] = (dz.to(W.dtype) @ W).float()
                 continue
             tv[s:e], conf[s:e] = 0.0, 0.0
+            if compiled and kw == 0:  # the hard-label CE in one fused pass (zh holds z's values)
+                ce[s:e], dz = compiled_ce_and_grad()(zh, y, W.dtype)
+                kl[s:e] = 0.0
+                grad_h[s:e] = (dz @ W).float()
+                l[s:e] = ce[s:e]
+                continue
             logp = F.log_softmax(zh if z is None else z, dim=-1, dtype=torch.float32)
             ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
             dz = logp.exp_()                                                 # p, in place
@@ -107,12 +145,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_l, *_):
         (grad_h,) = ctx.saved_tensors
-        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None, None, None
+        return (grad_l[:, None] * grad_h).to(ctx.h_dtype), None, None, None, None, None, None, None, None
 
 
 def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | None,
                       data_labels: torch.Tensor, cfg: LossConfig, chunk: int, topk: int = 0,
-                      accept: bool = False):
+                      accept: bool = False, compiled: bool = False):
     """Per-slot loss terms through the frozen LM head, ``chunk`` slots at a time.
 
     Args:
@@ -127,6 +165,8 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
             candidates, :mod:`dflash.train.selector_loss`), taken from the same chunk logits.
         accept: also ``c* = clamp(1 - TV, 0, 1)`` per slot at ``cfg.temperature``, the confidence
             head's label (:func:`dflash.train.loss.accept_probability`); needs ``target_hidden``.
+        compiled: a chunk whose loss is the hard-label CE alone takes it and its gradient from
+            :func:`compiled_ce_and_grad` (``[train].compile_head``); other chunks run eagerly.
 
     Returns:
         ``(l, ce, kl, tv, conf, draft_argmax, accept_label)``, each ``[M]``: ``l`` fp32 with grad to
@@ -146,4 +186,4 @@ def chunked_head_loss(hidden: torch.Tensor, head, target_hidden: torch.Tensor | 
     if (cfg.kl_weight > 0 or cfg.tv_weight > 0 or cfg.label == "target_argmax" or accept) and target_hidden is None:
         raise ValueError("loss.kl_weight > 0, tv_weight > 0, label = 'target_argmax' or a confidence head "
                          "needs target hidden states")
-    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk, topk, accept)
+    return _ChunkedHeadLoss.apply(hidden, head, target_hidden, data_labels, cfg, chunk, topk, accept, compiled)

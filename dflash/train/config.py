@@ -100,6 +100,15 @@ class TrainSection(Table):
     conf_weight must be 0).
     Same loss and gradients to bf16 rounding (a GPU test)."""
 
+    compile_head: Annotated[bool, added_later(False)] = False
+    """With the chunked head (``lm_head = "chunked"``, ``lm_head_chunk`` > 0): each chunk's
+    cross-entropy and its gradient (``softmax - one-hot``, cast to the head's dtype) through
+    ``torch.compile``, one fused pass over the ``[chunk, V]`` logits where eager torch makes four
+    (log-softmax, exp, scatter, cast). In the SmolLM2 drafter's profile on an H100 those passes
+    took about 20% of the step (benchmarks/results/LOG.md). Chunks whose loss has a KL, TV or
+    "top1" confidence term run eagerly as before. The same values to float rounding (tested through
+    dynamo on a CPU; a GPU test runs inductor), its speed not measured yet; the first step
+    compiles (two shapes: the full chunk and the last one)."""
     init_from: Annotated[str | None, added_later(None)] = None
     """A warm start: the drafter starts from the weights of an existing drafter instead of its
     random init. A dflash checkpoint directory (``RUN/checkpoints/step_N``: ``drafter_config.json``

@@ -101,7 +101,7 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: tor
 
 def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: LossConfig, *,
                  sync_free: bool = True, features_fp32: bool = False, lm_head_chunk: int = 0,
-                 lm_head: str = "chunked") -> LossOutput:
+                 lm_head: str = "chunked", compile_head: bool = False) -> LossOutput:
     """One batch's loss and metrics (see the module docstring for the steps).
 
     Args:
@@ -119,6 +119,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
             this many slots at a time (:mod:`dflash.train.chunked_head`); 0 = all slots at once.
         lm_head: ``[train].lm_head``: "chunked" (as ``lm_head_chunk`` says) | "liger" (with
             ``sync_free``: Liger's fused linear cross-entropy, :mod:`dflash.train.liger_head`).
+        compile_head: ``[train].compile_head``: the chunked head's cross-entropy and its gradient
+            through ``torch.compile`` (:func:`dflash.train.chunked_head.ce_and_grad`).
 
     Raises:
         ValueError: the config needs target logits and ``x.final_hidden`` is None, the drafter
@@ -144,7 +146,8 @@ def compute_loss(drafter: DFlashDrafter, head: SharedHead, x: LossInput, cfg: Lo
     if sync_free:
         before = before_anchors(x.input_ids, x.doc_ids, x.anchors) if refiner is not None else None
         return _loss_fixed_shape(head, hidden, pos, trained, x.input_ids, x.anchors, x.final_hidden, cfg,
-                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head, refiner, before)
+                                 lm_head_chunk, lm_head, selector, block_ids[:, :, 0], conf_head, refiner, before,
+                                 compile_head)
     if refiner is not None:
         raise ValueError("an XPress drafter trains with the fixed-shape loss: set train.sync_free_loss = true")
     return _loss_masked(head, hidden, pos, trained, x, cfg, selector, block_ids, conf_head)
@@ -245,7 +248,7 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
                       input_ids: torch.Tensor, anchors: torch.Tensor, final_hidden: torch.Tensor | None,
                       cfg: LossConfig, lm_head_chunk: int = 0, lm_head: str = "chunked", selector=None,
                       anchor_ids: torch.Tensor | None = None, conf_head=None, refiner=None,
-                      before_anchor: torch.Tensor | None = None) -> LossOutput:
+                      before_anchor: torch.Tensor | None = None, compile_head: bool = False) -> LossOutput:
     """Steps 3-6 over all ``M = B*A*(bs-1)`` slots, untrained ones weighted 0: no shape depends on
     the data, so nothing waits for the device. Same loss as the masked path up to summation order
     (zeros added in); ``num_blocks``/``num_predictions`` are 0-dim int64 tensors. ``selector``
@@ -275,7 +278,8 @@ def _loss_fixed_shape(head: SharedHead, hidden: torch.Tensor, pos: torch.Tensor,
     elif lm_head_chunk > 0:
         per_slot, ce, kl, tv, conf, draft_arg, accept_label, *rest = chunked_head_loss(
             slot_hidden, head, target_hidden, data_labels, cfg, lm_head_chunk,
-            topk=selector.top_k if selector is not None else 0, accept=conf_head is not None)
+            topk=selector.top_k if selector is not None else 0, accept=conf_head is not None,
+            compiled=compile_head)
         if selector is not None:
             unary, cand, *rest = rest
         if conf_head is not None:

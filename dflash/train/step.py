@@ -82,7 +82,7 @@ def train_step(model: torch.nn.Module, head: SharedHead, o: DrafterOptimizer, gu
     with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
         out = compute_loss(model, head, inp.loss_input(), cfg.loss, sync_free=train.sync_free_loss,
                            features_fp32=train.features_fp32, lm_head_chunk=train.lm_head_chunk,
-                           lm_head=train.lm_head)
+                           lm_head=train.lm_head, compile_head=train.compile_head)
 
     # 2. backward; global L2 gradient norm before clipping (0-dim, on the device)
     out.loss.backward()

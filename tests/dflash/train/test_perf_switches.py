@@ -390,7 +390,8 @@ def test_perf_harness_smoke_writes_every_row(tmp_path):
     for name in ("matmul_bf16", "target_bf16", "drafter_default", "profile_target_bf16", "profile_drafter_default"):
         assert rows[name]["status"] == "ok", (name, rows[name])
     assert rows["target_bf16"]["tok_s"] > 0 and rows["drafter_default"]["mfu"] > 0
-    for name in ("drafter_liger_kernels", "drafter_liger_head", "drafter_compile", "drafter_compile_optim", "drafter_all", "fp8",
+    for name in ("drafter_liger_kernels", "drafter_liger_head", "drafter_compile", "drafter_compile_optim",
+                 "drafter_compile_head", "drafter_compile_optim_head", "drafter_all", "fp8",
                  "drafter_fp8", "drafter_fp8_compile", "drafter_fp8_rowwise_compile"):
         assert rows[name]["status"] == "skipped" and rows[name]["reason"], name
     assert (out / "profile_target_bf16.txt").read_text().strip()
