@@ -35,26 +35,32 @@ import torch.nn.functional as F
 
 from dflash.train.loss import LossConfig, accept_probability, loss_terms
 
-__all__ = ["ce_and_grad", "chunked_head_loss", "compiled_ce_and_grad"]
+__all__ = ["ce_and_grad", "ce_and_p_minus_y", "chunked_head_loss", "compiled_ce_and_grad"]
 
 
-def ce_and_grad(z: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's hard-label cross-entropy and its gradient with respect to the logits.
+def ce_and_p_minus_y(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's hard-label cross-entropy and its gradient with respect to the logits, in fp32.
 
     Args:
         z: ``[c, V]`` logits (the head's bf16 output, or fp32); the softmax runs in fp32.
         y: ``[c]`` int64 labels.
-        dtype: the gradient's dtype (the head's weight dtype, for ``dz @ W``).
 
     Returns:
-        ``(ce [c] fp32, dz [c, V] dtype)`` with ``ce = -log softmax(z)_y`` and
-        ``dz = softmax(z) - e_y``, computed in fp32 and cast last. Written out of place so that
-        ``torch.compile`` (:func:`compiled_ce_and_grad`) fuses it into one pass over ``z``; the
-        eager chunk loop computes the same values in place.
+        ``(ce [c], dz [c, V])``, both fp32: ``ce = -log softmax(z)_y`` and ``dz = softmax(z) - e_y``,
+        ``dz`` made in place over the log-probabilities (one ``[c, V]`` fp32 buffer).
     """
     logp = F.log_softmax(z, dim=-1, dtype=torch.float32)
     ce = -logp.gather(1, y[:, None]).squeeze(1)
-    dz = logp.exp().scatter_add(1, y[:, None], torch.full_like(logp[:, :1], -1.0))
+    dz = logp.exp_()                                                     # p, in place
+    dz.scatter_add_(1, y[:, None], torch.full_like(dz[:, :1], -1.0))     # p - e_y
+    return ce, dz
+
+
+def ce_and_grad(z: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ce_and_p_minus_y` with the gradient cast to ``dtype`` (the head's weight dtype, for
+    ``dz @ W``): the function :func:`compiled_ce_and_grad` compiles, so that the cast joins the
+    softmax in one pass over ``z``."""
+    ce, dz = ce_and_p_minus_y(z, y)
     return ce, dz.to(dtype)
 
 
@@ -114,16 +120,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_h[s:e] = (dz.to(W.dtype) @ W).float()
                 continue
             tv[s:e], conf[s:e] = 0.0, 0.0
-            if compiled and kw == 0:  # the hard-label CE in one fused pass (zh holds z's values)
+            if compiled and kw == 0:  # the hard-label CE in one fused pass, cast included
                 ce[s:e], dz = compiled_ce_and_grad()(zh, y, W.dtype)
-                kl[s:e] = 0.0
-                grad_h[s:e] = (dz @ W).float()
-                l[s:e] = ce[s:e]
-                continue
-            logp = F.log_softmax(zh if z is None else z, dim=-1, dtype=torch.float32)
-            ce[s:e] = -logp.gather(1, y[:, None]).squeeze(1)
-            dz = logp.exp_()                                                 # p, in place
-            dz.scatter_add_(1, y[:, None], torch.full_like(dz[:, :1], -1.0))  # p - e_y
+            else:
+                ce[s:e], dz = ce_and_p_minus_y(zh if z is None else z, y)
             if kw > 0:
                 logp_t = F.log_softmax(zt / tau, dim=-1)
                 logq_t = F.log_softmax(z / tau, dim=-1)
