@@ -18,14 +18,7 @@ from csp.observe.backpressure import StatsFormatError, read_stats, summarize
 from csp.observe.whatif import fit
 from dflash.errors import ConfigError
 from dflash.plan.model import Inputs
-from dflash.run.memory import (
-    DENSE_MASK_BYTES,
-    DRAFTER_BYTES_PER_PARAM,
-    HEAD_BYTES,
-    head_rows,
-    mask_elements,
-    slot_bytes,
-)
+from dflash.run.memory import drafter_bytes, head_rows, mask_elements
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -86,20 +79,6 @@ def target_params(hf: PretrainedConfig) -> int:
     attn = h * hd * (hf.num_attention_heads + 2 * hf.num_key_value_heads) + hf.num_attention_heads * hd * h
     tied = getattr(hf, "tie_word_embeddings", False)
     return hf.vocab_size * h * (1 if tied else 2) + n_layers * (attn + 3 * h * inter + 2 * h)
-
-
-def drafter_memory(weight_bytes: float, slots: int, hidden: int, layers: int, vocab: int = 0,
-                   head_rows: int = 0, mask: int = 0, **variant: Any) -> float:
-    """Bytes one drafter replica holds, by the model :mod:`dflash.run.memory` checks a run with:
-    :data:`~dflash.run.memory.DRAFTER_BYTES_PER_PARAM` a parameter (``weight_bytes`` are its fp32
-    weights), the frozen bf16 embedding and LM head and the chunked head's buffers
-    (:data:`~dflash.run.memory.HEAD_BYTES` per vocabulary entry and slot of ``head_rows``), plus
-    activations (:func:`~dflash.run.memory.slot_bytes` per drafter slot, with ``variant``'s keywords
-    ``variant``, ``top_k``, ``rank``; slots = packed rows x anchors x block size) and the dense
-    attention mask's ``mask`` elements (:func:`~dflash.run.memory.mask_elements`; 0 with flex
-    attention), :data:`~dflash.run.memory.DENSE_MASK_BYTES` each."""
-    return (DRAFTER_BYTES_PER_PARAM * weight_bytes / 4 + 4 * vocab * hidden + HEAD_BYTES * vocab * head_rows
-            + slot_bytes(hidden, layers, **variant) * slots + DENSE_MASK_BYTES * mask)
 
 
 def _proc(cfg: dict, kind: str, run: Path) -> dict:
@@ -186,19 +165,20 @@ def from_run(run: str | Path, *, target_tok_s: float | None = None, drafter_tok_
     if ckpt is None:
         notes.append("no checkpoint in the run: the drafter's all-reduce and memory are left out")
     else:
-        dcfg = json.loads((ckpt / "drafter_config.json").read_text(encoding="utf-8"))
+        from dflash.checkpoint.resume import saved_drafter_config
+
+        drafter = saved_drafter_config(json.loads((ckpt / "drafter_config.json").read_text(encoding="utf-8")))
         grad = float(safetensors_bytes(ckpt / "model.safetensors"))  # fp32 masters: gradients as large
         data, train = cfg.get("data", {}), cfg.get("train", {})
         packed, anchors = data.get("packed_rows", 1), train.get("num_anchors", 256)
-        slots = packed * anchors * dcfg["block_size"]
-        rows = head_rows(slots, lm_head_chunk=train.get("lm_head_chunk", 2048),
-                         sync_free_loss=train.get("sync_free_loss", True))
-        mask = mask_elements(dcfg.get("attn_implementation", "sdpa"), packed, anchors, dcfg["block_size"],
-                             data.get("tokens_per_batch", 0) // packed)
-        d_mem = drafter_memory(grad, slots, dcfg["hidden_size"], dcfg["num_layers"], vocab=dcfg.get("vocab_size", 0),
-                               head_rows=rows, mask=mask, variant=dcfg.get("variant", "dflash"),
-                               checkpointing=bool(dcfg.get("activation_checkpointing", False)),
-                               top_k=dcfg.get("selector_top_k", 16), rank=dcfg.get("selector_rank", 256))
+        slots = packed * anchors * drafter.block_size
+        # the model the run's own memory check uses, with the parameters the checkpoint holds
+        d_mem = sum(drafter_bytes(
+            drafter, slots, checkpointing=drafter.activation_checkpointing, params=grad / 4,
+            head_rows=head_rows(slots, lm_head_chunk=train.get("lm_head_chunk", 2048),
+                                sync_free_loss=train.get("sync_free_loss", True)),
+            mask_elements=mask_elements(drafter.attn_implementation, packed, anchors, drafter.block_size,
+                                        data.get("tokens_per_batch", 0) // packed)))
     inputs = Inputs(target_tok_s=t_rate, drafter_tok_s=d_rate, coloc=coloc, coloc_source=coloc_source,
                     bytes_per_token=hidden / model.measured / per_item, grad_bytes=grad, tokens_per_batch=tokens,
                     target_mem=_target_mem(cfg, t_dev[0], notes), drafter_mem=d_mem,
@@ -222,5 +202,5 @@ def _records(run: Path) -> list[dict]:
     return out
 
 
-__all__ = ["DEFAULT_COLOC", "IDS_BYTES_PER_TOKEN", "Measured", "PlanError", "drafter_memory",
+__all__ = ["DEFAULT_COLOC", "IDS_BYTES_PER_TOKEN", "Measured", "PlanError",
            "from_run", "safetensors_bytes", "target_params"]

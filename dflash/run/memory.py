@@ -145,7 +145,8 @@ def head_rows(slots: int, *, lm_head_chunk: int, sync_free_loss: bool) -> int:
 
 
 def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool,
-                  head_rows: int | None = None, mask_elements: int = 0) -> tuple[float, float]:
+                  head_rows: int | None = None, mask_elements: int = 0,
+                  params: float | None = None) -> tuple[float, float]:
     """One drafter replica's estimated peak, bytes, as ``(fixed, activations)`` (the model in the
     module docstring).
 
@@ -156,8 +157,11 @@ def drafter_bytes(drafter: DrafterConfig, slots: int, *, checkpointing: bool,
         head_rows: slots the LM head takes at a time (:func:`head_rows`; default: all of them).
         mask_elements: elements of the dense attention mask per step (:func:`dense_mask_elements`;
             0 with flex attention's block mask).
+        params: the drafter's parameter count when known (a saved checkpoint's weights, as
+            :mod:`dflash.plan` reads them); default: counted from the config.
     """
-    params = checkpoint_bytes(drafter) / 12  # fp32 weights and two moments: 12 bytes a parameter
+    if params is None:
+        params = checkpoint_bytes(drafter) / 12  # fp32 weights and two moments: 12 bytes a parameter
     frozen = 2 * drafter.vocab_size * drafter.hidden_size * 2  # bf16 embedding and LM head
     head = HEAD_BYTES * drafter.vocab_size * (slots if head_rows is None else head_rows)
     per_slot = _drafter_slot_bytes(drafter, checkpointing)
