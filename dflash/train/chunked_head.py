@@ -30,6 +30,8 @@ input-gradient product moves from backward into forward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -64,16 +66,12 @@ def ce_and_grad(z: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> tuple[t
     return ce, dz.to(dtype)
 
 
-_compiled: dict[str, object] = {}
-
-
+@functools.cache
 def compiled_ce_and_grad():
     """:func:`ce_and_grad` through ``torch.compile`` (``dynamic=False``: a run's chunks have two
     shapes, the full chunk and the last), created once per process so every drafter replica and
     step reuse its graphs."""
-    if "fn" not in _compiled:
-        _compiled["fn"] = torch.compile(ce_and_grad, dynamic=False)
-    return _compiled["fn"]
+    return torch.compile(ce_and_grad, dynamic=False)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):

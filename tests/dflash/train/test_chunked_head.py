@@ -65,9 +65,10 @@ def frames(monkeypatch):
     counter = CompileCounterWithBackend("eager")
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": counter}))
-    monkeypatch.setattr(chunked_head, "_compiled", {})
+    chunked_head.compiled_ce_and_grad.cache_clear()
     torch._dynamo.reset()
     yield counter
+    chunked_head.compiled_ce_and_grad.cache_clear()
     torch._dynamo.reset()
 
 
@@ -98,7 +99,7 @@ def test_gpu_compiled_head_matches_eager_through_inductor():
     eager chunks to bf16 rounding (the gradient is cast to the head's bf16 either way)."""
     from dflash.train import chunked_head
 
-    chunked_head._compiled.clear()
+    chunked_head.compiled_ce_and_grad.cache_clear()
     cfg = LossConfig(label="target_argmax")
     got = []
     for compiled in (False, True):
