@@ -71,6 +71,11 @@ class DataConfig(Table):
             from short conversations (for drafters that must hold up on long prompts). A
             conversation longer than ``max_length`` is truncated first, as without joining. The
             holdout and ``conversations`` count joined documents.
+        repetition_keep: when set, an assistant turn that falls into a repetition loop (a
+            16-token window repeating an earlier one of the same turn) keeps this many loss tokens
+            from the loop's start and trains on none after; its tokens stay as context. None
+            (the default) trains on every loop. The data summary counts the loops either way.
+            Small targets' own greedy answers loop often (:mod:`dflash.data.repetition`).
         holdout: conversations held out for evaluation (chosen by ``seed``), never trained on;
             ``python -m dflash.eval`` decodes them. Left out: 64, but never more than a tenth of
             the conversations kept (:func:`dflash.data.dataset.holdout_count`), so a small file
@@ -97,6 +102,7 @@ class DataConfig(Table):
     cache_dir: str | None = None
     num_workers: PositiveInt | None = None
     join: Annotated[bool, added_later(False)] = False
+    repetition_keep: Annotated[NonNegInt | None, added_later(None)] = None
     holdout: NonNegInt | None = None
     seed: NonNegInt = 0
 

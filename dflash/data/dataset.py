@@ -47,6 +47,11 @@ class DataSummary(msgspec.Struct, kw_only=True):
         whole_at: the data.max_length that keeps :data:`WHOLE_SHARE` of the kept conversations whole
             (their length at that quantile, rounded up to a multiple of 64), in tokens.
         max_samples: data.max_samples when reading stopped at it (the file has more records), else 0.
+        looping_turns: trained spans (assistant turns) of the kept conversations that fall into a
+            repetition loop (:mod:`dflash.data.repetition`).
+        loop_tokens: loss tokens from each loop's start to its turn's end, before any masking, in
+            tokens.
+        loop_tokens_masked: of those, the tokens ``data.repetition_keep`` took out of the loss.
         The lengths past ``max_length`` are estimated from characters (:mod:`dflash.data.chat`).
     """
 
@@ -69,6 +74,9 @@ class DataSummary(msgspec.Struct, kw_only=True):
     whole_at: int = 0
     joined_from: int = 0
     max_samples: int = 0
+    looping_turns: int = 0
+    loop_tokens: int = 0
+    loop_tokens_masked: int = 0
 
     def to_dict(self) -> dict:
         """JSON-able dict (for logs)."""
@@ -100,6 +108,24 @@ def stopped_text(summary: DataSummary) -> str:
     return f" (reading stopped at data.max_samples = {summary.max_samples:,} usable conversations)"
 
 
+def loops_text(summary: DataSummary) -> str:
+    """How many trained turns fall into a repetition loop, the share of the loss tokens inside
+    loops, and what ``data.repetition_keep`` did (or would do) about them."""
+    loss_before = summary.num_loss_tokens + summary.loop_tokens_masked
+    share = summary.loop_tokens / max(loss_before, 1)
+    text = f"{summary.looping_turns:,}, holding {summary.loop_tokens:,} loss tokens from the loop on ({share:.0%})"
+    if summary.loop_tokens_masked:
+        return text + f"; data.repetition_keep took {summary.loop_tokens_masked:,} out of the loss"
+    if share >= LOOP_HINT_SHARE:
+        text += "; data.repetition_keep = 64 trains on each loop's first 64 tokens only"
+    return text
+
+
+LOOP_HINT_SHARE = 0.1
+"""The share of loss tokens inside repetition loops from which the summary suggests
+``data.repetition_keep`` (a tenth: below it the loops cost little of the training)."""
+
+
 def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
     """The summary as (label, value) rows, in the order they are shown."""
     rows = [("records read", f"{summary.records_read:,}{stopped_text(summary)}"),
@@ -108,6 +134,8 @@ def summary_rows(summary: DataSummary) -> list[tuple[str, str]]:
              f"data.max_length = {summary.max_length:,} tokens (data.join)"),
             ("tokens / loss tokens", f"{summary.num_tokens:,} / {summary.num_loss_tokens:,}"),
             ("truncated to max_length (kept)", truncation_text(summary))]
+    if summary.looping_turns:
+        rows.append(("turns that loop", loops_text(summary)))
     if summary.reasoning_turns:
         rows.append(("turns with reasoning / reasoning not in tokens",
                      f"{summary.reasoning_turns:,} / {summary.reasoning_dropped:,}"))

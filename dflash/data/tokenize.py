@@ -2,9 +2,9 @@
 
 The cache key covers everything that changes the arrays: the data file's identity (resolved path,
 size, mtime), data.format, the tokenizer fingerprint (vocab, merges, specials, chat template),
-max_length, last_turn_only, reasoning, max_samples and the loss-token threshold
-``2 * block_size``. A second load with the same key memory-maps the stored arrays and never reads
-the source file.
+max_length, last_turn_only, reasoning, max_samples, the loss-token threshold ``2 * block_size``
+and, when set, join and repetition_keep. A second load with the same key memory-maps the stored
+arrays and never reads the source file.
 
 Parallelism: conversations are cut into chunks of ``CHUNK``. In this process (``num_workers`` 1,
 the default) two threads encode alternate chunks: each chunk's segments go through the Rust
@@ -35,6 +35,7 @@ from dflash.data.cache import cache_key, load_entry, save_entry
 from dflash.data.chat import ChatEncoder, Encoded
 from dflash.data.config import DataConfig
 from dflash.data.dataset import DataSummary, TokenizedDataset, print_summary
+from dflash.data.repetition import mask_repetition
 from dflash.data.sources import (
     SourceRecords,
     no_usable_rows,
@@ -158,6 +159,8 @@ def _key_parts(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[Pat
     }
     if cfg.join:  # only when on: entries cached before the setting existed keep their keys
         parts["join"] = True
+    if cfg.repetition_keep is not None:  # likewise
+        parts["repetition_keep"] = cfg.repetition_keep
     return path, parts
 
 
@@ -227,6 +230,26 @@ def join_runs(lengths: np.ndarray, max_length: int) -> np.ndarray:
     return np.asarray(starts + [len(lengths)], np.int64)
 
 
+def _mask_loops(kept: list[tuple[Encoded, int]], cfg: DataConfig,
+                skipped: Counter[str]) -> tuple[list[tuple[Encoded, int]], dict[str, int]]:
+    """Count the repetition loops of the kept conversations' trained spans and, with
+    ``data.repetition_keep`` set, take their tails out of the loss (:mod:`dflash.data.repetition`).
+    A conversation left with fewer than ``2 * block_size`` loss tokens is dropped (``repetition``
+    in ``skipped``), as the encoder drops a short one. Returns the conversations kept and the
+    :class:`DataSummary` fields."""
+    out, spans, loop_tokens, masked = [], 0, 0, 0
+    for e, source_index in kept:
+        mask, n = mask_repetition(e.ids, e.mask, cfg.repetition_keep)
+        if n.masked_tokens and int(mask.sum(dtype=np.int64)) < 2 * cfg.block_size:
+            skipped["repetition"] += 1
+            continue
+        spans += n.looping_spans
+        loop_tokens += n.loop_tokens
+        masked += n.masked_tokens
+        out.append((e._replace(mask=mask), source_index))
+    return out, {"looping_turns": spans, "loop_tokens": loop_tokens, "loop_tokens_masked": masked}
+
+
 def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[str, Any], path: Path, entry: Path,
               progress: bool) -> tuple[dict[str, np.ndarray], DataSummary]:
     records = read_source(cfg.source, cfg.format, cfg.max_samples)
@@ -235,6 +258,7 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
     skipped: Counter[str] = Counter(records.skipped)
     kept = [(e, records.source_index[i]) for i, e in enumerate(encoded) if not isinstance(e, str)]
     skipped.update(e for e in encoded if isinstance(e, str))
+    kept, loops = _mask_loops(kept, cfg, skipped)
     if not kept:
         raise no_usable_rows(path, records.records_read, skipped, read_as=records.format,
                              first_rows=records.first_skipped, max_length=cfg.max_length,
@@ -259,7 +283,7 @@ def _tokenize(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, parts: dict[s
         num_loss_tokens=int(arrays["loss_mask"].sum(dtype=np.int64)),
         reasoning_turns=sum(e.reasoning_turns for e, _ in kept),
         reasoning_dropped=sum(e.reasoning_dropped for e, _ in kept),
-        max_length=cfg.max_length, **figures,
+        max_length=cfg.max_length, **loops, **figures,
     )
     save_entry(entry, arrays, {"key_parts": parts, "summary": summary.to_dict()})
     return arrays, summary
