@@ -15,10 +15,12 @@ answers already regenerated), generated in rounds: round ``k`` answers turn ``k`
 conversation of a chunk (:mod:`dflash.model.answers`; ``--engine auto``, the default, is the slots
 engine on a GPU for a target it runs, rows over one static KV cache refilled as answers end, and
 ``transformers``' ``generate`` over left-padded batches elsewhere: :func:`choose_engine`).
-Generation stops at the tokenizer's end-of-turn token or at ``--max-new-tokens``.
+Generation stops at the tokenizer's end-of-turn token or at ``--max-new-tokens``, and with
+``--repetition-keep N`` that many tokens into a repetition loop (:mod:`dflash.data.repetition`).
 
 Output lines: ``{"messages": [...], "source_index": i, "finished": bool}``; ``source_index`` is the
-record's index in the source file, ``finished`` False when a turn hit ``--max-new-tokens``.
+record's index in the source file, ``finished`` False when a turn hit ``--max-new-tokens`` or was
+cut in a loop.
 
 Resumable: lines are appended and flushed one finished conversation at a time; a second run with
 the same ``-o`` skips the ``source_index`` values already written (a torn last line from a kill is
@@ -122,9 +124,10 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                 answers = target_answers.answer(model, [ids for _, ids in todo], max_new_tokens=args.max_new_tokens, eos=eos,
                                                 pad=pad, temperature=args.temperature, top_p=args.top_p,
                                                 batch_size=args.batch_size, engine=args.engine,
-                                                cache=args.cache)
+                                                cache=args.cache, repetition_keep=args.repetition_keep)
                 turn += 1
-                _say_round(bar.console, start, len(chunk), turn, answers, time.perf_counter() - t_round)
+                _say_round(bar.console, start, len(chunk), turn, answers, time.perf_counter() - t_round,
+                           args.max_new_tokens)
                 for (s, _), (ans, fin) in zip(todo, answers):
                     text = tok.decode(ans, skip_special_tokens=True)
                     s["rest"].pop(0)
@@ -150,15 +153,18 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
 
 
 def _say_round(console, start: int, size: int, turn: int, answers: list[tuple[list[int], bool]],
-               seconds: float) -> None:
+               seconds: float, max_new_tokens: int) -> None:
     """One line per round of answers (a turn of a chunk): how many, their tokens, the tokens per
-    second the engine reached and how many hit ``--max-new-tokens``, so a slow regeneration shows
-    where it stands (terminal or log alike)."""
+    second the engine reached and how many hit ``--max-new-tokens`` (or were cut in a repetition
+    loop: unfinished and shorter), so a slow regeneration shows where it stands (terminal or log
+    alike)."""
     tokens = sum(len(a) for a, _ in answers)
-    cut = sum(not fin for _, fin in answers)
+    cut = sum(not fin and len(a) >= max_new_tokens for a, fin in answers)
+    looped = sum(not fin and len(a) < max_new_tokens for a, fin in answers)
     console.print(f"dflash.regenerate: conversations {start + 1}-{start + size}, turn {turn}: {len(answers)} "
                   f"answer{'s' if len(answers) != 1 else ''}, {tokens} tokens in {seconds:.1f} s "
-                  f"({tokens / max(seconds, 1e-9):.0f} tokens/s; {cut} cut at --max-new-tokens)",
+                  f"({tokens / max(seconds, 1e-9):.0f} tokens/s; {cut} cut at --max-new-tokens"
+                  + (f", {looped} in a repetition loop)" if looped else ")"),
                   markup=False, highlight=False, soft_wrap=True)
 
 
@@ -207,6 +213,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exclude", default=None, metavar="FILE",
                    help="JSONL whose lines carry a source_index (e.g. eval prompts): those conversations "
                         "are not answered (counted as 'excluded')")
+    p.add_argument("--repetition-keep", type=int, default=None, metavar="N",
+                   help="end an answer that falls into a repetition loop (a 16-token window repeating an "
+                        "earlier one of the same answer) N tokens after the loop's start, unfinished; the "
+                        "slots engine stops decoding it there. Default: answers run to their end token or "
+                        "--max-new-tokens (small targets' greedy answers often loop until the limit)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
@@ -214,6 +225,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             or (args.num_conversations is not None and args.num_conversations < 1):
         p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size, --chunk and "
                 "--num-conversations must be >= 1")
+    if args.repetition_keep is not None and args.repetition_keep < 0:
+        p.error("--repetition-keep must be >= 0 (tokens kept from a loop's start)")
     if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1:  # nan fails both comparisons
         p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     return args

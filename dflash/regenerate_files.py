@@ -22,9 +22,12 @@ _FORMAT_VERSION = 1
 
 def generation_settings(args: argparse.Namespace, source: str) -> dict[str, Any]:
     """The settings that change the output; a resume must use the same."""
-    return {"version": _FORMAT_VERSION, "source": source, "max_new_tokens": args.max_new_tokens,
-            "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "seed": args.seed, "max_turns": args.max_turns}
+    settings = {"version": _FORMAT_VERSION, "source": source, "max_new_tokens": args.max_new_tokens,
+                "max_prompt_tokens": args.max_prompt_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "seed": args.seed, "max_turns": args.max_turns}
+    if getattr(args, "repetition_keep", None) is not None:   # only when set: older files resume as they did
+        settings["repetition_keep"] = args.repetition_keep
+    return settings
 
 
 def read_meta_settings(meta: Path, out: Path) -> dict[str, Any] | None:

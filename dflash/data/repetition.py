@@ -30,7 +30,9 @@ NGRAM = 16
 """Tokens a window holds: an exact repeat of 16 tokens inside one answer is a loop (or a copied
 line of code, which is as easy to draft) far more often than prose that merely reuses a phrase."""
 
-_BASE = np.uint64(0x9E3779B97F4A7C15)
+HASH_BASE = np.uint64(0x9E3779B97F4A7C15)
+"""The base of the windows' polynomial hash (odd, so every power is too: no window's tokens are
+multiplied away); :mod:`dflash.model.slots` hashes the same way on the device."""
 
 
 class RepetitionCount(NamedTuple):
@@ -60,7 +62,7 @@ def loop_start(ids: np.ndarray, ngram: int = NGRAM) -> int | None:
     if n < 2:
         return None
     windows = np.lib.stride_tricks.sliding_window_view(ids.astype(np.uint64), ngram)
-    powers = _BASE ** np.arange(ngram - 1, -1, -1, dtype=np.uint64)
+    powers = HASH_BASE ** np.arange(ngram - 1, -1, -1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         hashes = windows @ powers   # wraps modulo 2**64
     _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)

@@ -17,6 +17,12 @@ Three engines:
   (Llama and Qwen3 targets). Written because the two above leave an H100 mostly idle on a small
   target (measured in that module's docstring).
 
+With ``repetition_keep`` set, an answer that falls into a repetition loop (a 16-token window
+repeating an earlier one of the same answer: :mod:`dflash.data.repetition`) ends ``repetition_keep``
+tokens after the loop's start, unfinished. Every engine's answers are cut by the same rule, so the
+cut depends on the tokens alone; the slots engine also stops decoding such a row there and gives
+its slot to the next context, the others decode the loop to its end first.
+
 Greedy answers are the target's argmax either way; batching changes the order of floating-point
 sums, so in bf16 on a GPU an answer may part from another engine's (or batch size's) where two
 logits tie to rounding, as it would between any two batch sizes; in fp32 on a CPU they are
@@ -29,7 +35,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["CACHES", "ENGINES", "Cache", "Engine", "answer", "check_engine"]
+__all__ = ["CACHES", "ENGINES", "Cache", "Engine", "answer", "check_engine", "loop_cut"]
 
 Engine = Literal["generate", "continuous", "slots"]
 ENGINES: tuple[Engine, ...] = ("generate", "continuous", "slots")
@@ -56,9 +62,11 @@ def check_engine(engine: str) -> None:
 @torch.no_grad()
 def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[int], pad: int,
            temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 32,
-           engine: Engine = "generate", cache: Cache = "dynamic") -> list[tuple[list[int], bool]]:
+           engine: Engine = "generate", cache: Cache = "dynamic",
+           repetition_keep: int | None = None) -> list[tuple[list[int], bool]]:
     """One answer per context: ``[(answer token ids without the end token, finished)]`` in the
-    order of ``contexts``; ``finished`` is False when the answer reached ``max_new_tokens``.
+    order of ``contexts``; ``finished`` is False when the answer reached ``max_new_tokens`` or was
+    cut in a repetition loop.
 
     Args:
         model: a transformers causal LM (the target, in eval mode, on its device).
@@ -68,6 +76,8 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
         batch_size: contexts per ``generate`` call (``"generate"``), rows decoded at once
             (``"slots"``); the continuous engine schedules by its cache's room.
         cache: ``"dynamic"`` or ``"static"`` KV cache (``"generate"`` only; module docstring).
+        repetition_keep: tokens an answer keeps from a repetition loop's start (module docstring);
+            None keeps every token.
 
     Raises:
         ValueError: ``engine`` cannot run here (:func:`check_engine`), or ``"slots"`` does not run
@@ -84,7 +94,7 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
         from dflash.model.slots import decode
 
         rows = decode(model, contexts, max_new_tokens=max_new_tokens, eos=eos, batch_size=batch_size,
-                      temperature=temperature, top_p=top_p)
+                      temperature=temperature, top_p=top_p, repetition_keep=repetition_keep)
     elif engine == "continuous":
         rows = _continuous(model, contexts, max_new_tokens, eos, pad, sampling)
     else:
@@ -92,8 +102,24 @@ def answer(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     out = []
     for row in rows:
         cut = next((j for j, t in enumerate(row) if t in eos), None)
-        out.append((row if cut is None else row[:cut], cut is not None))
+        ans, finished = (row if cut is None else row[:cut]), cut is not None
+        if repetition_keep is not None:
+            end = loop_cut(ans, repetition_keep)
+            if end is not None:
+                ans, finished = ans[:end], False
+        out.append((ans, finished))
     return out
+
+
+def loop_cut(tokens: list[int], keep: int) -> int | None:
+    """Where an answer of ``tokens`` ends under ``repetition_keep = keep``: ``keep`` tokens after its
+    repetition loop's start, or None when it has no loop or the loop is no longer than ``keep``."""
+    import numpy as np
+
+    from dflash.data.repetition import loop_start
+
+    start = loop_start(np.asarray(tokens, dtype=np.int64))
+    return start + keep if start is not None and start + keep < len(tokens) else None
 
 
 def _padded(model, contexts, max_new_tokens, eos, pad, sampling, batch_size, cache="dynamic") -> list[list[int]]:

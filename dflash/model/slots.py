@@ -35,16 +35,18 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash.data.repetition import HASH_BASE, NGRAM, loop_start
 from dflash.model.cuda_graph import GraphedStep
 from dflash.model.drafter import apply_rope
 from dflash.model.target import FIXED_ROPE
 from dflash.model.target import FIXED_SHAPE_FAMILIES as FAMILIES
 
 __all__ = ["CHECK_EVERY", "MOST_ROWS", "PREFILL_TOKENS", "USE_GENERATE", "SlotDecoder", "check_model", "choose",
-           "decode", "kv_bytes_per_row", "positions_for", "rows_that_fit"]
+           "decode", "kv_bytes_per_row", "loop_starts", "positions_for", "rows_that_fit"]
 
 CHECK_EVERY = 16
 """Decode steps between two looks at the rows (one host sync each); a finished row idles at most
@@ -237,7 +239,7 @@ class SlotDecoder:
 @torch.no_grad()
 def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[int], batch_size: int,
            temperature: float = 0.0, top_p: float = 1.0, graphs: bool = True,
-           check_every: int = CHECK_EVERY) -> list[list[int]]:
+           check_every: int = CHECK_EVERY, repetition_keep: int | None = None) -> list[list[int]]:
     """The answer to each context, in order: its tokens up to and including the first of ``eos``,
     or its first ``max_new_tokens`` tokens when none came.
 
@@ -246,6 +248,11 @@ def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
         contexts: token ids of each prompt, each non-empty.
         batch_size: rows decoded at once (the KV cache holds ``batch_size x (longest context +
             max_new_tokens + check_every)`` positions per layer).
+        repetition_keep: when set, a row whose answer falls into a repetition loop
+            (:mod:`dflash.data.repetition`) ends ``repetition_keep`` tokens after the loop's start
+            (or at its end token, if that comes first), its slot refilled: the loop is never
+            decoded to ``max_new_tokens``. Found on the device at each look at the rows (windows
+            compared by a 64-bit hash, :func:`loop_starts`) and confirmed token by token on the host.
 
     Raises:
         ValueError: the target is not one this engine runs (:func:`check_model`).
@@ -256,14 +263,42 @@ def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
     capacity = positions_for(max(map(len, contexts)), max_new_tokens, check_every)   # aligned rows
     run = SlotDecoder(model, batch, capacity, max_new_tokens, temperature, top_p, graphs, check_every)
     try:
-        return _drain(run, contexts, max_new_tokens, eos, batch)
+        return _drain(run, contexts, max_new_tokens, eos, batch, repetition_keep)
     finally:
         run.close()
         if run.ids.is_cuda:   # the freed cache back to the driver: another process on this GPU may need it
             torch.cuda.empty_cache()
 
 
-def _drain(run: SlotDecoder, contexts, max_new_tokens, eos, batch) -> list[list[int]]:
+def loop_starts(answers: torch.Tensor, count: torch.Tensor, ngram: int = NGRAM) -> torch.Tensor:
+    """``[B]`` int64: each row's repetition loop start among its first ``count`` tokens of ``answers
+    [B, W]`` (the first window of ``ngram`` tokens equal to one starting earlier), ``W`` where none.
+
+    On the device, with no host read: windows hashed (64-bit, wrapping), sorted stably per row, and
+    each equal pair's later window a repeat. A hash collision can name a start that is none, so a
+    caller confirms it (:func:`dflash.data.repetition.loop_start`); a true start is never missed.
+    """
+    rows, width = answers.shape
+    if width <= ngram:
+        return torch.full((rows,), width, dtype=torch.long, device=answers.device)
+    windows = answers.unfold(1, ngram, 1)                                  # [B, M, ngram]
+    h = (windows * _hash_powers(ngram, answers.device)).sum(-1)            # int64, wraps
+    at = torch.arange(windows.shape[1], device=answers.device)[None]
+    h = torch.where(at + ngram <= count[:, None], h, -1 - at)               # past the answer: one value each
+    values, order = torch.sort(h, dim=1, stable=True)
+    repeat = values[:, 1:] == values[:, :-1]
+    return torch.where(repeat, order[:, 1:], width).amin(1)
+
+
+def _hash_powers(ngram: int, device) -> torch.Tensor:
+    """``[ngram]`` int64 powers of the repetition hash's base (the same as
+    :mod:`dflash.data.repetition`'s, as two's-complement int64)."""
+    base, mod = int(HASH_BASE), 1 << 64
+    powers = [pow(base, ngram - 1 - k, mod) for k in range(ngram)]
+    return torch.tensor([p - mod if p >= 1 << 63 else p for p in powers], dtype=torch.long, device=device)
+
+
+def _drain(run: SlotDecoder, contexts, max_new_tokens, eos, batch, keep: int | None = None) -> list[list[int]]:
     """Every context through ``run``'s rows (refilled as answers end); the answers in order."""
     check_every = run.check_every
     stop = torch.tensor(sorted(set(eos)), device=run.ids.device)
@@ -282,14 +317,25 @@ def _drain(run: SlotDecoder, contexts, max_new_tokens, eos, batch) -> list[list[
             active.update(part)
         for _ in range(check_every):
             run.advance()
-        # on the device: each row's first end token among its answer tokens (width: none yet)
+        # on the device: each row's first end token among its answer tokens (width: none yet), and
+        # with `keep` its repetition loop's start; one host read for all three
         hit = torch.isin(run.answers, stop) & (columns < run.count[:, None])
-        first = torch.where(hit.any(1), hit.int().argmax(1), run.width).tolist()
-        counts = run.count.tolist()
+        looks = [torch.where(hit.any(1), hit.int().argmax(1), run.width), run.count]
+        if keep is not None:
+            looks.append(loop_starts(run.answers, run.count))
+        first, counts, *loops = torch.stack(looks).tolist()
         done = [row for row in active if first[row] < max_new_tokens or counts[row] >= max_new_tokens]
-        if done:
-            rows = run.answers[torch.tensor(done, device=run.ids.device)].tolist()
-            for row, got in zip(done, rows):   # an end token past max_new_tokens is cut off, as generate would
-                out[active.pop(row)] = got[: min(first[row] + 1, max_new_tokens)]
+        looped = [row for row in active if loops and row not in done and loops[0][row] + keep <= counts[row]]
+        if done or looped:
+            rows = run.answers[torch.tensor(done + looped, device=run.ids.device)].tolist()
+            for row, got in zip(done + looped, rows):   # an end token past max_new_tokens is cut off, as generate would
+                end = min(first[row] + 1, max_new_tokens)
+                if keep is not None:   # confirmed on the answer proper: no token past its end counts
+                    start = loop_start(np.asarray(got[:min(counts[row], end)], dtype=np.int64))
+                    if start is not None and start + keep <= counts[row]:
+                        end = min(end, start + keep)
+                    elif row not in done:
+                        continue                       # a hash collision, no loop: the row goes on
+                out[active.pop(row)] = got[:end]
                 free.append(row)
     return out

@@ -152,7 +152,8 @@ def test_a_second_writer_of_the_same_output_is_refused(tmp_path, capsys):
     assert not out.exists() or out.read_text() == ""
 
 
-@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--top-p", "0"], ["--num-conversations", "0"]])
+@pytest.mark.parametrize("bad", [["--max-new-tokens", "0"], ["--top-p", "0"], ["--num-conversations", "0"],
+                                 ["--repetition-keep", "-1"]])
 def test_bad_arguments_are_usage_errors(tmp_path, bad):
     with pytest.raises(SystemExit) as e:
         regen.main(_args(tmp_path / "x.jsonl", tmp_path / "o.jsonl", *bad))
@@ -244,6 +245,31 @@ def test_the_slots_engine_writes_what_the_padded_one_writes(tmp_path):
     assert regen.main(_args(src, a, "--engine", "generate", "--max-new-tokens", "12")) == 0
     assert regen.main(_args(src, b, "--engine", "slots", "--max-new-tokens", "12", "--chunk", "8")) == 0
     assert _lines(a) == _lines(b) and len(_lines(a)) == 6
+
+
+def test_repetition_keep_cuts_looping_answers_alike_in_every_engine(tmp_path, capsys):
+    """Invariant: with --repetition-keep, an answer that loops ends that many tokens into its loop,
+    unfinished, and both engines write the same conversations (the slots engine stops such a row
+    early, generate cuts the full answer): the cut depends on the tokens alone. The round lines
+    count the answers cut in a loop apart from those cut at --max-new-tokens; the setting is part
+    of the file's settings, so a resume without it is refused."""
+    src = _source(tmp_path)
+    full, a, b = (tmp_path / f"{n}.jsonl" for n in ("full", "generate", "slots"))
+    assert regen.main(_args(src, full, "--engine", "generate", "--max-new-tokens", "64")) == 0
+    capsys.readouterr()
+    keep = ["--max-new-tokens", "64", "--repetition-keep", "4"]
+    assert regen.main(_args(src, a, "--engine", "generate", *keep)) == 0
+    err = capsys.readouterr().err
+    assert regen.main(_args(src, b, "--engine", "slots", "--chunk", "8", *keep)) == 0
+    assert _lines(a) == _lines(b) and len(_lines(a)) == 6
+    shorter = 0
+    for whole, cut in zip(_lines(full), _lines(a)):      # the first answer: the same context in both files
+        w, c = whole["messages"][1]["content"], cut["messages"][1]["content"]
+        assert w.startswith(c)
+        shorter += len(c) < len(w)
+        assert len(c) == len(w) or not cut["finished"]
+    assert shorter and "in a repetition loop)" in err
+    assert regen.main(_args(src, a, "--engine", "generate", "--max-new-tokens", "64")) == 2
 
 
 def _shaped(layers: int, kv_heads: int, head_dim: int, dtype=torch.bfloat16):

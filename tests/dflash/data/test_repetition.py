@@ -58,7 +58,7 @@ def test_hash_collisions_never_cut_a_span(monkeypatch):
     only a true repeat is a loop start."""
     import dflash.data.repetition as rep
 
-    monkeypatch.setattr(rep, "_BASE", np.uint64(0))   # every window hashes to its last token
+    monkeypatch.setattr(rep, "HASH_BASE", np.uint64(0))   # every window hashes to its last token
     ids = np.array([5, 1, 2, 9, 3, 2, 9, 3, 2])       # windows of 3: (2, 9, 3) at 2 repeats at 5
     assert rep.loop_start(ids, 3) == 5 == brute_loop_start(ids.tolist(), 3)
     assert rep.loop_start(np.array([1, 2, 3, 4, 5, 3]), 3) is None
@@ -102,7 +102,7 @@ def test_the_summary_counts_loops_and_repetition_keep_masks_them(tmp_path):
                               {"role": "assistant", "content": "x " * 40}]})   # loops from its second token
     src = tmp_path / "d.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = dict(source=str(src), cache_dir=str(tmp_path / "c"), block_size=8, max_length=512)
+    cfg = {"source": str(src), "cache_dir": str(tmp_path / "c"), "block_size": 8, "max_length": 512}
 
     plain = load_dataset(DataConfig(**cfg), tok, progress=False, quiet=True)
     s = plain.summary

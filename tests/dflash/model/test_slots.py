@@ -128,3 +128,49 @@ def test_the_graphed_step_answers_as_the_eager_one_and_as_generate(target):  # n
         assert all(t not in eos for r in drawn for t in r[:-1])
     finally:
         model.cpu()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_loop_starts_on_the_device_equal_the_rule_on_the_host(seed):
+    """Invariant: the batched, hashed search finds each row's repetition loop start among its first
+    ``count`` tokens exactly where :func:`dflash.data.repetition.loop_start` does (``W`` for none),
+    whatever the tokens past ``count`` hold (a row's stale answer of an earlier context)."""
+    import numpy as np
+
+    from dflash.data.repetition import loop_start
+    from dflash.model.slots import loop_starts
+
+    g = torch.Generator().manual_seed(seed)
+    rows, width, n = 9, 60, 4
+    answers = torch.randint(0, 4 if seed % 2 else 500, (rows, width), generator=g)
+    answers[0, 20:40] = answers[0, 0:20]                         # a loop of period 20 at 20
+    answers[1] = answers[0]
+    count = torch.randint(0, width + 1, (rows,), generator=g)
+    count[0], count[1] = width, 23                               # row 1: the loop's first window is not all there
+    got = loop_starts(answers, count, ngram=n).tolist()
+    want = [loop_start(np.asarray(answers[r, :int(count[r])]), n) for r in range(rows)]
+    assert got == [width if w is None else w for w in want]
+    if seed % 2 == 0:   # 500 token values: no window of 4 repeats by chance, the one built in is found
+        assert got[0] == 20 and got[1] == width
+
+
+@pytest.mark.parametrize("keep", [0, 5, 24])
+def test_repetition_keep_stops_a_looping_row_where_the_rule_cuts_its_answer(target, keep, monkeypatch):  # noqa: F811
+    """Invariant: with ``repetition_keep`` each answer is the full greedy answer cut by the rule
+    (``loop_cut``), token for token, while the rows that loop stop decoding there: fewer decode
+    steps in all than decoding every loop to ``max_new_tokens``."""
+    from dflash.model import slots
+    from dflash.model.answers import loop_cut
+
+    model, tok, contexts = target
+    eos = [tok.eos_token_id]
+    steps = []
+    advance = slots.SlotDecoder.advance
+    monkeypatch.setattr(slots.SlotDecoder, "advance", lambda self: (steps.append(1), advance(self))[1])
+    full = [_cut(r, eos)[0] for r in decode(model, contexts, max_new_tokens=96, eos=eos, batch_size=2, check_every=4)]
+    full_steps, steps[:] = len(steps), []
+    cuts = [loop_cut(a, keep) for a in full]
+    assert sum(c is not None for c in cuts) >= 2, "the prompts should give looping answers"
+    got = decode(model, contexts, max_new_tokens=96, eos=eos, batch_size=2, check_every=4, repetition_keep=keep)
+    assert [_cut(r, eos)[0] for r in got] == [a if c is None else a[:c] for a, c in zip(full, cuts)]
+    assert len(steps) < full_steps
