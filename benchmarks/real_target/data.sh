@@ -10,11 +10,16 @@
 #   REGEN_S=180 bash benchmarks/real_target/data.sh OUT
 #   PASSES="sampled t1" REGEN_S=150 bash benchmarks/real_target/data.sh OUT      # once greedy has answered all
 #   REGEN_S=180 ENGINE=generate CACHE=static BATCH=512 CHUNK=512 bash benchmarks/real_target/data.sh OUT
+# KEEP=64 ends an answer 64 tokens into a repetition loop (--repetition-keep: the slots engine frees
+# the row there; 39% of SmolLM2's answer tokens so far lay in loops, 54% of the greedy pass's). A
+# file keeps the settings it started with, so only for a pass that starts its file (PASSES=t1 while
+# .regen/ holds no regen-t1): a resumed pass given KEEP is refused.
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
 RG=("${ON_R[@]}" --set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
-    --engine ${ENGINE:-slots} --cache ${CACHE:-dynamic} --batch-size ${BATCH:-512} --chunk ${CHUNK:-4096})
+    --engine ${ENGINE:-slots} --cache ${CACHE:-dynamic} --batch-size ${BATCH:-512} --chunk ${CHUNK:-4096}
+    ${KEEP:+--repetition-keep $KEEP})
 T0=$(date +%s)
 # Each pass answers every prompt once into its own file: greedy, sampled (T = 0.8, top-p 0.95) and t1
 # (T = 1, seed 1: more varied answers again, for when the first two have answered every prompt).
