@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.data.repetition import loop_start
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedResult
 from dflash.eval.selector import selector_figures
 from dflash.eval.xpress import is_xpress
@@ -20,7 +21,7 @@ from dflash.train.acceptance import (
     tau_from_accepted,
 )
 
-__all__ = ["Decoded", "category", "pooled_summary", "speed_of"]
+__all__ = ["Decoded", "category", "loop_figures", "pooled_summary", "speed_of"]
 
 
 @dataclass
@@ -70,7 +71,33 @@ def pooled_summary(decoded: list[Decoded], drafter, dflash2: bool) -> EvalResult
         per_prompt=[d.result for d in decoded],
         selector=selector_figures(drafter, [d.extra for d in decoded],
                                    torch.cat([d.correct for d in decoded])) if dflash2 else None,
-        jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None)
+        jacobi_passes=drafter.cfg.jacobi_passes if is_xpress(drafter) else None,
+        **loop_figures(decoded))
+
+
+def loop_figures(decoded: list[Decoded]) -> dict[str, float | None]:
+    """How much of the greedy text is a repetition loop (:mod:`dflash.data.repetition`), and the
+    measured tau apart inside and outside loops: a verify step counts as in a loop when its anchor
+    lies at or past its answer's loop start. A weak target's loops are easy to draft, so a tau
+    pooled over them says more about the target than the drafter; ``fresh_tau`` is the drafter on
+    text that does not repeat itself. The :class:`EvalResult` fields ``loop_share``, ``loop_tau``
+    and ``fresh_tau`` (None where no step falls in that class)."""
+    looped = total = 0
+    inside: list[int] = []
+    outside: list[int] = []
+    for d in decoded:
+        answer = d.tokens[d.prompt_len:].cpu().numpy()
+        start = loop_start(answer)
+        start = len(answer) if start is None else start
+        looped += len(answer) - start
+        total += len(answer)
+        for anchor, m in zip(d.visited, d.acc_m):
+            (inside if anchor - d.prompt_len >= start else outside).append(m)
+
+    def tau(ms: list[int]) -> float | None:
+        return tau_from_accepted(sum(ms) / len(ms)) if ms else None
+
+    return {"loop_share": looped / total if total else None, "loop_tau": tau(inside), "fresh_tau": tau(outside)}
 
 
 def category(name: str, decoded: list[Decoded]) -> CategoryResult:

@@ -448,3 +448,40 @@ def test_a_device_this_machine_lacks_is_a_one_line_error(tmp_path, capsys):
         assert ev.main([str(tmp_path), "--prompts", str(tmp_path), "--device", dev]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("dflash.eval: --device ") for line in err)
+
+
+def test_verify_steps_inside_repetition_loops_are_counted_apart():
+    """Invariant: a step whose anchor lies at or past its answer's loop start counts as in the loop;
+    the share of generated tokens in loops and both taus follow from the decodes alone; the table
+    prints them, and a decode with no loop has every step outside."""
+    from dflash.eval.pooled import Decoded, loop_figures
+    from dflash.eval.report import _loops_line
+
+    head = list(range(200, 220))                       # 20 fresh tokens, then a period-17 loop
+    answer = head + list(range(300, 317)) * 4          # loop start: the second copy, 20 + 17 = 37
+    n = 5
+    tokens = torch.tensor(list(range(n)) + answer)
+    d = Decoded(0, 0, n, tokens, acc_m=[1, 2, 7, 9], visited=[n - 1, n + 10, n + 37, n + 60], greedy_seconds=0.0)
+    fresh = Decoded(1, 0, n, torch.tensor(list(range(n)) + head), acc_m=[3], visited=[n - 1], greedy_seconds=0.0)
+    got = loop_figures([d, fresh])
+    assert got["loop_share"] == pytest.approx((len(answer) - 37) / (len(answer) + len(head)))
+    assert got["loop_tau"] == pytest.approx(1 + (7 + 9) / 2)
+    assert got["fresh_tau"] == pytest.approx(1 + (1 + 2 + 3) / 3)
+    assert loop_figures([fresh]) == {"loop_share": 0.0, "loop_tau": None, "fresh_tau": 4.0}
+
+    class R:
+        loop_share, loop_tau, fresh_tau = 0.25, 8.0, None
+    assert _loops_line(R).endswith("25% of the generated tokens; measured tau 8.000 in them, - elsewhere")
+
+
+def test_evaluate_reports_the_loops_of_the_text_it_decoded(models):
+    """Through evaluate: the random tiny target's greedy text loops (a share of it is in loops,
+    some steps on each side), and the pooled tau lies between the taus inside and outside loops,
+    the two classes making up every step; the table says so."""
+    from dflash.eval.report import format_result
+
+    target, head, drafter = models
+    res = evaluate(target, drafter, head, [prompt(5), prompt(6, 7)], max_new_tokens=64)
+    assert 0 < res.loop_share < 1 and res.loop_tau is not None and res.fresh_tau is not None
+    assert min(res.loop_tau, res.fresh_tau) - 1e-9 <= res.tau <= max(res.loop_tau, res.fresh_tau) + 1e-9
+    assert f"{res.loop_share:.0%} of the generated tokens" in format_result(res)
