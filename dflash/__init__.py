@@ -12,7 +12,9 @@ The rooms, from the bottom floor up; a module imports its own room and lower flo
    graph's channels), :mod:`dflash.records` (the lines of ``metrics.jsonl``), :mod:`dflash.seeding`
    (every random stream's seed), :mod:`dflash.import_noise` (other packages' import-time log lines),
    :mod:`dflash.tables` (what every config table shares: strict keys, the late-added key mark),
-   :mod:`dflash.gguf_tokenizer` (a GGUF file's metadata and tokenizer, checked for the import);
+   :mod:`dflash.gguf_tokenizer` (a GGUF file's metadata and tokenizer, checked for the import),
+   :mod:`dflash.repetition` (where an answer falls into a repetition loop: the data, regeneration
+   and the evaluation count loops by one rule);
 1. :mod:`dflash.data` (conversations to packed token batches) and :mod:`dflash.model` (the target,
    the drafter, their shared head and features);
 2. :mod:`dflash.checkpoint` (everything a run keeps on disk, written and read) and

@@ -16,7 +16,7 @@ conversation of a chunk (:mod:`dflash.model.answers`; ``--engine auto``, the def
 engine on a GPU for a target it runs, rows over one static KV cache refilled as answers end, and
 ``transformers``' ``generate`` over left-padded batches elsewhere: :func:`choose_engine`).
 Generation stops at the tokenizer's end-of-turn token or at ``--max-new-tokens``, and with
-``--repetition-keep N`` that many tokens into a repetition loop (:mod:`dflash.data.repetition`).
+``--repetition-keep N`` that many tokens into a repetition loop (:mod:`dflash.repetition`).
 
 Output lines: ``{"messages": [...], "source_index": i, "finished": bool}``; ``source_index`` is the
 record's index in the source file, ``finished`` False when a turn hit ``--max-new-tokens`` or was

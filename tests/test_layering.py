@@ -24,7 +24,8 @@ floor  rooms
 =====  ==========================================================================================
 0      the leaves: ``dflash`` (the package), ``dflash.errors``, ``dflash.messages``,
        ``dflash.records``, ``dflash.seeding``, ``dflash.import_noise``, ``dflash.tables``, and
-       ``dflash.gguf_tokenizer`` (a tool's part that imports no dflash module)
+       ``dflash.gguf_tokenizer`` (a tool's part that imports no dflash module), ``dflash.repetition``
+       (the repetition-loop rule the data, the regeneration engines and the evaluation share)
 1      ``dflash.data``, ``dflash.model``
 2      ``dflash.checkpoint``, ``dflash.regenerate_files`` (regeneration's files; raises dflash.data's errors)
 3      ``dflash.train``, ``dflash.observe``
@@ -60,7 +61,7 @@ CSP_FLOORS = {
 
 FLOORS = {
     "dflash": 0, "dflash.errors": 0, "dflash.messages": 0, "dflash.records": 0, "dflash.seeding": 0,
-    "dflash.import_noise": 0, "dflash.tables": 0, "dflash.gguf_tokenizer": 0,
+    "dflash.import_noise": 0, "dflash.tables": 0, "dflash.gguf_tokenizer": 0, "dflash.repetition": 0,
     "dflash.data": 1, "dflash.model": 1,
     "dflash.checkpoint": 2, "dflash.regenerate_files": 2,
     "dflash.train": 3, "dflash.observe": 3,

@@ -75,7 +75,7 @@ class DataConfig(Table):
             16-token window repeating an earlier one of the same turn) keeps this many loss tokens
             from the loop's start and trains on none after; its tokens stay as context. None
             (the default) trains on every loop. The data summary counts the loops either way.
-            Small targets' own greedy answers loop often (:mod:`dflash.data.repetition`).
+            Small targets' own greedy answers loop often (:mod:`dflash.repetition`).
         holdout: conversations held out for evaluation (chosen by ``seed``), never trained on;
             ``python -m dflash.eval`` decodes them. Left out: 64, but never more than a tenth of
             the conversations kept (:func:`dflash.data.dataset.holdout_count`), so a small file

@@ -48,7 +48,7 @@ class DataSummary(msgspec.Struct, kw_only=True):
             (their length at that quantile, rounded up to a multiple of 64), in tokens.
         max_samples: data.max_samples when reading stopped at it (the file has more records), else 0.
         looping_turns: trained spans (assistant turns) of the kept conversations that fall into a
-            repetition loop (:mod:`dflash.data.repetition`).
+            repetition loop (:mod:`dflash.repetition`).
         loop_tokens: loss tokens from each loop's start to its turn's end, before any masking, in
             tokens.
         loop_tokens_masked: of those, the tokens ``data.repetition_keep`` took out of the loss.

@@ -35,7 +35,6 @@ from dflash.data.cache import cache_key, load_entry, save_entry
 from dflash.data.chat import ChatEncoder, Encoded
 from dflash.data.config import DataConfig
 from dflash.data.dataset import DataSummary, TokenizedDataset, print_summary
-from dflash.data.repetition import mask_repetition
 from dflash.data.sources import (
     SourceRecords,
     no_usable_rows,
@@ -43,6 +42,7 @@ from dflash.data.sources import (
     resolve_source,
 )
 from dflash.data.tokenizer import tokenizer_fingerprint
+from dflash.repetition import mask_repetition
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -233,7 +233,7 @@ def join_runs(lengths: np.ndarray, max_length: int) -> np.ndarray:
 def _mask_loops(kept: list[tuple[Encoded, int]], cfg: DataConfig,
                 skipped: Counter[str]) -> tuple[list[tuple[Encoded, int]], dict[str, int]]:
     """Count the repetition loops of the kept conversations' trained spans and, with
-    ``data.repetition_keep`` set, take their tails out of the loss (:mod:`dflash.data.repetition`).
+    ``data.repetition_keep`` set, take their tails out of the loss (:mod:`dflash.repetition`).
     A conversation left with fewer than ``2 * block_size`` loss tokens is dropped (``repetition``
     in ``skipped``), as the encoder drops a short one. Returns the conversations kept and the
     :class:`DataSummary` fields."""

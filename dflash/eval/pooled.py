@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.data.repetition import loop_start
 from dflash.eval.report import CategoryResult, EvalResult, PromptResult, SpeedResult
 from dflash.eval.selector import selector_figures
 from dflash.eval.xpress import is_xpress
+from dflash.repetition import loop_start
 from dflash.train.acceptance import (
     accuracy_per_position,
     per_position_list,
@@ -76,7 +76,7 @@ def pooled_summary(decoded: list[Decoded], drafter, dflash2: bool) -> EvalResult
 
 
 def loop_figures(decoded: list[Decoded]) -> dict[str, float | None]:
-    """How much of the greedy text is a repetition loop (:mod:`dflash.data.repetition`), and the
+    """How much of the greedy text is a repetition loop (:mod:`dflash.repetition`), and the
     measured tau apart inside and outside loops: a verify step counts as in a loop when its anchor
     lies at or past its answer's loop start. A weak target's loops are easy to draft, so a tau
     pooled over them says more about the target than the drafter; ``fresh_tau`` is the drafter on

@@ -188,7 +188,7 @@ class EvalResult(msgspec.Struct, kw_only=True):
             e.g. from ``timeout``); None: every prompt ran (or a result saved before this field).
         projection: the projected speedup on an 8B-class target (:mod:`dflash.eval.projection`).
         loop_share: the share of the greedy decodes' generated tokens from each answer's repetition
-            loop start on (:mod:`dflash.data.repetition`); None in results saved before it.
+            loop start on (:mod:`dflash.repetition`); None in results saved before it.
         loop_tau, fresh_tau: measured tau of the verify steps whose anchor lies inside a loop, and
             of the others (:func:`dflash.eval.pooled.loop_figures`); None where no step does.
     """

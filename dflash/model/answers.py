@@ -18,7 +18,7 @@ Three engines:
   target (measured in that module's docstring).
 
 With ``repetition_keep`` set, an answer that falls into a repetition loop (a 16-token window
-repeating an earlier one of the same answer: :mod:`dflash.data.repetition`) ends ``repetition_keep``
+repeating an earlier one of the same answer: :mod:`dflash.repetition`) ends ``repetition_keep``
 tokens after the loop's start, unfinished. Every engine's answers are cut by the same rule, so the
 cut depends on the tokens alone; the slots engine also stops decoding such a row there and gives
 its slot to the next context, the others decode the loop to its end first.
@@ -116,7 +116,7 @@ def loop_cut(tokens: list[int], keep: int) -> int | None:
     repetition loop's start, or None when it has no loop or the loop is no longer than ``keep``."""
     import numpy as np
 
-    from dflash.data.repetition import loop_start
+    from dflash.repetition import loop_start
 
     start = loop_start(np.asarray(tokens, dtype=np.int64))
     return start + keep if start is not None and start + keep < len(tokens) else None

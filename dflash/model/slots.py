@@ -39,11 +39,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash.data.repetition import HASH_BASE, NGRAM, loop_start
 from dflash.model.cuda_graph import GraphedStep
 from dflash.model.drafter import apply_rope
 from dflash.model.target import FIXED_ROPE
 from dflash.model.target import FIXED_SHAPE_FAMILIES as FAMILIES
+from dflash.repetition import HASH_BASE, NGRAM, loop_start
 
 __all__ = ["CHECK_EVERY", "MOST_ROWS", "PREFILL_TOKENS", "USE_GENERATE", "SlotDecoder", "check_model", "choose",
            "decode", "kv_bytes_per_row", "loop_starts", "positions_for", "rows_that_fit"]
@@ -249,7 +249,7 @@ def decode(model, contexts: list[list[int]], *, max_new_tokens: int, eos: list[i
         batch_size: rows decoded at once (the KV cache holds ``batch_size x (longest context +
             max_new_tokens + check_every)`` positions per layer).
         repetition_keep: when set, a row whose answer falls into a repetition loop
-            (:mod:`dflash.data.repetition`) ends ``repetition_keep`` tokens after the loop's start
+            (:mod:`dflash.repetition`) ends ``repetition_keep`` tokens after the loop's start
             (or at its end token, if that comes first), its slot refilled: the loop is never
             decoded to ``max_new_tokens``. Found on the device at each look at the rows (windows
             compared by a 64-bit hash, :func:`loop_starts`) and confirmed token by token on the host.
@@ -276,7 +276,7 @@ def loop_starts(answers: torch.Tensor, count: torch.Tensor, ngram: int = NGRAM) 
 
     On the device, with no host read: windows hashed (64-bit, wrapping), sorted stably per row, and
     each equal pair's later window a repeat. A hash collision can name a start that is none, so a
-    caller confirms it (:func:`dflash.data.repetition.loop_start`); a true start is never missed.
+    caller confirms it (:func:`dflash.repetition.loop_start`); a true start is never missed.
     """
     rows, width = answers.shape
     if width <= ngram:
@@ -292,7 +292,7 @@ def loop_starts(answers: torch.Tensor, count: torch.Tensor, ngram: int = NGRAM) 
 
 def _hash_powers(ngram: int, device) -> torch.Tensor:
     """``[ngram]`` int64 powers of the repetition hash's base (the same as
-    :mod:`dflash.data.repetition`'s, as two's-complement int64)."""
+    :mod:`dflash.repetition`'s, as two's-complement int64)."""
     base, mod = int(HASH_BASE), 1 << 64
     powers = [pow(base, ngram - 1 - k, mod) for k in range(ngram)]
     return torch.tensor([p - mod if p >= 1 << 63 else p for p in powers], dtype=torch.long, device=device)

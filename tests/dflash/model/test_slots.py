@@ -133,12 +133,12 @@ def test_the_graphed_step_answers_as_the_eager_one_and_as_generate(target):  # n
 @pytest.mark.parametrize("seed", range(12))
 def test_loop_starts_on_the_device_equal_the_rule_on_the_host(seed):
     """Invariant: the batched, hashed search finds each row's repetition loop start among its first
-    ``count`` tokens exactly where :func:`dflash.data.repetition.loop_start` does (``W`` for none),
+    ``count`` tokens exactly where :func:`dflash.repetition.loop_start` does (``W`` for none),
     whatever the tokens past ``count`` hold (a row's stale answer of an earlier context)."""
     import numpy as np
 
-    from dflash.data.repetition import loop_start
     from dflash.model.slots import loop_starts
+    from dflash.repetition import loop_start
 
     g = torch.Generator().manual_seed(seed)
     rows, width, n = 9, 60, 4

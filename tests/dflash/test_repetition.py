@@ -1,4 +1,4 @@
-"""Repetition loops in assistant turns (dflash.data.repetition): where a loop starts, what
+"""Repetition loops in assistant turns (dflash.repetition): where a loop starts, what
 ``[data].repetition_keep`` keeps in the loss, and what the data summary says."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from dflash.data import TINY_TOKENIZER, DataConfig, load_dataset, load_tokenizer
 from dflash.data.dataset import summary_rows
-from dflash.data.repetition import NGRAM, loop_start, mask_repetition
+from dflash.repetition import NGRAM, loop_start, mask_repetition
 
 
 def brute_loop_start(ids: list[int], n: int) -> int | None:
@@ -56,7 +56,7 @@ def test_a_loop_starts_where_its_first_window_repeats():
 def test_hash_collisions_never_cut_a_span(monkeypatch):
     """Windows are compared by hash and confirmed token by token: with every window hashing alike,
     only a true repeat is a loop start."""
-    import dflash.data.repetition as rep
+    import dflash.repetition as rep
 
     monkeypatch.setattr(rep, "HASH_BASE", np.uint64(0))   # every window hashes to its last token
     ids = np.array([5, 1, 2, 9, 3, 2, 9, 3, 2])       # windows of 3: (2, 9, 3) at 2 repeats at 5
