@@ -274,7 +274,8 @@ def per_category(path: Path) -> str:
     try:
         import msgspec
 
-        from dflash.eval.report import EvalResult, format_categories, format_speed
+        from dflash.eval.grouped import format_categories, format_speed
+        from dflash.eval.report import EvalResult
 
         r = msgspec.json.decode(Path(path).read_bytes(), type=EvalResult)
     except Exception as e:  # a failed or capped eval leaves an empty or partial file

@@ -28,4 +28,5 @@ Imports: :mod:`dflash.model`, :mod:`dflash.data` (prompts built as training buil
     turns.py           multi-turn prompts: the next turn asked after the target's answer
     projection.py      the projected speedup on an 8B-class target, from the measured tau
     report.py          the result types and the printed table
+    grouped.py         the tables per category and per context length, and the speedup lines
 """

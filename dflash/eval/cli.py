@@ -62,6 +62,7 @@ import torch
 from dflash.data.prompts import encode_prompt, heldout_prompts, source_prompts
 from dflash.eval.args import INTERRUPTED, build_parser
 from dflash.eval.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_PROMPTS
+from dflash.eval.grouped import format_by_length, format_categories, format_speed
 from dflash.eval.inputs import (
     EvalInputError,
     check_checkpoint,
@@ -72,14 +73,7 @@ from dflash.eval.inputs import (
 from dflash.eval.measure import evaluate
 from dflash.eval.progress import ProgressLines
 from dflash.eval.projection import project_8b
-from dflash.eval.report import (
-    format_by_length,
-    format_categories,
-    format_headline,
-    format_prompt,
-    format_result,
-    format_speed,
-)
+from dflash.eval.report import format_headline, format_prompt, format_result
 from dflash.eval.sets import EvalPrompt, load_prompt_set
 from dflash.eval.turns import Turns, stratified
 from dflash.model.variants import variant_of

@@ -34,6 +34,7 @@ families, full attention, fixed rotary frequencies (:func:`check_model`).
 from __future__ import annotations
 
 from collections import deque
+from functools import cache
 
 import numpy as np
 import torch
@@ -290,9 +291,11 @@ def loop_starts(answers: torch.Tensor, count: torch.Tensor, ngram: int = NGRAM) 
     return torch.where(repeat, order[:, 1:], width).amin(1)
 
 
+@cache
 def _hash_powers(ngram: int, device) -> torch.Tensor:
     """``[ngram]`` int64 powers of the repetition hash's base (the same as
-    :mod:`dflash.repetition`'s, as two's-complement int64)."""
+    :mod:`dflash.repetition`'s, as two's-complement int64), built once per device: every look at
+    the rows uses them."""
     base, mod = int(HASH_BASE), 1 << 64
     powers = [pow(base, ngram - 1 - k, mod) for k in range(ngram)]
     return torch.tensor([p - mod if p >= 1 << 63 else p for p in powers], dtype=torch.long, device=device)
@@ -325,7 +328,8 @@ def _drain(run: SlotDecoder, contexts, max_new_tokens, eos, batch, keep: int | N
             looks.append(loop_starts(run.answers, run.count))
         first, counts, *loops = torch.stack(looks).tolist()
         done = [row for row in active if first[row] < max_new_tokens or counts[row] >= max_new_tokens]
-        looped = [row for row in active if loops and row not in done and loops[0][row] + keep <= counts[row]]
+        ending = set(done)
+        looped = [row for row in active if loops and row not in ending and loops[0][row] + keep <= counts[row]]
         if done or looped:
             rows = run.answers[torch.tensor(done + looped, device=run.ids.device)].tolist()
             for row, got in zip(done + looped, rows):   # an end token past max_new_tokens is cut off, as generate would
@@ -334,7 +338,7 @@ def _drain(run: SlotDecoder, contexts, max_new_tokens, eos, batch, keep: int | N
                     start = loop_start(np.asarray(got[:min(counts[row], end)], dtype=np.int64))
                     if start is not None and start + keep <= counts[row]:
                         end = min(end, start + keep)
-                    elif row not in done:
+                    elif row not in ending:
                         continue                       # a hash collision, no loop: the row goes on
                 out[active.pop(row)] = got[:end]
                 free.append(row)

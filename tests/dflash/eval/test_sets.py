@@ -154,8 +154,8 @@ def test_categories_pool_every_turn_and_the_speedup_is_measured(models):  # noqa
     """Invariant: each category's figures pool its prompts' decodes (every turn); their verify
     steps and tokens add up to the whole; the pooled tau is the overall tau; with speed on, both
     decoders generated the same tokens and the speedup is the ratio of their measured times."""
+    from dflash.eval.grouped import format_categories, format_speed
     from dflash.eval.measure import evaluate
-    from dflash.eval.report import format_categories, format_speed
 
     target, head, drafter = models
     follow = {0: prompt(7, 5)}
@@ -257,9 +257,9 @@ def test_tau_by_prompt_length_puts_each_turn_in_its_bucket_and_pools_to_the_whol
     """Invariant: every decode lands in the bucket of its own prompt's length (a second turn, whose
     prompt holds the first, may land in a longer one), empty buckets are left out, and the buckets'
     steps and tokens add up to the whole, their pooled accepted length to the overall one."""
+    from dflash.eval.grouped import format_by_length
     from dflash.eval.lengths import LABELS, length_bucket
     from dflash.eval.measure import evaluate
-    from dflash.eval.report import format_by_length
 
     assert [length_bucket(n) for n in (1, 1023, 1024, 4095, 4096, 8192, 16384, 32768, 10**6)] == \
         ["<1K", "<1K", "1K-4K", "1K-4K", "4K-8K", "8K-16K", "16K-32K", ">=32K", ">=32K"]

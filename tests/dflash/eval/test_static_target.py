@@ -16,7 +16,8 @@ from dflash.eval.args import build_parser
 from dflash.eval.decode import (CachedDrafterProposer, CachedTarget, DecodeStopped, greedy_decode,
                                speculative_decode)
 from dflash.eval.measure import evaluate
-from dflash.eval.report import format_result, format_speed
+from dflash.eval.grouped import format_speed
+from dflash.eval.report import format_result
 from dflash.eval.selector import selector_proposer
 from dflash.eval.static_target import StaticTarget, UnsupportedTarget, acquire, check_supported, release
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
