@@ -24,30 +24,35 @@ CK=$(ls -d "$R"/run/checkpoints/step_* | tail -1); echo "eval: $CK"
 T0=$(date +%s)
 PARTS=" ${PARTS:-export tests speed mtbench humaneval heldout profile} "
 on() { [[ "$PARTS" == *" $1 "* ]]; }
+# each part's exit status, printed and remembered: the script exits 1 if any part failed, 0 if all
+# that ran passed (a part not in PARTS does not count)
+FAILED=""
+done_() { echo "$1 rc=$2 ($(( $(date +%s) - T0 )) s)"; [ "$2" = 0 ] || FAILED="$FAILED, $1"; }
 LIMIT=$(( ${CAP_S:-150} > 40 ? ${CAP_S:-150} - 10 : 30 ))
-on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; echo "export rc=$?"
+on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; done_ export $?
   cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null; }
 on tests && { timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
-  tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log"; }
+  tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; done_ "gpu tests" $?; tail -3 "$OUT/gpu-tests.log"; }
 on speed && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \
   --max-new-tokens 128 --dtypes bfloat16 --decoders hf_generate,greedy_graphs,dflash_graphs,tree_graphs,zlab --out "$OUT/decode-speed.json" > "$OUT/decode-speed.log" 2>&1
-echo "speed rc=$? ($(( $(date +%s) - T0 )) s)"; tail -12 "$OUT/decode-speed.log"; }
+done_ speed $?; tail -12 "$OUT/decode-speed.log"; }
 for set in mtbench humaneval; do
   on $set || continue
   timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
     --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} ${TEMP:+--temperature $TEMP} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
-  echo "eval $set rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-$set.err"
+  done_ "eval $set" $?; tail -4 "$OUT/eval-$set.err"
 done
 on heldout && { timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
   --temperature 1.0 --tree-budget ${TREE:-32} --device cuda --time-limit $LIMIT --json > "$OUT/eval-heldout.json" 2> "$OUT/eval-heldout.err"
-echo "eval held-out rc=$? ($(( $(date +%s) - T0 )) s)"; tail -4 "$OUT/eval-heldout.err"; }
+done_ "eval held-out" $?; tail -4 "$OUT/eval-heldout.err"; }
 # tau by context length: the held-out conversations' last turns as prompts (earlier turns included;
 # a run trained with SETS="--set data.join=true --set data.max_length=8192" holds documents many
 # conversations deep), up to CTX tokens of context, bucketed <1K / 1-4K / 4-8K in the output
 on bylength && { timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --prompt-turn last \
   --max-prompt-tokens ${CTX:-8192} --num-prompts 64 --max-new-tokens 128 --device cuda --time-limit $LIMIT --json \
   > "$OUT/eval-bylength.json" 2> "$OUT/eval-bylength.err"
-echo "eval by length rc=$? ($(( $(date +%s) - T0 )) s)"; tail -8 "$OUT/eval-bylength.err"; }
+done_ "eval by length" $?; tail -8 "$OUT/eval-bylength.err"; }
 on profile && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.profile_eval "$CK" --prompts mtbench --num-prompts 4 --max-new-tokens 128 \
   --dtype bfloat16 --out "$OUT/profile" > "$OUT/profile.log" 2>&1
-echo "profile rc=$? ($(( $(date +%s) - T0 )) s)"; head -c 800 "$OUT/profile/profile.json"; }
+done_ profile $?; head -c 800 "$OUT/profile/profile.json"; }
+[ -z "$FAILED" ] || { echo "eval: failed: ${FAILED#, }"; exit 1; }

@@ -44,13 +44,15 @@ def frames(monkeypatch):
     torch._dynamo.reset()
 
 
-def _close(a: DFlashDrafter, b: DFlashDrafter, base: DFlashDrafter) -> None:
+def _close(a: DFlashDrafter, b: DFlashDrafter, base: DFlashDrafter, tol: float = 0.01) -> None:
     """``a`` and ``b`` moved from ``base`` by the same updates to bf16 rounding: Muon's Newton-Schulz
-    iterations run in bf16 (eps 2^-8), and the tensor lr scales them in another order than a
-    float does, so each weight's total move agrees to 1% of its largest element."""
+    iterations run in bf16 (eps 2^-8) and amplify a rounding difference, and a compiler may round
+    elsewhere (inductor keeps a fused chain's intermediates in float32), so each weight's two moves
+    agree to ``tol`` of the move's Frobenius norm. A wrong lr in warmup, where it changes by a third
+    or more a step, or a step missed, moves a weight tens of percent off."""
     for (name, pa), pb, p0 in zip(a.named_parameters(), b.parameters(), base.parameters()):
-        moved = (pa - p0).abs().max()
-        assert (pa - pb).abs().max() <= 0.01 * moved + 1e-7, name
+        moved = (pa - p0).norm()
+        assert (pa - pb).norm() <= tol * moved + 1e-7, name
 
 
 def test_compiled_muon_makes_the_eager_update_and_compiles_once(batch, frames):
@@ -127,4 +129,7 @@ def test_gpu_compiled_muon_matches_eager_through_inductor(batch):
         for o in (oa, ob):
             o.step(), o.zero_grad(), o.schedule_step()
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["recompiles"]
-    _close(a, b, base)
+    # inductor's fused kernels round differently from eager's: over these 5 steps the two moves
+    # differ by about 1% of their norm (inductor on a CPU: 0.9-1.1% per weight, up to 1.8% of the
+    # largest element; on an H100, 1.5% of the largest element); 3% still fails a wrong lr
+    _close(a, b, base, tol=0.03)
