@@ -143,7 +143,7 @@ def test_smollm2_graph_trains_regenerates_evaluates_and_exports(smollm2_dir, tmp
 def test_the_h200_recipe_trains_on_smollm2_on_a_cpu_and_exports_dflash2(smollm2_dir, tmp_path):
     """Invariant: examples/smollm2-h200.toml, moved to the CPU and shrunk (no compile, SDPA's dense
     mask for flex attention, which has no backward on a CPU, 256-token rows, 2 steps), trains its DFlash2 drafter with Muon against the imported target and exports z-lab's
-    DFlash2 layout with the 30-layer target's public layers for 3 drafter layers."""
+    DFlash2 layout with the 30-layer target's public layers for 5 drafter layers."""
     graph = str(ROOT / "examples" / "smollm2-h200.toml")
     sets = [f"target.path={smollm2_dir[0]}", "run.out_dir=run", "run.steps=2", "checkpoint.every=2",
             "eval.every=0", "monitor.wandb=disabled", "monitor.plot=false", "monitor.display=plain",
@@ -158,6 +158,6 @@ def test_the_h200_recipe_trains_on_smollm2_on_a_cpu_and_exports_dflash2(smollm2_
     ex = _cmd(tmp_path, "dflash.export", str(tmp_path / "run" / "checkpoints" / "step_00000002"), "-o", "drafter")
     assert ex.returncode == 0, ex.stderr[-3000:]
     cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["num_hidden_layers"] == 3
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["num_hidden_layers"] == 5
     assert {k: cfg["dflash_config"][k] for k in ("block_size", "mask_token_id", "target_layer_ids")} == {
-        "block_size": 16, "mask_token_id": 16, "target_layer_ids": [1, 14, 27]}
+        "block_size": 16, "mask_token_id": 16, "target_layer_ids": [1, 8, 14, 20, 27]}

@@ -130,7 +130,7 @@ def test_the_smollm2_examples_point_where_the_import_writes(monkeypatch, graph):
     assert cfg.target.path == "models/smollm2-135m-instruct" and cfg.drafter.mask_token_id == 16
     assert "/models/" in (ROOT / ".gitignore").read_text().splitlines()
     if graph == "smollm2-h200.toml":
-        assert (cfg.drafter.variant, cfg.drafter.block_size, cfg.drafter.num_layers) == ("dflash2", 16, 3)
+        assert (cfg.drafter.variant, cfg.drafter.block_size, cfg.drafter.num_layers) == ("dflash2", 16, 5)
         assert cfg.train.optimizer == "muon" and cfg.drafter.compile and cfg.data.max_length == 2048
 
 
