@@ -234,6 +234,11 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
         sampled_tau: the same for the sampled decode at ``[eval].temperature`` (None when greedy only).
         tree_tau: the same for the greedy tree-verified decode of ``tree_budget`` draft tokens per
             tree (``[eval].tree_budget``; None when off, or for a variant without a tree).
+        loop_share: the share of the greedy decodes' generated tokens that lie in a repetition loop
+            (:mod:`dflash.repetition`: from a 16-token window that repeats an earlier one of the
+            same answer on); loops are easy to draft, so a rising ``tau`` may be more looping.
+        fresh_tau: tau over the greedy verify steps whose anchor lies before its answer's loop
+            (the drafter on text that does not repeat itself); None when every step is in a loop.
         prompts: prompts decoded; new_tokens: tokens generated (greedy); steps: verify steps (greedy).
         max_new_tokens: tokens generated per prompt (``[eval].max_new_tokens``; every decode
             generates exactly this many).
@@ -258,5 +263,7 @@ class HeldoutTau(msgspec.Struct, kw_only=True):
     max_new_tokens: int | None = None
     temperature: float = 0.0
     tree_tau: float | None = None
+    loop_share: float | None = None
+    fresh_tau: float | None = None
     tree_budget: int | None = None
     dtype: str | None = None

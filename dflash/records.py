@@ -175,7 +175,8 @@ class SkipRecord(RecordBase, tag="skip"):
 class HeldoutRecord(RecordBase, tag="heldout"):
     """Measured tau of real draft-and-verify decoding on held-out prompts with the weights of
     ``step`` (``[eval]``; :class:`dflash.messages.HeldoutTau` has the fields' meaning).
-    ``max_new_tokens``, ``temperature`` and ``dtype`` are absent from runs older than them."""
+    ``max_new_tokens``, ``temperature``, ``dtype``, ``loop_share`` and ``fresh_tau`` are absent from
+    runs older than them."""
 
     step: int
     tau: Float = UNSET
@@ -192,6 +193,8 @@ class HeldoutRecord(RecordBase, tag="heldout"):
     dtype: str | None | UnsetType = UNSET
     tree_tau: Float = UNSET
     tree_budget: int | None | UnsetType = UNSET
+    loop_share: Float = UNSET
+    fresh_tau: Float = UNSET
 
     def over(self) -> str:
         """What its tau is over, ``8 prompts x 64 tokens`` (:func:`over_text`). A record older than
@@ -202,6 +205,16 @@ class HeldoutRecord(RecordBase, tag="heldout"):
         if not isinstance(tokens, int):
             tokens = self.new_tokens // prompts if prompts and isinstance(self.new_tokens, int) else None
         return over_text(prompts, tokens)
+
+    def loops_text(self) -> str:
+        """``; 18% of tokens in repetition loops, 2.488 outside them`` when the decodes looped (the
+        run's log line and its summary say it so), else empty: loops are easy to draft, and the
+        tau outside them is the drafter on text that does not repeat itself."""
+        share = self.loop_share
+        if not isinstance(share, (int, float)) or not share > 0:
+            return ""
+        fresh = f"{self.fresh_tau:.3f}" if isinstance(self.fresh_tau, (int, float)) else "-"
+        return f"; {share:.0%} of tokens in repetition loops, {fresh} outside them"
 
 
 def over_text(prompts: int, max_new_tokens: int | None, decodes: int | None = None) -> str:

@@ -31,7 +31,7 @@ from dflash.eval.decode import (
     speculative_decode,
 )
 from dflash.eval.lengths import LABELS, length_bucket
-from dflash.eval.pooled import Decoded, category, pooled_summary, speed_of
+from dflash.eval.pooled import Decoded, LoopTally, category, pooled_summary, speed_of
 from dflash.eval.progress import EvalProgress
 from dflash.eval.report import EvalResult, PromptResult
 from dflash.eval.selector import block_figures, is_dflash2, selector_proposer
@@ -111,6 +111,8 @@ class DecodedTau:
     steps: int
     sampled_tau: float | None = None
     tree_tau: float | None = None
+    loop_share: float | None = None    # the greedy decodes' repetition loops (:class:`LoopTally`)
+    fresh_tau: float | None = None
 
 
 def proposer_factory(drafter: DFlashDrafter, head: SharedHead, cuda_graphs: bool = False) -> Callable[[], object]:
@@ -147,6 +149,8 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
     ``tree_budget > 0``: every prompt decoded once more, greedy, under tree verification of that
     many draft tokens (:mod:`dflash.eval.tree_decode`; ``tree_tau``) where
     :func:`tree_proposer_factory` has a proposer for the variant (progress stage ``"tree"``).
+    ``loop_share`` and ``fresh_tau``: the greedy decodes' tokens in repetition loops and the tau
+    outside them (:class:`~dflash.eval.pooled.LoopTally`, as :func:`evaluate` reports them).
 
     Raises:
         ValueError: an empty prompt or bad sampling parameters.
@@ -154,12 +158,13 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
     """
     proposer, bs = proposer_factory(drafter, head, cuda_graphs), drafter.cfg.block_size
     t_start = time.perf_counter()
-    ms, tokens = [], 0
+    ms, tokens, loops = [], 0, LoopTally()
     for i, p in enumerate(prompts):
         _stop_if(should_stop)
-        out, acc, _ = speculative_decode(target, proposer(), p, max_new_tokens, bs, should_stop=should_stop,
-                                         cuda_graphs=cuda_graphs)
+        out, acc, visited = speculative_decode(target, proposer(), p, max_new_tokens, bs, should_stop=should_stop,
+                                               cuda_graphs=cuda_graphs)
         ms += acc
+        loops.add(out, p.shape[0], visited, acc)
         tokens += out.shape[0] - p.shape[0]
         if progress is not None:
             progress(EvalProgress.at("decode", i + 1, len(prompts), t_start, i + 1, tokens, ms))
@@ -189,8 +194,9 @@ def decode_tau(target: Target, drafter: DFlashDrafter, head: SharedHead, prompts
     if progress is not None:
         progress(EvalProgress.at("done", len(prompts), len(prompts), t_start, len(prompts), tokens, ms))
     mean = sum(ms) / max(len(ms), 1)
+    lf = loops.figures()
     return DecodedTau(tau=tau_from_accepted(mean), accepted=mean, new_tokens=tokens, steps=len(ms),
-                      sampled_tau=sampled, tree_tau=tree_tau)
+                      sampled_tau=sampled, tree_tau=tree_tau, loop_share=lf["loop_share"], fresh_tau=lf["fresh_tau"])
 
 
 def _stop_if(should_stop: Callable[[], bool] | None) -> None:

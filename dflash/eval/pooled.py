@@ -21,7 +21,7 @@ from dflash.train.acceptance import (
     tau_from_accepted,
 )
 
-__all__ = ["Decoded", "category", "loop_figures", "pooled_summary", "speed_of"]
+__all__ = ["Decoded", "LoopTally", "category", "loop_figures", "pooled_summary", "speed_of"]
 
 
 @dataclass
@@ -75,6 +75,39 @@ def pooled_summary(decoded: list[Decoded], drafter, dflash2: bool) -> EvalResult
         **loop_figures(decoded))
 
 
+@dataclass
+class LoopTally:
+    """Verify steps and generated tokens counted inside and outside repetition loops, decode by
+    decode (:func:`loop_figures` pools :class:`Decoded`; the in-training evaluator, which keeps no
+    ``Decoded``, adds each decode as it ends)."""
+
+    looped: int = 0                    # generated tokens at or past their answer's loop start
+    total: int = 0                     # generated tokens
+    inside: list[int] = field(default_factory=list)   # accepted drafts of the steps in a loop
+    outside: list[int] = field(default_factory=list)  # ... and of the others
+
+    def add(self, tokens: torch.Tensor, prompt_len: int, visited: list[int], acc_m: list[int]) -> None:
+        """One greedy decode: ``tokens`` ``[prompt_len + generated]`` its output, ``visited`` the
+        anchors it verified at (absolute positions), ``acc_m`` each step's accepted drafts."""
+        answer = tokens[prompt_len:].cpu().numpy()
+        start = loop_start(answer)
+        start = len(answer) if start is None else start
+        self.looped += len(answer) - start
+        self.total += len(answer)
+        for anchor, m in zip(visited, acc_m):
+            (self.inside if anchor - prompt_len >= start else self.outside).append(m)
+
+    def figures(self) -> dict[str, float | None]:
+        """``loop_share`` (of the generated tokens), ``loop_tau`` and ``fresh_tau`` (tokens per
+        verify step inside and outside loops); None where nothing falls in that class."""
+
+        def tau(ms: list[int]) -> float | None:
+            return tau_from_accepted(sum(ms) / len(ms)) if ms else None
+
+        return {"loop_share": self.looped / self.total if self.total else None,
+                "loop_tau": tau(self.inside), "fresh_tau": tau(self.outside)}
+
+
 def loop_figures(decoded: list[Decoded]) -> dict[str, float | None]:
     """How much of the greedy text is a repetition loop (:mod:`dflash.repetition`), and the
     measured tau apart inside and outside loops: a verify step counts as in a loop when its anchor
@@ -82,22 +115,10 @@ def loop_figures(decoded: list[Decoded]) -> dict[str, float | None]:
     pooled over them says more about the target than the drafter; ``fresh_tau`` is the drafter on
     text that does not repeat itself. The :class:`EvalResult` fields ``loop_share``, ``loop_tau``
     and ``fresh_tau`` (None where no step falls in that class)."""
-    looped = total = 0
-    inside: list[int] = []
-    outside: list[int] = []
+    tally = LoopTally()
     for d in decoded:
-        answer = d.tokens[d.prompt_len:].cpu().numpy()
-        start = loop_start(answer)
-        start = len(answer) if start is None else start
-        looped += len(answer) - start
-        total += len(answer)
-        for anchor, m in zip(d.visited, d.acc_m):
-            (inside if anchor - d.prompt_len >= start else outside).append(m)
-
-    def tau(ms: list[int]) -> float | None:
-        return tau_from_accepted(sum(ms) / len(ms)) if ms else None
-
-    return {"loop_share": looped / total if total else None, "loop_tau": tau(inside), "fresh_tau": tau(outside)}
+        tally.add(d.tokens, d.prompt_len, d.visited, d.acc_m)
+    return tally.figures()
 
 
 def category(name: str, decoded: list[Decoded]) -> CategoryResult:

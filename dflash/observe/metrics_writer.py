@@ -209,12 +209,13 @@ class WandbSink:
 
     def log_heldout(self, record: HeldoutRecord) -> None:
         """An in-training evaluation as ``heldout/tau``, ``heldout/accepted``, ``heldout/sampled_tau``,
+        ``heldout/fresh_tau``, ``heldout/loop_share`` (where measured),
         charted against ``heldout/step`` (the snapshot's step): wandb's own step only moves forward,
         and an evaluation finishes after later windows were logged."""
         if self.run is None:
             return
         data = {f"heldout/{k}": record.get(k) for k in ("step", "tau", "accepted", "sampled_tau", "tree_tau",
-                                                         "seconds")}
+                                                         "fresh_tau", "loop_share", "seconds")}
         self.run.log({k: v for k, v in data.items() if isinstance(v, (int, float)) and not math.isnan(v)},
                      step=self.last_step)
 

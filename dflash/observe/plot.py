@@ -170,6 +170,7 @@ def make_figure(records: list[Mapping[str, Any]], name: str = "run") -> Any:
     held = [r for r in records if r.get("kind") == "heldout" and _finite(r.get("tau"))]
     sampled = [r for r in held if _finite(r.get("sampled_tau"))]
     tree = [r for r in held if _finite(r.get("tree_tau"))]
+    fresh = [r for r in held if _finite(r.get("fresh_tau")) and r.get("loop_share")]
     if held:  # measured by real decoding on held-out prompts ([eval]): the figure dflash.eval gives
         ax.plot([r["step"] for r in held], [r["tau"] for r in held], "o-", color=colors[2], lw=1.4, ms=4,
                 label="held-out tau, measured (draft-and-verify)")
@@ -179,9 +180,12 @@ def make_figure(records: list[Mapping[str, Any]], name: str = "run") -> Any:
         if tree:
             ax.plot([r["step"] for r in tree], [r["tree_tau"] for r in tree], "^:", color=colors[3], lw=1.0, ms=4,
                     label=f"held-out tau, tree of {tree[-1].get('tree_budget')}")
+        if fresh:  # the same decodes without their repetition loops' steps (easy to draft)
+            ax.plot([r["step"] for r in fresh], [r["fresh_tau"] for r in fresh], "o:", color=colors[2], lw=1.0,
+                    ms=3, mfc="none", label="held-out tau, outside repetition loops")
     _mark_evaluations(ax, records)
     values = ([y for s in segs for y in _series(s, "tau_sim")[1]] + [r["tau"] for r in held]
-              + [r["sampled_tau"] for r in sampled] + [r["tree_tau"] for r in tree])
+              + [r["sampled_tau"] for r in sampled] + [r["tree_tau"] for r in tree] + [r["fresh_tau"] for r in fresh])
     if values:
         ax.set_ylim(*tau_limits(values, floor=0.0 if simulated and not tokens else 1.0))
     if tokens:  # the accepted length is the same curve one lower: a second scale, not a second line

@@ -208,6 +208,7 @@ def closing_summary(run_dir: str | Path, *, status: str, exit_code: int, total_s
         sampled = f", sampled {_num(h.sampled_tau)}" if isinstance(h.sampled_tau, (int, float)) else ""
         if isinstance(h.tree_tau, (int, float)):
             sampled += f", tree of {h.tree_budget} {_num(h.tree_tau)}"
+        sampled += h.loops_text()
         best_ckpt = run_dir / "checkpoints" / f"step_{best.step:08d}" if isinstance(best.step, int) else None
         best_kept = best_ckpt is not None and best.step != h.step and is_healthy(best_ckpt)
         row("held-out", f"tau {_num(h.tau)} tokens/verify step measured at step {h.step} ({h.over()}"

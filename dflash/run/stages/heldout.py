@@ -173,6 +173,7 @@ class HeldoutDecoder:
                           seconds=time.perf_counter() - t0, skipped=dropped, time=time.time(),
                           max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                           tree_tau=got.tree_tau, tree_budget=e.tree_budget or None,
+                          loop_share=got.loop_share, fresh_tau=got.fresh_tau,
                           dtype=str(self.target.model.dtype).removeprefix("torch."))
 
 

@@ -90,6 +90,7 @@ class MonitorStage(csp.Process[MonitorStageInputs, csp.NoPorts]):
         self.wandb.log_heldout(record)
         sampled = f", sampled {m.sampled_tau:.3f}" if m.sampled_tau is not None else ""
         sampled += f", tree of {m.tree_budget} {m.tree_tau:.3f}" if m.tree_tau is not None else ""
+        sampled += record.loops_text()
         dropped = f"; {m.skipped} snapshot(s) skipped (evaluator busy, or over eval.max_busy)" if m.skipped else ""
         line = (f"held-out tau {m.tau:.3f} tokens/verify step ({record.over()}; accepted {m.accepted:.3f}{sampled}) "
                 f"at step {m.step}: decoded in {m.seconds:.1f} s{dropped}")

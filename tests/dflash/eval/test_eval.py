@@ -450,6 +450,35 @@ def test_a_device_this_machine_lacks_is_a_one_line_error(tmp_path, capsys):
     assert len(err) == 2 and all(line.startswith("dflash.eval: --device ") for line in err)
 
 
+def test_the_in_training_measure_counts_loops_as_dflash_eval_does(models, monkeypatch):
+    """Invariant: ``decode_tau`` (the in-training evaluator's measure) reports the share of its
+    greedy decodes' tokens in repetition loops and the tau outside them by the rule of
+    ``dflash.eval``'s table (a step is in the loop when its anchor is at or past the loop start);
+    the run's log line and summary say them, and say nothing of loops when none was decoded."""
+    from dflash.eval import measure
+    from dflash.eval.measure import decode_tau
+    from dflash.records import HeldoutRecord
+
+    target, head, drafter = models
+    head_tokens = list(range(200, 220))
+    looping = head_tokens + list(range(300, 317)) * 4             # loop start 37 of 88 tokens
+    decodes = {9: (looping, [1, 2, 7, 9], [8, 19, 46, 69]), 4: (head_tokens, [3], [3])}
+
+    def fake(target, proposer, p, max_new_tokens, bs, **kw):
+        answer, acc, visited = decodes[p.shape[0]]
+        return torch.cat([p, torch.tensor(answer)]), acc, visited
+
+    monkeypatch.setattr(measure, "speculative_decode", fake)
+    got = decode_tau(target, drafter, head, [prompt(0, 9), prompt(1, 4)], 88)
+    assert got.steps == 5 and got.tau == pytest.approx(1 + (1 + 2 + 7 + 9 + 3) / 5)
+    assert got.loop_share == pytest.approx((88 - 37) / (88 + 20))
+    assert got.fresh_tau == pytest.approx(1 + (1 + 2 + 3) / 3)   # the steps at anchors 8, 19 and 3
+    text = HeldoutRecord(step=1, loop_share=got.loop_share, fresh_tau=got.fresh_tau).loops_text()
+    assert text == "; 47% of tokens in repetition loops, 3.000 outside them"
+    assert HeldoutRecord(step=1, loop_share=0.0, fresh_tau=2.0).loops_text() == ""
+    assert HeldoutRecord(step=1).loops_text() == ""                  # a record older than the fields
+
+
 def test_verify_steps_inside_repetition_loops_are_counted_apart():
     """Invariant: a step whose anchor lies at or past its answer's loop start counts as in the loop;
     the share of generated tokens in loops and both taus follow from the decodes alone; the table

@@ -138,6 +138,21 @@ def test_a_tree_figure_is_drawn_with_its_budget_and_fits_the_axis():
     assert fig.axes[2].get_ylim()[1] > max(r["tree_tau"] for r in held)
 
 
+def test_the_tau_outside_repetition_loops_is_drawn_only_where_the_decodes_looped():
+    """Invariant: a held-out record whose decodes looped adds the tau outside the loops as its own
+    line, inside the axis; records that did not loop (share 0) or predate the figure add none."""
+    recs = realistic()
+    held = [r for r in recs if r.get("kind") == "heldout"]
+    assert "held-out tau, outside repetition loops" not in _labels(make_figure(recs))
+    for r in held:
+        r.update(loop_share=0.0, fresh_tau=r["tau"])
+    assert "held-out tau, outside repetition loops" not in _labels(make_figure(recs))
+    held[-1].update(loop_share=0.3, fresh_tau=0.9)
+    fig = make_figure(recs)
+    (line,) = [ln for ln in fig.axes[2].get_lines() if ln.get_label() == "held-out tau, outside repetition loops"]
+    assert list(line.get_xdata()) == [held[-1]["step"]] and fig.axes[2].get_ylim()[0] < 0.9
+
+
 def test_skipped_and_cut_short_evaluations_are_marked():
     """Regression: an evaluation the evaluator skipped (busy, or over eval.max_busy) or that a stop
     cut short left no mark, so the held-out curve looked evenly sampled. Invariant: each is a cross

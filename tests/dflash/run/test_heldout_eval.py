@@ -206,6 +206,8 @@ def test_the_run_and_dflash_eval_take_the_same_held_out_measure(tmp_path, cache_
     assert sum(p["new_tokens"] for p in res["per_prompt"]) == last["new_tokens"]
     assert sum(p["steps"] for p in res["per_prompt"]) == last["steps"]
     assert res["tau"] == pytest.approx(last["tau"], abs=1e-12)
+    assert res["loop_share"] == pytest.approx(last["loop_share"], abs=1e-12)  # the loops counted alike
+    assert res["fresh_tau"] == pytest.approx(last["fresh_tau"], abs=1e-12)
     assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--json", "--quiet", "--tree-budget", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["tree_tau"] == pytest.approx(last["tree_tau"], abs=1e-12)
     assert eval_main([str(ckpt), "--data", "sharegpt", "--no-speedup", "--quiet"]) == 0
