@@ -66,6 +66,8 @@ class MeasuredTau(msgspec.Struct, kw_only=True):
             ``data.source``).
         decoder: how they were decoded, in words (greedy draft-and-verify, block size, dtype).
         sampled_tau, temperature: the sampled decode's tau at that temperature (None: greedy only).
+        loop_share, fresh_tau: the greedy decodes' share of tokens in repetition loops and the tau
+            outside them (:class:`dflash.messages.HeldoutTau`; None in records older than them).
     """
 
     tau: float
@@ -78,6 +80,8 @@ class MeasuredTau(msgspec.Struct, kw_only=True):
     decoder: str
     sampled_tau: float | None = None
     temperature: float | None = None
+    loop_share: float | None = None
+    fresh_tau: float | None = None
 
 
 class ExportInfo(msgspec.Struct, kw_only=True):
@@ -146,7 +150,9 @@ def _measured(checkpoint: Path, dc: DrafterConfig) -> MeasuredTau | None:
                        if source else f"the run's first {h.prompts} held-out conversations"),
         decoder=f"greedy draft-and-verify against the target at block size {dc.block_size}{dtype} "
                 "(dflash.evaluator, during training)",
-        sampled_tau=h.sampled_tau if isinstance(h.sampled_tau, (int, float)) else None, temperature=temperature)
+        sampled_tau=h.sampled_tau if isinstance(h.sampled_tau, (int, float)) else None, temperature=temperature,
+        loop_share=h.loop_share if isinstance(h.loop_share, (int, float)) else None,
+        fresh_tau=h.fresh_tau if isinstance(h.fresh_tau, (int, float)) else None)
 
 
 def _data_source(checkpoint: Path) -> str | None:

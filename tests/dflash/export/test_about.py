@@ -53,6 +53,7 @@ def test_config_and_card_name_the_target_and_the_measured_tau(run, tmp_path, cap
         held["tau"], held["accepted"], 8, held["prompts"], 12, held["steps"])
     assert ev["prompt_source"] == f"the run's first {held['prompts']} held-out conversations of sharegpt (never trained on)"
     assert ev["decoder"].startswith("greedy draft-and-verify against the target at block size 8, float32")
+    assert (ev["loop_share"], ev["fresh_tau"]) == (held["loop_share"], held["fresh_tau"])
     assert card.splitlines()[4] == f"# DFlash drafter for `{recorded}`"
     assert f"**Measured tau: {held['tau']:.3f} tokens per verify step**" in card
     assert f"{held['prompts']} prompts x 12 tokens" in card and "with the weights of step 8" in card
