@@ -9,6 +9,7 @@
 # after the conversations already answered, so the data grows from session to session.
 #   REGEN_S=180 bash benchmarks/real_target/data.sh OUT
 #   PASSES="sampled t1" REGEN_S=150 bash benchmarks/real_target/data.sh OUT      # once greedy has answered all
+#   PASSES="sampled deep" REGEN_S=150 bash benchmarks/real_target/data.sh OUT    # new prompts: turns 3 and 4
 #   REGEN_S=180 ENGINE=generate CACHE=static BATCH=512 CHUNK=512 bash benchmarks/real_target/data.sh OUT
 # KEEP=64 ends an answer 64 tokens into a repetition loop (--repetition-keep: the slots engine frees
 # the row there; 39% of SmolLM2's answer tokens so far lay in loops, 54% of the greedy pass's). A
@@ -17,25 +18,30 @@
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
-RG=("${ON_R[@]}" --set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-new-tokens 256 --max-prompt-tokens 768
-    --engine ${ENGINE:-slots} --cache ${CACHE:-dynamic} --batch-size ${BATCH:-512} --chunk ${CHUNK:-4096}
-    ${KEEP:+--repetition-keep $KEEP})
+RG=("${ON_R[@]}" --max-new-tokens 256 --engine ${ENGINE:-slots} --cache ${CACHE:-dynamic}
+    --batch-size ${BATCH:-512} --chunk ${CHUNK:-4096} ${KEEP:+--repetition-keep $KEEP})
+FIRST2=(--set data.source=\"$R/sharegpt-16k.jsonl\" --max-turns 2 --max-prompt-tokens 768)
 T0=$(date +%s)
 # Each pass answers every prompt once into its own file: greedy, sampled (T = 0.8, top-p 0.95) and t1
-# (T = 1, seed 1: more varied answers again, for when the first two have answered every prompt).
+# (T = 1, seed 1: more varied answers again, for when the first two have answered every prompt) over
+# the first two user turns of sharegpt-16k; deep (T = 0.8, top-p 0.95, seed 1) over up to four user
+# turns of every complete conversation the ShareGPT package holds (17,545, .whl/sharegpt-t8.jsonl.gz):
+# the third and fourth turns are 31K human prompts that no two-turn pass reaches.
 PASSES=${PASSES:-greedy sampled}
 for p in $PASSES; do
   case $p in
-    greedy) T=() ;;
-    sampled) T=(--temperature 0.8 --top-p 0.95) ;;
-    t1) T=(--temperature 1.0 --seed 1) ;;
-    *) echo "data: unknown pass $p (greedy, sampled, t1)"; exit 2 ;;
+    greedy) T=("${FIRST2[@]}") ;;
+    sampled) T=("${FIRST2[@]}" --temperature 0.8 --top-p 0.95) ;;
+    t1) T=("${FIRST2[@]}" --temperature 1.0 --seed 1) ;;
+    deep) T=(--set data.source=\"$R/sharegpt-t8.jsonl\" --max-turns 4 --max-prompt-tokens 1536
+             --temperature 0.8 --top-p 0.95 --seed 1) ;;
+    *) echo "data: unknown pass $p (greedy, sampled, t1, deep)"; exit 2 ;;
   esac
   timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-$p.jsonl" "${RG[@]}" "${T[@]}" \
     > "$OUT/regen-$p.log" 2>&1 &
 done
 wait
-FILES=(); for p in greedy sampled t1; do [ -f "$R/regen-$p.jsonl" ] && FILES+=("$R/regen-$p.jsonl"); done
+FILES=(); for p in greedy sampled t1 deep; do [ -f "$R/regen-$p.jsonl" ] && FILES+=("$R/regen-$p.jsonl"); done
 cat "${FILES[@]}" > "$R/regen-all.jsonl"
 echo "data: $(wc -l "${FILES[@]}" | tr '\n' ' ') conversations, in $(( $(date +%s) - T0 )) s"
 for f in "$OUT"/regen-*.log; do tail -n 4 "$f"; done

@@ -7,10 +7,10 @@ export PYTHONUNBUFFERED=1 DFLASH_CACHE=$R/cache
 if [ ! -d "$R/site" ] && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$R/site" .whl/*.whl
 fi
-if [ -f .whl/sharegpt-16k.jsonl.gz ] && [ ! -f "$R/sharegpt-16k.jsonl" ]; then
-  gunzip -c .whl/sharegpt-16k.jsonl.gz > "$R/sharegpt-16k.jsonl"
-fi
-for p in greedy sampled t1; do   # answers of earlier sessions (data.sh's OUT files, carried as .regen/)
+for f in sharegpt-16k sharegpt-t8; do   # the ShareGPT prompts data.sh answers (carry.sh builds them)
+  if [ -f .whl/$f.jsonl.gz ] && [ ! -f "$R/$f.jsonl" ]; then gunzip -c .whl/$f.jsonl.gz > "$R/$f.jsonl"; fi
+done
+for p in greedy sampled t1 deep; do   # answers of earlier sessions (data.sh's OUT files, carried as .regen/)
   if [ -f .regen/regen-$p.jsonl.gz ] && [ ! -f "$R/regen-$p.jsonl" ]; then
     gunzip -c .regen/regen-$p.jsonl.gz > "$R/regen-$p.jsonl"
   fi
