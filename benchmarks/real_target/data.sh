@@ -25,7 +25,7 @@ T0=$(date +%s)
 # Each pass answers every prompt once into its own file: greedy, sampled (T = 0.8, top-p 0.95) and t1
 # (T = 1, seed 1: more varied answers again, for when the first two have answered every prompt) over
 # the first two user turns of sharegpt-16k; deep (T = 0.8, top-p 0.95, seed 1) over up to four user
-# turns of every complete conversation the ShareGPT package holds (17,545, .whl/sharegpt-t8.jsonl.gz):
+# turns of each ShareGPT conversation with three or more (9,917 of them, .sgt/sharegpt-deep.jsonl.gz):
 # the third and fourth turns are 31K human prompts that no two-turn pass reaches.
 PASSES=${PASSES:-greedy sampled}
 for p in $PASSES; do
@@ -33,7 +33,7 @@ for p in $PASSES; do
     greedy) T=("${FIRST2[@]}") ;;
     sampled) T=("${FIRST2[@]}" --temperature 0.8 --top-p 0.95) ;;
     t1) T=("${FIRST2[@]}" --temperature 1.0 --seed 1) ;;
-    deep) T=(--set data.source=\"$R/sharegpt-t8.jsonl\" --max-turns 4 --max-prompt-tokens 1536
+    deep) T=(--set data.source=\"$R/sharegpt-deep.jsonl\" --max-turns 4 --max-prompt-tokens 1536
              --temperature 0.8 --top-p 0.95 --seed 1) ;;
     *) echo "data: unknown pass $p (greedy, sampled, t1, deep)"; exit 2 ;;
   esac

