@@ -26,7 +26,7 @@ T0=$(date +%s)
 # (T = 1, seed 1: more varied answers again, for when the first two have answered every prompt) over
 # the first two user turns of sharegpt-16k; deep (T = 0.8, top-p 0.95, seed 1) over up to four user
 # turns of each ShareGPT conversation with three or more (9,917 of them, .sgt/sharegpt-deep.jsonl.gz):
-# the third and fourth turns are 31K human prompts that no two-turn pass reaches.
+# their third and fourth turns are 17,183 human prompts that no two-turn pass reaches.
 PASSES=${PASSES:-greedy sampled}
 for p in $PASSES; do
   case $p in
