@@ -23,6 +23,10 @@ def test_engines_compare_counts_rates_and_agreement(tmp_path):
 
 
 def test_subset_keeps_user_turns_blanks_answers_and_filters_by_depth(tmp_path, monkeypatch):
+    """Invariant: the subset a device call carries keeps each conversation's user turns within
+    ``--turns`` messages and replaces every answer with ".", passes over the package's torn last
+    record, and with ``--min-user-turns`` keeps only conversations that reach that many user turns
+    within ``--turns`` (the deep pass's prompts), counting ``--num`` among those kept."""
     import contextlib
     import gzip
 
