@@ -41,8 +41,7 @@ for p in $PASSES; do
     > "$OUT/regen-$p.log" 2>&1 &
 done
 wait
-FILES=(); for p in greedy sampled t1 deep; do [ -f "$R/regen-$p.jsonl" ] && FILES+=("$R/regen-$p.jsonl"); done
-cat "${FILES[@]}" > "$R/regen-all.jsonl"
+regen_all
 echo "data: $(wc -l "${FILES[@]}" | tr '\n' ' ') conversations, in $(( $(date +%s) - T0 )) s"
 for f in "$OUT"/regen-*.log; do tail -n 4 "$f"; done
 for f in "${FILES[@]}"; do gzip -c "$f" > "$OUT/$(basename "$f").gz"; done

@@ -15,6 +15,12 @@ for p in greedy sampled t1 deep; do   # answers of earlier sessions (data.sh's O
     gunzip -c .regen/regen-$p.jsonl.gz > "$R/regen-$p.jsonl"
   fi
 done
+# R/regen-all.jsonl: every pass's answers so far, in one file (what train.sh trains on by default).
+regen_all() {
+  local p; FILES=()
+  for p in greedy sampled t1 deep; do [ -f "$R/regen-$p.jsonl" ] && FILES+=("$R/regen-$p.jsonl"); done
+  [ ${#FILES[@]} -gt 0 ] && cat "${FILES[@]}" > "$R/regen-all.jsonl"
+}
 export PYTHONPATH=$R/site:$PWD
 # The graph every step runs: the shipped one, pointed at this recipe's files.
 G=examples/smollm2-h200.toml

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 3: the DFlash2 drafter on the regenerated data -> R/run. SETS adds --set arguments; DATA the
-# conversations (default the regenerated R/regen-all.jsonl; R/sharegpt-16k.jsonl holds user turns
-# only, its answers ".").
+# conversations (default R/regen-all.jsonl, every regenerated pass's answers in R; R/sharegpt-16k.jsonl
+# holds user turns only, its answers ".").
 #
 # In one device call (at most 10 minutes): TRAIN_S seconds of training (run.time_budget_s: the
 # cosine schedule ends on the wall clock, at most STEPS steps; then the final checkpoint and
@@ -16,6 +16,9 @@
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
+# A fresh run trains on every pass's answers present in R, carried ones too (a call may bring a pass's
+# file that data.sh never saw); a resumed run keeps the file its first call trained on.
+[ -z "${DATA:-}" ] && [ "${RESUME:-none}" = none ] && regen_all
 [ -z "${STOP_S:-}" ] && TRAIN_S=${TRAIN_S:-420}   # one call: the budget ends the schedule
 BUDGET=(); [ -n "${TRAIN_S:-}" ] && BUDGET=(--set run.time_budget_s=$TRAIN_S)
 CAP=${STOP_S:-$(( ${TRAIN_S:-420} + 150 ))}

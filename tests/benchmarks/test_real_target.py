@@ -59,3 +59,48 @@ def test_subset_keeps_user_turns_blanks_answers_and_filters_by_depth(tmp_path, m
     assert [m["value"] for m in deep[1]["conversations"] if m["from"] == "human"] == ["q2.0", "q2.1", "q2.2", "q2.3"]
     assert [r["id"] for r in run("--turns", "4", "--min-user-turns", "3")] == []   # turns past --turns do not count
     assert [r["id"] for r in run("--turns", "8", "--num", "1", "--min-user-turns", "3")] == ["1"]
+
+
+def test_train_sh_trains_a_fresh_run_on_every_pass_present_and_a_resumed_one_on_its_file(tmp_path):
+    """Invariant: a fresh ``train.sh`` run rebuilds ``R/regen-all.jsonl`` from every pass's answers
+    in R, a pass file carried into the call included, so no stale concatenation is trained on; a
+    resumed run (``RESUME=auto``) or one given ``DATA`` leaves the file as it is, so a resumed
+    schedule sees the data it started with. ``python3`` is a stub that records its arguments."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    work = tmp_path / "repo"   # the scripts alone, so no carried folder of this checkout is unpacked
+    (work / "benchmarks" / "real_target").mkdir(parents=True)
+    for name in ("env.sh", "train.sh"):
+        shutil.copy(root / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$R/args"\nmkdir -p "$R/run" && : > "$R/run/metrics.jsonl"\n')
+    (stub / "python3").chmod(0o755)
+    r = tmp_path / "rt"
+    r.mkdir()
+    (r / "regen-greedy.jsonl").write_text('{"g": 1}\n{"g": 2}\n')
+    (r / "regen-deep.jsonl").write_text('{"d": 1}\n')
+    (r / "regen-all.jsonl").write_text('{"stale": 1}\n')
+
+    def train(**env):
+        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), **env}
+        proc = subprocess.run(["bash", "benchmarks/real_target/train.sh", str(tmp_path / "out")], cwd=work,
+                              env=full, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return (r / "args").read_text().splitlines()
+
+    args = train(STEPS="10", TRAIN_S="5")
+    assert (r / "regen-all.jsonl").read_text() == '{"g": 1}\n{"g": 2}\n{"d": 1}\n'
+    assert f'data.source="{r}/regen-all.jsonl"' in args and "run.time_budget_s=5" in args
+    (r / "regen-sampled.jsonl").write_text('{"s": 1}\n')   # a pass that arrives after the first call
+    args = train(STEPS="10", TRAIN_S="5", RESUME="auto")
+    assert (r / "regen-all.jsonl").read_text() == '{"g": 1}\n{"g": 2}\n{"d": 1}\n' and 'run.resume="auto"' in args
+    args = train(STEPS="10", TRAIN_S="5", DATA=str(r / "regen-deep.jsonl"))
+    assert (r / "regen-all.jsonl").read_text() == '{"g": 1}\n{"g": 2}\n{"d": 1}\n'
+    assert f'data.source="{r}/regen-deep.jsonl"' in args
+    train(STEPS="10", TRAIN_S="5")
+    assert (r / "regen-all.jsonl").read_text() == '{"g": 1}\n{"g": 2}\n{"s": 1}\n{"d": 1}\n'
