@@ -18,7 +18,8 @@ The rooms, from the bottom floor up; a module imports its own room and lower flo
 1. :mod:`dflash.data` (conversations to packed token batches) and :mod:`dflash.model` (the target,
    the drafter, their shared head and features);
 2. :mod:`dflash.checkpoint` (everything a run keeps on disk, written and read) and
-   :mod:`dflash.regenerate_files` (the files regeneration writes and resumes from);
+   :mod:`dflash.regenerate_files` (the files regeneration writes and resumes from),
+   :mod:`dflash.regenerate_plan` (its engine, rows and chunk sizes, a deadline's among them);
 3. :mod:`dflash.train` (the objective, the losses, one step) and :mod:`dflash.observe` (what an
    operator reads: display, run log, metrics, logs, plot, summary);
 4. :mod:`dflash.eval` (decoding a drafter against its target, the evaluation sets);

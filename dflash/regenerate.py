@@ -24,9 +24,12 @@ cut in a loop.
 
 Resumable: lines are appended and flushed one finished conversation at a time; a second run with
 the same ``-o`` skips the ``source_index`` values already written (a torn last line from a kill is
-cut off first), so an interrupted run loses at most the chunk in flight. The generation settings
-are kept in ``OUT.meta.json`` (rewritten at every start, atomically: a temporary file renamed over
-it); resuming with different settings is refused, and an unreadable one is an error naming it.
+cut off first), so an interrupted run loses at most the chunk in flight. ``--time-budget-s`` plans
+to lose none: the run starts no chunk that the last one's rate says would end after the budget,
+sizes the last ones to the time left, and stops by itself (:class:`dflash.regenerate_plan.ChunkPlanner`);
+give an outer limit (``timeout``) some seconds more. The generation settings are kept in
+``OUT.meta.json`` (rewritten at every start, atomically: a temporary file renamed over it);
+resuming with different settings is refused, and an unreadable one is an error naming it.
 
 Counted, never silently dropped: the source's own skip reasons (``malformed_json``...),
 ``leading_assistant_turns_dropped`` (assistant turns before the first user turn are dropped, the
@@ -37,7 +40,8 @@ target answered with nothing; that conversation is dropped, an empty turn cannot
 ``excluded`` (its ``source_index`` is listed in ``--exclude``: e.g. the eval prompts, so a
 drafter trained on the output never sees them).
 
-Exit codes: 0 done, 2 bad arguments, config or data, 130 interrupted (what was written is kept).
+Exit codes: 0 done (or stopped at ``--time-budget-s``, everything answered written), 2 bad arguments,
+config or data, 130 interrupted (what was written is kept).
 """
 
 from __future__ import annotations
@@ -58,14 +62,21 @@ from dflash.regenerate_files import (  # stdlib only: --help stays quick
     read_meta_settings,
     write_meta,
 )
+from dflash.regenerate_plan import (  # stdlib only at import, as the above
+    ChunkPlanner,
+    choose_engine,
+)
 
 __all__ = ["choose_engine", "done_indices", "excluded_indices", "generation_settings", "main",
            "read_meta_settings", "regenerate", "write_meta"]
 
 
 def regenerate(conversations: list, source_index: list[int], model, tok, args, out_path: Path,
-               skipped: Counter, device, progress: bool = True) -> int:
+               skipped: Counter, device, progress: bool = True, planner: ChunkPlanner | None = None) -> int:
     """Regenerate ``conversations`` (module docstring); append finished ones to ``out_path``.
+
+    ``planner`` sizes the chunks (default: ``--chunk`` conversations each, no deadline); one with a
+    deadline may stop before the end (its ``stopped`` then says so).
 
     Returns the number of conversations written by this call.
     """
@@ -84,12 +95,15 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
            if isinstance(t, int) and t >= 0 and t != tok.unk_token_id]
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     written = 0
+    planner = planner or ChunkPlanner(args.chunk, args.batch_size or 1)
     columns = (TextColumn("regenerating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with open(out_path, "a", encoding="utf-8") as f, \
             Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
         task = bar.add_task("", total=len(conversations))
-        for start in range(0, len(conversations), args.chunk):
-            chunk = conversations[start: start + args.chunk]
+        start = 0
+        while size := planner.next_size(len(conversations) - start):
+            t_chunk = planner.clock()
+            chunk = conversations[start: start + size]
             state, turn = [], 0
             for c in chunk:
                 first_user = next((j for j, m in enumerate(c) if m["role"] == "user"), len(c))
@@ -138,7 +152,7 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                     s["messages"].append({"role": "assistant", "content": text})
                     s["finished"] &= fin
                     s["answered"] += 1
-            for s, i in zip(state, source_index[start: start + args.chunk]):
+            for s, i in zip(state, source_index[start: start + size]):
                 if s["answered"] == 0:
                     skipped["no_user_turn"] += 1
                 if s["answered"] > 0:
@@ -148,7 +162,9 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                     written += 1
             f.flush()
             os.fsync(f.fileno())
-            bar.advance(task, len(chunk))
+            planner.finished(size, planner.clock() - t_chunk)
+            bar.advance(task, size)
+            start += size
     return written
 
 
@@ -177,7 +193,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         details="Each assistant turn is replaced by the target's answer to the conversation so far "
                 "(greedy unless --temperature > 0).\nResumable: run the same command again after an "
                 "interruption; finished conversations are never redone.",
-        exit_codes={0: "done", 2: "bad arguments, config or data (nothing generated)",
+        exit_codes={0: "done, or stopped at --time-budget-s (run it again to continue)", 2: "bad arguments, config or data (nothing generated)",
                     130: "interrupted (everything finished so far is kept)"},
         examples=["python -m dflash.regenerate examples/dflash-tiny.toml -o runs/regenerated.jsonl",
                   "python -m dflash.regenerate G.toml -o out.jsonl --temperature 0.7 --max-turns 2"])
@@ -218,6 +234,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "earlier one of the same answer) N tokens after the loop's start, unfinished; the "
                         "slots engine stops decoding it there. Default: answers run to their end token or "
                         "--max-new-tokens (small targets' greedy answers often loop until the limit)")
+    p.add_argument("--time-budget-s", type=float, default=None, metavar="SECONDS",
+                   help="end within SECONDS of the start (the model's loading included): start no chunk "
+                        "that the rate of the last one says would not finish, size the last ones to the time "
+                        "left, and stop with everything answered written (exit 0; run the same command "
+                        "again to continue). The first chunk is one --batch-size of conversations, to "
+                        "measure the rate. Default: no budget (a kill loses the chunk in flight)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
@@ -225,55 +247,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             or (args.num_conversations is not None and args.num_conversations < 1):
         p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size, --chunk and "
                 "--num-conversations must be >= 1")
+    if args.time_budget_s is not None and not 0 < args.time_budget_s < float("inf"):
+        p.error("--time-budget-s must be a finite number of seconds > 0")
     if args.repetition_keep is not None and args.repetition_keep < 0:
         p.error("--repetition-keep must be >= 0 (tokens kept from a loop's start)")
     if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1:  # nan fails both comparisons
         p.error("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     return args
-
-
-def choose_engine(args: argparse.Namespace, model, device) -> str:
-    """Make ``--engine auto`` and an unset ``--batch-size`` / ``--chunk`` concrete for this device
-    and target (``args`` is updated in place); returns what was chosen, in words, for the start line.
-
-    auto is the slots engine (:mod:`dflash.model.slots`: 4.3x ``generate`` on an H100 with
-    SmolLM2-135M-Instruct) on a GPU for a target it runs, else ``generate`` (a CPU, or a family or
-    attention the slots engine does not reproduce: the reason is said). The slots engine's rows on a
-    GPU fill half its free memory with KV cache for the longest context and answer
-    (:func:`dflash.model.slots.rows_that_fit`, at most 512); its chunk is 8 rows' worth of
-    conversations, so that refilled rows stay busy to the chunk's end.
-
-    Raises:
-        ValueError: ``--engine slots`` for a target it does not run (one line, what to use instead).
-    """
-    import torch
-
-    from dflash.model.slots import USE_GENERATE, check_model, positions_for, rows_that_fit
-
-    gpu = str(device).startswith("cuda")
-    why = ""
-    if args.engine == "auto":
-        args.engine, why = "generate", " (auto: a CPU)"
-        if gpu:
-            try:
-                check_model(model)
-                args.engine, why = "slots", " (auto: a GPU)"
-            except ValueError as e:
-                why = f" (auto: {str(e).removesuffix(USE_GENERATE)})"
-    elif args.engine == "slots":
-        check_model(model)
-    sized = ""
-    if args.batch_size is None:
-        args.batch_size = 32
-        if args.engine == "slots" and gpu:
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(torch.device(device))
-            args.batch_size = rows_that_fit(model, positions_for(args.max_prompt_tokens, args.max_new_tokens), free)
-            sized = f", sized to half of the GPU's free {free / 2**30:.1f} GiB"
-    if args.chunk is None:
-        args.chunk = 8 * args.batch_size if args.engine == "slots" else 64
-    return (f"engine {args.engine}{why}, at most {args.batch_size} rows at once{sized}, chunks of {args.chunk} "
-            "conversations")
 
 
 def out_of_memory_line(args: argparse.Namespace, out: Path, device) -> str:
@@ -296,7 +276,9 @@ def out_of_memory_line(args: argparse.Namespace, out: Path, device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()   # --time-budget-s counts from here, as a timeout around the command does
     args = _parse(argv)
+    args.deadline = None if args.time_budget_s is None else started + args.time_budget_s
     locks: list = []
     try:
         return _main(args, locks)
@@ -373,9 +355,10 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     if n_excluded := sum(i in excluded for i in records.source_index):
         skipped["excluded"] = n_excluded
     t0 = time.perf_counter()
+    planner = ChunkPlanner(args.chunk, args.batch_size, deadline=args.deadline)
     try:
         written = regenerate([c for c, _ in todo], [i for _, i in todo], model, tok, args, out,
-                             skipped, device, progress=sys.stderr.isatty())
+                             skipped, device, progress=sys.stderr.isatty(), planner=planner)
     except KeyboardInterrupt:
         kept = len(done_indices(out))
         print(f"dflash.regenerate: interrupted; {out} holds {kept} finished conversations (the chunk "
@@ -386,6 +369,11 @@ def _main(args: argparse.Namespace, locks: list) -> int:
         print(f"dflash.regenerate: {out_of_memory_line(args, out, device)}", file=sys.stderr)
         return 1
     counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
+    if planner.stopped:
+        left = len(todo) - planner.conversations_done
+        print(f"dflash.regenerate: stopped at --time-budget-s {args.time_budget_s:g}: the next chunk would not "
+              f"have finished in time ({left} conversations left); run the same command again to continue",
+              file=sys.stderr)
     print(f"dflash.regenerate: wrote {written} conversations to {out} in {time.perf_counter() - t0:.0f}s "
           f"({len(done) + written} in total); skipped: {counts}", file=sys.stderr)
     return 0

@@ -27,7 +27,8 @@ floor  rooms
        ``dflash.gguf_tokenizer`` (a tool's part that imports no dflash module), ``dflash.repetition``
        (the repetition-loop rule the data, the regeneration engines and the evaluation share)
 1      ``dflash.data``, ``dflash.model``
-2      ``dflash.checkpoint``, ``dflash.regenerate_files`` (regeneration's files; raises dflash.data's errors)
+2      ``dflash.checkpoint``, ``dflash.regenerate_files`` (regeneration's files; raises dflash.data's errors),
+       ``dflash.regenerate_plan`` (regeneration's engine, rows and chunk sizes; reads dflash.model's engines)
 3      ``dflash.train``, ``dflash.observe``
 4      ``dflash.eval`` (decoding a drafter against its target, the evaluation sets)
 5      ``dflash.run`` (the graph's stages, the in-training evaluator among them)
@@ -63,7 +64,7 @@ FLOORS = {
     "dflash": 0, "dflash.errors": 0, "dflash.messages": 0, "dflash.records": 0, "dflash.seeding": 0,
     "dflash.import_noise": 0, "dflash.tables": 0, "dflash.gguf_tokenizer": 0, "dflash.repetition": 0,
     "dflash.data": 1, "dflash.model": 1,
-    "dflash.checkpoint": 2, "dflash.regenerate_files": 2,
+    "dflash.checkpoint": 2, "dflash.regenerate_files": 2, "dflash.regenerate_plan": 2,
     "dflash.train": 3, "dflash.observe": 3,
     "dflash.eval": 4, "dflash.run": 5,
     "dflash.export": 6, "dflash.regenerate": 6, "dflash.pretrain": 6, "dflash.import_gguf": 6, "dflash.logs": 6, "dflash.plot": 6,

@@ -334,3 +334,63 @@ def test_the_start_line_says_which_engine_auto_chose(tmp_path, capsys):
     src, out = _source(tmp_path), tmp_path / "out.jsonl"
     assert regen.main(_args(src, out)) == 0
     assert "engine generate (auto: a CPU), at most 2 rows at once, chunks of 2 conversations" in capsys.readouterr().err
+
+
+def test_the_chunk_planner_fits_chunks_to_the_time_left_and_stops_before_a_late_one():
+    """Invariant (a deadline loses no work): under a deadline the first chunk is one batch of rows,
+    each later one fills at most ``margin`` of the time left at the last chunk's rate, and the run
+    stops, ``stopped`` set, when not even one batch of rows fits; without a deadline every chunk is
+    ``--chunk`` conversations (the last one the rest)."""
+    from dflash.regenerate_plan import ChunkPlanner
+
+    now = [0.0]
+    p = ChunkPlanner(chunk=1000, batch_size=100, deadline=100.0, margin=0.8, clock=lambda: now[0])
+    assert p.next_size(5000) == 100                  # the first chunk measures the rate
+    now[0] = 10.0
+    p.finished(100, 10.0)                            # 0.1 s a conversation, 90 s left
+    assert p.next_size(4900) == 720                  # 0.8 x 90 / 0.1
+    now[0] = 46.0
+    p.finished(720, 36.0)                            # 0.05 s a conversation, 54 s left
+    assert p.next_size(4180) == 864 and not p.stopped
+    assert p.next_size(300) == 300                   # the rest fits
+    now[0] = 96.0
+    p.finished(864, 43.2)                            # 4 s left: 64 conversations, less than a batch
+    assert p.next_size(3316) == 0 and p.stopped and p.conversations_done == 1684
+    assert p.next_size(40) == 40                     # fewer left than a batch: the rest, if it fits
+    now[0] = 101.0
+    assert p.next_size(40) == 0 and p.stopped        # past the deadline
+    plain = ChunkPlanner(chunk=64, batch_size=32)
+    assert [plain.next_size(n) for n in (200, 64, 10, 0)] == [64, 64, 10, 0] and not plain.stopped
+    with pytest.raises(ValueError):
+        ChunkPlanner(chunk=0, batch_size=1)
+
+
+def test_a_time_budget_stops_between_chunks_and_the_next_run_goes_on(tmp_path, monkeypatch, capsys):
+    """Invariant: with --time-budget-s, a run whose next chunk would end after the budget stops
+    before starting it (exit 0, every chunk it began written whole, how many are left said), and the
+    same command again answers the rest: each conversation written exactly once."""
+    import dflash.regenerate_plan as plan
+
+    src, out = _source(tmp_path), tmp_path / "out.jsonl"
+    clock = [0.0]
+    monkeypatch.setattr(plan.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(regen.time, "monotonic", lambda: clock[0])
+    from dflash.model import answers
+
+    real = answers.answer
+
+    def slow(*a, **kw):                 # each round of answers takes 30 "seconds"
+        clock[0] += 30.0
+        return real(*a, **kw)
+
+    monkeypatch.setattr(answers, "answer", slow)
+    # the first chunk (2 conversations, 2 rounds) ends at 60 s: 0.8 x 40 s left holds no chunk of 2
+    assert regen.main(_args(src, out, "--time-budget-s", "100")) == 0
+    err = capsys.readouterr().err
+    assert sorted(r["source_index"] for r in _lines(out)) == [0, 1]
+    assert "stopped at --time-budget-s 100" in err and "(5 conversations left)" in err, err
+    clock[0] = 0.0
+    assert regen.main(_args(src, out)) == 0          # no budget: the rest
+    idx = [r["source_index"] for r in _lines(out)]
+    assert sorted(idx) == [0, 1, 2, 4, 5, 6] and len(idx) == len(set(idx))
+    assert "stopped at" not in capsys.readouterr().err
