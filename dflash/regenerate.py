@@ -24,7 +24,7 @@ cut in a loop.
 
 Resumable: lines are appended and flushed one finished conversation at a time; a second run with
 the same ``-o`` skips the ``source_index`` values already written (a torn last line from a kill is
-cut off first), so an interrupted run loses at most the chunk in flight. ``--time-budget-s`` plans
+cut off first), so an interrupted run loses at most the chunk in flight. ``--time-limit`` plans
 to lose none: the run starts no chunk that the last one's rate says would end after the budget,
 sizes the last ones to the time left, and stops by itself (:class:`dflash.regenerate_plan.ChunkPlanner`);
 give an outer limit (``timeout``) some seconds more. The generation settings are kept in
@@ -40,7 +40,7 @@ target answered with nothing; that conversation is dropped, an empty turn cannot
 ``excluded`` (its ``source_index`` is listed in ``--exclude``: e.g. the eval prompts, so a
 drafter trained on the output never sees them).
 
-Exit codes: 0 done (or stopped at ``--time-budget-s``, everything answered written), 2 bad arguments,
+Exit codes: 0 done (or stopped at ``--time-limit``, everything answered written), 2 bad arguments,
 config or data, 130 interrupted (what was written is kept).
 """
 
@@ -193,7 +193,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         details="Each assistant turn is replaced by the target's answer to the conversation so far "
                 "(greedy unless --temperature > 0).\nResumable: run the same command again after an "
                 "interruption; finished conversations are never redone.",
-        exit_codes={0: "done, or stopped at --time-budget-s (run it again to continue)", 2: "bad arguments, config or data (nothing generated)",
+        exit_codes={0: "done, or stopped at --time-limit (run it again to continue)",
+                    2: "bad arguments, config or data (nothing generated)",
                     130: "interrupted (everything finished so far is kept)"},
         examples=["python -m dflash.regenerate examples/dflash-tiny.toml -o runs/regenerated.jsonl",
                   "python -m dflash.regenerate G.toml -o out.jsonl --temperature 0.7 --max-turns 2"])
@@ -234,12 +235,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "earlier one of the same answer) N tokens after the loop's start, unfinished; the "
                         "slots engine stops decoding it there. Default: answers run to their end token or "
                         "--max-new-tokens (small targets' greedy answers often loop until the limit)")
-    p.add_argument("--time-budget-s", type=float, default=None, metavar="SECONDS",
-                   help="end within SECONDS of the start (the model's loading included): start no chunk "
-                        "that the rate of the last one says would not finish, size the last ones to the time "
-                        "left, and stop with everything answered written (exit 0; run the same command "
-                        "again to continue). The first chunk is one --batch-size of conversations, to "
-                        "measure the rate. Default: no budget (a kill loses the chunk in flight)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="end within about S seconds of the command's start (loading included): start no "
+                        "chunk that the rate of the last one says would not finish, size the last ones to "
+                        "the time left, and stop with everything answered written (exit 0; run the same "
+                        "command again to continue). The first chunk is one --batch-size of conversations, "
+                        "to measure the rate. Default: none (a kill loses the chunk in flight)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="where the target runs (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
@@ -247,8 +248,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             or (args.num_conversations is not None and args.num_conversations < 1):
         p.error("--max-new-tokens, --max-prompt-tokens, --max-turns, --batch-size, --chunk and "
                 "--num-conversations must be >= 1")
-    if args.time_budget_s is not None and not 0 < args.time_budget_s < float("inf"):
-        p.error("--time-budget-s must be a finite number of seconds > 0")
+    if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+        p.error("--time-limit must be a finite number of seconds > 0")
     if args.repetition_keep is not None and args.repetition_keep < 0:
         p.error("--repetition-keep must be >= 0 (tokens kept from a loop's start)")
     if not 0 <= args.temperature < float("inf") or not 0 < args.top_p <= 1:  # nan fails both comparisons
@@ -276,9 +277,9 @@ def out_of_memory_line(args: argparse.Namespace, out: Path, device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = time.monotonic()   # --time-budget-s counts from here, as a timeout around the command does
+    started = time.monotonic()   # --time-limit counts from here, as a timeout around the command does
     args = _parse(argv)
-    args.deadline = None if args.time_budget_s is None else started + args.time_budget_s
+    args.deadline = None if args.time_limit is None else started + args.time_limit
     locks: list = []
     try:
         return _main(args, locks)
@@ -371,7 +372,7 @@ def _main(args: argparse.Namespace, locks: list) -> int:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())) or "none"
     if planner.stopped:
         left = len(todo) - planner.conversations_done
-        print(f"dflash.regenerate: stopped at --time-budget-s {args.time_budget_s:g}: the next chunk would not "
+        print(f"dflash.regenerate: stopped at --time-limit {args.time_limit:g}: the next chunk would not "
               f"have finished in time ({left} conversations left); run the same command again to continue",
               file=sys.stderr)
     print(f"dflash.regenerate: wrote {written} conversations to {out} in {time.perf_counter() - t0:.0f}s "

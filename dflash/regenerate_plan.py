@@ -1,6 +1,6 @@
 """How ``dflash.regenerate`` sizes its work: the engine, rows and chunk for the device and target
 (:func:`choose_engine`), and chunk sizes that end by a deadline (:class:`ChunkPlanner`,
-``--time-budget-s``).
+``--time-limit``).
 
 A chunk of conversations is the unit that ``dflash.regenerate`` writes together: a chunk cut off by
 a kill is redone in full on resume, so a run stopped from outside (``timeout``, a device call's

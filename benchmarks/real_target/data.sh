@@ -2,7 +2,7 @@
 # Step 2: the target's own answers to ShareGPT prompts (its first 16,000 conversations' user turns,
 # carried as .whl/sharegpt-16k.jsonl.gz), two passes side by side for REGEN_S seconds: greedy, and
 # sampled (T = 0.8, top-p 0.95) for more varied contexts; labels stay the target's argmax in training.
-# Each pass stops itself between chunks 10 s before the cap (--time-budget-s: a chunk that would
+# Each pass stops itself between chunks 10 s before the cap (--time-limit: a chunk that would
 # not finish is not begun, so no answered turn is lost); SIGINT at the cap is the backstop. ENGINE and CACHE: dflash.regenerate's --engine and
 # --cache (engines.sh and regen_probe.py measure them); the default, the slots engine with 512 rows
 # over chunks of 4,096 contexts, measured 4.3x transformers' generate on an H100. -> R/regen-all.jsonl, and each pass gzip'd
@@ -40,7 +40,7 @@ for p in $PASSES; do
   esac
   # the budget ends each pass between chunks (nothing answered is lost); timeout is the backstop
   timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-$p.jsonl" "${RG[@]}" "${T[@]}" \
-    --time-budget-s $(( ${REGEN_S:-180} - 10 )) \
+    --time-limit $(( ${REGEN_S:-180} - 10 )) \
     > "$OUT/regen-$p.log" 2>&1 &
 done
 wait

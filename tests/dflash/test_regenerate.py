@@ -366,7 +366,7 @@ def test_the_chunk_planner_fits_chunks_to_the_time_left_and_stops_before_a_late_
 
 
 def test_a_time_budget_stops_between_chunks_and_the_next_run_goes_on(tmp_path, monkeypatch, capsys):
-    """Invariant: with --time-budget-s, a run whose next chunk would end after the budget stops
+    """Invariant: with --time-limit, a run whose next chunk would end after the budget stops
     before starting it (exit 0, every chunk it began written whole, how many are left said), and the
     same command again answers the rest: each conversation written exactly once."""
     import dflash.regenerate_plan as plan
@@ -385,10 +385,10 @@ def test_a_time_budget_stops_between_chunks_and_the_next_run_goes_on(tmp_path, m
 
     monkeypatch.setattr(answers, "answer", slow)
     # the first chunk (2 conversations, 2 rounds) ends at 60 s: 0.8 x 40 s left holds no chunk of 2
-    assert regen.main(_args(src, out, "--time-budget-s", "100")) == 0
+    assert regen.main(_args(src, out, "--time-limit", "100")) == 0
     err = capsys.readouterr().err
     assert sorted(r["source_index"] for r in _lines(out)) == [0, 1]
-    assert "stopped at --time-budget-s 100" in err and "(5 conversations left)" in err, err
+    assert "stopped at --time-limit 100" in err and "(5 conversations left)" in err, err
     clock[0] = 0.0
     assert regen.main(_args(src, out)) == 0          # no budget: the rest
     idx = [r["source_index"] for r in _lines(out)]
