@@ -25,7 +25,7 @@ cut in a loop.
 Resumable: lines are appended and flushed one finished conversation at a time; a second run with
 the same ``-o`` skips the ``source_index`` values already written (a torn last line from a kill is
 cut off first), so an interrupted run loses at most the chunk in flight. ``--time-limit`` plans
-to lose none: the run starts no chunk that the last one's rate says would end after the budget,
+to lose none: the run starts no chunk that the last one's rate says would end after the limit,
 sizes the last ones to the time left, and stops by itself (:class:`dflash.regenerate_plan.ChunkPlanner`);
 give an outer limit (``timeout``) some seconds more. The generation settings are kept in
 ``OUT.meta.json`` (rewritten at every start, atomically: a temporary file renamed over it);

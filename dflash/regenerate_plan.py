@@ -9,7 +9,7 @@ a chunk. With a deadline the run instead starts no chunk it does not expect to f
 chunk is one batch of rows (a measurement), each later one is sized from the seconds per
 conversation of the chunk before it to fit the time left (with a margin), and the run stops, with
 everything it answered written, when not even one batch of rows fits. The time after that stop is
-what the budget leaves unused: less than one batch's worth.
+what the limit leaves unused: less than one batch's worth.
 
 Stdlib only at import (``dflash.regenerate``'s ``--help`` stays quick); torch is imported where used.
 """
