@@ -23,8 +23,9 @@ as ``dflash.run`` leaves them out. One target pass writes every format asked for
 * ``DIR/draft_config.json``: the graph's drafter shape as a public-layout DFlash ``config.json``
   (its layers, block size, target layers, mask token), which SpecForge builds its drafter from;
 * ``DIR/cache.json``: conversations, tokens, layer ids, the target (an absolute path), the drafter's
-  shape and the batch the peers are to be given, and the seconds the cache took (reported apart
-  from the training budget: the peers' cache build is not charged to them).
+  shape, its mask token (``[drafter].mask_token_id``, else the tokenizer's: what ``dflash.run``
+  trains with) and the batch the peers are to be given, and the seconds the cache took (reported
+  apart from the training budget: the peers' cache build is not charged to them).
 
     python -m benchmarks.peers.cache GRAPH.toml -o DIR [--peer speculators] [--peer specforge]
         [--set k=v ...] [--device cuda] [--max-conversations N]
@@ -125,6 +126,7 @@ def write_cache(graph: str, out: Path, overrides: list[str], device: str,
             "tokens_per_batch": cfg.data.tokens_per_batch, "conversations": n,
             "heldout_left_out": len(heldout), "tokens": tokens,
             "target_layer_ids": list(drafter_ids), "captured_layer_ids": ids, "peers": list(peers),
+            "mask_token_id": drafter_cfg.mask_token_id, "num_target_layers": hf.num_hidden_layers,
             "max_length": cfg.data.max_length,
             "hidden_size": hf.hidden_size, "device": device,
             "seconds_target": time.perf_counter() - t_forward, "seconds_total": time.perf_counter() - t0}

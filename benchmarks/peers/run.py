@@ -181,19 +181,29 @@ class Peers:
         except Exception:
             return None
 
-    def spec_run(self, kind: str, seconds: float, max_steps: int, save: Path) -> int:
-        """speculators' trainer for ``seconds`` (SIGINT: it saves a checkpoint)."""
+    def spec_argv(self, kind: str, max_steps: int, save: Path) -> list:
+        """speculators' trainer command: the cache's shape, batch and mask token, then --spec-args.
+
+        The mask token is passed because speculators resolves an unset one from the tokenizer
+        alone: a target whose tokenizer has no mask token and no spare embedding row (SmolLM2,
+        whose graph sets ``drafter.mask_token_id``) would get its pad token, ``<|im_end|>``, a token
+        chat text holds, where ours and SpecForge's (``draft_config.json``) use the graph's."""
         layers = self.field("drafter_layers")
-        shutil.rmtree(save, ignore_errors=True)
-        argv = [self.a.spec_python, "-m", "speculators.train", "--speculator-type", kind,
+        mask = json.loads((self.data / "cache.json").read_text()).get("mask_token_id")
+        return [self.a.spec_python, "-m", "speculators.train", "--speculator-type", kind,
                 "--verifier-name-or-path", self.field("target"), "--data-path", self.data / "speculators",
                 "--num-layers", layers, "--target-layer-ids", *self.field("target_layer_ids"),
                 "--block-size", self.field("block_size"), "--full-attention-indices", *range(layers),
+                *(["--mask-token-id", mask] if mask is not None else []),
                 "--total-seq-len", self.tokens_per_step(), "--max-steps", max_steps, "--epochs", 1000,
                 "--train-data-ratio", 0.99, "--seed", 0, "--save-path", save, "--log-dir", f"{save}-logs",
                 "--logger", "", *self.a.spec_args.split()]
-        return run(argv, Path(f"{save}.log"), cap_s=seconds, stop=signal.SIGINT, grace_s=180,
-                   env=self.env(self.a.spec_pythonpath))
+
+    def spec_run(self, kind: str, seconds: float, max_steps: int, save: Path) -> int:
+        """speculators' trainer for ``seconds`` (SIGINT: it saves a checkpoint)."""
+        shutil.rmtree(save, ignore_errors=True)
+        return run(self.spec_argv(kind, max_steps, save), Path(f"{save}.log"), cap_s=seconds, stop=signal.SIGINT,
+                   grace_s=180, env=self.env(self.a.spec_pythonpath))
 
     @staticmethod
     def spec_global_step(save: Path) -> int | None:
