@@ -21,7 +21,8 @@ every drafter is then decoded by the same decoders on the same held-out prompts.
          a drafter directory of this project (convert.py) -> OUT/train-NAME.{log,json} (rc: 124
          when stopped at the budget; seconds, the stop's drain and last save included; steps done;
          tok/s: steps x tokens per step over the whole process's seconds, startup included)
-  eval   each SCRATCH/conv-NAME (and --checkpoint): dflash.eval on the held-out prompts, greedy and
+  eval   each SCRATCH/conv-NAME (and --checkpoint): dflash.eval on the held-out prompts (--prompts;
+         by default the quality runs' ShareGPT prompts, held out for the shipped 7M target only), greedy and
          at T = 1 -> OUT/eval-NAME-tT.json; for DFlash and DFlash2 also z-lab's dflash_generate
          through benchmarks.decode.speed (ZLAB_DFLASH_PATH) -> OUT/speed-NAME.json
   all    cache, train and eval
@@ -48,6 +49,7 @@ from benchmarks.recipe import carry, cli, metrics, report
 from benchmarks.recipe.step import python, run, tail
 
 PROG = "python -m benchmarks.peers.run"
+SHIPPED_TARGET = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "target-sharegpt-7m"
 OURS_SETS = ['drafter.variant="dflash2"', "drafter.compile=true"]
 
 
@@ -267,10 +269,37 @@ class Peers:
             print(tail(log, 3))
 
     # --- eval -------------------------------------------------------------------------------------
+    def eval_prompts(self) -> str | None:
+        """--prompts, else the quality runs' ShareGPT prompts (SCRATCH/prompts.jsonl) where the graph's
+        target is the shipped 7M one: those are held out of its pretraining (its ``heldout.json``) and
+        past the records its drafter recipes train on. Any other target's data may hold them (SmolLM2's
+        regenerated answers cover the first 16,000 ShareGPT prompts), so there None, said in one line."""
+        if self.a.prompts:
+            return self.a.prompts
+        import msgspec
+
+        from dflash.errors import DFlashError
+        from dflash.run.config import load_config
+
+        try:
+            path = load_config(self.a.graph, list(self.a.sets)).target.path
+        except (OSError, ValueError, DFlashError, msgspec.ValidationError) as e:  # the line says why
+            path, why = None, f"{self.a.graph} does not load ({type(e).__name__}: {e})"
+        else:
+            why = f"the graph's target ({path}) is not the shipped {SHIPPED_TARGET}"
+        if path is not None and Path(path).resolve() == SHIPPED_TARGET.resolve():
+            prompts = self.r / "prompts.jsonl"
+            carry.held_out_prompts(prompts, self.a.num_prompts)
+            return str(prompts)
+        print(f"peers eval: {why}, whose training data the quality prompts may be in: give --prompts "
+              "(mtbench, humaneval or a JSONL file of prompts held out of the graph's data)", file=sys.stderr)
+        return None
+
     def evaluate(self) -> int:
         """dflash.eval (greedy, T = 1) and z-lab's dflash_generate on every drafter."""
-        prompts = self.r / "prompts.jsonl"
-        carry.held_out_prompts(prompts, self.a.num_prompts)
+        prompts = self.eval_prompts()
+        if prompts is None:
+            return 1
         drafters = [(d.name.removeprefix("conv-"), d) for d in sorted(self.r.glob("conv-*")) if d.is_dir()]
         if self.a.checkpoint:
             drafters.append(("ckpt", self.a.checkpoint))
@@ -322,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sf-python", help="SpecForge's interpreter (default: this one, .whl/specforge installed)")
     s.add_argument("--sf-pythonpath", default="/tmp/specforge-pylib", help="put first on SpecForge's path")
     s.add_argument("--checkpoint", help="one more drafter of ours to evaluate beside the peers' (as ckpt)")
+    s.add_argument("--prompts", help="eval's prompts: a dflash.eval set (mtbench, humaneval) or a JSONL file "
+                   "(default: the quality runs' held-out ShareGPT prompts, the shipped 7M target's only)")
     s.add_argument("--num-prompts", type=int, default=32, help="held-out prompts dflash.eval decodes")
     s.add_argument("--new-tokens", type=int, default=256, help="tokens per held-out prompt")
     s.add_argument("--eval-temps", nargs="*", default=["0", "1"], help="dflash.eval's temperatures")
