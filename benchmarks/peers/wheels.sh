@@ -11,10 +11,13 @@
 # builds (speculators 0.9.0 with what its resolver chose; SpecForge 0.2.0 with transformers 5.8.1 and
 # tokenizers 0.22.2), accelerate and psutil as the project's own environment and CI pin them. Unpinned,
 # the newest openai (3.x) needs httpx2, httpcore2 and truststore, which the image lacks: they are here.
-# speculators' `datasets` needs pyarrow and pandas. Together they exceed what one device call carries
-# (64 MiB), so where the image lacks them (python3 -c "import pyarrow, pandas" on the device says),
-# carry them alone in a first call that installs them into /tmp/peers-pylib (it stays while the
-# machine is warm): pip install --no-index --no-deps --target /tmp/peers-pylib .whl/peers-arrow/*.whl
+# speculators' `datasets` needs pyarrow and pandas. pyarrow's wheel alone (53,756 KiB) exceeds what one
+# device call carries beside the working tree (64 MiB in disk blocks, the tree about 25,500 KiB), so
+# where the image lacks them (python3 -c "import pyarrow, pandas" on the device says), cut it in two
+# (split -n 2 -d FILE .pa/part), carry each half in a call of its own and, in the second, join it and
+# install it with pandas *and* .whl/peers in one command (/tmp/peers-pylib stays while the machine is
+# warm; benchmarks.peers.run installs .whl/peers only where that folder does not exist yet):
+#   pip install --no-index --no-deps --target /tmp/peers-pylib .whl/peers/*.whl .whl/peers-arrow/*.whl
 # SpecForge's offline trainer imports neither SGLang nor datasets; its transformers pin goes into its
 # own path (/tmp/specforge-pylib) with the tokenizers that version takes.
 set -euo pipefail
