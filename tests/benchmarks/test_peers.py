@@ -7,7 +7,9 @@
 * SpecForge's own reader and normaliser read its cache as the target's hidden states, its config
   resolution accepts the run ``python -m benchmarks.peers.run`` starts, and a checkpoint of its drafter,
   exported by its own ``to_hf``, becomes a drafter directory with the same tensors;
-* a public-layout directory (what SpecForge's ``to_hf`` export writes) converts with the same tensors.
+* a public-layout directory (what SpecForge's ``to_hf`` export writes) converts with the same tensors;
+* the recipe gives speculators the cache's mask token, and its eval takes the quality prompts for the
+  shipped target only (test_peers_llama.py runs the peers against SmolLM2, a Llama).
 
 Both trainers need CUDA; they run in ``python -m benchmarks.peers.run``.
 """
@@ -99,11 +101,13 @@ def _own_data(tmp_path: Path) -> Path:
     return data
 
 
-def _cache(tmp_path: Path, data: Path, *peers: str) -> dict:
-    """benchmarks/peers/cache.py for ``peers`` over ``data`` (2 held out) -> tmp_path/cache; its cache.json."""
+def _cache(tmp_path: Path, data: Path, *peers: str, graph: Path = GRAPH, more: tuple[str, ...] = ()) -> dict:
+    """benchmarks/peers/cache.py of ``graph`` (``more``: KEY=VALUE settings) for ``peers`` over ``data``
+    (2 held out) -> tmp_path/cache; its cache.json."""
     sets = ["--set", f'data.source="{data}"', "--set", "data.holdout=2", "--set", "data.max_samples=12"]
+    sets += [w for kv in more for w in ("--set", kv)]
     peer_args = [a for p in peers for a in ("--peer", p)]
-    subprocess.run([sys.executable, "-m", "benchmarks.peers.cache", str(GRAPH), "-o", str(tmp_path / "cache"),
+    subprocess.run([sys.executable, "-m", "benchmarks.peers.cache", str(graph), "-o", str(tmp_path / "cache"),
                     "--device", "cpu", *peer_args, *sets], cwd=ROOT, check=True, capture_output=True, timeout=300)
     return json.loads((tmp_path / "cache" / "cache.json").read_text())
 
@@ -131,15 +135,18 @@ from speculators.train.config import TrainConfig
 from speculators.train.data import ArrowDataset
 from speculators.train.dataloader import create_train_val_loaders
 d, target = Path(sys.argv[1]), sys.argv[3]
+shape = json.loads(sys.argv[4])  # layers, block, hidden, extra: the drafter's shape and more trainer arguments
 ds = ArrowDataset(max_len=4096, datapath=str(d), transfer=FileTransfer(d / "hidden_states"), on_missing="raise",
                   train_ratio=1.0)
 save_file({k: v.contiguous() for k, v in ds[0].items()}, sys.argv[2])
 # one step of speculators' own DFlash model on a packed batch of its own loader (eager attention: its
 # flex attention has no backward on a CPU)
+k = len(shape["layers"])
 args = TrainConfig.resolve(["--speculator-type", "dflash", "--verifier-name-or-path", target, "--data-path", str(d),
-                            "--num-layers", "3", "--target-layer-ids", "1", "3", "5", "--block-size", "16",
-                            "--full-attention-indices", "0", "1", "2", "--draft-attn-impl", "eager",
-                            "--loss-implementation", "eager", "--max-anchors", "8"]).flatten()
+                            "--num-layers", str(k), "--target-layer-ids", *map(str, shape["layers"]),
+                            "--block-size", str(shape["block"]), "--full-attention-indices", *map(str, range(k)),
+                            "--draft-attn-impl", "eager", "--loss-implementation", "eager", "--max-anchors", "8",
+                            *shape.get("extra", [])]).flatten()
 ns = argparse.Namespace(**args)
 cls = SpeculatorModel.registry["dflash"]
 d2t, t2d, vocab = parse_vocab_mappings(ns)
@@ -147,14 +154,19 @@ model = build_draft_model(ns, cls, t2d, d2t, vocab).float()
 train, _ = create_train_val_loaders(
     data_path=str(d), total_seq_len=256, hidden_states_dtype=torch.float32, transfer=FileTransfer(d / "hidden_states"),
     vllm_endpoint="", on_missing="raise", verifier_name_or_path=target, request_timeout=1, max_retries=0,
-    generation_validation_retries=0, max_consecutive_generation_failures=1, hidden_size=256, num_target_layers=3,
+    generation_validation_retries=0, max_consecutive_generation_failures=1, hidden_size=shape["hidden"],
+    num_target_layers=k,
     num_workers=0, prefetch_factor=None, preprocess=None, train_data_ratio=0.9)
 batch = next(iter(train))
 batch.pop("error_records")
 loss = model(**batch, **cls.get_trainer_kwargs(**args)[0])[1]
 loss.backward()
 grads = [p.grad for p in model.parameters() if p.grad is not None]
-print(json.dumps({"rows": len(ds), "loss": loss.item(), "grads": len(grads),
+# the verifier's tensors it trains against: its embedding, LM head (tied or not) and final norm
+save_file({"embed_tokens": model.embed_tokens.weight.detach().contiguous(),
+           "verifier_lm_head": model.verifier_lm_head.weight.detach().contiguous(),
+           "verifier_norm": model.verifier_norm.weight.detach().contiguous()}, sys.argv[2] + ".verifier")
+print(json.dumps({"rows": len(ds), "loss": loss.item(), "grads": len(grads), "mask_token_id": model.mask_token_id,
                   "grads_finite": all(bool(torch.isfinite(g).all()) for g in grads)}))
 """
 
@@ -172,7 +184,8 @@ def test_speculators_reads_the_cache_as_the_targets_hidden_states_and_its_checkp
     assert info["captured_layer_ids"] == [1, 3, 5, 7]
     out = tmp_path / "cache" / "speculators"
     _run_spec(py, [str(ROOT / "benchmarks" / "peers" / "speculators_rows.py"), str(out)], tmp_path)
-    back = _run_spec(py, ["-c", READ_BACK, str(out), str(tmp_path / "sample.safetensors"), str(TARGET)], tmp_path)
+    shape = json.dumps({"layers": [1, 3, 5], "block": 16, "hidden": 256})
+    back = _run_spec(py, ["-c", READ_BACK, str(out), str(tmp_path / "sample.safetensors"), str(TARGET), shape], tmp_path)
     step = json.loads(back.stdout.splitlines()[-1])
     assert step["rows"] == 10
     assert step["grads"] > 0 and step["grads_finite"] and 0 < step["loss"] < 20, step  # speculators trains on it
@@ -308,3 +321,47 @@ def test_a_public_layout_directory_converts_with_the_same_tensors(tmp_path):
     want = drafter.state_dict()
     assert set(back.state_dict()) == set(want)
     assert all(torch.equal(back.state_dict()[k], want[k]) for k in want)
+
+
+# --- a Llama target: SmolLM2-135M-Instruct (30 layers, tied embeddings, ChatML, no mask token) ---------------
+SMOL_GRAPH = ROOT / "examples" / "smollm2-cpu.toml"
+SMOL_LAYERS = [1, 14, 27]  # the public rule for 3 drafter layers of 30: evenly spaced over [1, 30 - 3]
+
+
+def _peers(tmp_path: Path, *argv: str):
+    """A :class:`benchmarks.peers.run.Peers` of ``argv`` (phase first), its scratch under tmp_path."""
+    from benchmarks.peers.run import Peers, build_parser
+
+    args = build_parser().parse_args([*argv[:1], str(tmp_path / "out"), "--scratch", str(tmp_path / "s"), *argv[1:]])
+    (tmp_path / "s" / "peer-data").mkdir(parents=True, exist_ok=True)
+    return Peers(args)
+
+
+def test_speculators_is_given_the_caches_mask_token(tmp_path):
+    """speculators resolves an unset mask token from the tokenizer alone: SmolLM2's has none and no
+    spare embedding row, so it would train with the pad token (<|im_end|>, 2) where ours uses 16."""
+    peers = _peers(tmp_path, "train")
+    info = {"target": "/t", "drafter_layers": 3, "target_layer_ids": SMOL_LAYERS, "block_size": 8,
+            "tokens_per_batch": 256, "mask_token_id": 16}
+    (peers.data / "cache.json").write_text(json.dumps(info))
+    argv = [str(a) for a in peers.spec_argv("dflash2", 100, tmp_path / "save")]
+    assert argv[argv.index("--mask-token-id") + 1] == "16"
+    assert argv[argv.index("--target-layer-ids") + 1:argv.index("--block-size")] == ["1", "14", "27"]
+    del info["mask_token_id"]  # a cache written before the field: speculators resolves it, as it did
+    (peers.data / "cache.json").write_text(json.dumps(info))
+    assert "--mask-token-id" not in peers.spec_argv("dflash", 100, tmp_path / "save")
+
+
+def test_eval_takes_the_quality_prompts_only_for_the_shipped_target(tmp_path, monkeypatch):
+    """The quality prompts are held out of the shipped 7M target's data only; SmolLM2's regenerated
+    answers cover them, so eval refuses them there (before decoding anything) unless --prompts is given."""
+    from benchmarks.peers import run
+
+    written = []
+    monkeypatch.setattr(run.carry, "held_out_prompts", lambda path, num: written.append((path, num)))
+    monkeypatch.setattr(run, "run", lambda *a, **k: pytest.fail(f"nothing may run: {a}"))
+    smol = _peers(tmp_path, "eval", "--graph", str(SMOL_GRAPH))
+    assert smol.eval_prompts() is None and smol.evaluate() == 1 and not written
+    assert _peers(tmp_path, "eval", "--graph", str(SMOL_GRAPH), "--prompts", "mtbench").eval_prompts() == "mtbench"
+    assert _peers(tmp_path, "eval").eval_prompts() == str(tmp_path / "s" / "prompts.jsonl")  # the 7M graph
+    assert written == [(tmp_path / "s" / "prompts.jsonl", 32)]
