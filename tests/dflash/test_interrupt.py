@@ -102,6 +102,7 @@ def test_an_export_interrupted_while_writing_leaves_the_output_as_it_was(tmp_pat
     Ctrl-C while the weights are written leaves -o as it was (absent, empty, or its old files)
     and no temporary directory behind; an uninterrupted export then succeeds."""
     import dflash.export as ex
+    import dflash.export.write  # noqa: F401  (ex.write below: the package imports it lazily)
 
     out = tmp_path / "out"
     if existing != "missing":
