@@ -9,7 +9,9 @@
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
 #      equal to transformers' generate);
 #   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy (TEMP=1: and
-#      sampled at T = 1 beside it, per category too; about twice the time), with the measured
+#      sampled at T = 1 beside it, per category too; about twice the time; SET_TREE=32: and each
+#      prompt decoded again under tree verification of 32 draft tokens, tree tau beside the chain's,
+#      about twice the time again), with the measured
 #      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
 #      tree verification of TREE draft tokens (measured and teacher-forced; default 32);
 #   3. the export (python -m dflash.export).
@@ -39,7 +41,8 @@ done_ speed $?; tail -12 "$OUT/decode-speed.log"; }
 for set in mtbench humaneval; do
   on $set || continue
   timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --prompts $set --max-new-tokens 128 --device cuda \
-    --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} ${TEMP:+--temperature $TEMP} --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
+    --time-limit $LIMIT ${EAGER:+--no-cuda-graphs} ${TEMP:+--temperature $TEMP} ${SET_TREE:+--tree-budget $SET_TREE} \
+    --json > "$OUT/eval-$set.json" 2> "$OUT/eval-$set.err"
   done_ "eval $set" $?; tail -4 "$OUT/eval-$set.err"
 done
 on heldout && { timeout -k 30 ${CAP_S:-150} python3 -m dflash.eval "$CK" --data "${DATA:-$R/regen-all.jsonl}" --num-prompts 32 --max-new-tokens 128 \
