@@ -256,6 +256,21 @@ save_file({k: v.contiguous() for k, v in model.state_dict().items()}, sys.argv[3
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def _forge(py: str, src: str, cwd: Path):
+    """A runner of SpecForge's interpreter (its unpacked source first on the path, offline): call it
+    with the interpreter's arguments; it asserts exit 0 and returns the stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=src, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+    def forge(*args: str) -> str:
+        done = subprocess.run([py, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    return forge
+
+
 def test_specforge_reads_its_cache_accepts_the_runs_config_and_its_export_converts(tmp_path):
     py, src = os.environ.get("DFLASH_SPECFORGE_PYTHON"), os.environ.get("DFLASH_SPECFORGE_SRC")
     if not (py and src):
@@ -273,15 +288,7 @@ def test_specforge_reads_its_cache_accepts_the_runs_config_and_its_export_conver
     cfg = specforge_config(cache, run, max_steps=10)
     assert cfg["training"]["batch_size"] == 16  # 16 rows of 1024 tokens: the graph's 16,384 tokens per step
     Path(f"{run}.yaml").write_text(json.dumps(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PYTHONPATH=src, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-
-    def forge(*args: str) -> str:
-        """Run SpecForge's interpreter on ``args``; its stdout."""
-        done = subprocess.run([py, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                              check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
+    forge = _forge(py, src, tmp_path)
 
     out = forge("-c", FORGE_READ_BACK, str(cache / "specforge"), str(tmp_path / "sample.safetensors"), f"{run}.yaml")
     assert json.loads(out.splitlines()[-1])["files"] == 10

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,6 +38,7 @@ from tests.benchmarks.test_peers import (
     SMOL_GRAPH,
     SMOL_LAYERS,
     _cache,
+    _forge,
     _own_data,
     _peers,
     _run_spec,
@@ -144,14 +144,7 @@ def test_specforge_on_a_llama_target_resolves_its_run_and_its_export_converts(tm
     cfg = specforge_config(cache, run, max_steps=10)
     assert cfg["training"]["batch_size"] == 1  # one row of 256 tokens: the graph's tokens per step
     Path(f"{run}.yaml").write_text(json.dumps(cfg))
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PYTHONPATH=src, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-
-    def forge(*args: str) -> str:
-        done = subprocess.run([py, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-                              check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout
+    forge = _forge(py, src, tmp_path)
 
     assert json.loads(forge("-c", FORGE_READ_BACK, str(cache / "specforge"), str(tmp_path / "s.safetensors"),
                             f"{run}.yaml").splitlines()[-1])["files"] == 10
