@@ -33,10 +33,10 @@ resuming with different settings is refused, and an unreadable one is an error n
 
 Counted, never silently dropped: the source's own skip reasons (``malformed_json``...),
 ``leading_assistant_turns_dropped`` (assistant turns before the first user turn are dropped, the
-rest of the conversation kept; counted, not a skip), ``prompt_too_long`` (context longer than ``--max-prompt-tokens`` before some turn; the
-conversation keeps the turns answered so far, or is dropped if none), ``no_user_turn`` (nothing
-to answer), ``empty_response`` (the
-target answered with nothing; that conversation is dropped, an empty turn cannot be trained),
+rest of the conversation kept; counted, not a skip), ``prompt_too_long`` (context longer than
+``--max-prompt-tokens`` before some turn; the conversation keeps the turns answered so far, or is
+dropped if none), ``no_user_turn`` (nothing to answer), ``empty_response`` (the target answered
+with nothing; that conversation is dropped, an empty turn cannot be trained),
 ``excluded`` (its ``source_index`` is listed in ``--exclude``: e.g. the eval prompts, so a
 drafter trained on the output never sees them).
 
@@ -135,8 +135,9 @@ def regenerate(conversations: list, source_index: list[int], model, tok, args, o
                 if not todo:
                     break
                 t_round = time.perf_counter()
-                answers = target_answers.answer(model, [ids for _, ids in todo], max_new_tokens=args.max_new_tokens, eos=eos,
-                                                pad=pad, temperature=args.temperature, top_p=args.top_p,
+                answers = target_answers.answer(model, [ids for _, ids in todo],
+                                                max_new_tokens=args.max_new_tokens, eos=eos, pad=pad,
+                                                temperature=args.temperature, top_p=args.top_p,
                                                 batch_size=args.batch_size, engine=args.engine,
                                                 cache=args.cache, repetition_keep=args.repetition_keep)
                 turn += 1
