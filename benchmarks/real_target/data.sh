@@ -3,11 +3,12 @@
 # carried as .whl/sharegpt-16k.jsonl.gz), two passes side by side for REGEN_S seconds: greedy, and
 # sampled (T = 0.8, top-p 0.95) for more varied contexts; labels stay the target's argmax in training.
 # Each pass stops itself between chunks 10 s before the cap (--time-limit: a chunk that would
-# not finish is not begun, so no answered turn is lost); SIGINT at the cap is the backstop. ENGINE and CACHE: dflash.regenerate's --engine and
-# --cache (engines.sh and regen_probe.py measure them); the default, the slots engine with 512 rows
-# over chunks of 4,096 contexts, measured 4.3x transformers' generate on an H100. -> R/regen-all.jsonl, and each pass gzip'd
-# into OUT: carried back as .regen/ in a later session (env.sh unpacks it), regeneration resumes
-# after the conversations already answered, so the data grows from session to session.
+# not finish is not begun, so no answered turn is lost); SIGINT at the cap is the backstop.
+# ENGINE and CACHE: dflash.regenerate's --engine and --cache (engines.sh and regen_probe.py measure
+# them); the default, the slots engine with 512 rows over chunks of 4,096 contexts, measured 4.3x
+# transformers' generate on an H100. -> R/regen-all.jsonl, and each pass gzip'd into OUT: carried
+# back as .regen/ in a later session (env.sh unpacks it), regeneration resumes after the
+# conversations already answered, so the data grows from session to session.
 #   REGEN_S=180 bash benchmarks/real_target/data.sh OUT
 #   PASSES="sampled t1" REGEN_S=150 bash benchmarks/real_target/data.sh OUT      # once greedy has answered all
 #   PASSES="sampled deep" REGEN_S=150 bash benchmarks/real_target/data.sh OUT    # new prompts: turns 3 and 4
@@ -38,7 +39,6 @@ for p in $PASSES; do
              --temperature 0.8 --top-p 0.95 --seed 1) ;;
     *) echo "data: unknown pass $p (greedy, sampled, t1, deep)"; exit 2 ;;
   esac
-  # the budget ends each pass between chunks (nothing answered is lost); timeout is the backstop
   timeout -s INT ${REGEN_S:-180} python3 -m dflash.regenerate $G -o "$R/regen-$p.jsonl" "${RG[@]}" "${T[@]}" \
     --time-limit $(( ${REGEN_S:-180} - 10 )) \
     > "$OUT/regen-$p.log" 2>&1 &
