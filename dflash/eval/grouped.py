@@ -12,8 +12,8 @@ __all__ = ["format_by_length", "format_categories", "format_speed"]
 
 def format_categories(res: EvalResult) -> str:
     """The per-category table (SPEED-Bench's layout): prompts, decoded turns, tokens, verify steps,
-    tau, accepted length, the sampled tau and the measured speedup where present, then the pooled
-    row over every category and the mean over categories."""
+    tau, accepted length, the sampled tau and the measured speedups (greedy, sampled) where present,
+    then the pooled row over every category and the mean over categories."""
     lines = _table(res, "category", f"{res.prompt_set or 'prompts'}: tau = tokens per verify step (accepted + 1)",
                    res.categories, sum(c.prompts for c in res.categories))
     if len(res.categories) > 1:
@@ -36,6 +36,7 @@ def _table(res: EvalResult, name: str, title: str, groups: list[CategoryResult],
     head = f"{name:<14s}{'prompts':>8s}{'turns':>7s}{'tokens':>9s}{'steps':>8s}{'tau':>8s}{'accepted':>10s}"
     head += f"{'sampled tau':>13s}" if sampled else ""
     head += f"{'speedup':>9s}" if speed else ""
+    head += f"{'sampled':>9s}" if speed and sampled else ""
     lines = [title, head]
 
     def row(c: CategoryResult) -> str:
@@ -45,6 +46,8 @@ def _table(res: EvalResult, name: str, title: str, groups: list[CategoryResult],
             text += f"{c.sampled_tau:>13.3f}" if c.sampled_tau is not None else f"{'-':>13s}"
         if speed:
             text += f"{c.speedup:>8.2f}x" if c.speedup is not None else f"{'-':>9s}"
+        if speed and sampled:
+            text += f"{c.sampled_speedup:>8.2f}x" if c.sampled_speedup is not None else f"{'-':>9s}"
         return text
 
     lines += [row(c) for c in groups]
@@ -53,7 +56,8 @@ def _table(res: EvalResult, name: str, title: str, groups: list[CategoryResult],
             category="all (pooled)", prompts=prompts,
             decodes=sum(c.decodes for c in groups), new_tokens=sum(c.new_tokens for c in groups),
             steps=sum(c.steps for c in groups), tau=res.tau, mean_accepted=res.mean_accepted,
-            sampled_tau=res.sampled_tau, speedup=None if res.speed is None else res.speed.speedup)))
+            sampled_tau=res.sampled_tau, speedup=None if res.speed is None else res.speed.speedup,
+            sampled_speedup=None if res.speed is None else res.speed.sampled_speedup)))
     return lines
 
 
@@ -65,6 +69,10 @@ def format_speed(res: EvalResult) -> str:
         lines.append(f"measured speedup {s.speedup:.2f}x: draft-and-verify {s.dflash_tok_s:.1f} tok/s vs the "
                      f"target alone {s.target_tok_s:.1f} tok/s (greedy, batch 1, {s.new_tokens} tokens each, "
                      f"{res.dtype}{', CUDA graphs' if res.cuda_graphs else ''}, warmed up, synchronised)")
+        if s.sampled_speedup is not None:
+            lines.append(f"sampled (T = {res.temperature:g}) draft-and-verify {s.sampled_tok_s:.1f} tok/s over "
+                         f"{s.sampled_new_tokens} tokens: {s.sampled_speedup:.2f}x the target alone's greedy rate "
+                         f"(one target forward a token either way)")
         if res.tree_seconds:
             lines.append(f"tree-verified decode ({res.tree_budget} nodes): {s.new_tokens / res.tree_seconds:.1f} tok/s, "
                          f"{s.target_seconds / res.tree_seconds:.2f}x the target alone (dynamic KV cache)")

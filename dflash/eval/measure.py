@@ -323,11 +323,12 @@ def evaluate(target: Target, drafter: DFlashDrafter, head: SharedHead,
                 d.tree_seconds = _clock(prompt.device) - t0
             if gen is not None:  # the generator's stream runs through the prompts in order
                 t0 = _clock(prompt.device)
-                d.sampled_m = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
-                                                 temperature=temperature, top_p=top_p, top_k=top_k,
-                                                 generator=gen, cuda_graphs=cuda_graphs,
-                                                 should_stop=should_stop)[1]
+                s_tokens, d.sampled_m, _ = speculative_decode(target, proposer(), prompt, max_new_tokens, bs,
+                                                              temperature=temperature, top_p=top_p, top_k=top_k,
+                                                              generator=gen, cuda_graphs=cuda_graphs,
+                                                              should_stop=should_stop)
                 d.sampled_seconds = _clock(prompt.device) - t0
+                d.sampled_new_tokens = s_tokens.shape[0] - prompt.shape[0]
                 if tree_budget and tree_proposer is not None:  # the sampled tree: a stream of its own
                     d.sampled_tree_m = tree_decode(target, tree_proposer(), prompt, max_new_tokens, bs, tree_budget,
                                                    temperature=temperature, top_p=top_p, top_k=top_k,

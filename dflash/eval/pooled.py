@@ -37,6 +37,7 @@ class Decoded:
     greedy_seconds: float              # the draft-and-verify greedy decode, synchronised
     sampled_m: list[int] = field(default_factory=list)
     sampled_seconds: float = 0.0
+    sampled_new_tokens: int = 0        # the sampled decode's output length (it may differ from the greedy one's)
     target_seconds: float | None = None  # the target alone, greedy (speed=True)
     result: PromptResult | None = None
     correct: torch.Tensor | None = None
@@ -132,13 +133,23 @@ def category(name: str, decoded: list[Decoded]) -> CategoryResult:
         new_tokens=sum(d.result.new_tokens for d in decoded), steps=len(ms),
         tau=tau_from_accepted(mean_m), mean_accepted=mean_m,
         sampled_tau=tau_from_accepted(sum(sampled) / len(sampled)) if sampled else None,
-        speedup=None if speed is None else speed.speedup)
+        speedup=None if speed is None else speed.speedup,
+        sampled_speedup=None if speed is None else speed.sampled_speedup)
 
 
 def speed_of(decoded: list[Decoded]) -> SpeedResult:
-    """Wall-clock tokens/s of draft-and-verify and of the target alone over the same decodes."""
+    """Wall-clock tokens/s of draft-and-verify and of the target alone over the same decodes, and of
+    the sampled draft-and-verify decodes where they ran (their speedup against the target alone's
+    greedy rate: see :class:`SpeedResult`)."""
     tokens = sum(d.result.new_tokens for d in decoded)
     spec = sum(d.greedy_seconds for d in decoded)
     alone = sum(d.target_seconds for d in decoded)
-    return SpeedResult(new_tokens=tokens, dflash_seconds=spec, target_seconds=alone,
-                       dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)
+    res = SpeedResult(new_tokens=tokens, dflash_seconds=spec, target_seconds=alone,
+                      dflash_tok_s=tokens / spec, target_tok_s=tokens / alone, speedup=alone / spec)
+    s_tokens = sum(d.sampled_new_tokens for d in decoded)
+    s_seconds = sum(d.sampled_seconds for d in decoded)
+    if s_tokens and s_seconds > 0:
+        res.sampled_new_tokens, res.sampled_seconds = s_tokens, s_seconds
+        res.sampled_tok_s = s_tokens / s_seconds
+        res.sampled_speedup = res.sampled_tok_s / res.target_tok_s
+    return res

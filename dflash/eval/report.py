@@ -48,6 +48,8 @@ class CategoryResult(msgspec.Struct, kw_only=True):
         sampled_tau: the sampled decode's tau (None when greedy only).
         speedup: wall-clock target-alone time over draft-and-verify time, greedy, same prompts and
             device (None when not measured).
+        sampled_speedup: the sampled draft-and-verify rate over the target alone's greedy rate
+            (:class:`SpeedResult`; None when either was not measured).
     """
 
     category: str
@@ -59,6 +61,7 @@ class CategoryResult(msgspec.Struct, kw_only=True):
     mean_accepted: float
     sampled_tau: float | None = None
     speedup: float | None = None
+    sampled_speedup: float | None = None
 
 
 class SpeedResult(msgspec.Struct, kw_only=True):
@@ -71,6 +74,12 @@ class SpeedResult(msgspec.Struct, kw_only=True):
         dflash_seconds, target_seconds: wall time of draft-and-verify and of the target alone.
         dflash_tok_s, target_tok_s: ``new_tokens`` per second of each.
         speedup: ``target_seconds / dflash_seconds``.
+        sampled_new_tokens, sampled_seconds, sampled_tok_s: the sampled (``temperature > 0``)
+            draft-and-verify decodes of the same prompts, their own output lengths (None when greedy
+            only).
+        sampled_speedup: ``sampled_tok_s / target_tok_s``. The baseline is the target alone's greedy
+            rate: sampling alone costs the target the same forward per token as greedy (plus a
+            softmax and one draw), and a greedy baseline makes every sampled output length count.
     """
 
     new_tokens: int
@@ -79,6 +88,10 @@ class SpeedResult(msgspec.Struct, kw_only=True):
     dflash_tok_s: float
     target_tok_s: float
     speedup: float
+    sampled_new_tokens: int | None = None
+    sampled_seconds: float | None = None
+    sampled_tok_s: float | None = None
+    sampled_speedup: float | None = None
 
 
 class Projection(msgspec.Struct, kw_only=True):

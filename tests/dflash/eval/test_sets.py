@@ -180,6 +180,28 @@ def test_categories_pool_every_turn_and_the_speedup_is_measured(models):  # noqa
     assert format_speed(res).startswith(f"measured speedup {s.speedup:.2f}x")
     without = evaluate(target, drafter, head, [prompt(3)], max_new_tokens=8)
     assert without.speed is None and without.categories[0].category == "all"
+    assert s.sampled_speedup is None and a.sampled_speedup is None  # greedy only: no sampled rate
+
+
+def test_sampled_speedup_is_the_sampled_rate_over_the_target_alones(models):  # noqa: F811
+    """Invariant: with ``temperature > 0`` and speed on, the sampled decodes' own output lengths and
+    times give their rate, and its speedup is that rate over the target alone's greedy rate, per
+    category and overall; the table gains a sampled speedup column and a line says the baseline."""
+    from dflash.eval.grouped import format_categories, format_speed
+    from dflash.eval.measure import evaluate
+
+    target, head, drafter = models
+    res = evaluate(target, drafter, head, [prompt(3), prompt(4, 6)], max_new_tokens=8, categories=["a", "b"],
+                   speed=True, temperature=1.0, seed=3)
+    s = res.speed
+    assert s.sampled_new_tokens == 2 * 8 and s.sampled_seconds > 0
+    assert s.sampled_tok_s == pytest.approx(s.sampled_new_tokens / s.sampled_seconds)
+    assert s.sampled_speedup == pytest.approx(s.sampled_tok_s / s.target_tok_s)
+    for c in res.categories:
+        assert c.sampled_speedup is not None and c.sampled_speedup > 0
+    header = format_categories(res).splitlines()[1]
+    assert header.split()[-2:] == ["speedup", "sampled"]
+    assert f"{s.sampled_speedup:.2f}x the target alone's greedy rate" in format_speed(res)
 
 
 @NEEDS_SETS
