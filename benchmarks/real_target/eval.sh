@@ -14,7 +14,7 @@
 #      about twice the time again), with the measured
 #      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
 #      tree verification of TREE draft tokens (measured and teacher-forced; default 32);
-#   3. the export (python -m dflash.export).
+#   3. the export (python -m dflash.export; KEEP_EXPORT=1 returns it in parts).
 # PARTS picks which run (default all: export tests speed mtbench humaneval heldout profile; also
 # bylength, tau by context length), so that
 # the whole fits in more than one device call.
@@ -32,7 +32,11 @@ FAILED=""
 done_() { echo "$1 rc=$2 ($(( $(date +%s) - T0 )) s)"; [ "$2" = 0 ] || FAILED="$FAILED, $1"; }
 LIMIT=$(( ${CAP_S:-150} > 40 ? ${CAP_S:-150} - 10 : 30 ))
 on export && { python3 -m dflash.export "$CK" -o "$R/export" > "$OUT/export.log" 2>&1; done_ export $?
-  cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null; }
+  cp "$R/export/config.json" "$OUT/export-config.json" 2>/dev/null
+  # KEEP_EXPORT=1: the export (bf16, about 39 MB for the 5-layer drafter) comes back as 15 MB parts
+  # (a call returns files of at most 16 MiB): `cat export.tar.* | tar -x` rebuilds it here, for a
+  # later session's [train].init_from or the peers' decoders
+  [ -n "${KEEP_EXPORT:-}" ] && tar -C "$R" -c export | split -b 15m -d - "$OUT/export.tar."; }
 on tests && { timeout ${CAP_S:-150} python3 -m pytest -q -m gpu tests/dflash/eval/test_static_target.py \
   tests/dflash/eval/test_static_drafter.py > "$OUT/gpu-tests.log" 2>&1; done_ "gpu tests" $?; tail -3 "$OUT/gpu-tests.log"; }
 on speed && { timeout ${CAP_S:-150} python3 -m benchmarks.decode.speed "$CK" --prompts mtbench --num-prompts 8 \

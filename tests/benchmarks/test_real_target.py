@@ -104,3 +104,44 @@ def test_train_sh_trains_a_fresh_run_on_every_pass_present_and_a_resumed_one_on_
     assert f'data.source="{r}/regen-deep.jsonl"' in args
     train(STEPS="10", TRAIN_S="5")
     assert (r / "regen-all.jsonl").read_text() == '{"g": 1}\n{"g": 2}\n{"s": 1}\n{"d": 1}\n'
+
+
+def test_eval_sh_keep_export_returns_the_export_in_parts_that_rebuild_it(tmp_path):
+    """Invariant: ``KEEP_EXPORT=1 PARTS=export eval.sh OUT`` leaves the export in ``OUT`` as parts
+    of at most 15 MiB (a device call returns files of at most 16 MiB), and ``cat`` of the parts in
+    name order through ``tar -x`` rebuilds the export byte for byte; without ``KEEP_EXPORT`` no part
+    is written. ``python3`` is a stub whose ``dflash.export`` writes a 20 MB export."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    work = tmp_path / "repo"
+    (work / "benchmarks" / "real_target").mkdir(parents=True)
+    for name in ("env.sh", "eval.sh"):
+        shutil.copy(root / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text('#!/bin/sh\n[ "$2" = dflash.export ] || exit 0\nmkdir -p "$5"\n'
+                                  'echo "{}" > "$5/config.json"\nhead -c 20000000 /dev/urandom > "$5/model.safetensors"\n')
+    (stub / "python3").chmod(0o755)
+    r = tmp_path / "rt"
+    (r / "run" / "checkpoints" / "step_00000010").mkdir(parents=True)
+
+    def run(out, **env):
+        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), "PARTS": "export", **env}
+        proc = subprocess.run(["bash", "benchmarks/real_target/eval.sh", str(out)], cwd=work, env=full,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return sorted(out.glob("export.tar.*"))
+
+    assert run(tmp_path / "plain") == []
+    parts = run(tmp_path / "out", KEEP_EXPORT="1")
+    assert [p.name for p in parts] == ["export.tar.00", "export.tar.01"]
+    assert all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    back = tmp_path / "back"
+    back.mkdir()
+    subprocess.run(f"cat {' '.join(map(str, parts))} | tar -x -C {back}", shell=True, check=True)
+    for name in ("config.json", "model.safetensors"):
+        assert (back / "export" / name).read_bytes() == (r / "export" / name).read_bytes()
