@@ -15,6 +15,11 @@ for p in greedy sampled t1 deep; do   # answers of earlier sessions (data.sh's O
     gunzip -c .regen/regen-$p.jsonl.gz > "$R/regen-$p.jsonl"
   fi
 done
+# A drafter of an earlier session (eval.sh KEEP_EXPORT=1's parts, kept here in .drafter/ and carried a
+# few a call): gathered in R/init-parts as calls bring them; train.sh INIT=1 rebuilds and starts from it.
+if compgen -G ".drafter/export.tar.*" > /dev/null; then
+  mkdir -p "$R/init-parts" && cp -n .drafter/export.tar.* "$R/init-parts/"
+fi
 # R/regen-all.jsonl: every pass's answers so far, in one file (what train.sh trains on by default).
 regen_all() {
   local p; FILES=()

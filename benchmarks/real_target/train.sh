@@ -13,6 +13,7 @@
 # ends the same cosine on its clock:
 #   STEPS=5000 STOP_S=540 bash benchmarks/real_target/train.sh OUT
 #   STEPS=5000 TRAIN_S=500 RESUME=auto bash benchmarks/real_target/train.sh OUT
+# INIT=1 on the first call: the drafter starts from an earlier session's (carried .drafter/ parts).
 set -uo pipefail
 OUT=$1; mkdir -p "$OUT"
 . benchmarks/real_target/env.sh
@@ -21,6 +22,14 @@ OUT=$1; mkdir -p "$OUT"
 [ -z "${DATA:-}" ] && [ "${RESUME:-none}" = none ] && regen_all
 [ -z "${STOP_S:-}" ] && TRAIN_S=${TRAIN_S:-420}   # one call: the budget ends the schedule
 BUDGET=(); [ -n "${TRAIN_S:-}" ] && BUDGET=(--set run.time_budget_s=$TRAIN_S)
+# INIT=1: a fresh run starts from the drafter of an earlier session ([train].init_from: its weights,
+# a fresh optimizer and schedule), rebuilt from the parts env.sh gathered; an incomplete set stops here
+if [ -n "${INIT:-}" ] && [ "${RESUME:-none}" = none ]; then
+  rm -rf "$R/init" && mkdir -p "$R/init"
+  cat "$R"/init-parts/export.tar.* 2>/dev/null | tar -x -C "$R/init" && [ -f "$R/init/export/model.safetensors" ] || {
+    echo "train: INIT=1 but the parts in $R/init-parts ($(ls "$R/init-parts" 2>/dev/null | tr '\n' ' ')) do not make an export: carry every .drafter/export.tar.* first"; exit 1; }
+  BUDGET+=(--set train.init_from=\"$R/init/export\")
+fi
 CAP=${STOP_S:-$(( ${TRAIN_S:-420} + 150 ))}
 T0=$(date +%s)
 timeout --foreground -s INT $CAP python3 -m dflash.run $G "${ON_R[@]}" --set run.resume=\"${RESUME:-none}\" \

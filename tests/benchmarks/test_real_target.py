@@ -145,3 +145,54 @@ def test_eval_sh_keep_export_returns_the_export_in_parts_that_rebuild_it(tmp_pat
     subprocess.run(f"cat {' '.join(map(str, parts))} | tar -x -C {back}", shell=True, check=True)
     for name in ("config.json", "model.safetensors"):
         assert (back / "export" / name).read_bytes() == (r / "export" / name).read_bytes()
+
+
+def test_train_sh_init_starts_from_the_parts_carried_and_refuses_an_incomplete_set(tmp_path):
+    """Invariant: with ``INIT=1`` a fresh ``train.sh`` run rebuilds the export from the
+    ``.drafter/export.tar.*`` parts carried in (gathered in ``R/init-parts`` by ``env.sh``, so parts
+    carried by earlier calls count) and passes it as ``train.init_from``; with a part missing it
+    stops with one line naming the parts it has, and ``dflash.run`` never starts."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    work = tmp_path / "repo"
+    (work / "benchmarks" / "real_target").mkdir(parents=True)
+    for name in ("env.sh", "train.sh"):
+        shutil.copy(root / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "python3").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$R/args"\nmkdir -p "$R/run" && : > "$R/run/metrics.jsonl"\n')
+    (stub / "python3").chmod(0o755)
+    r = tmp_path / "rt"
+    r.mkdir()
+    (r / "regen-greedy.jsonl").write_text('{"g": 1}\n')
+    src = tmp_path / "src" / "export"
+    src.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(os.urandom(300_000))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    subprocess.run(f"tar -C {src.parent} -c export | split -b 100k -d - {parts}/export.tar.", shell=True, check=True)
+    drafter = work / ".drafter"
+
+    def train(*names, **env):
+        drafter.mkdir(exist_ok=True)
+        for p in drafter.iterdir():
+            p.unlink()
+        for name in names:
+            shutil.copy(parts / name, drafter / name)
+        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), "INIT": "1", **env}
+        return subprocess.run(["bash", "benchmarks/real_target/train.sh", str(tmp_path / "out")], cwd=work,
+                              env=full, capture_output=True, text=True, timeout=60)
+
+    names = sorted(p.name for p in parts.iterdir())
+    assert len(names) == 3
+    proc = train(*names[1:], STEPS="10", TRAIN_S="5")   # the first part not yet carried
+    assert proc.returncode == 1 and "do not make an export" in proc.stdout and not (r / "args").exists()
+    proc = train(names[0], STEPS="10", TRAIN_S="5")      # ... then carried alone, by a later call
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f'train.init_from="{r}/init/export"' in (r / "args").read_text().splitlines()
+    assert (r / "init" / "export" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
