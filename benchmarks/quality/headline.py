@@ -260,7 +260,8 @@ def phase_evalsets(args: argparse.Namespace) -> int:
         # so a set cut short still reports its finished prompts (and says how many); the cap is
         # only the backstop
         if run(python("-m", "dflash.eval", ck, "--prompts", name, "--num-prompts", num, "--max-new-tokens",
-                      args.set_new_tokens, "--time-limit", max(cap - 30, 30), "--json"), path, err=err, cap_s=cap):
+                      args.set_new_tokens, "--time-limit", max(cap - 30, 30), "--json",
+                      *(["--temperature", args.temperature] if args.temperature else [])), path, err=err, cap_s=cap):
             print(tail(err, 5))
         text = per_category(path)
         print(text)
@@ -343,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mtbench-cap-s", type=float, default=600, help="seconds MT-Bench may take")
     e.add_argument("--humaneval-cap-s", type=float, default=600, help="seconds HumanEval may take")
     e.add_argument("--set-new-tokens", type=int, default=128, help="tokens per answer")
+    e.add_argument("--temperature", type=float, default=0.0,
+                   help="also decode each prompt sampled at this temperature, its tau and speedup beside the "
+                        "greedy ones (default: 0, greedy only)")
     return p
 
 
