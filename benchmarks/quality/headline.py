@@ -95,9 +95,11 @@ def phase_data(args: argparse.Namespace) -> int:
     source = args.source or (str(subset) if subset.is_file() else "sharegpt")
     common = [*cli.sets(("data.source", source)), "--max-turns", args.max_turns, "--max-new-tokens", 256,
               "--max-prompt-tokens", 768, "--batch-size", args.batch, "--chunk", args.batch,
-              "--exclude", args.scratch / "prompts.jsonl"]
+              "--exclude", args.scratch / "prompts.jsonl", "--time-limit", max(args.regen_s - 10, 10)]
     passes = {"greedy": [], "sampled": ["--temperature", 0.8, "--top-p", 0.95]}
-    # --regen-s caps each pass; SIGINT keeps every finished chunk (a resumable file)
+    # --time-limit: each pass starts no chunk it expects to end past --regen-s - 10 s and stops with
+    # everything answered written; the cap (SIGINT, which keeps every finished chunk) is the backstop.
+    # The first chunk is one batch (2,048 rows): on a cold machine 40 s finished none of it.
     steps = {name: Step(python("-m", "dflash.regenerate", args.graph, "-o", args.scratch / f"regen-{name}.jsonl",
                                *common, *extra), args.scratch / f"regen-{name}.log", cap_s=args.regen_s,
                         stop=signal.SIGINT) for name, extra in passes.items()}
