@@ -3,8 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 from benchmarks.real_target.engines import compare
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDER = '#!/bin/sh\nprintf "%s\\n" "$@" > "$R/args"\nmkdir -p "$R/run" && : > "$R/run/metrics.jsonl"\n'
+"""A stub ``python3`` that records its arguments in ``R/args`` and leaves an empty metrics file."""
+
+
+def _recipe(tmp_path: Path, scripts: tuple[str, ...], python3: str):
+    """``scripts`` of benchmarks/real_target copied alone into ``tmp_path/repo`` (so no carried folder
+    of this checkout is unpacked), ``python3`` (a shell script) first on the PATH, and ``R`` at
+    ``tmp_path/rt``; returns ``(run, work, r)``, ``run(script, out, **env)`` the finished process."""
+    work, r, stub = tmp_path / "repo", tmp_path / "rt", tmp_path / "bin"
+    (work / "benchmarks" / "real_target").mkdir(parents=True)
+    for name in scripts:
+        shutil.copy(ROOT / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
+    stub.mkdir()
+    (stub / "python3").write_text(python3)
+    (stub / "python3").chmod(0o755)
+    r.mkdir(exist_ok=True)
+
+    def run(script: str, out: Path, **env) -> subprocess.CompletedProcess:
+        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), **env}
+        return subprocess.run(["bash", f"benchmarks/real_target/{script}", str(out)], cwd=work, env=full,
+                              capture_output=True, text=True, timeout=60)
+
+    return run, work, r
 
 
 def _write(path, answers: dict[int, str], torn: bool = False):
@@ -66,30 +95,13 @@ def test_train_sh_trains_a_fresh_run_on_every_pass_present_and_a_resumed_one_on_
     in R, a pass file carried into the call included, so no stale concatenation is trained on; a
     resumed run (``RESUME=auto``) or one given ``DATA`` leaves the file as it is, so a resumed
     schedule sees the data it started with. ``python3`` is a stub that records its arguments."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    work = tmp_path / "repo"   # the scripts alone, so no carried folder of this checkout is unpacked
-    (work / "benchmarks" / "real_target").mkdir(parents=True)
-    for name in ("env.sh", "train.sh"):
-        shutil.copy(root / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    (stub / "python3").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$R/args"\nmkdir -p "$R/run" && : > "$R/run/metrics.jsonl"\n')
-    (stub / "python3").chmod(0o755)
-    r = tmp_path / "rt"
-    r.mkdir()
+    run, _, r = _recipe(tmp_path, ("env.sh", "train.sh"), RECORDER)
     (r / "regen-greedy.jsonl").write_text('{"g": 1}\n{"g": 2}\n')
     (r / "regen-deep.jsonl").write_text('{"d": 1}\n')
     (r / "regen-all.jsonl").write_text('{"stale": 1}\n')
 
     def train(**env):
-        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), **env}
-        proc = subprocess.run(["bash", "benchmarks/real_target/train.sh", str(tmp_path / "out")], cwd=work,
-                              env=full, capture_output=True, text=True, timeout=60)
+        proc = run("train.sh", tmp_path / "out", **env)
         assert proc.returncode == 0, proc.stderr
         return (r / "args").read_text().splitlines()
 
@@ -111,33 +123,18 @@ def test_eval_sh_keep_export_returns_the_export_in_parts_that_rebuild_it(tmp_pat
     of at most 15 MiB (a device call returns files of at most 16 MiB), and ``cat`` of the parts in
     name order through ``tar -x`` rebuilds the export byte for byte; without ``KEEP_EXPORT`` no part
     is written. ``python3`` is a stub whose ``dflash.export`` writes a 20 MB export."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    work = tmp_path / "repo"
-    (work / "benchmarks" / "real_target").mkdir(parents=True)
-    for name in ("env.sh", "eval.sh"):
-        shutil.copy(root / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    (stub / "python3").write_text('#!/bin/sh\n[ "$2" = dflash.export ] || exit 0\nmkdir -p "$5"\n'
-                                  'echo "{}" > "$5/config.json"\nhead -c 20000000 /dev/urandom > "$5/model.safetensors"\n')
-    (stub / "python3").chmod(0o755)
-    r = tmp_path / "rt"
+    run, _, r = _recipe(tmp_path, ("env.sh", "eval.sh"),
+                        '#!/bin/sh\n[ "$2" = dflash.export ] || exit 0\nmkdir -p "$5"\n'
+                        'echo "{}" > "$5/config.json"\nhead -c 20000000 /dev/urandom > "$5/model.safetensors"\n')
     (r / "run" / "checkpoints" / "step_00000010").mkdir(parents=True)
 
-    def run(out, **env):
-        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), "PARTS": "export", **env}
-        proc = subprocess.run(["bash", "benchmarks/real_target/eval.sh", str(out)], cwd=work, env=full,
-                              capture_output=True, text=True, timeout=60)
+    def parts_of(out, **env):
+        proc = run("eval.sh", out, PARTS="export", **env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return sorted(out.glob("export.tar.*"))
 
-    assert run(tmp_path / "plain") == []
-    parts = run(tmp_path / "out", KEEP_EXPORT="1")
+    assert parts_of(tmp_path / "plain") == []
+    parts = parts_of(tmp_path / "out", KEEP_EXPORT="1")
     assert [p.name for p in parts] == ["export.tar.00", "export.tar.01"]
     assert all(p.stat().st_size <= 15 * 2**20 for p in parts)
     back = tmp_path / "back"
@@ -152,22 +149,7 @@ def test_train_sh_init_starts_from_the_parts_carried_and_refuses_an_incomplete_s
     ``.drafter/export.tar.*`` parts carried in (gathered in ``R/init-parts`` by ``env.sh``, so parts
     carried by earlier calls count) and passes it as ``train.init_from``; with a part missing it
     stops with one line naming the parts it has, and ``dflash.run`` never starts."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    work = tmp_path / "repo"
-    (work / "benchmarks" / "real_target").mkdir(parents=True)
-    for name in ("env.sh", "train.sh"):
-        shutil.copy(root / "benchmarks" / "real_target" / name, work / "benchmarks" / "real_target" / name)
-    stub = tmp_path / "bin"
-    stub.mkdir()
-    (stub / "python3").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$R/args"\nmkdir -p "$R/run" && : > "$R/run/metrics.jsonl"\n')
-    (stub / "python3").chmod(0o755)
-    r = tmp_path / "rt"
-    r.mkdir()
+    run, work, r = _recipe(tmp_path, ("env.sh", "train.sh"), RECORDER)
     (r / "regen-greedy.jsonl").write_text('{"g": 1}\n')
     src = tmp_path / "src" / "export"
     src.mkdir(parents=True)
@@ -178,21 +160,19 @@ def test_train_sh_init_starts_from_the_parts_carried_and_refuses_an_incomplete_s
     subprocess.run(f"tar -C {src.parent} -c export | split -b 100k -d - {parts}/export.tar.", shell=True, check=True)
     drafter = work / ".drafter"
 
-    def train(*names, **env):
+    def train(*names):
         drafter.mkdir(exist_ok=True)
         for p in drafter.iterdir():
             p.unlink()
         for name in names:
             shutil.copy(parts / name, drafter / name)
-        full = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "R": str(r), "INIT": "1", **env}
-        return subprocess.run(["bash", "benchmarks/real_target/train.sh", str(tmp_path / "out")], cwd=work,
-                              env=full, capture_output=True, text=True, timeout=60)
+        return run("train.sh", tmp_path / "out", INIT="1", STEPS="10", TRAIN_S="5")
 
     names = sorted(p.name for p in parts.iterdir())
     assert len(names) == 3
-    proc = train(*names[1:], STEPS="10", TRAIN_S="5")   # the first part not yet carried
+    proc = train(*names[1:])   # the first part not yet carried
     assert proc.returncode == 1 and "do not make an export" in proc.stdout and not (r / "args").exists()
-    proc = train(names[0], STEPS="10", TRAIN_S="5")      # ... then carried alone, by a later call
+    proc = train(names[0])     # ... then carried alone, by a later call
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f'train.init_from="{r}/init/export"' in (r / "args").read_text().splitlines()
     assert (r / "init" / "export" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
