@@ -67,7 +67,8 @@ class CategoryResult(msgspec.Struct, kw_only=True):
 class SpeedResult(msgspec.Struct, kw_only=True):
     """Wall-clock decode speed, batch 1, greedy (and sampled where a temperature was given), measured
     on the same prompts and device after one untimed warm-up decode of each greedy kind (no sampled
-    warm-up: the first sampled decode runs on the warmed target and drafter steps), every timed region synchronised (CUDA).
+    warm-up: the first sampled decode runs on the warmed target and drafter steps), every timed
+    region synchronised (CUDA).
 
     Attributes:
         new_tokens: tokens each decoder generated (the same count; greedy draft-and-verify output
