@@ -116,9 +116,11 @@ def prepare(resolved: Resolved, resume: str, tok: PreTrainedTokenizerBase | None
     if got is not None:  # [checkpoint].keep_best: the best evaluation of the earlier segments stays kept
         app.progress.best = best_heldout(run_dir / "metrics.jsonl", got.step)
     stats = sampler.epoch_stats(sampler.epoch)
-    log.info("data: %d training conversations (%d more held out for dflash.eval: data.holdout), %s batching: "
+    log.info("data: %d training conversations (%d more held out, never trained on: data.holdout; held-out tau "
+             "decodes the first %d, eval.prompts, and dflash.eval --data up to all), %s batching: "
              "padding waste %.1f%%, %d batches/epoch",
-             len(train), len(heldout), cfg.data.strategy, 100 * stats.padding_waste, stats.num_batches)
+             len(train), len(heldout), min(cfg.eval.prompts, len(heldout)), cfg.data.strategy,
+             100 * stats.padding_waste, stats.num_batches)
     metrics.write(StartRecord(config_hash=resolved.config_hash, step=state.start_step, lineage=state.lineage,
                               data=dataset.summary.to_dict(), batching=msgspec.to_builtins(stats)))
     if got is not None:

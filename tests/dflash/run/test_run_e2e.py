@@ -86,8 +86,10 @@ def test_default_graph_trains_checkpoints_and_writes_observability(tmp_path, cac
     assert stats[0]["kind"] == "header" and stats[-1]["kind"] == "final"
     assert set(stats[-1]["channels"]) == {"batches", "hidden", "features", "metrics", "snapshots"}
     assert (run / "csp" / "trace.json").is_file() and (run / "config.toml").is_file()
-    # the run log says how many conversations were held out for dflash.eval (data.holdout = 4)
-    assert "(4 more held out for dflash.eval: data.holdout)" in (run / "run.log").read_text()
+    # the run log says how many conversations were held out (data.holdout = 4) and how many of them the
+    # held-out tau decodes (eval.prompts, 8 by default, capped at the 4 there are)
+    assert ("(4 more held out, never trained on: data.holdout; held-out tau decodes the first 4, eval.prompts"
+            in (run / "run.log").read_text())
 
 
 @pytest.mark.parametrize("loss", [
