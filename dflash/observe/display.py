@@ -81,6 +81,13 @@ def _partly_averaged(record: Mapping[str, Any]) -> bool:
     return isinstance(averaged, int) and isinstance(window, int) and averaged != window
 
 
+LEGEND = ("progress lines: tau (accepted) = tokens per verify step simulated from the window's per-position "
+          "accuracy on training batches (the held-out tau, measured by decoding, has lines of its own); "
+          "NAME n/c = items waiting in that channel / its capacity (a full channel: the stage reading it is "
+          "the slower one; python -m csp.inspect RUN_DIR after the run)")
+"""Printed once, before the first plain line: what the line's figures are (the live view labels its own)."""
+
+
 def format_line(record: Mapping[str, Any], channels: Iterable[Any] = (), *,
                 total_steps: int | None = None, eta_s: float | None = None) -> str:
     """One plain log line for a train record (see the module docstring for an example).
@@ -157,6 +164,7 @@ class TrainingDisplay:
                               refresh_per_second=refresh_per_second, transient=False)
             self._live.start()
         self.last_line = ""
+        self._legend_shown = False
 
     @property
     def is_live(self) -> bool:
@@ -182,6 +190,9 @@ class TrainingDisplay:
         eta = self.eta_s()
         line = format_line(record, channels, total_steps=self.total_steps, eta_s=eta)
         self.last_line = line
+        if not self._legend_shown and self._live is None:
+            self._legend_shown = True
+            self.note(LEGEND)
         _window_log.info(line, extra=runlog.FILE_ONLY)  # run.log (the terminal shows it below)
         if self.log_file is not None:
             self.log_file.write(line + "\n")

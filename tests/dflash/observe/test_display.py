@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from csp.core.stats import ChannelStatistics
-from dflash.observe.display import TrainingDisplay, format_line, make_display
+from dflash.observe.display import LEGEND, TrainingDisplay, format_line, make_display
 
 
 def _chan(name: str, fill: int, cap: int) -> ChannelStatistics:
@@ -36,6 +36,7 @@ def test_plain_lines_when_not_a_terminal():
         d.note("checkpoint step 20 saved (1.2 s)")
     lines = out.getvalue().splitlines()
     assert lines == [
+        LEGEND,   # once, before the first line: what its figures are
         "step 10/1000 1.0% | loss 2.346 tau 3.21 (accepted 2.21) | target 29.8K tok/s drafter 51.2K tok/s | "
         "lr 3.0e-04 | eta ? | batches 3/8 features 1/2",
         # 10 steps in 10 s -> 980 steps left take 980 s
@@ -69,7 +70,8 @@ def test_make_display_modes_and_mapping_of_channel_stats():
     with make_display("off", total_steps=100, file=out, log_file=log) as d:
         d.update(_rec(10, 1.0))
         d.note("x")
-    assert out.getvalue() == "" and log.getvalue().startswith("step 10/100")
+    logged = log.getvalue().splitlines()
+    assert out.getvalue() == "" and logged[0] == LEGEND and logged[1].startswith("step 10/100")  # the log file: both
     with pytest.raises(ValueError, match="display mode 'fancy'"):
         make_display("fancy")
 
