@@ -8,7 +8,8 @@ current :class:`csp.core.stats.ChannelStatistics` of the graph's channels.
 * On a terminal it is a rich ``Live`` view repainted by rich's own thread at ``refresh_per_second``
   (default 4 Hz). ``update`` only swaps the renderable (no repaint, no I/O), so it costs
   microseconds and never waits on the terminal: the display cannot stall training.
-* When the output is not a terminal (a log file, a pipe, CI) each update prints one plain line,
+* When the output is not a terminal (a log file, a pipe, CI) one :data:`LEGEND` line says what the
+  figures are, then each update prints one plain line,
   the same line :func:`format_line` returns (``run.log`` gets it too, through the
   ``dflash.observe.display`` logger, see :mod:`dflash.observe.runlog`)::
 
