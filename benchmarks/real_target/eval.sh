@@ -9,7 +9,7 @@
 #      same export, prompts and dtype (benchmarks/decode/speed.py: ms per verify step, tau, outputs
 #      equal to transformers' generate);
 #   2. MT-Bench (80 questions, both turns) and HumanEval (164), 128 tokens, greedy (TEMP=1: and
-#      sampled at T = 1 beside it, per category too; about twice the time; SET_TREE=32: and each
+#      sampled at T = 1 beside it, per category too; 2-3x the time: 3.2x for the 7M target; SET_TREE=32: and each
 #      prompt decoded again under tree verification of 32 draft tokens, tree tau beside the chain's,
 #      about twice the time again), with the measured
 #      speedup over the target alone; the held-out conversations greedy and at T = 1, and under
